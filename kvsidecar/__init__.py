@@ -1,0 +1,1 @@
+"""The ``kvsidecar`` command line: one console script, a subcommand per process."""

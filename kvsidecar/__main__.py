@@ -1,0 +1,47 @@
+"""``kvsidecar <command> ...``: dispatches to one subcommand, importing only that one.
+
+Each subcommand module exposes ``main(argv: list[str] | None) -> int``; the gateway's does
+not pull in torch or an engine because nothing else is imported here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name → (module with main(argv), one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("kvsidecar.up", "run the local stack on the embedded CPU default"),
+    "kv-size": ("kvsidecar.kv_size", "KV bytes per token and tier sizing from a model config"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: kvsidecar <command> [options]",
+        "",
+        "An engine-agnostic KV-cache layer for LLM serving.",
+        "",
+        "commands:",
+    ]
+    lines += [f"  {name:<{width}}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "Run `kvsidecar <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in COMMANDS:
+        print(f"kvsidecar: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
