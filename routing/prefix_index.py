@@ -24,9 +24,9 @@ import enum
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from adapters.canonical.events import (
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     IndexSnapshot,
@@ -40,6 +40,7 @@ from adapters.canonical.wire import WireError, decode, encode
 __all__ = ["ApplyOutcome", "IndexStats", "PrefixIndex"]
 
 _NUM_TIERS = len(Tier)
+_MISSING: Any = object()
 
 
 class ApplyOutcome(enum.Enum):
@@ -256,7 +257,10 @@ class PrefixIndex:
                 self._store(worker, tier_blocks.tier, (block,), parent)
 
     def snapshot(self) -> IndexSnapshot:
-        return IndexSnapshot([self.worker_snapshot(w) for w in self._workers])
+        return IndexSnapshot(
+            [self.worker_snapshot(w) for w in self._workers],
+            [w.worker_id for w in self._workers.values() if w.needs_resync],
+        )
 
     def to_bytes(self) -> bytes:
         """The whole index as one wire frame (``adapters.canonical.wire``)."""
@@ -271,6 +275,9 @@ class PrefixIndex:
         index = cls()
         for worker_snapshot in message.workers:
             index.load_worker_snapshot(worker_snapshot)
+        for worker_id in message.needs_resync:
+            if worker_id in index._workers:
+                index._workers[worker_id].needs_resync = True
         return index
 
     # --- internals ----------------------------------------------------------------------
@@ -294,13 +301,13 @@ class PrefixIndex:
         parents, children = wt.parents, wt.children
         bit = worker.bit
         orphans = wt.orphans
+        if block_hashes and block_hashes[0] == parent:
+            self.stats.self_parented_blocks += 1
+            block_hashes = block_hashes[1:]
         for block in block_hashes:
             if block in parents:
                 self.stats.duplicate_blocks += 1
                 parent = block
-                continue
-            if block == parent:
-                self.stats.self_parented_blocks += 1
                 continue
             holders[block] = holders.get(block, 0) | bit
             parents[block] = parent
@@ -320,11 +327,12 @@ class PrefixIndex:
         parents, children = wt.parents, wt.children
         clear = ~worker.bit
         orphans = wt.orphans
+        missing = _MISSING
         for block in block_hashes:
-            if block not in parents:
+            parent = parents.pop(block, missing)
+            if parent is missing:
                 self.stats.unknown_removals += 1
                 continue
-            parent = parents.pop(block)
             mask = holders[block] & clear
             if mask:
                 holders[block] = mask

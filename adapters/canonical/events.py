@@ -112,6 +112,8 @@ class WorkerSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False, tag
 
 
 class IndexSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=5):
-    """A prefix index's whole state: one snapshot per worker."""
+    """A prefix index's whole state: one snapshot per worker, and which of them had a gap
+    in their stream (their state may be incomplete until a resync)."""
 
     workers: list[WorkerSnapshot]
+    needs_resync: list[WorkerId] = []

@@ -113,7 +113,9 @@ class BlockHasher:
         """How many full blocks ``num_tokens`` tokens make."""
         return num_tokens // self.block_size
 
-    def hash_tokens(self, token_ids: Sequence[int], seed: int, parent: int | None = None) -> list[int]:
+    def hash_tokens(
+        self, token_ids: Sequence[int], seed: int, parent: int | None = None
+    ) -> list[int]:
         """Chained hashes of every full block of ``token_ids``.
 
         ``seed`` is the namespace seed (``Namespace.seed``); with ``parent`` given, the
@@ -131,9 +133,7 @@ class BlockHasher:
     def chain(self, parent: int | None, block_tokens: Sequence[int], seed: int) -> int:
         """The hash of one block whose predecessor is ``parent`` (None: the first block)."""
         if len(block_tokens) != self.block_size:
-            raise ValueError(
-                f"a block has {self.block_size} tokens, got {len(block_tokens)}"
-            )
+            raise ValueError(f"a block has {self.block_size} tokens, got {len(block_tokens)}")
         return self.hash_tokens(block_tokens, seed, parent)[0]
 
     # --- the two equivalent paths --------------------------------------------------

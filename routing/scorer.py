@@ -1,0 +1,196 @@
+"""Placement cost and selection: which worker a request should go to.
+
+The cost of placing a request on a worker, lowest wins (Dynamo's default "linear" selector,
+../shared/reference/dynamo.md §1)::
+
+    prefill_blocks_after_credit = max(0, (active_prefill_tokens + prompt_tokens) / block_size
+                                         − overlap_weight·gpu − host_weight·host
+                                         − disk_weight·disk − remote_weight·remote)
+    cost = prefill_blocks_after_credit + decode_blocks
+
+where ``decode_blocks`` counts the blocks held by the worker's active requests plus this
+request's. Tier credits are *incremental*: a block is credited once, at the fastest tier that
+holds it, i.e. ``host`` counts the leading blocks found in host memory beyond the GPU match.
+With exclusive tiers (a block lives in one tier at a time, the usual offload) that is exactly
+the sum in the formula above; with write-through tiers (a block in GPU and host at once) it
+avoids crediting the same block twice.
+
+Selection: at temperature 0 the arg-min wins; ties go to the larger total overlap (so
+back-to-back identical prompts stay together), then uniformly at random. At temperature T > 0
+costs are min-max normalized to [0, 1] and a worker is drawn with probability ∝ exp(−cost/T).
+
+Disaggregated pools score differently: the prefill pool by overlap and prefill load only,
+the decode pool by how full each worker would be (decode blocks over capacity).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "Candidate",
+    "Placement",
+    "Pool",
+    "Scorer",
+    "ScoringWeights",
+    "TierOverlap",
+    "WorkerLoad",
+]
+
+
+class Pool(enum.Enum):
+    """Which kind of worker is being chosen."""
+
+    AGGREGATED = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class ScoringWeights:
+    """Credits per cached block by tier, and the selection temperature."""
+
+    overlap_weight: float = 1.0
+    host_weight: float = 0.75
+    disk_weight: float = 0.25
+    remote_weight: float = 0.1
+    temperature: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("overlap_weight", "host_weight", "disk_weight", "remote_weight"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TierOverlap:
+    """Leading blocks of the request a worker holds, per tier (each counted from block 0)."""
+
+    gpu: int = 0
+    host: int = 0
+    disk: int = 0
+    remote: int = 0
+
+    @property
+    def longest(self) -> int:
+        return max(self.gpu, self.host, self.disk, self.remote)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's in-flight load, as the gateway accounts it (``active_load.py``)."""
+
+    active_prefill_tokens: int = 0
+    decode_blocks: int = 0  # blocks held by active requests, this request's included
+    in_flight: int = 0
+    capacity_blocks: int | None = None  # the worker's KV pool, when it reports one
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    worker_id: str
+    overlap: TierOverlap
+    load: WorkerLoad
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The chosen worker, its cost and the overlap predicted for it."""
+
+    worker_id: str
+    cost: float
+    overlap: TierOverlap
+
+
+class Scorer:
+    """Scores candidates for one request and picks one."""
+
+    __slots__ = ("_rng", "block_size", "weights")
+
+    def __init__(
+        self, weights: ScoringWeights, block_size: int, rng: random.Random | None = None
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.weights = weights
+        self.block_size = block_size
+        self._rng = rng or random.Random()
+
+    def credit_blocks(self, overlap: TierOverlap) -> float:
+        """Cached blocks credited against prefill, each at the fastest tier holding it."""
+        w = self.weights
+        covered = overlap.gpu
+        credit = w.overlap_weight * covered
+        for weight, depth in (
+            (w.host_weight, overlap.host),
+            (w.disk_weight, overlap.disk),
+            (w.remote_weight, overlap.remote),
+        ):
+            if depth > covered:
+                credit += weight * (depth - covered)
+                covered = depth
+        return credit
+
+    def prefill_blocks_after_credit(self, candidate: Candidate, prompt_tokens: int) -> float:
+        raw = (candidate.load.active_prefill_tokens + prompt_tokens) / self.block_size
+        return max(0.0, raw - self.credit_blocks(candidate.overlap))
+
+    def cost(self, candidate: Candidate, prompt_tokens: int, pool: Pool = Pool.AGGREGATED) -> float:
+        """The cost of placing the request on ``candidate`` (lower is better)."""
+        if pool is Pool.PREFILL:
+            return self.prefill_blocks_after_credit(candidate, prompt_tokens)
+        if pool is Pool.DECODE:
+            capacity = candidate.load.capacity_blocks
+            if not capacity:
+                return float(candidate.load.decode_blocks)
+            return candidate.load.decode_blocks / capacity
+        return self.prefill_blocks_after_credit(candidate, prompt_tokens) + (
+            candidate.load.decode_blocks
+        )
+
+    def place(
+        self,
+        candidates: Sequence[Candidate],
+        prompt_tokens: int,
+        pool: Pool = Pool.AGGREGATED,
+    ) -> Placement | None:
+        """The chosen candidate, or None if there is none (or, for a decode pool, none has
+        room for the request's blocks: the caller applies backpressure)."""
+        if pool is Pool.DECODE:
+            candidates = [
+                c
+                for c in candidates
+                if c.load.capacity_blocks is None or c.load.decode_blocks <= c.load.capacity_blocks
+            ]
+        if not candidates:
+            return None
+        costs = [self.cost(c, prompt_tokens, pool) for c in candidates]
+        if self.weights.temperature > 0:
+            index = self._sample(costs)
+        else:
+            index = self._argmin(candidates, costs)
+        chosen = candidates[index]
+        return Placement(chosen.worker_id, costs[index], chosen.overlap)
+
+    def _argmin(self, candidates: Sequence[Candidate], costs: list[float]) -> int:
+        best = min(costs)
+        tied = [i for i, c in enumerate(costs) if c == best]
+        if len(tied) > 1:
+            deepest = max(candidates[i].overlap.longest for i in tied)
+            tied = [i for i in tied if candidates[i].overlap.longest == deepest]
+        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+
+    def _sample(self, costs: list[float]) -> int:
+        low, high = min(costs), max(costs)
+        if high == low:
+            return self._rng.randrange(len(costs))
+        span = high - low
+        weights = [math.exp(-((c - low) / span) / self.weights.temperature) for c in costs]
+        return self._rng.choices(range(len(costs)), weights=weights)[0]

@@ -1,0 +1,138 @@
+"""The wire codec: round trips are identity, anything else raises WireError only."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.canonical.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    IndexSnapshot,
+    Tier,
+    TierBlocks,
+    WorkerSnapshot,
+)
+from adapters.canonical.wire import WIRE_VERSION, WireError, decode, encode
+
+u64 = st.integers(0, 2**64 - 1)
+counters = st.integers(0, 2**63 - 1)
+worker_ids = st.text(min_size=1, max_size=40)
+tiers = st.sampled_from(list(Tier))
+
+
+@st.composite
+def stored(draw: st.DrawFn) -> BlockStored:
+    hashes = draw(st.lists(u64, min_size=1, max_size=8))
+    per_block = draw(st.integers(1, 4))
+    tokens = draw(
+        st.one_of(
+            st.none(),
+            st.lists(
+                st.integers(0, 2**32 - 1),
+                min_size=per_block * len(hashes),
+                max_size=per_block * len(hashes),
+            ),
+        )
+    )
+    return BlockStored(
+        draw(worker_ids),
+        draw(counters),
+        draw(counters),
+        draw(tiers),
+        hashes,
+        draw(st.one_of(st.none(), u64)),
+        tokens,
+    )
+
+
+removed = st.builds(
+    BlockRemoved, worker_ids, counters, counters, tiers, st.lists(u64, min_size=1, max_size=8)
+)
+cleared = st.builds(AllBlocksCleared, worker_ids, counters, counters, tiers)
+
+
+@st.composite
+def tier_blocks(draw: st.DrawFn) -> TierBlocks:
+    hashes = draw(st.lists(u64, max_size=6))
+    parents = draw(st.lists(st.one_of(st.none(), u64), min_size=len(hashes), max_size=len(hashes)))
+    return TierBlocks(draw(tiers), hashes, parents)
+
+
+worker_snapshots = st.builds(
+    WorkerSnapshot, worker_ids, counters, counters, st.lists(tier_blocks(), max_size=4)
+)
+messages = st.one_of(
+    stored(),
+    removed,
+    cleared,
+    worker_snapshots,
+    st.builds(IndexSnapshot, st.lists(worker_snapshots, max_size=3)),
+)
+
+
+class TestRoundTrip:
+    @settings(max_examples=300)
+    @given(messages)
+    def test_identity(self, message: object) -> None:
+        """decode(encode(x)) == x for every message type."""
+        assert decode(encode(message)) == message  # type: ignore[arg-type]
+
+    def test_frame_starts_with_version(self) -> None:
+        """A frame's first byte is the wire version."""
+        assert encode(AllBlocksCleared("w", 0, 1, Tier.GPU))[0] == WIRE_VERSION
+
+
+class TestGarbage:
+    @settings(max_examples=1000)
+    @given(st.binary(max_size=200))
+    def test_arbitrary_bytes_raise_only_wire_error(self, data: bytes) -> None:
+        """Any bytes either decode to a message or raise WireError, nothing else."""
+        try:
+            decode(data)
+        except WireError:
+            pass
+
+    @settings(max_examples=500)
+    @given(st.binary(max_size=200))
+    def test_versioned_garbage_raises_only_wire_error(self, data: bytes) -> None:
+        """Garbage behind a valid version byte also raises only WireError."""
+        try:
+            decode(bytes([WIRE_VERSION]) + data)
+        except WireError:
+            pass
+
+    @settings(max_examples=300)
+    @given(messages, st.data())
+    def test_truncated_frames(self, message: object, data: st.DataObject) -> None:
+        """A frame cut anywhere raises WireError."""
+        frame = encode(message)  # type: ignore[arg-type]
+        cut = data.draw(st.integers(0, len(frame) - 1))
+        with pytest.raises(WireError):
+            decode(frame[:cut])
+
+    @pytest.mark.parametrize(
+        ("payload", "reason"),
+        [
+            ([1, "w", 1, 2, 9, [1], None, None], "Invalid enum value 9"),
+            ([1, "w", -1, 2, 0, [1], None, None], ">= 0"),
+            ([1, "", 1, 2, 0, [1], None, None], "length >= 1"),
+            ([1, "w", 1, 2, 0, [], None, None], "length >= 1"),
+            ([1, "w", 1, 2, 0, [1, 2], None, [1, 2, 3]], "not a multiple of 2 blocks"),
+            ([2, "w", 1, 2, 0, [-5]], ">= 0"),
+            ([9, "w"], "Invalid value 9"),
+            ([4, "w", 0, 0, [[0, [1, 2], [None]]]], "2 block hashes but 1 parents"),
+        ],
+    )
+    def test_errors_name_what_was_wrong(self, payload: list[object], reason: str) -> None:
+        """Decoding errors say what was wrong."""
+        with pytest.raises(WireError, match=reason):
+            decode(bytes([WIRE_VERSION]) + msgspec.msgpack.encode(payload))
+
+    def test_wrong_version_is_named(self) -> None:
+        """An unknown version byte is reported with the version expected."""
+        with pytest.raises(WireError, match="unsupported wire version 7, expected 1"):
+            decode(b"\x07\x90")
