@@ -225,7 +225,8 @@ class PrefixIndex:
     def memory_bytes(self) -> int:
         """An estimate of the index's Python heap: dict tables plus the int objects they own."""
         int_bytes = sys.getsizeof(1 << 63)
-        total = sum(sys.getsizeof(t.holders) + len(t.holders) * 2 * int_bytes for t in self._tables)
+        # Hash keys are 64-bit ints (one object each); masks of up to 8 workers are cached ints.
+        total = sum(sys.getsizeof(t.holders) + len(t.holders) * int_bytes for t in self._tables)
         for worker in self._workers.values():
             for wt in worker.tiers:
                 total += sys.getsizeof(wt.parents) + sys.getsizeof(wt.children)

@@ -21,13 +21,16 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "U64",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
+    "Counter",
     "IndexSnapshot",
     "KVEvent",
     "Tier",
     "TierBlocks",
+    "WorkerId",
     "WorkerSnapshot",
 ]
 

@@ -15,12 +15,22 @@ from adapters.canonical.events import (
     IndexSnapshot,
     WorkerSnapshot,
 )
+from adapters.canonical.stream import LoadReport, ResyncRequired, StreamStart
 
 __all__ = ["WIRE_VERSION", "Message", "WireError", "decode", "encode"]
 
 WIRE_VERSION = 1
 
-Message = BlockStored | BlockRemoved | AllBlocksCleared | WorkerSnapshot | IndexSnapshot
+Message = (
+    BlockStored
+    | BlockRemoved
+    | AllBlocksCleared
+    | WorkerSnapshot
+    | IndexSnapshot
+    | StreamStart
+    | LoadReport
+    | ResyncRequired
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

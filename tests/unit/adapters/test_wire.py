@@ -16,6 +16,7 @@ from adapters.canonical.events import (
     TierBlocks,
     WorkerSnapshot,
 )
+from adapters.canonical.stream import LoadReport, ResyncRequired, StreamStart
 from adapters.canonical.wire import WIRE_VERSION, WireError, decode, encode
 
 u64 = st.integers(0, 2**64 - 1)
@@ -70,7 +71,30 @@ messages = st.one_of(
     removed,
     cleared,
     worker_snapshots,
-    st.builds(IndexSnapshot, st.lists(worker_snapshots, max_size=3)),
+    st.builds(IndexSnapshot, st.lists(worker_snapshots, max_size=3), st.lists(worker_ids)),
+    st.builds(
+        StreamStart,
+        worker_ids,
+        counters,
+        counters,
+        st.sampled_from(["replay", "snapshot"]),
+        st.integers(1, 4096),
+        st.text(),
+        st.sampled_from(["agg", "prefill", "decode"]),
+    ),
+    st.builds(
+        LoadReport,
+        worker_ids,
+        counters,
+        counters,
+        counters,
+        counters,
+        st.one_of(st.none(), counters),
+        st.booleans(),
+        st.text(),
+        st.sampled_from(["agg", "prefill", "decode"]),
+    ),
+    st.builds(ResyncRequired, worker_ids, st.text()),
 )
 
 

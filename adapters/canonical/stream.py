@@ -1,0 +1,54 @@
+"""Messages of the sidecar → gateway event stream, beside the events themselves.
+
+One stream per sidecar worker (``GET /v1/kv-events`` on the sidecar, README "Event stream
+protocol"). It opens with ``StreamStart``; then either the missed events (``mode="replay"``)
+or a ``WorkerSnapshot`` (``mode="snapshot"``), then live events. ``LoadReport``s are
+interleaved; they carry no sequence number. ``ResyncRequired`` is the last frame a
+subscriber gets when it fell too far behind: reconnect from the last applied position.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from adapters.canonical.events import Counter, WorkerId
+
+__all__ = ["LoadReport", "ResyncRequired", "StreamStart"]
+
+Role = Literal["agg", "prefill", "decode"]
+
+
+class StreamStart(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=6):
+    """The stream's first frame: where it starts and what the worker's cache speaks."""
+
+    worker_id: WorkerId
+    epoch: Counter
+    seq: Counter  # replay: events seq+1.. follow; snapshot: the snapshot is at this seq
+    mode: Literal["replay", "snapshot"]
+    block_size: Annotated[int, Meta(ge=1, le=4096)]
+    model_id: str
+    role: Role = "agg"
+
+
+class LoadReport(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=7):
+    """A worker's load and routing health, as its sidecar sees it."""
+
+    worker_id: WorkerId
+    ts_ms: Counter
+    in_flight: Counter
+    active_blocks: Counter
+    queued_prefill_tokens: Counter
+    capacity_blocks: Counter | None = None
+    routable: bool = True
+    reason: str = ""  # why the worker is not routable, when it is not
+    role: Role = "agg"
+
+
+class ResyncRequired(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=8):
+    """The subscriber was dropped (e.g. it fell behind); it must reconnect and resync."""
+
+    worker_id: WorkerId
+    reason: str

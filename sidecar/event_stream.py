@@ -1,0 +1,158 @@
+"""Serving the relay over HTTP: ``GET /v1/kv-events?epoch=E&seq=S``.
+
+The response body is a sequence of frames, each a 4-byte big-endian length followed by one
+wire frame (``adapters.canonical.wire``). Every subscriber has a bounded queue; the relay
+never waits for a subscriber. One that falls ``queue_frames`` behind is dropped with a
+``ResyncRequired`` frame, counted, and reconnects on its own from its last position — the
+replay buffer usually still covers it, otherwise it gets a snapshot. Other subscribers and
+the engine are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import structlog
+from aiohttp import web
+
+from adapters.canonical.events import KVEvent
+from adapters.canonical.stream import ResyncRequired
+from adapters.canonical.wire import Message, encode
+from sidecar.relay import EventRelay
+
+__all__ = ["FRAME_HEADER", "STREAM_CONTENT_TYPE", "EventStream"]
+
+FRAME_HEADER = struct.Struct(">I")
+STREAM_CONTENT_TYPE = "application/x-kvsidecar-stream"
+_WRITE_BATCH_FRAMES = 256
+
+log = structlog.get_logger(component="event_stream")
+
+
+class _Subscriber:
+    __slots__ = ("overrun", "peer", "queue")
+
+    def __init__(self, peer: str, queue_frames: int) -> None:
+        self.peer = peer
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=queue_frames)
+        self.overrun = False
+
+
+class EventStream:
+    """Fans the relay's frames out to any number of HTTP subscribers."""
+
+    def __init__(self, relay: EventRelay, *, queue_frames: int = 8192) -> None:
+        self.relay = relay
+        self.queue_frames = queue_frames
+        self._subscribers: set[_Subscriber] = set()
+        self.events_relayed = 0
+        self.subscribers_dropped = 0
+        self.replays_served = 0
+        self.snapshots_served = 0
+        self._closing = False
+
+    @property
+    def num_subscribers(self) -> int:
+        return len(self._subscribers)
+
+    def publish(self, event: KVEvent) -> None:
+        """Stamp, record and send one event to every live subscriber."""
+        self._fanout(self.relay.publish(event))
+        self.events_relayed += 1
+
+    def broadcast(self, message: Message) -> None:
+        """Send an unsequenced message (a load report) to every live subscriber."""
+        if self._subscribers:
+            self._fanout(encode(message))
+
+    def close(self) -> None:
+        """End every subscriber's stream (shutdown)."""
+        self._closing = True
+        for sub in self._subscribers:
+            self._end(sub)
+
+    def _fanout(self, frame: bytes) -> None:
+        for sub in self._subscribers:
+            if sub.overrun:
+                continue
+            try:
+                sub.queue.put_nowait(frame)
+            except asyncio.QueueFull:
+                sub.overrun = True
+                self.subscribers_dropped += 1
+                log.warning("subscriber_overrun", peer=sub.peer, queue_frames=self.queue_frames)
+                self._end(sub)
+
+    @staticmethod
+    def _end(sub: _Subscriber) -> None:
+        while not sub.queue.empty():
+            sub.queue.get_nowait()
+        sub.queue.put_nowait(None)
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """The ``GET /v1/kv-events`` handler."""
+        try:
+            epoch = _optional_int(request.query.get("epoch"))
+            seq = _optional_int(request.query.get("seq"))
+        except ValueError as exc:
+            raise web.HTTPBadRequest(
+                text=f'{{"error": "epoch and seq must be non-negative integers: {exc}"}}',
+                content_type="application/json",
+            ) from exc
+        if self._closing:
+            raise web.HTTPServiceUnavailable(text='{"error": "sidecar is shutting down"}')
+        sub = _Subscriber(request.remote or "?", self.queue_frames)
+        # plan() and registration happen with no await between them, so no frame is lost.
+        plan = self.relay.plan(epoch, seq)
+        self._subscribers.add(sub)
+        if plan.start.mode == "replay":
+            self.replays_served += 1
+        else:
+            self.snapshots_served += 1
+        response = web.StreamResponse(headers={"Content-Type": STREAM_CONTENT_TYPE})
+        try:
+            await response.prepare(request)
+            await response.write(_frames([encode(plan.start), *plan.backlog]))
+            await self._pump(sub, response)
+        except (ConnectionResetError, ConnectionError):
+            log.info("subscriber_disconnected", peer=sub.peer)
+        finally:
+            self._subscribers.discard(sub)
+        return response
+
+    async def _pump(self, sub: _Subscriber, response: web.StreamResponse) -> None:
+        queue = sub.queue
+        while True:
+            frame = await queue.get()
+            batch = []
+            while frame is not None:
+                batch.append(frame)
+                if len(batch) >= _WRITE_BATCH_FRAMES or queue.empty():
+                    break
+                frame = queue.get_nowait()
+            if batch:
+                await response.write(_frames(batch))
+            if frame is None:
+                reason = "shutting down" if self._closing else "subscriber fell behind"
+                resync = ResyncRequired(self.relay.worker_id, reason)
+                await response.write(_frames([encode(resync)]))
+                await response.write_eof()
+                return
+
+
+def _frames(frames: list[bytes]) -> bytes:
+    out = bytearray()
+    for frame in frames:
+        out += FRAME_HEADER.pack(len(frame))
+        out += frame
+    return bytes(out)
+
+
+def _optional_int(raw: str | None) -> int | None:
+    if raw is None or raw == "":
+        return None
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"got {raw}")
+    return value

@@ -1,0 +1,198 @@
+"""The sidecar's event stream served over HTTP and consumed by the gateway's feed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from adapters.canonical.events import BlockRemoved, BlockStored, Tier
+from adapters.canonical.stream import LoadReport
+from routing.event_feed import SidecarFeed
+from routing.kv_router import KvRouter
+from sidecar.event_stream import EventStream
+from sidecar.relay import EventRelay
+
+CHAIN = [1000 + i for i in range(64)]
+
+
+async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.005)
+
+
+class Sidecar:
+    """A real EventStream behind a real HTTP server; the test publishes engine events."""
+
+    def __init__(
+        self,
+        worker_id: str = "w0",
+        queue_frames: int = 8192,
+        buffer: int = 4096,
+        block_size: int = 16,
+    ) -> None:
+        self.relay = EventRelay(
+            worker_id, block_size=block_size, model_id="m", buffer_events=buffer
+        )
+        self.stream = EventStream(self.relay, queue_frames=queue_frames)
+        app = web.Application()
+        app.router.add_get("/v1/kv-events", self.stream.handle)
+        self.server = TestServer(app, host="127.0.0.1")
+
+    async def __aenter__(self) -> Sidecar:
+        await self.server.start_server()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stream.close()
+        await self.server.close()
+
+    @property
+    def url(self) -> str:
+        return str(self.server.make_url(""))
+
+    def store(self, start: int, end: int, tier: Tier = Tier.GPU) -> None:
+        parent = CHAIN[start - 1] if start else None
+        self.stream.publish(BlockStored("engine", 0, 0, tier, CHAIN[start:end], parent))
+
+    def evict(self, blocks: list[int]) -> None:
+        self.stream.publish(BlockRemoved("engine", 0, 0, Tier.GPU, blocks))
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def start_feed(
+    url: str, session: aiohttp.ClientSession, **kw: object
+) -> tuple[SidecarFeed, asyncio.Task[None]]:
+    feed = SidecarFeed(url, KvRouter(), session, model_id="m", **kw)  # type: ignore[arg-type]
+    return feed, asyncio.create_task(feed.run())
+
+
+async def stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+def overlap(feed: SidecarFeed) -> dict[Tier, dict[str, int]]:
+    return feed.router.index.match_tiers(CHAIN)
+
+
+class TestStream:
+    async def test_late_subscriber_gets_snapshot_then_live(
+        self, session: aiohttp.ClientSession
+    ) -> None:
+        """A subscriber joining after events gets a snapshot, then live events."""
+        async with Sidecar() as sc:
+            sc.store(0, 10)
+            sc.store(0, 4, Tier.HOST)
+            feed, task = await start_feed(sc.url, session)
+            await eventually(lambda: overlap(feed) == {Tier.GPU: {"w0": 10}, Tier.HOST: {"w0": 4}})
+            assert feed.stats.snapshots == 1
+            sc.store(10, 20)
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 20})
+            await stop(task)
+
+    async def test_reconnect_converges_like_uninterrupted(
+        self, session: aiohttp.ClientSession
+    ) -> None:
+        """A subscriber that drops and resumes ends where one that stayed connected ends."""
+        async with Sidecar() as sc:
+            steady, steady_task = await start_feed(sc.url, session)
+            flaky, flaky_task = await start_feed(sc.url, session)
+            await eventually(lambda: steady.connected and flaky.connected)
+            sc.store(0, 8)
+            await eventually(lambda: flaky.router.index.position("w0") == (sc.relay.epoch, 1))
+            await stop(flaky_task)
+            sc.store(8, 30)
+            sc.evict(CHAIN[20:30])
+            flaky_task = asyncio.create_task(flaky.run())
+            await eventually(lambda: flaky.stats.connects == 2 and flaky.connected)
+            sc.store(20, 25)
+            target = {Tier.GPU: {"w0": 25}}
+            await eventually(lambda: overlap(steady) == target and overlap(flaky) == target)
+            assert flaky.stats.replays == 1  # resumed from the buffer, no snapshot needed
+            assert steady.router.index.position("w0") == flaky.router.index.position("w0")
+            await stop(steady_task)
+            await stop(flaky_task)
+
+    async def test_slow_subscriber_is_dropped_and_resyncs(
+        self, session: aiohttp.ClientSession
+    ) -> None:
+        """Overrunning a subscriber's queue drops only it; it resyncs and converges."""
+        async with Sidecar(queue_frames=4, buffer=8) as sc:
+            feed, task = await start_feed(sc.url, session)
+            await eventually(lambda: feed.connected)
+            for i in range(40):  # no await between publishes: the queue of 4 overflows
+                sc.store(i, i + 1)
+            assert sc.stream.subscribers_dropped == 1
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 40})
+            assert feed.stats.resyncs >= 1 and feed.stats.snapshots >= 2
+            await stop(task)
+
+    async def test_sidecar_restart_clears_old_blocks(self, session: aiohttp.ClientSession) -> None:
+        """A sidecar that restarts (new epoch, empty cache) replaces what the gateway knew."""
+        async with Sidecar() as first:
+            first.store(0, 12)
+            feed, task = await start_feed(first.url, session)
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 12})
+        async with Sidecar() as second:
+            feed.url = second.url
+            second.store(0, 3)
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 3})
+            await stop(task)
+
+    async def test_dead_sidecar_leaves_the_index_until_it_returns(
+        self, session: aiohttp.ClientSession
+    ) -> None:
+        """Unreachable for dead_after_s, a worker leaves the index; it returns with its sidecar."""
+        async with Sidecar() as sc:
+            sc.store(0, 6)
+            feed, task = await start_feed(sc.url, session, dead_after_s=0.2, retry_s=0.05)
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 6})
+        await eventually(lambda: feed.stats.removals == 1)
+        assert overlap(feed) == {}
+        async with Sidecar() as back:
+            feed.url = back.url
+            back.store(0, 2)
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 2})
+        await stop(task)
+
+    async def test_block_size_mismatch_is_refused(self, session: aiohttp.ClientSession) -> None:
+        """A sidecar with another block size is never applied: overlaps would be silently wrong."""
+        async with Sidecar(block_size=32) as sc:
+            sc.store(0, 4)
+            feed, task = await start_feed(sc.url, session, retry_s=0.05)
+            await eventually(lambda: feed.error is not None and "block size 32" in feed.error)
+            assert overlap(feed) == {}
+            await stop(task)
+
+    async def test_load_reports_reach_the_gateway(self, session: aiohttp.ClientSession) -> None:
+        """Load reports are relayed unsequenced to every subscriber."""
+        async with Sidecar() as sc:
+            seen: list[LoadReport] = []
+            feed, task = await start_feed(sc.url, session, on_load=seen.append)
+            await eventually(lambda: feed.connected)
+            sc.stream.broadcast(LoadReport("w0", 1, 3, 40, 512, 1000))
+            await eventually(lambda: bool(seen))
+            assert feed.load is not None and feed.load.in_flight == 3
+            await stop(task)
+
+    async def test_bad_position_is_a_clear_error(self, session: aiohttp.ClientSession) -> None:
+        """A malformed resume position gets HTTP 400 naming the problem."""
+        async with Sidecar() as sc, session.get(f"{sc.url}/v1/kv-events?epoch=x&seq=-1") as resp:
+            assert resp.status == 400
+            assert "non-negative integers" in await resp.text()
