@@ -1,0 +1,327 @@
+"""The one interface the sidecar uses for every engine: ``EngineAdapter``.
+
+An adapter turns one engine replica's native KV interfaces into the canonical model
+(``adapters.canonical``): a single stream of ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` events, each naming its worker (one per data-parallel rank), the
+worker's epoch and a per-worker sequence number; and it translates the gateway's already
+tokenized OpenAI requests into the engine's native request and the answers back.
+
+Nothing here knows SGLang or TensorRT-LLM. Engines register a factory in ``ADAPTERS`` by
+module path, so looking an adapter up imports only that adapter (and never an engine
+package: the adapters speak the engines' wire formats, they do not import them).
+
+Storage hooks that run *inside* the engine (SGLang's HiCache backend, TensorRT-LLM's KV
+cache connector) are separate classes the engine loads; an adapter only describes them
+(``block_layout()``), so they can be added without touching this Protocol.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import msgspec
+
+from adapters.canonical.events import KVEvent, WorkerSnapshot
+from adapters.canonical.layout import BlockLayout
+
+__all__ = [
+    "ADAPTERS",
+    "AdapterConfig",
+    "AdapterError",
+    "EngineAdapter",
+    "EngineExtraMissingError",
+    "EngineInfo",
+    "EngineKind",
+    "EngineRequest",
+    "EventEndpoint",
+    "OpenAIError",
+    "RequestKind",
+    "ResponseTranslator",
+    "TokenizedRequest",
+    "create_adapter",
+    "worker_id_for",
+]
+
+
+class EngineKind(enum.Enum):
+    SGLANG = "sglang"
+    TRTLLM = "trtllm"
+
+
+class AdapterError(RuntimeError):
+    """The engine cannot be adapted as configured (no KV events, a size mismatch, ...)."""
+
+
+class EngineExtraMissingError(ImportError):
+    """An engine package an optional feature needs is not installed."""
+
+    def __init__(self, package: str, extra: str, feature: str) -> None:
+        super().__init__(
+            f"{feature} needs the {package!r} package; install it with "
+            f"`pip install 'kvsidecar[{extra}]'`"
+        )
+
+
+def worker_id_for(base: str, dp_rank: int, dp_size: int) -> str:
+    """The canonical worker id of one DP rank: ``base`` alone, or ``base/dp<rank>``."""
+    return base if dp_size <= 1 else f"{base}/dp{dp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class EventEndpoint:
+    """Where one DP rank's KV events come from.
+
+    SGLang: ``endpoint`` is the ZMQ PUB address and ``replay_endpoint`` its ROUTER (or
+    None: no replay). TensorRT-LLM: ``endpoint`` is the server's base URL.
+    """
+
+    dp_rank: int
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.dp_rank < 0:
+            raise ValueError(f"dp_rank must be >= 0, got {self.dp_rank}")
+        if not self.endpoint:
+            raise ValueError("an event endpoint needs an address")
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterConfig:
+    """What an adapter is told; everything else it learns from the engine.
+
+    ``block_size`` and ``endpoints`` may be given (flags) or left to discovery (the engine's
+    ``/server_info``); when both exist they must agree, or ``start()`` fails.
+    """
+
+    engine: EngineKind
+    engine_url: str
+    worker_id: str
+    model_id: str
+    block_size: int | None = None
+    endpoints: tuple[EventEndpoint, ...] = ()
+    model_path: str | None = None
+    first_epoch: int | None = None
+    lora_names: Mapping[int, str] = field(default_factory=dict)
+    request_timeout_s: float = 5.0
+    replay_timeout_s: float = 2.0
+    poll_interval_s: float = 0.05
+    queue_size: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.worker_id:
+            raise ValueError("worker_id must not be empty")
+        if not self.model_id:
+            raise ValueError("model_id must not be empty")
+        if self.block_size is not None and not 1 <= self.block_size <= 4096:
+            raise ValueError(f"block_size must be in [1, 4096], got {self.block_size}")
+        for name in ("request_timeout_s", "replay_timeout_s", "poll_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
+        ranks = [e.dp_rank for e in self.endpoints]
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"two event endpoints share a dp_rank: {sorted(ranks)}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the sidecar needs to know about the engine, once the adapter has started."""
+
+    kind: EngineKind
+    block_size: int
+    dp_size: int
+    endpoints: tuple[EventEndpoint, ...]
+    worker_ids: tuple[str, ...]
+    model_path: str | None = None
+    server_info: Mapping[str, Any] = field(default_factory=dict)
+
+
+# --- request translation ------------------------------------------------------------------
+
+
+class RequestKind(enum.Enum):
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+
+class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """An OpenAI completions/chat request after the gateway tokenized it (chat template
+    applied): what every adapter translates into its engine's native request."""
+
+    request_id: str
+    model: str
+    kind: RequestKind
+    prompt_token_ids: list[int]
+    stream: bool = False
+    include_usage: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    dp_rank: int | None = None
+    # Engine-specific fields passed through verbatim (PD bootstrap_*, disaggregated_params).
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if self.n != 1:
+            raise ValueError(f"n={self.n} is not supported; send n separate requests")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A native request: POST ``body`` (JSON) to ``path`` on the engine."""
+
+    path: str
+    body: dict[str, Any]
+    stream: bool
+
+
+class OpenAIError(Exception):
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | int | None = None,
+    ) -> None:
+        super().__init__(f"{status} {type}: {message}")
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": None,
+                "code": self.code if self.code is not None else self.status,
+            }
+        }
+
+
+class ResponseTranslator(Protocol):
+    """Turns one request's engine answers into OpenAI bodies (one per request, stateful)."""
+
+    def response(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The OpenAI response for a non-streaming engine answer."""
+        ...
+
+    def chunk(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """OpenAI stream chunks for one engine SSE ``data:`` object (may be none)."""
+        ...
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Chunks to send after the engine's stream ended (the usage chunk, if asked)."""
+        ...
+
+    def error(self, status: int, body: bytes) -> OpenAIError:
+        """The OpenAI-shaped error for an engine error reply."""
+        ...
+
+
+# --- the adapter ----------------------------------------------------------------------------
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """One engine replica, seen through the canonical model.
+
+    Use as ``async with adapter:`` (``start()`` then ``aclose()``); ``events()`` is the one
+    stream of every DP rank's normalized events, in order per worker.
+    """
+
+    kind: EngineKind
+
+    async def start(self) -> EngineInfo:
+        """Discover the engine (``/server_info`` or flags), connect, and begin consuming."""
+        ...
+
+    @property
+    def info(self) -> EngineInfo:
+        """What ``start()`` learned; raises ``AdapterError`` before it."""
+        ...
+
+    def events(self) -> AsyncIterator[KVEvent]:
+        """Normalized events; ends after ``aclose()``."""
+        ...
+
+    def snapshot(self, worker_id: str) -> WorkerSnapshot:
+        """The worker's normalized cache now, stamped with the (epoch, seq) of the last event
+        produced for it; events with a higher seq are still on their way through
+        ``events()``, so a consumer resumes from the snapshot and skips seq <= its seq."""
+        ...
+
+    def block_layout(self) -> BlockLayout:
+        """The KV block memory layout (needs the model config; ``AdapterError`` if unknown)."""
+        ...
+
+    def translate_request(self, request: TokenizedRequest) -> EngineRequest:
+        """The engine's native request for ``request``."""
+        ...
+
+    def response_translator(self, request: TokenizedRequest) -> ResponseTranslator:
+        """A translator for the answers to ``request``."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop consuming and release sockets; idempotent."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+AdapterFactory = Callable[..., EngineAdapter]
+
+# name → "module:attribute" of a factory taking (config, *, metrics=None); imported on use.
+ADAPTERS: dict[str, str] = {
+    EngineKind.SGLANG.value: "adapters.sglang.adapter:SGLangAdapter",
+    EngineKind.TRTLLM.value: "adapters.trtllm.adapter:TrtllmAdapter",
+}
+
+
+def create_adapter(config: AdapterConfig, **kwargs: Any) -> EngineAdapter:
+    """The registered adapter for ``config.engine``."""
+    try:
+        target = ADAPTERS[config.engine.value]
+    except KeyError:
+        raise AdapterError(
+            f"no adapter registered for engine {config.engine.value!r}; known: {sorted(ADAPTERS)}"
+        ) from None
+    module_name, _, attr = target.partition(":")
+    factory: AdapterFactory = getattr(importlib.import_module(module_name), attr)
+    return factory(config, **kwargs)

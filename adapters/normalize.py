@@ -1,0 +1,301 @@
+"""The shared normalizer: one worker's native block operations → canonical events.
+
+Every adapter decodes its engine's wire format into three engine-neutral operations and
+hands them to a ``WorkerNormalizer``, which owns everything both engines share:
+
+* **canonical hashes**: stored tokens are re-hashed with ``BlockHasher`` under the
+  namespace (model id, LoRA name, cache salt), chained to the canonical hash of the engine
+  parent; the engine's own block hashes stay the keys of a per-tier map
+  ``engine hash → (canonical hash, canonical parent)``, so removals (which carry only engine
+  hashes) resolve, and a snapshot can be cut at any point;
+* **epochs and sequence numbers**: each emitted event gets the next ``seq`` (from 1) of the
+  current ``epoch``; ``new_epoch()`` (engine restart, lost events) forgets everything and
+  emits ``AllBlocksCleared`` so consumers drop the worker's old blocks;
+* **conservative gaps**: a stored chain whose engine parent is unknown (it was stored
+  before we joined, or lost) is *orphaned* — counted, not published — because its canonical
+  hashes cannot be computed; a partial block (and every block after it) is skipped. The
+  published state is therefore always a subset of what the engine holds.
+
+Pure and synchronous: no I/O, no asyncio; the adapters' I/O shells drive it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from adapters.canonical.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Tier,
+    TierBlocks,
+    WorkerSnapshot,
+)
+from adapters.canonical.hashing import BlockHasher, TokenIdError
+from adapters.canonical.namespace import Namespace
+from adapters.normalize_hashing import block_locals, chain_from_locals
+from adapters.normalize_metrics import AdapterMetrics
+
+__all__ = ["MalformedEventError", "WorkerNormalizer"]
+
+_MAX_COUNTER = (1 << 63) - 1
+
+
+class MalformedEventError(ValueError):
+    """A native event that decodes but cannot be normalized (wrong token count, ...)."""
+
+
+class WorkerNormalizer:
+    """Normalizes one worker's (one DP rank's) native block operations."""
+
+    __slots__ = (
+        "_block_counters",
+        "_blocks",
+        "_default_seed",
+        "_hasher",
+        "_metrics",
+        "_pending",
+        "_seeds",
+        "block_size",
+        "epoch",
+        "model_id",
+        "seq",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        worker_id: str,
+        model_id: str,
+        hasher: BlockHasher,
+        epoch: int,
+        metrics: AdapterMetrics | None = None,
+    ) -> None:
+        if not 0 <= epoch <= _MAX_COUNTER:
+            raise ValueError(f"epoch must be in [0, 2**63), got {epoch}")
+        self.worker_id = worker_id
+        self.model_id = model_id
+        self._hasher = hasher
+        self.block_size = hasher.block_size
+        self.epoch = epoch
+        self.seq = 0
+        # tier → engine hash → (canonical hash, canonical parent or None)
+        self._blocks: dict[Tier, dict[int, tuple[int, int | None]]] = {t: {} for t in Tier}
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
+        self._default_seed = Namespace(model_id).seed
+        self._metrics = metrics
+        self._block_counters: dict[str, Any] = {}
+        self._pending: dict[str, int] = {}
+
+    # --- native operations --------------------------------------------------------------
+
+    def stored(
+        self,
+        engine_hashes: Sequence[int],
+        engine_parent: int | None,
+        token_ids: list[int],
+        tier: Tier,
+        out: list[KVEvent],
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        locals_: Sequence[int] | None = None,
+    ) -> None:
+        """Blocks ``engine_hashes`` (a chain under ``engine_parent``) now hold ``token_ids``.
+
+        ``token_ids`` has ``block_size`` ids per block; the last block may be partial and is
+        then skipped. ``locals_`` are the blocks' precomputed locals (``short_chain_locals``),
+        if any.
+        """
+        n = len(engine_hashes)
+        if n == 0:
+            return
+        bs = self.block_size
+        count = len(token_ids)
+        if not (n - 1) * bs < count <= n * bs:
+            raise MalformedEventError(f"{n} blocks of {bs} tokens cannot hold {count} token ids")
+        full = count // bs
+        parent: int | None = None
+        if engine_parent is not None:
+            parent = self._canonical(engine_parent, tier)
+            if parent is None:
+                self._count("orphaned", n)
+                return
+        if full < n:
+            self._count("skipped", n - full)
+            if full == 0:
+                return
+        if lora_name is None and cache_salt is None:
+            seed = self._default_seed
+        else:
+            seed = self._seed(lora_name, cache_salt)
+        tokens = token_ids if full * bs == count else token_ids[: full * bs]
+        if locals_ is not None and len(locals_) >= full:
+            hashes = chain_from_locals(locals_[:full], seed, parent)
+        else:
+            try:
+                hashes = self._hasher.hash_tokens(tokens, seed, parent)
+            except TokenIdError as exc:
+                raise MalformedEventError(str(exc)) from exc
+        held = self._blocks[tier]
+        if full == 1:
+            held[engine_hashes[0]] = (hashes[0], parent)
+        else:
+            prev = parent
+            for engine_hash, canonical in zip(engine_hashes, hashes, strict=False):
+                held[engine_hash] = (canonical, prev)
+                prev = canonical
+        pending = self._pending
+        pending["stored"] = pending.get("stored", 0) + full
+        self.seq += 1
+        out.append(BlockStored(self.worker_id, self.epoch, self.seq, tier, hashes, parent, tokens))
+
+    def short_chain_locals(
+        self, chains: Sequence[tuple[int, Sequence[int]]]
+    ) -> list[list[int] | None] | None:
+        """Locals of the full blocks of several short stored chains, in one vectorized pass.
+
+        ``chains`` holds (number of blocks, token ids) per stored event of one batch; the
+        result lines up with it (None for a chain whose token count fits no block count),
+        or is None when batching does not pay or a token id is invalid (the per-event path
+        then reports it).
+        """
+        bs = self.block_size
+        flat: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        for n, tokens in chains:
+            count = len(tokens)
+            if not (n - 1) * bs < count <= n * bs:
+                spans.append(None)
+                continue
+            full = count // bs
+            spans.append((len(flat) // bs, full))
+            flat.extend(tokens[: full * bs] if full * bs != count else tokens)
+        if len(spans) < 2 or not flat:
+            return None
+        try:
+            locs = block_locals(self._hasher, flat)
+        except TokenIdError:
+            return None
+        return [None if sp is None else locs[sp[0] : sp[0] + sp[1]] for sp in spans]
+
+    def removed(self, engine_hashes: Sequence[int], tier: Tier | None, out: list[KVEvent]) -> None:
+        """Blocks ``engine_hashes`` left ``tier`` (None: whichever tier holds each one);
+        unknown ones are counted and ignored."""
+        if tier is not None:
+            held = self._blocks[tier]
+            gone = [e[0] for h in engine_hashes if (e := held.pop(h, None)) is not None]
+            self._emit_removed(tier, gone, len(engine_hashes), out)
+            return
+        by_tier: dict[Tier, list[int]] = {}
+        for h in engine_hashes:
+            for t, held in self._blocks.items():
+                entry = held.pop(h, None)
+                if entry is not None:
+                    by_tier.setdefault(t, []).append(entry[0])
+                    break
+        found = sum(len(v) for v in by_tier.values())
+        if found < len(engine_hashes):
+            self._count("unknown_removed", len(engine_hashes) - found)
+        for t, gone in by_tier.items():
+            self._emit_removed(t, gone, len(gone), out)
+
+    def _emit_removed(self, tier: Tier, gone: list[int], asked: int, out: list[KVEvent]) -> None:
+        if asked > len(gone):
+            self._count("unknown_removed", asked - len(gone))
+        if gone:
+            self._count("removed", len(gone))
+            self.seq += 1
+            out.append(BlockRemoved(self.worker_id, self.epoch, self.seq, tier, gone))
+
+    def moved(self, engine_hash: int, src: Tier, dst: Tier, out: list[KVEvent]) -> None:
+        """One block moved from ``src`` to ``dst`` (TensorRT-LLM's offload/onboard update)."""
+        entry = self._blocks[src].pop(engine_hash, None)
+        if entry is None:
+            self._count("unknown_removed", 1)
+            return
+        canonical, parent = entry
+        self.seq += 1
+        out.append(BlockRemoved(self.worker_id, self.epoch, self.seq, src, [canonical]))
+        self._blocks[dst][engine_hash] = entry
+        self.seq += 1
+        out.append(BlockStored(self.worker_id, self.epoch, self.seq, dst, [canonical], parent))
+
+    def cleared(self, tier: Tier | None, out: list[KVEvent]) -> None:
+        """Every block in ``tier`` is gone (None: in every tier)."""
+        for t in self._clear_tiers(tier):
+            self.seq += 1
+            out.append(AllBlocksCleared(self.worker_id, self.epoch, self.seq, t))
+
+    def new_epoch(self, out: list[KVEvent]) -> None:
+        """Forget everything and start the next epoch with ``AllBlocksCleared`` events."""
+        tiers = self._clear_tiers(None)
+        self.epoch = min(self.epoch + 1, _MAX_COUNTER)
+        self.seq = 0
+        for t in tiers:
+            self.seq += 1
+            out.append(AllBlocksCleared(self.worker_id, self.epoch, self.seq, t))
+
+    # --- state --------------------------------------------------------------------------
+
+    def snapshot(self) -> WorkerSnapshot:
+        """Every block held now, per tier, as of event ``seq`` of ``epoch``."""
+        self.flush_metrics()
+        tiers = []
+        for tier, held in self._blocks.items():
+            if held:
+                values = list(held.values())
+                tiers.append(TierBlocks(tier, [v[0] for v in values], [v[1] for v in values]))
+        return WorkerSnapshot(self.worker_id, self.epoch, self.seq, tiers)
+
+    def num_blocks(self, tier: Tier | None = None) -> int:
+        if tier is not None:
+            return len(self._blocks[tier])
+        return sum(len(held) for held in self._blocks.values())
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _canonical(self, engine_hash: int, tier: Tier) -> int | None:
+        entry = self._blocks[tier].get(engine_hash)
+        if entry is None:
+            for other in Tier:
+                if other is not tier and (entry := self._blocks[other].get(engine_hash)):
+                    break
+        return None if entry is None else entry[0]
+
+    def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        key = (lora_name or None, cache_salt or None)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = Namespace(self.model_id, key[0], key[1]).seed
+        return seed
+
+    def _clear_tiers(self, tier: Tier | None) -> list[Tier]:
+        """Empty ``tier`` (or all); the tiers to announce: GPU always, others if they held any."""
+        tiers = [tier] if tier is not None else list(Tier)
+        announce = []
+        for t in tiers:
+            if t is Tier.GPU or self._blocks[t] or tier is not None:
+                announce.append(t)
+            self._blocks[t].clear()
+        return announce
+
+    def _count(self, outcome: str, n: int) -> None:
+        pending = self._pending
+        pending[outcome] = pending.get(outcome, 0) + n
+
+    def flush_metrics(self) -> None:
+        """Add the block counts gathered since the last flush to the Prometheus counters
+        (once per native batch: per-event ``inc`` calls cost more than the bookkeeping)."""
+        pending, self._pending = self._pending, {}
+        if self._metrics is None:
+            return
+        for outcome, n in pending.items():
+            child = self._block_counters.get(outcome)
+            if child is None:
+                m = self._metrics
+                child = m.blocks.labels(m.engine, self.worker_id, outcome)
+                self._block_counters[outcome] = child
+            child.inc(n)

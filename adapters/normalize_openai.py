@@ -1,0 +1,159 @@
+"""OpenAI response shapes every adapter produces: completions and chat, whole or streamed.
+
+Engines answer in their own shapes (SGLang's ``/generate``, ``trtllm-serve``'s completions);
+the adapters extract (text delta, finish reason, token counts) and build the client's
+OpenAI objects here, so both engines answer identically. Errors of either engine's shapes
+become ``OpenAIError`` (``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from adapters.base import OpenAIError, RequestKind, TokenizedRequest
+
+__all__ = ["OpenAIBuilder", "Usage", "error_from_engine", "error_type_for"]
+
+_HEAD = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int | None = None
+
+    def body(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
+
+
+class OpenAIBuilder:
+    """Builds the OpenAI objects of one request (its id and ``created`` stay fixed)."""
+
+    def __init__(self, request: TokenizedRequest, created: int | None = None) -> None:
+        self.request = request
+        self.chat = request.kind is RequestKind.CHAT
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        self.id = (
+            request.request_id
+            if request.request_id.startswith(prefix)
+            else (prefix + request.request_id)
+        )
+        self.created = int(time.time()) if created is None else created
+        self._role_sent = False
+
+    def _envelope(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """One stream chunk carrying ``text`` (may be empty) and maybe the finish reason."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self._role_sent:
+                delta["role"] = "assistant"
+                self._role_sent = True
+            if text or not finish_reason:
+                delta["content"] = text
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            body = self._envelope("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            body = self._envelope("text_completion")
+        body["choices"] = [choice]
+        if self.request.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        """The final chunk of a stream with ``stream_options.include_usage``."""
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
+        body["choices"] = []
+        body["usage"] = usage.body()
+        return body
+
+    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        """A whole (non-streaming) response."""
+        if self.chat:
+            body = self._envelope("chat.completion")
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        else:
+            body = self._envelope("text_completion")
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        body["choices"] = [choice]
+        body["usage"] = usage.body()
+        return body
+
+
+def error_type_for(status: int) -> str:
+    """OpenAI's error ``type`` for an HTTP status."""
+    if status in (400, 413, 422):
+        return "invalid_request_error"
+    if status in (401, 403):
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status == 429:
+        return "rate_limit_exceeded"
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_from_engine(engine: str, status: int, body: bytes | str | dict[str, Any]) -> OpenAIError:
+    """An engine's error reply (any of its known shapes, or plain text) as ``OpenAIError``.
+
+    Known shapes: ``{"error": {"message": ...}}``, ``{"error": "text"}``,
+    ``{"object": "error", "message", "type", "code"}`` (SGLang's and trtllm-serve's
+    ``ErrorResponse``), FastAPI's ``{"detail": ...}``; anything else is quoted verbatim.
+    """
+    parsed: Any = body
+    if isinstance(body, bytes | str):
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            parsed = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    message: str | None = None
+    code: str | int | None = None
+    if isinstance(parsed, dict):
+        err = parsed.get("error")
+        if isinstance(err, dict):
+            message = _text(err.get("message"))
+            code = err.get("code") if isinstance(err.get("code"), str | int) else None
+        elif err is not None:
+            message = _text(err)
+        elif "message" in parsed:
+            message = _text(parsed.get("message"))
+            code = parsed.get("code") if isinstance(parsed.get("code"), str | int) else None
+        elif "detail" in parsed:
+            message = _text(parsed["detail"])
+    if message is None:
+        raw = parsed if isinstance(parsed, str) else orjson.dumps(parsed).decode()
+        message = raw[:_HEAD] or f"empty error reply with status {status}"
+    if status >= 500:
+        message = f"{engine} engine error: {message}"
+    return OpenAIError(status, message, error_type_for(status), code)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    return orjson.dumps(value).decode()[:_HEAD]

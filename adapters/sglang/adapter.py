@@ -1,0 +1,255 @@
+"""``SGLangAdapter``: the ``EngineAdapter`` for one SGLang server.
+
+Discovery: ``GET /server_info`` gives the ``kv_events`` block (publisher endpoints per DP
+rank, replay ports, topic, block size); endpoints and block size given in the config win
+over it, and a block size given both ways must agree. Each DP rank becomes one canonical
+worker (``worker_id_for``) consumed by a ``RankSubscriber``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+import aiohttp
+import structlog
+import zmq.asyncio
+
+from adapters.base import (
+    AdapterConfig,
+    AdapterError,
+    EngineInfo,
+    EngineKind,
+    EngineRequest,
+    EventEndpoint,
+    TokenizedRequest,
+    worker_id_for,
+)
+from adapters.canonical.events import KVEvent, WorkerSnapshot
+from adapters.canonical.hashing import BlockHasher
+from adapters.canonical.layout import BlockLayout, LayoutKind
+from adapters.normalize import WorkerNormalizer
+from adapters.normalize_metrics import AdapterMetrics
+from adapters.normalize_stream import EventStream
+from adapters.sglang.core import RankNormalizer
+from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
+from adapters.sglang.subscriber import RankSubscriber
+
+__all__ = ["SGLangAdapter", "endpoints_from_server_info"]
+
+log = structlog.get_logger(component="adapters.sglang")
+
+_WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
+
+
+def endpoints_from_server_info(
+    server_info: Mapping[str, Any], engine_url: str
+) -> tuple[int, tuple[EventEndpoint, ...]]:
+    """(block size, one endpoint per DP rank) from ``/server_info``'s ``kv_events`` block."""
+    kv = server_info.get("kv_events")
+    if not isinstance(kv, Mapping):
+        raise AdapterError(
+            f"SGLang at {engine_url} does not publish KV events (no kv_events in /server_info): "
+            "start it with --kv-events-config "
+            """'{"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558"}'"""
+        )
+    try:
+        host = str(kv.get("endpoint_host") or "")
+        base = int(kv["endpoint_port_base"])
+        block_size = int(kv["block_size"])
+        dp_size = int(kv.get("dp_size") or 1)
+        topic = str(kv.get("topic") or "")
+        replay = kv.get("replay_endpoint_port_base")
+        replay_base = int(replay) if replay is not None else None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise AdapterError(f"malformed kv_events block in /server_info: {dict(kv)!r}") from exc
+    if host in _WILDCARD_HOSTS:
+        host = urlsplit(engine_url).hostname or "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+    endpoints = tuple(
+        EventEndpoint(
+            dp_rank=r,
+            endpoint=f"tcp://{host}:{base + r}",
+            replay_endpoint=None if replay_base is None else f"tcp://{host}:{replay_base + r}",
+            topic=topic,
+        )
+        for r in range(dp_size)
+    )
+    return block_size, endpoints
+
+
+class SGLangAdapter:
+    """KV events and request translation for one SGLang server."""
+
+    kind = EngineKind.SGLANG
+
+    def __init__(
+        self,
+        config: AdapterConfig,
+        *,
+        metrics: AdapterMetrics | None = None,
+        idle_probe_s: float = 1.0,
+    ) -> None:
+        if config.engine is not EngineKind.SGLANG:
+            raise ValueError(f"SGLangAdapter got a config for {config.engine.value}")
+        self.config = config
+        self.metrics = metrics if metrics is not None else AdapterMetrics("sglang")
+        self._idle_probe_s = idle_probe_s
+        self._info: EngineInfo | None = None
+        self._stream = EventStream(config.queue_size)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._normalizers: dict[str, WorkerNormalizer] = {}
+        self.subscribers: list[RankSubscriber] = []
+        self._incremental = False
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> EngineInfo:
+        cfg = self.config
+        server_info: dict[str, Any] = {}
+        if not cfg.endpoints or cfg.block_size is None:
+            server_info = await self._server_info()
+            block_size, endpoints = endpoints_from_server_info(server_info, cfg.engine_url)
+            if cfg.block_size is not None and cfg.block_size != block_size:
+                raise AdapterError(
+                    f"--block-size {cfg.block_size} but SGLang publishes blocks of {block_size} "
+                    "tokens (page_size * dcp_size); they must match"
+                )
+            if cfg.endpoints:
+                endpoints = cfg.endpoints
+            self._incremental = bool(server_info.get("incremental_streaming_output"))
+        else:
+            block_size, endpoints = cfg.block_size, cfg.endpoints
+        dp_size = len(endpoints)
+        first_epoch = cfg.first_epoch if cfg.first_epoch is not None else time.time_ns() // 1000
+        hasher = BlockHasher(block_size)
+        self._ctx = zmq.asyncio.Context()
+        worker_ids = []
+        producers = []
+        for ep in endpoints:
+            worker = worker_id_for(cfg.worker_id, ep.dp_rank, dp_size)
+            worker_ids.append(worker)
+            norm = WorkerNormalizer(worker, cfg.model_id, hasher, first_epoch, self.metrics)
+            self._normalizers[worker] = norm
+            sub = RankSubscriber(
+                ep,
+                self._ctx,
+                RankNormalizer(norm, self.metrics),
+                self._stream.put,
+                self.metrics,
+                replay_timeout_s=cfg.replay_timeout_s,
+                idle_probe_s=self._idle_probe_s,
+            )
+            self.subscribers.append(sub)
+            producers.append(sub.run)
+        self._info = EngineInfo(
+            kind=self.kind,
+            block_size=block_size,
+            dp_size=dp_size,
+            endpoints=tuple(endpoints),
+            worker_ids=tuple(worker_ids),
+            model_path=cfg.model_path or _str_or_none(server_info.get("model_path")),
+            server_info=server_info,
+        )
+        self._stream.start(producers)
+        log.info(
+            "engine_adapter_started",
+            engine=self.kind.value,
+            worker_ids=worker_ids,
+            block_size=block_size,
+        )
+        return self._info
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- the Protocol ---------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise AdapterError("the adapter has not started")
+        return self._info
+
+    def events(self) -> AsyncIterator[KVEvent]:
+        return aiter(self._stream)
+
+    def snapshot(self, worker_id: str) -> WorkerSnapshot:
+        try:
+            return self._normalizers[worker_id].snapshot()
+        except KeyError:
+            raise AdapterError(
+                f"unknown worker {worker_id!r}; known: {sorted(self._normalizers)}"
+            ) from None
+
+    def block_layout(self) -> BlockLayout:
+        info = self.info
+        path = info.model_path
+        if path is None or not Path(path).exists():
+            raise AdapterError(
+                f"the KV layout needs the model's config.json; model path {path!r} is not "
+                "readable here: pass --model-path"
+            )
+        server = info.server_info
+        layout = BlockLayout.from_model_path(path, info.block_size)
+        kind = LayoutKind.LAYER_FIRST
+        if str(server.get("hicache_mem_layout", "")).startswith("page_first"):
+            kind = LayoutKind.PAGE_FIRST
+        return BlockLayout(
+            layout.num_layers,
+            layout.num_kv_heads,
+            layout.head_dim,
+            layout.block_size,
+            layout.dtype,
+            kind,
+        )
+
+    def translate_request(self, request: TokenizedRequest) -> EngineRequest:
+        return to_generate_request(request)
+
+    def response_translator(self, request: TokenizedRequest) -> SGLangResponseTranslator:
+        return SGLangResponseTranslator(request, incremental=self._incremental)
+
+    # --- helpers --------------------------------------------------------------------------
+
+    async def _server_info(self) -> dict[str, Any]:
+        url = self.config.engine_url.rstrip("/") + "/server_info"
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.get(url) as resp,
+            ):
+                if resp.status != 200:
+                    text = await resp.text()
+                    raise AdapterError(f"GET {url} answered {resp.status}: {text[:200]}")
+                body = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise AdapterError(f"cannot reach SGLang at {url}: {exc!r}") from exc
+        if not isinstance(body, dict):
+            raise AdapterError(f"GET {url} did not answer a JSON object")
+        return body
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None

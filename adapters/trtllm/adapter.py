@@ -1,0 +1,268 @@
+"""``TrtllmAdapter``: the ``EngineAdapter`` for one TensorRT-LLM server (or in-process LLM).
+
+``trtllm-serve`` has no discovery endpoint for KV events: the block size
+(``tokens_per_block``) must be given, and the events come from ``POST /kv_cache_events`` at
+``engine_url`` (or ``endpoints[0].endpoint`` when given). With attention DP the envelopes of
+every rank arrive in one answer, each tagged ``attention_dp_rank``; each rank becomes one
+canonical worker. ``dp_size`` (how many ranks to expect) is the number of configured
+endpoints, or 1; an envelope from a rank beyond it is a malformed event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import msgspec
+import structlog
+
+from adapters.base import (
+    AdapterConfig,
+    AdapterError,
+    EngineInfo,
+    EngineKind,
+    EngineRequest,
+    EventEndpoint,
+    TokenizedRequest,
+    worker_id_for,
+)
+from adapters.canonical.events import KVEvent, WorkerSnapshot
+from adapters.canonical.hashing import BlockHasher
+from adapters.canonical.layout import BlockLayout
+from adapters.normalize import WorkerNormalizer
+from adapters.normalize_hashing import SHORT_CHAIN_BLOCKS
+from adapters.normalize_metrics import AdapterMetrics
+from adapters.normalize_stream import EventStream
+from adapters.trtllm.core import TrtRankCore
+from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
+from adapters.trtllm.sources import HttpEventSource, LlmApiEventSource
+from adapters.trtllm.wire import (
+    BadEnvelope,
+    Envelope,
+    PayloadError,
+    Stored,
+    decode_envelopes,
+    envelopes_from_objects,
+)
+
+__all__ = ["TrtllmAdapter", "TrtllmNormalizer"]
+
+log = structlog.get_logger(component="adapters.trtllm")
+_HEAD = 64
+
+
+class TrtllmNormalizer:
+    """Raw answers (bytes or the LLM API's objects) → canonical events, for every rank."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        model_id: str,
+        block_size: int,
+        dp_size: int,
+        metrics: AdapterMetrics,
+        *,
+        first_epoch: int,
+        lora_names: dict[int, str] | None = None,
+    ) -> None:
+        hasher = BlockHasher(block_size)
+        self.metrics = metrics
+        self.cores: list[TrtRankCore] = [
+            TrtRankCore(
+                WorkerNormalizer(
+                    worker_id_for(worker_id, r, dp_size), model_id, hasher, first_epoch, metrics
+                ),
+                metrics,
+                lora_names,
+            )
+            for r in range(dp_size)
+        ]
+        self._worker = worker_id
+
+    def apply_payload(self, payload: bytes) -> list[KVEvent]:
+        try:
+            envelopes = decode_envelopes(payload)
+        except PayloadError as exc:
+            self.metrics.decode_errors.labels(self.metrics.engine, self._worker, "payload").inc()
+            log.error(
+                "kv_event_decode_failed",
+                worker_id=self._worker,
+                kind="payload",
+                reason=str(exc),
+                raw_len=len(payload),
+                raw_head=payload[:_HEAD].hex(),
+            )
+            out: list[KVEvent] = []
+            # Lost events of unknown ranks: every rank's view may have drifted.
+            for core in self.cores:
+                core.resync("malformed_event", out)
+            return out
+        return self.apply_envelopes(envelopes)
+
+    def apply_objects(self, objects: list[Any]) -> list[KVEvent]:
+        return self.apply_envelopes(envelopes_from_objects(objects))
+
+    def apply_envelopes(self, envelopes: list[Envelope | BadEnvelope]) -> list[KVEvent]:
+        out: list[KVEvent] = []
+        cores = self.cores
+        batched = self._short_chain_locals(envelopes)
+        for index, env in enumerate(envelopes):
+            rank = env.attention_dp_rank or 0
+            if rank >= len(cores) or rank < 0:
+                raw = msgspec.json.encode(env)
+                reason = f"attention_dp_rank {rank} but the adapter expects {len(cores)} rank(s)"
+                cores[0].apply(BadEnvelope(None, None, reason, raw), out)
+                continue
+            cores[rank].apply(env, out, batched.get(index))
+        for core in cores:
+            core.flush_metrics()
+        return out
+
+    def _short_chain_locals(
+        self, envelopes: list[Envelope | BadEnvelope]
+    ) -> dict[int, list[int] | None]:
+        """Block locals of every short stored chain of one answer, in one vectorized pass."""
+        short = [
+            (i, env.data)
+            for i, env in enumerate(envelopes)
+            if isinstance(env, Envelope)
+            and isinstance(env.data, Stored)
+            and len(env.data.blocks) < SHORT_CHAIN_BLOCKS
+        ]
+        if len(short) < 2:
+            return {}
+        chains = [
+            (len(d.blocks), [t.token_id for b in d.blocks for t in b.tokens]) for _, d in short
+        ]
+        locs = self.cores[0].normalizer.short_chain_locals(chains)
+        if locs is None:
+            return {}
+        return {i: loc for (i, _), loc in zip(short, locs, strict=True)}
+
+
+class TrtllmAdapter:
+    """KV events and request translation for one TensorRT-LLM server."""
+
+    kind = EngineKind.TRTLLM
+
+    def __init__(
+        self,
+        config: AdapterConfig,
+        *,
+        metrics: AdapterMetrics | None = None,
+        llm: Any = None,
+    ) -> None:
+        if config.engine is not EngineKind.TRTLLM:
+            raise ValueError(f"TrtllmAdapter got a config for {config.engine.value}")
+        self.config = config
+        self.metrics = metrics if metrics is not None else AdapterMetrics("trtllm")
+        self._llm = llm
+        self._info: EngineInfo | None = None
+        self._stream = EventStream(config.queue_size)
+        self.normalizer: TrtllmNormalizer | None = None
+        self.source: HttpEventSource | LlmApiEventSource | None = None
+
+    async def start(self) -> EngineInfo:
+        cfg = self.config
+        if cfg.block_size is None:
+            raise AdapterError(
+                "TensorRT-LLM does not advertise its block size: pass --block-size "
+                "(kv_cache_config tokens_per_block, 32 by default)"
+            )
+        endpoints = cfg.endpoints or (EventEndpoint(0, cfg.engine_url),)
+        dp_size = len(endpoints)
+        first_epoch = cfg.first_epoch if cfg.first_epoch is not None else time.time_ns() // 1000
+        norm = TrtllmNormalizer(
+            cfg.worker_id,
+            cfg.model_id,
+            cfg.block_size,
+            dp_size,
+            self.metrics,
+            first_epoch=first_epoch,
+            lora_names=dict(cfg.lora_names),
+        )
+        self.normalizer = norm
+
+        async def on_payload(payload: bytes) -> None:
+            await self._stream.put(norm.apply_payload(payload))
+
+        async def on_objects(objects: list[Any]) -> None:
+            await self._stream.put(norm.apply_objects(objects))
+
+        if self._llm is not None:
+            self.source = LlmApiEventSource(
+                self._llm, on_objects, poll_interval_s=cfg.poll_interval_s
+            )
+        else:
+            self.source = HttpEventSource(
+                endpoints[0].endpoint,
+                on_payload,
+                poll_interval_s=cfg.poll_interval_s,
+                request_timeout_s=cfg.request_timeout_s,
+            )
+        worker_ids = tuple(core.normalizer.worker_id for core in norm.cores)
+        self._info = EngineInfo(
+            kind=self.kind,
+            block_size=cfg.block_size,
+            dp_size=dp_size,
+            endpoints=tuple(endpoints),
+            worker_ids=worker_ids,
+            model_path=cfg.model_path,
+        )
+        self._stream.start([self.source.run])
+        log.info(
+            "engine_adapter_started",
+            engine=self.kind.value,
+            worker_ids=list(worker_ids),
+            block_size=cfg.block_size,
+        )
+        return self._info
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise AdapterError("the adapter has not started")
+        return self._info
+
+    def events(self) -> AsyncIterator[KVEvent]:
+        return aiter(self._stream)
+
+    def snapshot(self, worker_id: str) -> WorkerSnapshot:
+        if self.normalizer is not None:
+            for core in self.normalizer.cores:
+                if core.normalizer.worker_id == worker_id:
+                    return core.normalizer.snapshot()
+        raise AdapterError(f"unknown worker {worker_id!r}")
+
+    def block_layout(self) -> BlockLayout:
+        info = self.info
+        if info.model_path is None or not Path(info.model_path).exists():
+            raise AdapterError(
+                f"the KV layout needs the model's config.json; model path {info.model_path!r} "
+                "is not readable here: pass --model-path"
+            )
+        return BlockLayout.from_model_path(info.model_path, info.block_size)
+
+    def translate_request(self, request: TokenizedRequest) -> EngineRequest:
+        return to_completions_request(request)
+
+    def response_translator(self, request: TokenizedRequest) -> TrtllmResponseTranslator:
+        return TrtllmResponseTranslator(request)

@@ -1,0 +1,239 @@
+"""Our SGLang subscriber against SGLang's own ZmqEventPublisher (the `sglang` extra).
+
+The publisher is SGLang's real class, on loopback with ephemeral ports, publishing batches
+built with SGLang's own event structs (its RadixCache needs transformers and friends, which
+the extra does not install). Faults are injected at the engine boundary only: one live send
+is swallowed (a gap the publisher's own replay buffer must fill), and the publisher is shut
+down and replaced by a fresh one on the same ports (an engine restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+
+from adapters.base import AdapterConfig, EngineKind, EventEndpoint  # noqa: E402
+from adapters.canonical.events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Tier,
+)
+from adapters.canonical.hashing import BlockHasher  # noqa: E402
+from adapters.canonical.namespace import Namespace  # noqa: E402
+from adapters.normalize_metrics import AdapterMetrics  # noqa: E402
+from adapters.sglang.adapter import SGLangAdapter  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+
+PAGE = 16
+DEADLINE_S = 15.0
+
+
+def h(tokens: list[int], salt: str | None = None) -> list[int]:
+    return BlockHasher(PAGE).hash_tokens(tokens, Namespace("m", None, salt).seed)
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: Any) -> Any:
+    return kv_events.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=PAGE,
+        lora_id=None,
+        medium=kw.pop("medium", "GPU"),
+        **kw,
+    )
+
+
+def batch(*events: Any) -> Any:
+    return kv_events.KVEventBatch(ts=time.time(), events=list(events))
+
+
+class DropOneSend:
+    """Stands in for the publisher's PUB socket and swallows one chosen seq (a lost batch)."""
+
+    def __init__(self, sock: Any, drop_seq: int) -> None:
+        self._sock = sock
+        self._drop = drop_seq.to_bytes(8, "big")
+
+    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
+        if frames[1] == self._drop:
+            return None
+        return self._sock.send_multipart(frames, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _ports_free(*endpoints: str) -> bool:
+    for endpoint in endpoints:
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if port == "*":
+            continue
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                return False
+    return True
+
+
+async def new_publisher(endpoint: str, replay: str) -> Any:
+    """SGLang's publisher; on fixed ports once the previous one has let them go."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not _ports_free(endpoint, replay):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{endpoint} / {replay} still in use")
+        await asyncio.sleep(0.02)
+    return kv_events.ZmqEventPublisher(
+        0, endpoint=endpoint, replay_endpoint=replay, bind=True, buffer_steps=1000
+    )
+
+
+@pytest.fixture
+async def publisher() -> AsyncIterator[Any]:
+    pub = await new_publisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    holder = [pub]
+    yield holder
+    await asyncio.to_thread(holder[0].shutdown)
+
+
+async def start_adapter(pub: Any) -> tuple[SGLangAdapter, AdapterMetrics]:
+    metrics = AdapterMetrics("sglang")
+    cfg = AdapterConfig(
+        EngineKind.SGLANG,
+        "http://127.0.0.1:9",
+        "w",
+        "m",
+        block_size=PAGE,
+        endpoints=(EventEndpoint(0, pub._local_pub_endpoint, pub._local_replay_endpoint),),
+        first_epoch=1,
+    )
+    adapter = SGLangAdapter(cfg, metrics=metrics, idle_probe_s=0.1)
+    await adapter.start()
+    async with asyncio.timeout(DEADLINE_S):
+        await adapter.subscribers[0].connected.wait()
+    return adapter, metrics
+
+
+async def collect(
+    stream: AsyncIterator[KVEvent], out: list[KVEvent], done: Callable[[], bool]
+) -> None:
+    async with asyncio.timeout(DEADLINE_S):
+        while not done():
+            out.append(await anext(stream))
+
+
+def held(events: list[KVEvent]) -> set[int]:
+    """GPU blocks after applying ``events`` (within the last epoch)."""
+    blocks: set[int] = set()
+    epoch = None
+    for e in events:
+        if e.epoch != epoch:
+            epoch, blocks = e.epoch, set()
+        if isinstance(e, BlockStored):
+            blocks.update(e.block_hashes)
+        elif isinstance(e, BlockRemoved):
+            blocks.difference_update(e.block_hashes)
+        elif isinstance(e, AllBlocksCleared):
+            blocks.clear()
+    return blocks
+
+
+async def test_real_publisher_events_normalize(publisher: list[Any]) -> None:
+    """Coalesced chains, salts, host-tier stores and removals from SGLang's publisher."""
+    pub = publisher[0]
+    adapter, _ = await start_adapter(pub)
+    try:
+        stream = aiter(adapter.events())
+        tokens = list(range(3 * PAGE))
+        pub.publish(batch(stored([-5, 6, -7], None, tokens)))
+        pub.publish(
+            batch(
+                stored([8], None, tokens[:PAGE], cache_salt="tenant-a"),
+                stored([-5], None, tokens[:PAGE], medium="CPU_PINNED"),
+            )
+        )
+        pub.publish(batch(kv_events.BlockRemoved(block_hashes=[-7], medium="GPU")))
+        out: list[KVEvent] = []
+        await collect(stream, out, lambda: len(out) >= 4)
+        full = h(tokens)
+        assert out[0] == BlockStored("w", 1, 1, Tier.GPU, full, None, tokens)
+        assert out[1].block_hashes == h(tokens[:PAGE], "tenant-a")
+        assert out[2] == BlockStored("w", 1, 3, Tier.HOST, full[:1], None, tokens[:PAGE])
+        assert out[3] == BlockRemoved("w", 1, 4, Tier.GPU, [full[2]])
+    finally:
+        await adapter.aclose()
+
+
+async def test_gap_filled_by_the_publishers_replay(publisher: list[Any]) -> None:
+    """A batch lost on the live socket comes back from SGLang's replay ROUTER, in order."""
+    pub = publisher[0]
+    adapter, metrics = await start_adapter(pub)
+    try:
+        stream = aiter(adapter.events())
+        out: list[KVEvent] = []
+        pub.publish(batch(stored([1], None, [1] * PAGE)))
+        await collect(stream, out, lambda: len(out) >= 1)
+        pub._pub = DropOneSend(pub._pub, drop_seq=1)
+        pub.publish(batch(stored([2], None, [2] * PAGE)))  # seq 1: never sent live
+        pub.publish(batch(stored([3], None, [3] * PAGE)))  # seq 2: reveals the gap
+        await collect(stream, out, lambda: len(out) >= 3)
+        assert [e.block_hashes for e in out] == [h([1] * PAGE), h([2] * PAGE), h([3] * PAGE)]
+        assert [(e.epoch, e.seq) for e in out] == [(1, 1), (1, 2), (1, 3)]
+        assert metrics.value("sequence_gaps", worker="w") == 1
+        assert metrics.value("replays", worker="w", outcome="ok") >= 1
+        assert metrics.value("resyncs", worker="w", reason="replay_range_gone") == 0
+    finally:
+        await adapter.aclose()
+
+
+async def test_late_subscriber_rebuilds_from_the_replay_buffer(publisher: list[Any]) -> None:
+    """Batches published before the subscriber existed are replayed at start-up."""
+    pub = publisher[0]
+    pub.publish(batch(kv_events.AllBlocksCleared()))
+    pub.publish(batch(stored([1, 2], None, list(range(2 * PAGE)))))
+    adapter, _ = await start_adapter(pub)
+    try:
+        out: list[KVEvent] = []
+        await collect(aiter(adapter.events()), out, lambda: len(held(out)) == 2)
+        assert held(out) == set(h(list(range(2 * PAGE))))
+    finally:
+        await adapter.aclose()
+
+
+async def test_publisher_restart_starts_a_new_epoch(publisher: list[Any]) -> None:
+    """A new publisher on the same ports (seq from 0): new epoch, old blocks gone, rebuilt."""
+    pub = publisher[0]
+    endpoint, replay = pub._local_pub_endpoint, pub._local_replay_endpoint
+    adapter, metrics = await start_adapter(pub)
+    try:
+        stream = aiter(adapter.events())
+        out: list[KVEvent] = []
+        pub.publish(batch(stored([1, 2], None, list(range(2 * PAGE)))))
+        await collect(stream, out, lambda: len(held(out)) == 2)
+        await asyncio.to_thread(pub.shutdown)
+        pub = publisher[0] = await new_publisher(endpoint, replay)
+        pub.publish(batch(kv_events.AllBlocksCleared()))  # the radix cache reset at start-up
+        pub.publish(batch(stored([9], None, [9] * PAGE)))
+        await collect(stream, out, lambda: held(out) == set(h([9] * PAGE)))
+        assert out[-1].epoch >= 2
+        first_of_new = next(e for e in out if e.epoch >= 2)
+        assert isinstance(first_of_new, AllBlocksCleared) and first_of_new.seq == 1
+        assert (
+            metrics.value("resyncs", worker="w", reason="publisher_reconnected")
+            + (metrics.value("resyncs", worker="w", reason="sequence_reset"))
+            >= 1
+        )
+    finally:
+        await adapter.aclose()

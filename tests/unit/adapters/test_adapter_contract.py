@@ -1,0 +1,266 @@
+"""The adapter contract: every adapter's normalized stream means the same thing.
+
+One suite, parametrized over [fake, sglang, trtllm]. The engines are fakes at the engine
+boundary speaking the real wire formats on real loopback sockets (ephemeral ports); the
+adapters are the real ones. A consumer applies the canonical stream with the checks every
+index does (seq contiguous from 1 per epoch, epochs only grow) and compares what it ends up
+with against what the engine really holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from adapters.base import AdapterConfig, EngineAdapter, EngineKind, EventEndpoint
+from adapters.canonical.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Tier,
+)
+from adapters.canonical.hashing import BlockHasher
+from adapters.canonical.namespace import Namespace
+from adapters.normalize_metrics import AdapterMetrics
+from adapters.sglang.adapter import SGLangAdapter
+from adapters.trtllm.adapter import TrtllmAdapter
+from tests.unit.adapters.fake_adapter import FakeAdapter
+from tests.unit.adapters.fake_engines import FakeSGLangPublisher, FakeTrtllmServer, Truth
+
+BS = 4
+DEADLINE_S = 10.0
+
+
+class Consumer:
+    """Applies a canonical stream the way an index does, checking its invariants."""
+
+    def __init__(self) -> None:
+        self.epoch: int | None = None
+        self.seq = 0
+        self.blocks: dict[Tier, dict[int, int | None]] = {t: {} for t in Tier}
+        self.events: list[KVEvent] = []
+
+    def apply(self, event: KVEvent) -> None:
+        self.events.append(event)
+        if event.epoch != self.epoch:
+            assert self.epoch is None or event.epoch > self.epoch, "epochs only grow"
+            assert event.seq == 1, f"a new epoch starts at seq 1, got {event.seq}"
+            self.epoch = event.epoch
+            self.blocks = {t: {} for t in Tier}
+        else:
+            assert event.seq == self.seq + 1, f"seq {event.seq} after {self.seq}"
+        self.seq = event.seq
+        held = self.blocks[event.tier]
+        if isinstance(event, BlockStored):
+            prev = event.parent_hash
+            for h in event.block_hashes:
+                held[h] = prev
+                prev = h
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                held.pop(h, None)
+        else:
+            held.clear()
+
+    def gpu(self) -> dict[int, int | None]:
+        return dict(self.blocks[Tier.GPU])
+
+
+def expected(truth: Truth, salt: str | None = None) -> dict[int, int | None]:
+    """The canonical (hash → parent) map of what the engine holds."""
+    hasher = BlockHasher(BS)
+    seed = Namespace("m", None, salt).seed
+    out: dict[int, int | None] = {}
+    for h in truth.blocks:
+        chain = hasher.hash_tokens(truth.token_path(h), seed)
+        out[chain[-1]] = chain[-2] if len(chain) > 1 else None
+    return out
+
+
+@dataclass
+class Harness:
+    name: str
+    adapter: Any  # an EngineAdapter
+    engine: Any  # the fake engine (or the fake adapter itself)
+    metrics: AdapterMetrics
+    replays: bool
+    consumer: Consumer
+    stream: AsyncIterator[KVEvent]
+
+    async def until(self, done: Callable[[Consumer], bool]) -> None:
+        """Consume events until ``done`` holds (a deadline, never a sleep)."""
+        async with asyncio.timeout(DEADLINE_S):
+            while not done(self.consumer):
+                self.consumer.apply(await anext(self.stream))
+
+
+@pytest.fixture(params=["fake", "sglang", "trtllm"])
+async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
+    name = request.param
+    engine: Any
+    adapter: Any
+    if name == "fake":
+        adapter = engine = FakeAdapter("w", "m", BS)
+        metrics = adapter.metrics
+    elif name == "sglang":
+        engine = FakeSGLangPublisher(BS)
+        metrics = AdapterMetrics("sglang")
+        cfg = AdapterConfig(
+            EngineKind.SGLANG,
+            "http://127.0.0.1:9",
+            "w",
+            "m",
+            block_size=BS,
+            endpoints=(EventEndpoint(0, engine.endpoint, engine.replay_endpoint),),
+            first_epoch=1,
+            replay_timeout_s=2.0,
+        )
+        adapter = SGLangAdapter(cfg, metrics=metrics, idle_probe_s=0.05)
+    else:
+        engine = FakeTrtllmServer(BS)
+        await engine.start()
+        metrics = AdapterMetrics("trtllm")
+        cfg = AdapterConfig(
+            EngineKind.TRTLLM,
+            engine.url,
+            "w",
+            "m",
+            block_size=BS,
+            first_epoch=1,
+            poll_interval_s=0.01,
+        )
+        adapter = TrtllmAdapter(cfg, metrics=metrics)
+    await adapter.start()
+    assert isinstance(adapter, EngineAdapter)  # checks attributes: after start (info)
+    try:
+        if name == "sglang":
+            async with asyncio.timeout(DEADLINE_S):
+                await adapter.subscribers[0].connected.wait()
+        yield Harness(
+            name, adapter, engine, metrics, name == "sglang", Consumer(), aiter(adapter.events())
+        )
+    finally:
+        await adapter.aclose()
+        if engine is not adapter:
+            await engine.aclose()
+
+
+def h(tokens: list[int], salt: str | None = None) -> list[int]:
+    return BlockHasher(BS).hash_tokens(tokens, Namespace("m", None, salt).seed)
+
+
+async def test_same_native_history_gives_the_same_canonical_events(harness: Harness) -> None:
+    """Stored chains, a child and a removal normalize to identical events on every engine."""
+    eng = harness.engine
+    await eng.store([11, 12], None, list(range(8)))
+    await eng.store([13], 12, list(range(8, 12)))
+    await eng.remove([13, 12])
+    await harness.until(lambda c: c.seq >= 3)
+    full = h(list(range(12)))
+    assert harness.consumer.events == [
+        BlockStored("w", 1, 1, Tier.GPU, full[:2], None, list(range(8))),
+        BlockStored("w", 1, 2, Tier.GPU, full[2:], full[1], list(range(8, 12))),
+        BlockRemoved("w", 1, 3, Tier.GPU, [full[2], full[1]]),
+    ]
+    assert harness.consumer.gpu() == expected(eng.truth)
+
+
+async def test_salted_requests_live_in_their_own_namespace(harness: Harness) -> None:
+    """A cache salt changes every canonical hash of the chain."""
+    await harness.engine.store([21], None, [1, 2, 3, 4], salt="tenant-a")
+    await harness.until(lambda c: c.seq >= 1)
+    assert harness.consumer.gpu() == {h([1, 2, 3, 4], "tenant-a")[0]: None}
+
+
+async def test_clear_empties_the_worker(harness: Harness) -> None:
+    """A cache flush leaves the consumer with nothing for that worker."""
+    eng = harness.engine
+    await eng.store([1, 2], None, list(range(8)))
+    await harness.until(lambda c: len(c.gpu()) == 2)
+    await eng.clear()
+    await harness.until(lambda c: not c.gpu())
+    assert eng.truth.blocks == {}
+
+
+async def test_gap_is_filled_or_resynced(harness: Harness) -> None:
+    """Lost events come back by replay (SGLang) or end in a resync; never a wrong block."""
+    eng = harness.engine
+    await eng.store([1], None, [1, 2, 3, 4])
+    await harness.until(lambda c: len(c.gpu()) == 1)
+    eng.gap(1)
+    await eng.store([2], None, [5, 6, 7, 8])  # lost live
+    await eng.store([3], None, [9, 9, 9, 9])
+    want = expected(eng.truth)
+    third = h([9, 9, 9, 9])[0]
+    await harness.until(lambda c: third in c.gpu())
+    got = harness.consumer.gpu()
+    assert got.items() <= want.items(), "only blocks the engine holds"
+    if harness.replays:
+        assert got == want and harness.consumer.epoch == 1
+        assert harness.metrics.value("sequence_gaps", worker="w") == 1
+        assert harness.metrics.value("replays", worker="w", outcome="ok") >= 1
+    elif harness.name == "trtllm":
+        assert harness.consumer.epoch == 2
+        assert harness.metrics.value("resyncs", worker="w", reason="event_gap") == 1
+
+
+async def test_engine_restart_starts_a_new_epoch(harness: Harness) -> None:
+    """A restarted engine's worker starts over: new epoch from seq 1, old blocks gone."""
+    eng = harness.engine
+    await eng.store([1, 2], None, list(range(8)))
+    await harness.until(lambda c: len(c.gpu()) == 2)
+    await eng.restart()
+    await eng.store([5], None, [4, 4, 4, 4])
+    await harness.until(lambda c: c.gpu() == {h([4, 4, 4, 4])[0]: None})
+    assert harness.consumer.epoch is not None and harness.consumer.epoch >= 2
+    assert harness.consumer.gpu() == expected(eng.truth)
+    cleared = [e for e in harness.consumer.events if isinstance(e, AllBlocksCleared)]
+    assert cleared and cleared[0].seq == 1
+    reasons = {"sglang": ("publisher_reconnected", "sequence_reset"), "trtllm": ("event_id_reset",)}
+    if harness.name in reasons:
+        assert (
+            sum(
+                harness.metrics.value("resyncs", worker="w", reason=r)
+                for r in reasons[harness.name]
+            )
+            >= 1
+        )
+
+
+async def test_malformed_event_is_counted_and_loses_nothing_else(harness: Harness) -> None:
+    """A corrupt event is a decode error and a resync; events after it still arrive."""
+    eng = harness.engine
+    await eng.store([1], None, [1, 2, 3, 4])
+    await harness.until(lambda c: len(c.gpu()) == 1)
+    await eng.garbage()
+    await eng.store([2], None, [5, 6, 7, 8])
+    second = h([5, 6, 7, 8])[0]
+    await harness.until(lambda c: second in c.gpu() and c.epoch is not None and c.epoch >= 2)
+    assert (
+        harness.metrics.value("decode_errors", worker="w", kind="event")
+        + harness.metrics.value("decode_errors", worker="w", kind="envelope")
+        == 1
+    )
+    got = harness.consumer.gpu()
+    assert got.items() <= expected(eng.truth).items()
+    if harness.replays:  # the rebuild replays the whole buffer: nothing but the bad event lost
+        await harness.until(lambda c: len(c.gpu()) == 2)
+
+
+async def test_snapshot_matches_the_consumed_stream(harness: Harness) -> None:
+    """A snapshot at (epoch, seq) equals the state a consumer reaches at that seq."""
+    eng = harness.engine
+    await eng.store([1, 2, 3], None, list(range(12)))
+    await eng.remove([3])
+    await eng.store([4], 2, [7, 7, 7, 7])
+    await harness.until(lambda c: c.seq >= 3)
+    snap = harness.adapter.snapshot("w")
+    assert (snap.epoch, snap.seq) == (harness.consumer.epoch, harness.consumer.seq)
+    (gpu,) = [t for t in snap.tiers if t.tier is Tier.GPU]
+    assert dict(zip(gpu.block_hashes, gpu.parent_hashes, strict=True)) == harness.consumer.gpu()
+    assert harness.adapter.info.worker_ids == ("w",)

@@ -1,0 +1,235 @@
+"""The shared normalizer: canonical re-hashing, engine-hash keys, epochs, subsets, snapshots."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from adapters.canonical.hashing import BlockHasher
+from adapters.canonical.namespace import Namespace
+from adapters.normalize import MalformedEventError, WorkerNormalizer
+from adapters.normalize_metrics import AdapterMetrics
+
+BS = 4
+MODEL = "m"
+
+
+def make(epoch: int = 7) -> tuple[WorkerNormalizer, AdapterMetrics]:
+    metrics = AdapterMetrics("test")
+    return WorkerNormalizer("w", MODEL, BlockHasher(BS), epoch, metrics), metrics
+
+
+def canon(tokens: list[int], lora: str | None = None, salt: str | None = None) -> list[int]:
+    return BlockHasher(BS).hash_tokens(tokens, Namespace(MODEL, lora, salt).seed)
+
+
+def test_stored_chain_gets_canonical_hashes_of_the_whole_prefix() -> None:
+    """A child stored under an engine parent hashes as the continuation of the parent's chain."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([101, 102], None, list(range(8)), Tier.GPU, out)
+    norm.stored([103], 102, list(range(8, 12)), Tier.GPU, out)
+    assert [type(e) for e in out] == [BlockStored, BlockStored]
+    full = canon(list(range(12)))
+    assert out[0].block_hashes == full[:2] and out[0].parent_hash is None
+    assert out[1].block_hashes == full[2:] and out[1].parent_hash == full[1]
+    assert out[1].token_ids == [8, 9, 10, 11]
+    assert [(e.epoch, e.seq) for e in out] == [(7, 1), (7, 2)]
+
+
+def test_namespaces_separate_salt_and_lora() -> None:
+    """The same tokens under another salt or LoRA get other canonical hashes."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([1], None, [1, 2, 3, 4], Tier.GPU, out)
+    norm.stored([2], None, [1, 2, 3, 4], Tier.GPU, out, cache_salt="t")
+    norm.stored([3], None, [1, 2, 3, 4], Tier.GPU, out, lora_name="a")
+    hashes = [e.block_hashes[0] for e in out if isinstance(e, BlockStored)]
+    assert hashes == [
+        canon([1, 2, 3, 4])[0],
+        canon([1, 2, 3, 4], salt="t")[0],
+        canon([1, 2, 3, 4], lora="a")[0],
+    ]
+    assert len(set(hashes)) == 3
+
+
+def test_removal_resolves_engine_hashes_and_counts_unknown() -> None:
+    """Removals carry engine hashes; known ones map to canonical, unknown ones are counted."""
+    norm, metrics = make()
+    out: list[KVEvent] = []
+    norm.stored([101, 102], None, list(range(8)), Tier.GPU, out)
+    norm.removed([102, 999], Tier.GPU, out)
+    assert isinstance(out[-1], BlockRemoved)
+    assert out[-1].block_hashes == [canon(list(range(8)))[1]]
+    norm.flush_metrics()
+    assert metrics.value("blocks", worker="w", outcome="unknown_removed") == 1
+    norm.removed([999], Tier.GPU, out)
+    assert len(out) == 2  # nothing known: no event
+
+
+def test_removal_without_tier_finds_each_block() -> None:
+    """A tierless removal (TensorRT-LLM) removes each block from the tier that holds it."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([1], None, [1, 2, 3, 4], Tier.GPU, out)
+    norm.stored([2], None, [5, 6, 7, 8], Tier.HOST, out)
+    out.clear()
+    norm.removed([1, 2], None, out)
+    assert {(e.tier, e.block_hashes[0]) for e in out if isinstance(e, BlockRemoved)} == {
+        (Tier.GPU, canon([1, 2, 3, 4])[0]),
+        (Tier.HOST, canon([5, 6, 7, 8])[0]),
+    }
+    assert norm.num_blocks() == 0
+
+
+def test_unknown_parent_orphans_the_chain() -> None:
+    """A chain under an engine parent nobody published is counted, never guessed."""
+    norm, metrics = make()
+    out: list[KVEvent] = []
+    norm.stored([5, 6], 12345, list(range(8)), Tier.GPU, out)
+    assert out == []
+    norm.flush_metrics()
+    assert metrics.value("blocks", worker="w", outcome="orphaned") == 2
+    norm.stored([7], 6, list(range(4)), Tier.GPU, out)  # child of an orphan: orphan too
+    assert out == []
+
+
+def test_partial_last_block_is_skipped() -> None:
+    """A partial tail block is not published; the full ones are."""
+    norm, metrics = make()
+    out: list[KVEvent] = []
+    norm.stored([1, 2], None, list(range(6)), Tier.GPU, out)
+    assert out[0].block_hashes == canon(list(range(4)))
+    norm.flush_metrics()
+    assert metrics.value("blocks", worker="w", outcome="skipped") == 1
+    norm.stored([3], 2, list(range(4)), Tier.GPU, out)
+    assert len(out) == 1  # its parent was never published
+
+
+@pytest.mark.parametrize("count", [0, 4, 9, 13])
+def test_token_count_that_fits_no_block_count_is_malformed(count: int) -> None:
+    """Two blocks of 4 hold 5..8 token ids; anything else raises MalformedEventError."""
+    norm, _ = make()
+    with pytest.raises(MalformedEventError, match="cannot hold"):
+        norm.stored([1, 2], None, list(range(count)), Tier.GPU, [])
+
+
+def test_parent_found_in_another_tier() -> None:
+    """A host-tier child may hang under a parent held only on the GPU."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([1], None, [1, 2, 3, 4], Tier.GPU, out)
+    norm.stored([2], 1, [5, 6, 7, 8], Tier.HOST, out)
+    assert out[1].tier is Tier.HOST
+    assert out[1].block_hashes == canon([1, 2, 3, 4, 5, 6, 7, 8])[1:]
+
+
+def test_moved_block_leaves_one_tier_for_another() -> None:
+    """A tier move is a removal from the old tier and a store (same hash, parent) in the new."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([1, 2], None, list(range(8)), Tier.GPU, out)
+    norm.moved(2, Tier.GPU, Tier.HOST, out)
+    h = canon(list(range(8)))
+    assert out[1] == BlockRemoved("w", 7, 2, Tier.GPU, [h[1]])
+    assert out[2] == BlockStored("w", 7, 3, Tier.HOST, [h[1]], h[0])
+
+
+def test_cleared_and_new_epoch() -> None:
+    """Cleared empties tiers; a new epoch restarts seq at 1 with AllBlocksCleared per tier."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([1], None, [1, 2, 3, 4], Tier.HOST, out)
+    norm.cleared(None, out)
+    assert [e.tier for e in out[1:]] == [Tier.GPU, Tier.HOST]
+    assert norm.num_blocks() == 0
+    norm.stored([1], None, [1, 2, 3, 4], Tier.GPU, out)
+    out.clear()
+    norm.new_epoch(out)
+    assert out == [AllBlocksCleared("w", 8, 1, Tier.GPU)]
+    assert norm.snapshot().tiers == [] and norm.snapshot().epoch == 8
+
+
+def test_snapshot_matches_the_events() -> None:
+    """A snapshot lists every held block with its canonical parent, stamped with epoch/seq."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    norm.stored([1, 2, 3], None, list(range(12)), Tier.GPU, out)
+    norm.removed([3], Tier.GPU, out)
+    snap = norm.snapshot()
+    h = canon(list(range(12)))
+    assert (snap.epoch, snap.seq) == (7, 2)
+    assert len(snap.tiers) == 1
+    assert snap.tiers[0].block_hashes == h[:2]
+    assert snap.tiers[0].parent_hashes == [None, h[0]]
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[tuple]:
+    """Random native histories: stores (root or under a live block), removals, clears."""
+    ops: list[tuple] = []
+    live: list[int] = []
+    next_hash = 1
+    for _ in range(draw(st.integers(1, 40))):
+        kind = draw(st.sampled_from(["store", "store", "store", "remove", "clear"]))
+        if kind == "store":
+            n = draw(st.integers(1, 5))
+            parent = draw(st.sampled_from([None, *live])) if live else None
+            tokens = draw(st.lists(st.integers(0, 50), min_size=n * BS, max_size=n * BS))
+            hashes = list(range(next_hash, next_hash + n))
+            next_hash += n
+            live += hashes
+            ops.append(("store", hashes, parent, tokens))
+        elif kind == "remove" and live:
+            gone = draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
+            live = [h for h in live if h not in gone]
+            ops.append(("remove", gone))
+        elif kind == "clear":
+            live = []
+            ops.append(("clear",))
+    return ops
+
+
+@settings(max_examples=150, deadline=None)
+@given(histories())
+def test_normalized_state_equals_the_engine_state(ops: list[tuple]) -> None:
+    """Whatever the history, the snapshot is exactly the engine's blocks, hashed canonically."""
+    norm, _ = make()
+    out: list[KVEvent] = []
+    tokens_of: dict[int, tuple[int | None, list[int]]] = {}  # every block ever stored
+    live: set[int] = set()
+    for op in ops:
+        if op[0] == "store":
+            _, hashes, parent, tokens = op
+            norm.stored(hashes, parent, tokens, Tier.GPU, out)
+            prev = parent
+            for i, h in enumerate(hashes):
+                tokens_of[h] = (prev, tokens[i * BS : (i + 1) * BS])
+                prev = h
+            live.update(hashes)
+        elif op[0] == "remove":
+            norm.removed(op[1], Tier.GPU, out)
+            live.difference_update(op[1])
+        else:
+            norm.cleared(None, out)
+            live.clear()
+
+    def path(h: int | None) -> list[int]:
+        parts: list[list[int]] = []
+        while h is not None:
+            h, block_tokens = tokens_of[h]
+            parts.append(block_tokens)
+        return [t for part in reversed(parts) for t in part]
+
+    want = {}
+    for h in live:
+        chain = canon(path(h))
+        want[chain[-1]] = chain[-2] if len(chain) > 1 else None
+    snap = norm.snapshot()
+    got = {}
+    for tier in snap.tiers:
+        got.update(zip(tier.block_hashes, tier.parent_hashes, strict=True))
+    assert got == want
+    assert [e.seq for e in out] == list(range(1, len(out) + 1))
