@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Benchmark the shared-memory block store from a second process, next to memcpy.
+
+For each block size (16 KiB, 256 KiB, 2 MiB, 16 MiB) this starts a real owner
+(``python -m shm``) and, from this process, measures:
+
+* put: ``put_many`` of a batch of fresh keys chained parent → child, as one request's
+  blocks are (reserve round trip, copy into the mapping, commit round trip; the store
+  holds one batch, so it evicts the previous one and records one stored and one removed
+  event);
+* get: ``get_many`` of that batch into warm arrays (lease round trip, copy out, release);
+* memcpy: ``numpy.copyto`` of the same batch between the same warm private arrays, in one
+  thread: the baseline every copy ratio compares with;
+
+the three interleaved round by round, so noise from other work on the host hits all alike;
+
+in batches of 1 and 64 blocks (16 MiB blocks: as many as fit in ``--max-segment-mib``), as
+GB/s and blocks/s, per-batch medians. It also measures control round trips (an empty
+``Ping``, a ``Contains`` of 64 keys, a ``Lease`` of 64 keys plus its ``Release``) against
+a Unix-socket echo server on uvloop with the same framing, in the same run, with the
+servers on this process's CPU and on another one (a VM pays tens of µs per cross-CPU
+wake-up, so where the scheduler puts a server otherwise decides the figure).
+
+Ratios are oriented so that >= 1 means we are as good as the baseline or better.
+With ``--pin-cpu N`` every process of the run shares one CPU (see ``--help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from shm import BlockStoreClient  # noqa: E402
+from shm.protocol import Contains, Done, Flags, Lease, Ping, Release, Slots  # noqa: E402
+
+SIZES = {"16KiB": 16 << 10, "256KiB": 256 << 10, "2MiB": 2 << 20, "16MiB": 16 << 20}
+BATCHES = (1, 64)
+
+_ECHO_SERVER = r"""
+import asyncio, os, sys, uvloop
+class Echo(asyncio.Protocol):
+    def connection_made(self, t): self.t = t
+    def data_received(self, d): self.t.write(d)
+async def main():
+    path = sys.argv[1]
+    server = await asyncio.get_running_loop().create_unix_server(Echo, path=path)
+    print("ready", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    server.close()
+uvloop.run(main())
+"""
+
+
+def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> subprocess.Popen[str]:
+    sock = tmp / f"{name}.sock"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shm", "--owner-id", f"bench{os.getpid()}-{name}",
+         "--socket", str(sock), "--capacity-bytes", str(block_bytes * num_slots),
+         "--block-bytes", str(block_bytes), "--log-level", "warning"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "shm_owner_ready" not in line:
+        proc.kill()
+        raise RuntimeError(f"owner did not start: {line!r}")
+    return proc
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
+               budget_s: float) -> dict[str, float]:
+    """put, get and memcpy of one block size, interleaved so all three see the same noise."""
+    batch_max = min(64, max_segment // block_bytes)
+    fig: dict[str, float] = {}
+    owner = _start_owner(tmp, label, block_bytes, batch_max)
+    rng = np.random.default_rng(0)
+    try:
+        with BlockStoreClient(tmp / f"{label}.sock") as client:
+            srcs = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(batch_max)]
+            dsts = [np.ones(block_bytes, dtype=np.uint8) for _ in range(batch_max)]
+            counter = iter(range(1, 1 << 62))
+            for batch in sorted({1, batch_max}):
+                src, dst = srcs[:batch], dsts[:batch]
+                times: dict[str, list[float]] = {"put": [], "get": [], "memcpy": []}
+                deadline = time.perf_counter() + budget_s
+                rep = 0
+                while rep < 6 or time.perf_counter() < deadline:
+                    # A batch is one request's chain of blocks: each block's parent is the
+                    # previous one, so the owner records one BlockStored event per batch. The
+                    # store holds one batch, so each put evicts the previous one.
+                    hashes = [next(counter) for _ in range(batch)]
+                    keys = [(7, h) for h in hashes]
+                    parents = [hashes[0] - 1, *hashes[:-1]]
+                    t0 = time.perf_counter()
+                    client.put_many(keys, src, parent_hashes=parents)
+                    t1 = time.perf_counter()
+                    hits = client.get_many(keys, dst)
+                    t2 = time.perf_counter()
+                    for s, d in zip(src, dst, strict=True):
+                        np.copyto(d, s)
+                    t3 = time.perf_counter()
+                    if not all(hits):
+                        raise RuntimeError("a block just put was missing")
+                    if rep == 0 and not all(
+                        np.array_equal(s, d) for s, d in zip(src, dst, strict=True)
+                    ):
+                        raise RuntimeError("get returned different bytes than were put")
+                    if rep:  # the first round warms up
+                        times["put"].append(t1 - t0)
+                        times["get"].append(t2 - t1)
+                        times["memcpy"].append(t3 - t2)
+                    rep += 1
+                    if rep >= 20_000:
+                        break
+                tag = f"{label}_b{batch}"
+                for op, samples in times.items():
+                    t = statistics.median(samples)
+                    fig[f"{op}_{tag}_gbps"] = batch * block_bytes / t / 1e9
+                    fig[f"{op}_{tag}_blocks_per_s"] = batch / t
+    finally:
+        _stop(owner)
+    return fig
+
+
+def bench_rtt(tmp: Path, reps: int, cpus: tuple[int, int] | None) -> dict[str, float]:
+    """Control round trips next to a uvloop Unix-socket echo, interleaved round by round.
+
+    ``cpus``: (this process's CPU, the servers' CPU), or None to leave placement to the
+    scheduler. Echo server and owner always share a placement, so the ratio is fair.
+    """
+    echo_path = tmp / "echo.sock"
+    echo = subprocess.Popen([sys.executable, "-c", _ECHO_SERVER, str(echo_path)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert echo.stdout is not None and echo.stdin is not None
+    owner = None
+    before = os.sched_getaffinity(0)
+    try:
+        if echo.stdout.readline().strip() != "ready":
+            raise RuntimeError("echo server did not start")
+        owner = _start_owner(tmp, "rtt", 4096, 256)
+        if cpus is not None:
+            os.sched_setaffinity(0, {cpus[0]})
+            for pid in (echo.pid, owner.pid):
+                os.sched_setaffinity(pid, {cpus[1]})
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock, \
+                BlockStoreClient(tmp / "rtt.sock") as client:
+            sock.connect(str(echo_path))
+            frame = struct.pack("<I", 8) + bytes(8)
+
+            def echo_once() -> None:
+                sock.sendall(frame)
+                got = 0
+                while got < len(frame):
+                    got += len(sock.recv(4096))
+
+            keys = [(9, i) for i in range(64)]
+            client.put_many(keys, [np.zeros(4096, np.uint8)] * 64)
+            nss, hashes = [k[0] for k in keys], [k[1] for k in keys]
+            call = client._call  # the bare round trip, without array checks or copies
+
+            def lease64() -> None:
+                reply = call(Lease(nss, hashes), Slots)
+                client._send_only(Release(reply.slots, reply.generations))  # type: ignore[arg-type]
+
+            probes: dict[str, Callable[[], object]] = {
+                "echo": echo_once,
+                "ping": lambda: call(Ping(), Done),
+                "contains64": lambda: call(Contains(nss, hashes), Flags),
+                "lease64": lease64,
+            }
+            samples: dict[str, list[float]] = {name: [] for name in probes}
+            for rep in range(reps + 100):
+                for name, probe in probes.items():
+                    probe()  # untimed: the first call after switching servers runs cold
+                    start = time.perf_counter_ns()
+                    probe()
+                    if rep >= 100:  # warm-up rounds are not counted
+                        samples[name].append((time.perf_counter_ns() - start) / 1000)
+    finally:
+        os.sched_setaffinity(0, before)
+        echo.stdin.close()
+        echo.wait(timeout=30)
+        if owner is not None:
+            _stop(owner)
+    fig: dict[str, float] = {}
+    for name, values in samples.items():
+        values.sort()
+        fig[f"rtt_{name}_us_p50"] = values[len(values) // 2]
+        fig[f"rtt_{name}_us_p99"] = values[int(len(values) * 0.99)]
+    return fig
+
+
+def ratios(fig: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key, value in fig.items():
+        for op in ("put", "get"):
+            if key.startswith(f"{op}_") and key.endswith("_gbps"):
+                base = fig[key.replace(f"{op}_", "memcpy_", 1)]
+                out[f"{key}_vs_memcpy"] = value / base
+    for place in ("same_cpu", "cross_cpu", "pinned"):
+        if f"rtt_{place}_echo_us_p50" not in fig:
+            continue
+        for name in ("ping", "contains64", "lease64"):
+            out[f"rtt_{place}_{name}_us_p50_vs_echo"] = (
+                fig[f"rtt_{place}_echo_us_p50"] / fig[f"rtt_{place}_{name}_us_p50"])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
+    parser.add_argument("--max-segment-mib", type=int, default=256,
+                        help="largest segment to create (default 256; caps the 16 MiB batch)")
+    parser.add_argument("--budget-s", type=float, default=0.6,
+                        help="seconds of interleaved put/get/memcpy rounds per block size "
+                             "and batch (default 0.6)")
+    parser.add_argument("--rtt-reps", type=int, default=5000,
+                        help="round trips per latency measurement (default 5000)")
+    parser.add_argument("--pin-cpu", type=int, default=None, metavar="N",
+                        help="run this process, the owners and the echo server on CPU N "
+                             "(the protocol is synchronous, so they never need to run at "
+                             "once; this avoids cross-CPU wake-ups, costly in VMs)")
+    args = parser.parse_args(argv)
+    if args.pin_cpu is not None:
+        os.sched_setaffinity(0, {args.pin_cpu})  # children inherit it
+
+    fig: dict[str, float] = {}
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-shm-") as tmp_name:
+        tmp = Path(tmp_name)
+        for label, size in SIZES.items():
+            fig |= bench_size(tmp, label, size, args.max_segment_mib << 20, args.budget_s)
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.pin_cpu is None and len(cpus) >= 2:
+            # The scheduler may put a server on our CPU or on another, and in a VM a
+            # cross-CPU wake-up costs tens of µs: measure both placements explicitly.
+            for place, pair in (("same_cpu", (cpus[0], cpus[0])),
+                                ("cross_cpu", (cpus[0], cpus[1]))):
+                rtt = bench_rtt(tmp, args.rtt_reps, pair)
+                fig |= {k.replace("rtt_", f"rtt_{place}_", 1): v for k, v in rtt.items()}
+        else:
+            fig |= {k.replace("rtt_", "rtt_pinned_", 1): v
+                    for k, v in bench_rtt(tmp, args.rtt_reps, None).items()}
+    rat = ratios(fig)
+    print(f"# {os.cpu_count()} CPUs; load average (1 min) {load_start:.2f} at start, "
+          f"{os.getloadavg()[0]:.2f} at end; other work on the host skews every figure")
+
+    print(f"{'block':>7} {'batch':>5} {'op':>6} {'GB/s':>8} {'blocks/s':>11} {'vs memcpy':>9}")
+    for key in fig:
+        if not key.endswith("_gbps"):
+            continue
+        op, label, batch = key.removesuffix("_gbps").split("_")
+        vs = rat.get(f"{key}_vs_memcpy")
+        print(f"{label:>7} {batch[1:]:>5} {op:>6} {fig[key]:8.2f} "
+              f"{fig[key.replace('_gbps', '_blocks_per_s')]:11.0f} "
+              f"{'' if vs is None else f'{vs:9.2f}'}")
+    print()
+    print(f"{'placement':>10} {'round trip':>12} {'p50 µs':>8} {'p99 µs':>8} {'echo/ours':>9}")
+    for place in ("same_cpu", "cross_cpu", "pinned"):
+        for name in ("echo", "ping", "contains64", "lease64"):
+            key = f"rtt_{place}_{name}_us"
+            if f"{key}_p50" not in fig:
+                continue
+            vs = rat.get(f"{key}_p50_vs_echo")
+            print(f"{place:>10} {name:>12} {fig[f'{key}_p50']:8.1f} {fig[f'{key}_p99']:8.1f} "
+                  f"{'' if vs is None else f'{vs:9.2f}'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"figures": fig, "ratios": rat}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Shared-memory KV block store: the same-host data plane (DESIGN.md, "Shared memory").
+
+One owner (the sidecar, or ``python -m shm``) creates a segment and serves a Unix socket;
+clients in other processes (engine hooks) attach, ask for slots in batches, and copy block
+bytes directly between their arrays and the mapping.
+"""
+
+from shm.aclient import AsyncBlockStoreClient, AsyncPendingPut
+from shm.client import BlockStoreClient, PendingPut
+from shm.config import OwnerConfig
+from shm.errors import (
+    BlockDtypeError,
+    BlockSizeError,
+    BlockStoreError,
+    ClientDetachedError,
+    ForeignSegmentError,
+    HeaderCorruptError,
+    OwnerConflictError,
+    ProtocolError,
+    StaleDescriptorError,
+    StoreFullError,
+    UnknownBlockError,
+)
+from shm.pool import SlotId, SlotPool
+from shm.segment import Segment, SegmentHeader, segments_of, unlink_stale_segments
+from shm.server import BlockStoreOwner, EventListener
+from shm.store import BlockKey, BlockStore, StoreStats
+
+__all__ = [
+    "AsyncBlockStoreClient",
+    "AsyncPendingPut",
+    "BlockDtypeError",
+    "BlockKey",
+    "BlockSizeError",
+    "BlockStore",
+    "BlockStoreClient",
+    "BlockStoreError",
+    "BlockStoreOwner",
+    "ClientDetachedError",
+    "EventListener",
+    "ForeignSegmentError",
+    "HeaderCorruptError",
+    "OwnerConfig",
+    "OwnerConflictError",
+    "PendingPut",
+    "ProtocolError",
+    "Segment",
+    "SegmentHeader",
+    "SlotId",
+    "SlotPool",
+    "StaleDescriptorError",
+    "StoreFullError",
+    "StoreStats",
+    "UnknownBlockError",
+    "segments_of",
+    "unlink_stale_segments",
+]

@@ -1,0 +1,113 @@
+"""The block store owner's typed configuration, and its command-line form."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from adapters.canonical.layout import DTYPE_BYTES
+from shm.segment import check_owner_id
+
+__all__ = ["OwnerConfig"]
+
+LAYOUTS = ("raw", "layer_first", "page_first")
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
+          "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"256MiB"``, ``"16k"`` or ``"4096"`` as a byte count."""
+    stripped = text.strip().lower()
+    digits = stripped.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = stripped[len(digits) :]
+    if not digits.isdigit() or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a byte size (examples: 4096, 16KiB, 256MiB, 2GiB)")
+    return int(digits) * _UNITS[unit]
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerConfig:
+    """What one block store owner needs; ``num_slots`` follows from the two sizes."""
+
+    owner_id: str
+    socket_path: Path
+    capacity_bytes: int
+    block_bytes: int
+    dtype: str = "uint8"
+    layout: str = "raw"
+    worker_id: str | None = None
+    ready_file: Path | None = None
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        check_owner_id(self.owner_id)
+        if self.block_bytes < 1:
+            raise ValueError(f"block_bytes must be positive, got {self.block_bytes}")
+        if self.capacity_bytes < self.block_bytes:
+            raise ValueError(
+                f"capacity_bytes {self.capacity_bytes} holds no block of {self.block_bytes} bytes"
+            )
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+        if self.block_bytes % DTYPE_BYTES[self.dtype]:
+            raise ValueError(f"block_bytes {self.block_bytes} is not a whole number of "
+                             f"{self.dtype} elements")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        if len(str(self.socket_path).encode()) > 107:
+            raise ValueError(f"socket path {self.socket_path} is longer than 107 bytes")
+
+    @property
+    def num_slots(self) -> int:
+        return self.capacity_bytes // self.block_bytes
+
+    @property
+    def effective_worker_id(self) -> str:
+        return self.worker_id or self.owner_id
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None, prog: str = "python -m shm") -> OwnerConfig:
+        parser = argparse.ArgumentParser(
+            prog=prog,
+            description=(
+                "Run a shared-memory KV block store owner: create the segment in /dev/shm "
+                "(unlinking stale ones left by a dead owner with the same id), serve clients "
+                "on a Unix socket, and unlink everything on SIGTERM or SIGINT. Prints one JSON "
+                "ready line on stdout once clients can connect."
+            ),
+        )
+        parser.add_argument("--owner-id", required=True,
+                            help="unique id on this host, part of every segment name")
+        parser.add_argument("--socket", required=True, type=Path,
+                            help="Unix socket path for the control channel")
+        parser.add_argument("--capacity-bytes", required=True, type=parse_bytes,
+                            help="byte budget for blocks, e.g. 256MiB (sets the slot count)")
+        parser.add_argument("--block-bytes", required=True, type=parse_bytes,
+                            help="bytes per block, e.g. 256KiB")
+        parser.add_argument("--dtype", default="uint8", choices=sorted(DTYPE_BYTES),
+                            help="element type of a block (default: uint8)")
+        parser.add_argument("--layout", default="raw", choices=LAYOUTS,
+                            help="block layout name recorded in the header (default: raw)")
+        parser.add_argument("--worker-id", default=None,
+                            help="worker id in host-tier events (default: the owner id)")
+        parser.add_argument("--ready-file", type=Path, default=None,
+                            help="also write the ready line to this file")
+        parser.add_argument("--log-level", default="info",
+                            choices=["debug", "info", "warning", "error"])
+        args = parser.parse_args(argv)
+        try:
+            return cls(
+                owner_id=args.owner_id,
+                socket_path=args.socket,
+                capacity_bytes=args.capacity_bytes,
+                block_bytes=args.block_bytes,
+                dtype=args.dtype,
+                layout=args.layout,
+                worker_id=args.worker_id,
+                ready_file=args.ready_file,
+                log_level=args.log_level,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+            raise  # unreachable: parser.error exits

@@ -1,0 +1,227 @@
+"""The control channel's messages and framing (never block payloads, never pickle).
+
+A frame is a little-endian u32 body length followed by a msgpack body, decoded by msgspec
+into one of the tagged structs below. Keys travel as two flat lists (namespace seeds and
+block hashes), slot descriptors as two flat lists (slots and generations), so a batch of
+64 blocks is one frame of about a kilobyte and one decode.
+
+Every request gets exactly one reply, in order, except ``Release``, which gets none: a
+reader gives its leases back without waiting. A connection's replies therefore pair with
+its requests first-in first-out, with no request ids.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from shm.errors import ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Abort",
+    "Commit",
+    "Contains",
+    "Done",
+    "ErrorReply",
+    "Flags",
+    "FrameReader",
+    "Hello",
+    "Lease",
+    "Ping",
+    "Release",
+    "Remove",
+    "Reply",
+    "Request",
+    "Reserve",
+    "Slots",
+    "Stats",
+    "StatsReply",
+    "Welcome",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "frame_length",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 << 20
+_LENGTH = struct.Struct("<I")
+
+# msgpack integers stop at 2**64 - 1, so only the lower bound needs checking.
+U64 = Annotated[int, Meta(ge=0)]
+U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
+
+
+class _Msg(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    pass
+
+
+# ------------------------------------------------------------------- requests
+class Hello(_Msg, frozen=True, array_like=True, gc=False, tag=1):
+    """First message of a connection."""
+
+    protocol_version: int
+    client_pid: int
+
+
+class Reserve(_Msg, frozen=True, array_like=True, gc=False, tag=2):
+    """Slots to write for these keys; ``parents``/``tokens`` complete the stored event."""
+
+    namespaces: list[U64]
+    hashes: list[U64]
+    parents: list[U64 | None] | None = None
+    tokens: list[list[U32] | None] | None = None
+
+
+class Commit(_Msg, frozen=True, array_like=True, gc=False, tag=3):
+    slots: list[int]
+    generations: list[int]
+
+
+class Abort(_Msg, frozen=True, array_like=True, gc=False, tag=4):
+    slots: list[int]
+    generations: list[int]
+
+
+class Lease(_Msg, frozen=True, array_like=True, gc=False, tag=5):
+    namespaces: list[U64]
+    hashes: list[U64]
+
+
+class Release(_Msg, frozen=True, array_like=True, gc=False, tag=6):
+    """Give leases back. The owner sends no reply."""
+
+    slots: list[int]
+    generations: list[int]
+
+
+class Contains(_Msg, frozen=True, array_like=True, gc=False, tag=7):
+    namespaces: list[U64]
+    hashes: list[U64]
+
+
+class Remove(_Msg, frozen=True, array_like=True, gc=False, tag=8):
+    namespaces: list[U64]
+    hashes: list[U64]
+
+
+class Stats(_Msg, frozen=True, array_like=True, gc=False, tag=9):
+    pass
+
+
+class Ping(_Msg, frozen=True, array_like=True, gc=False, tag=10):
+    pass
+
+
+Request = Hello | Reserve | Commit | Abort | Lease | Release | Contains | Remove | Stats | Ping
+
+
+# -------------------------------------------------------------------- replies
+class Welcome(_Msg, frozen=True, array_like=True, gc=False, tag=101):
+    """What a client needs to attach: the segment and its block format."""
+
+    protocol_version: int
+    owner_id: str
+    worker_id: str
+    epoch: int
+    segment: str
+    block_bytes: int
+    num_slots: int
+    dtype: str
+    layout: str
+
+
+class Slots(_Msg, frozen=True, array_like=True, gc=False, tag=102):
+    """One descriptor per key; ``None`` in both lists where the key gets no slot."""
+
+    slots: list[int | None]
+    generations: list[int | None]
+
+
+class Flags(_Msg, frozen=True, array_like=True, gc=False, tag=103):
+    values: list[bool]
+
+
+class Done(_Msg, frozen=True, array_like=True, gc=False, tag=104):
+    pass
+
+
+class StatsReply(_Msg, frozen=True, array_like=True, gc=False, tag=105):
+    num_slots: int
+    num_free_slots: int
+    num_blocks: int
+    num_reserved: int
+    num_leased_blocks: int
+    num_sessions: int
+    num_puts: int
+    num_hits: int
+    num_misses: int
+    num_evictions: int
+
+
+class ErrorReply(_Msg, frozen=True, array_like=True, gc=False, tag=106):
+    """A request failed; ``code`` names the error class (``shm.errors``)."""
+
+    code: str
+    message: str
+
+
+Reply = Welcome | Slots | Flags | Done | StatsReply | ErrorReply
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(message: _Msg) -> bytes:
+    """One length-prefixed frame."""
+    body = _encoder.encode(message)
+    return _LENGTH.pack(len(body)) + body
+
+
+def decode_request(body: bytes | memoryview) -> Request:
+    try:
+        return _request_decoder.decode(body)
+    except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+        raise ProtocolError(f"bad control request ({len(body)} bytes): {exc}") from exc
+
+
+def decode_reply(body: bytes | memoryview) -> Reply:
+    try:
+        return _reply_decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"bad control reply ({len(body)} bytes): {exc}") from exc
+
+
+def frame_length(buf: bytes | bytearray, pos: int = 0) -> int:
+    """The body length announced by the 4-byte prefix at ``pos``, checked against the limit."""
+    length: int = _LENGTH.unpack_from(buf, pos)[0]
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES} byte limit")
+    return length
+
+
+class FrameReader:
+    """Splits a byte stream into frame bodies."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        bodies: list[bytes] = []
+        pos = 0
+        while len(buf) - pos >= 4:
+            length = frame_length(buf, pos)
+            if len(buf) - pos - 4 < length:
+                break
+            bodies.append(bytes(buf[pos + 4 : pos + 4 + length]))
+            pos += 4 + length
+        if pos:
+            del buf[:pos]
+        return bodies

@@ -1,0 +1,336 @@
+"""The block store owner: segment, store core and control server in one asyncio object.
+
+``async with BlockStoreOwner(config, listener=...) as owner:`` unlinks stale segments of a
+dead owner with the same id, creates and pre-faults the segment, and serves clients on the
+Unix socket until the block exits, when it drops every client and unlinks the segment and
+the socket. The sidecar embeds it in its own loop; ``python -m shm`` is a thin shell.
+
+Each connection is one store session. Requests are handled synchronously in
+``data_received`` (the store core is pure and fast), so a batch costs one loop callback.
+When a connection closes, however the client died, its reservations are freed and its
+leases released. After each request the store's events go to ``listener``, a plain
+callable that must not block (the sidecar's puts them on a bounded queue); an exception
+from it is logged and counted, never lost silently and never fatal to the store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import assert_never, cast
+
+import structlog
+
+from adapters.canonical.events import KVEvent
+from shm.config import OwnerConfig
+from shm.errors import BlockStoreError, OwnerConflictError, ProtocolError
+from shm.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    Commit,
+    Contains,
+    Done,
+    ErrorReply,
+    Flags,
+    FrameReader,
+    Hello,
+    Lease,
+    Ping,
+    Release,
+    Remove,
+    Request,
+    Reserve,
+    Slots,
+    Stats,
+    StatsReply,
+    Welcome,
+    decode_request,
+    encode,
+)
+from shm.segment import Segment, unlink_stale_segments
+from shm.store import BlockStore, SessionId, StoreStats
+
+__all__ = ["BlockStoreOwner", "EventListener"]
+
+log = structlog.get_logger(component="shm")
+
+EventListener = Callable[[KVEvent], None]
+_DONE = encode(Done())
+
+
+class BlockStoreOwner:
+    """Owns one segment and serves it; an async context manager."""
+
+    def __init__(self, config: OwnerConfig, listener: EventListener | None = None) -> None:
+        self.config = config
+        self._listener = listener
+        self.epoch = time.time_ns() // 1000
+        self.segment: Segment | None = None
+        self.store: BlockStore | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._connections: set[_Connection] = set()
+        self._welcome = b""
+        self._bound = False
+        self.num_listener_errors = 0
+        self.num_rejected_releases = 0
+        self.num_internal_errors = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    async def __aenter__(self) -> BlockStoreOwner:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        cfg = self.config
+        self._claim_socket_path()
+        unlink_stale_segments(cfg.owner_id)
+        # Pre-faulting a large segment takes a while: keep it off the loop.
+        self.segment = await asyncio.to_thread(
+            Segment.create,
+            cfg.owner_id,
+            block_bytes=cfg.block_bytes,
+            num_slots=cfg.num_slots,
+            dtype=cfg.dtype,
+            layout=cfg.layout,
+        )
+        try:
+            self.store = BlockStore(
+                cfg.num_slots,
+                worker_id=cfg.effective_worker_id,
+                epoch=self.epoch,
+                generation_mirror=self.segment.generations,
+            )
+            self._welcome = encode(
+                Welcome(
+                    protocol_version=PROTOCOL_VERSION,
+                    owner_id=cfg.owner_id,
+                    worker_id=cfg.effective_worker_id,
+                    epoch=self.epoch,
+                    segment=self.segment.name,
+                    block_bytes=cfg.block_bytes,
+                    num_slots=cfg.num_slots,
+                    dtype=cfg.dtype,
+                    layout=cfg.layout,
+                )
+            )
+            loop = asyncio.get_running_loop()
+            self._server = await loop.create_unix_server(
+                lambda: _Connection(self), path=str(cfg.socket_path)
+            )
+            self._bound = True
+            os.chmod(cfg.socket_path, 0o600)
+        except BaseException:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            if self._bound:
+                self._bound = False
+                cfg.socket_path.unlink(missing_ok=True)
+            self.store = None
+            self._release_segment()
+            raise
+        log.info("shm_owner_started", owner_id=cfg.owner_id, socket=str(cfg.socket_path),
+                 segment=self.segment.name, num_slots=cfg.num_slots,
+                 block_bytes=cfg.block_bytes, epoch=self.epoch)
+
+    def _claim_socket_path(self) -> None:
+        """Remove a socket file left by a dead owner; refuse one a live owner listens on."""
+        path = self.config.socket_path
+        if not path.exists():
+            return
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)
+            log.info("shm_socket_unlinked", socket=str(path), reason="stale")
+            return
+        except OSError as exc:
+            raise OwnerConflictError(f"socket path {path} is in use and not a socket: "
+                                     f"{exc}") from exc
+        finally:
+            probe.close()
+        raise OwnerConflictError(f"another owner is listening on {path}")
+
+    async def aclose(self) -> None:
+        """Drop clients, record ``AllBlocksCleared``, unlink the segment and the socket."""
+        if self._server is not None:
+            self._server.close()
+            for conn in list(self._connections):
+                conn.abort()
+            await self._server.wait_closed()
+            self._server = None
+        if self.store is not None:
+            self.store.clear()
+            self._drain_events()
+            self.store = None  # it holds a view of the segment's generation table
+        self._release_segment()
+        if self._bound:  # never remove a socket file we did not create
+            self._bound = False
+            self.config.socket_path.unlink(missing_ok=True)
+        log.info("shm_owner_stopped", owner_id=self.config.owner_id)
+
+    def _release_segment(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+    # ----------------------------------------------------------------- requests
+    def stats(self) -> StoreStats:
+        if self.store is None:
+            raise RuntimeError("the owner is not started")
+        return self.store.stats()
+
+    def handle(self, session: SessionId, body: bytes) -> bytes | None:
+        """One request frame body → one reply frame (``None`` for ``Release``)."""
+        if self.store is None:
+            return encode(ErrorReply("client_detached", "the owner is shutting down"))
+        try:
+            msg = decode_request(body)
+        except ProtocolError as exc:
+            if _is_release(body):  # the client waits for no reply: log, don't answer
+                self._reject_release(session, exc)
+                return None
+            return encode(ErrorReply(exc.code, str(exc)))
+        try:
+            reply = self._dispatch(self.store, session, msg)
+        except (BlockStoreError, ValueError) as exc:
+            if isinstance(msg, Release):
+                self._reject_release(session, exc)
+                reply = None
+            else:
+                code = exc.code if isinstance(exc, BlockStoreError) else "protocol"
+                reply = encode(ErrorReply(code, str(exc)))
+        except Exception as exc:  # a bug of ours: answer, count, keep serving the others
+            self.num_internal_errors += 1
+            log.exception("shm_request_failed", session=session, request=type(msg).__name__)
+            reply = None if isinstance(msg, Release) else encode(
+                ErrorReply(BlockStoreError.code, f"internal error: {exc!r}"))
+        self._drain_events()
+        return reply
+
+    def _dispatch(self, store: BlockStore, session: SessionId, msg: Request) -> bytes | None:
+        match msg:
+            case Reserve(namespaces, hashes, parents, tokens):
+                keys = _keys(namespaces, hashes)
+                return encode(Slots(*store.reserve(session, keys, parents, tokens)))
+            case Commit(slots, generations):
+                store.commit(session, slots, generations)
+                return _DONE
+            case Lease(namespaces, hashes):
+                return encode(Slots(*store.lease(session, _keys(namespaces, hashes))))
+            case Release(slots, generations):
+                store.release(session, slots, generations)
+                return None
+            case Abort(slots, generations):
+                store.abort(session, slots, generations)
+                return _DONE
+            case Contains(namespaces, hashes):
+                return encode(Flags(store.contains(_keys(namespaces, hashes))))
+            case Remove(namespaces, hashes):
+                return encode(Flags(store.remove(_keys(namespaces, hashes))))
+            case Stats():
+                return encode(_stats_reply(store.stats()))
+            case Ping():
+                return _DONE
+            case Hello(version, _pid):
+                if version != PROTOCOL_VERSION:
+                    raise ProtocolError(
+                        f"client speaks protocol {version}, owner {PROTOCOL_VERSION}")
+                return self._welcome
+            case _:
+                assert_never(msg)
+
+    def _reject_release(self, session: SessionId, exc: Exception) -> None:
+        self.num_rejected_releases += 1
+        log.warning("shm_release_rejected", session=session, error=str(exc))
+
+    def _drain_events(self) -> None:
+        if self.store is None:
+            return
+        events = self.store.take_events()
+        if not events or self._listener is None:
+            return
+        for event in events:
+            try:
+                self._listener(event)
+            except Exception:
+                self.num_listener_errors += 1
+                log.exception("shm_event_listener_failed", seq=event.seq)
+
+    def session_opened(self, conn: _Connection) -> SessionId:
+        if self.store is None:
+            raise RuntimeError("the owner is not started")
+        self._connections.add(conn)
+        return self.store.open_session()
+
+    def session_closed(self, conn: _Connection, session: SessionId) -> None:
+        self._connections.discard(conn)
+        if self.store is not None:
+            self.store.close_session(session)
+            self._drain_events()
+
+
+def _stats_reply(stats: StoreStats) -> StatsReply:
+    return StatsReply(*(getattr(stats, name) for name in StatsReply.__struct_fields__))
+
+
+def _is_release(body: bytes) -> bool:
+    """Whether an (undecodable) body is tagged ``Release``: a msgpack array, then tag 6."""
+    return len(body) > 1 and 0x90 <= body[0] <= 0x9F and body[1] == Release.__struct_config__.tag
+
+
+def _keys(namespaces: list[int], hashes: list[int]) -> list[tuple[int, int]]:
+    if len(namespaces) != len(hashes):
+        raise ProtocolError(f"{len(namespaces)} namespaces for {len(hashes)} hashes")
+    return list(zip(namespaces, hashes, strict=True))
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection = one store session."""
+
+    def __init__(self, owner: BlockStoreOwner) -> None:
+        self._owner = owner
+        self._reader = FrameReader()
+        self._transport: asyncio.Transport | None = None
+        self._session: SessionId | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        self._session = self._owner.session_opened(self)
+
+    def data_received(self, data: bytes) -> None:
+        assert self._transport is not None and self._session is not None
+        try:
+            bodies = self._reader.feed(data)
+        except ProtocolError as exc:
+            log.warning("shm_client_dropped", session=self._session, error=str(exc))
+            self._transport.write(encode(ErrorReply(exc.code, str(exc))))
+            self._transport.close()
+            return
+        replies = [r for body in bodies if (r := self._owner.handle(self._session, body))]
+        if len(replies) == 1:
+            self._transport.write(replies[0])
+        elif replies:
+            self._transport.write(b"".join(replies))
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._session is not None:
+            self._owner.session_closed(self, self._session)
+            self._session = None
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+

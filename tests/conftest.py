@@ -1,0 +1,35 @@
+"""Suite-wide fixtures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_SHM_DIR = Path("/dev/shm")
+_SHM_PREFIX = "kvsidecar-"
+_SHM_GRACE_S = 5.0
+
+
+def _our_segments() -> set[str]:
+    try:
+        return {p.name for p in _SHM_DIR.iterdir() if p.name.startswith(_SHM_PREFIX)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_shm_segments() -> Iterator[None]:
+    """Fail a test that leaves a /dev/shm/kvsidecar-* segment behind.
+
+    Only segments that appeared during the test count (another suite on this host may hold
+    its own), and processes the test stopped get a short grace period to finish unlinking.
+    """
+    before = _our_segments()
+    yield
+    deadline = time.monotonic() + _SHM_GRACE_S
+    while (leaked := _our_segments() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"

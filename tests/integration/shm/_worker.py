@@ -1,0 +1,83 @@
+"""A block store client run as its own process by the integration tests.
+
+    python _worker.py SOCKET write NS FIRST COUNT BLOCK_BYTES   put in batches of 8, print "done"
+    python _worker.py SOCKET read NS FIRST COUNT BLOCK_BYTES ROUNDS
+        read the range repeatedly in batches of 8, check every hit byte-exact, print "hits N"
+    python _worker.py SOCKET lease NS FIRST COUNT               lease, print "leased", hang
+    python _worker.py SOCKET half-write NS FIRST COUNT          reserve, fill half, print
+                                                                "reserved", hang
+
+Block contents are a pure function of the key, so any process can check any block.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from shm import BlockStoreClient
+
+
+def content(ns: int, block_hash: int, block_bytes: int) -> np.ndarray:
+    return np.random.default_rng([ns, block_hash]).integers(0, 256, block_bytes, dtype=np.uint8)
+
+
+def main(argv: list[str]) -> int:
+    structlog.configure(  # stdout carries our protocol with the test; logs go to stderr
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
+    sock, command, ns, first, count = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
+    keys = [(ns, h) for h in range(first, first + count)]
+    with BlockStoreClient(sock) as client:
+        if command == "write":
+            block_bytes = int(argv[5])
+            for start in range(0, count, 8):
+                batch = keys[start : start + 8]
+                client.put_many(batch, [content(ns, h, block_bytes) for _, h in batch],
+                                parent_hashes=[h - 1 for _, h in batch])
+            print("done", flush=True)
+        elif command == "read":
+            block_bytes, rounds = int(argv[5]), int(argv[6])
+            outs = [np.empty(block_bytes, np.uint8) for _ in keys]
+            hits = 0  # keep going past ROUNDS until a hit (the writer may start late)
+            deadline = time.monotonic() + 15
+            done = 0
+            while done < rounds or (hits == 0 and time.monotonic() < deadline):
+                done += 1
+                for start in range(0, count, 8):  # at most 8 leases held at a time
+                    batch, batch_outs = keys[start : start + 8], outs[start : start + 8]
+                    for got, (_, h), out in zip(client.get_many(batch, batch_outs), batch,
+                                                batch_outs, strict=True):
+                        if got:
+                            hits += 1
+                            if not np.array_equal(out, content(ns, h, block_bytes)):
+                                print(f"mismatch {h}", flush=True)
+                                return 1
+            print(f"hits {hits}", flush=True)
+        elif command == "lease":
+            with client.leased(keys) as views:
+                print("leased", sum(v is not None for v in views), flush=True)
+                sys.stdin.read()  # hang until killed
+        elif command == "half-write":
+            pending = client.begin_put(keys)
+            for view in pending.views[: count // 2]:
+                if view is not None:
+                    view[:] = 0xAB
+            print("reserved", flush=True)
+            sys.stdin.read()  # hang until killed
+        else:
+            print(f"unknown command {command}", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,253 @@
+"""The block store across real processes: owner via ``python -m shm``, clients as workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shm import BlockStoreClient, ClientDetachedError, StoreFullError, segments_of
+from shm.segment import unlink_stale_segments
+
+ROOT = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).with_name("_worker.py")
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+DEADLINE_S = 20.0
+
+
+def content(ns: int, block_hash: int, block_bytes: int) -> np.ndarray:
+    return np.random.default_rng([ns, block_hash]).integers(0, 256, block_bytes, dtype=np.uint8)
+
+
+def read_line(proc: subprocess.Popen[str], timeout_s: float = DEADLINE_S) -> str:
+    """The process's next stdout line, or fail after ``timeout_s``."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout_s):
+            raise AssertionError(f"no output from pid {proc.pid} within {timeout_s}s")
+    return proc.stdout.readline().strip()
+
+
+def wait_until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll ``predicate`` until it holds, failing after the deadline."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass
+class Owner:
+    proc: subprocess.Popen[str]
+    owner_id: str
+    socket: Path
+    segment: str
+
+
+class Processes:
+    """Starts owners and workers and makes sure none outlives the test."""
+
+    def __init__(self, sock_dir: Path) -> None:
+        self.sock_dir = sock_dir
+        self.procs: list[subprocess.Popen[str]] = []
+        self.owner_ids: set[str] = set()
+
+    def owner(self, owner_id: str, *, slots: int, block_bytes: int) -> Owner:
+        proc = self.owner_proc(owner_id, slots=slots, block_bytes=block_bytes)
+        ready = json.loads(read_line(proc))
+        assert ready["event"] == "shm_owner_ready" and ready["pid"] == proc.pid
+        return Owner(proc, owner_id, Path(ready["socket"]), ready["segment"])
+
+    def owner_proc(self, owner_id: str, *, slots: int,
+                   block_bytes: int) -> subprocess.Popen[str]:
+        self.owner_ids.add(owner_id)
+        log = (self.sock_dir / f"{owner_id}.log").open("a")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "shm", "--owner-id", owner_id,
+             "--socket", str(self.sock_dir / "store.sock"),
+             "--capacity-bytes", str(slots * block_bytes), "--block-bytes", str(block_bytes)],
+            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=log, text=True,
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def worker(self, socket: Path, *args: object) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), str(socket), *map(str, args)], cwd=ROOT, env=ENV,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=DEADLINE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            for stream in (proc.stdin, proc.stdout):
+                if stream is not None:
+                    stream.close()
+        for owner_id in self.owner_ids:  # owners a test SIGKILLed leave stale segments
+            unlink_stale_segments(owner_id)
+
+
+@pytest.fixture
+def procs() -> Iterator[Processes]:
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvs-"))
+    processes = Processes(sock_dir)
+    try:
+        yield processes
+    finally:
+        processes.close()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def owner_id() -> str:
+    return f"it{uuid.uuid4().hex[:10]}"
+
+
+def test_concurrent_writers_and_readers_are_byte_exact(procs: Processes, owner_id: str) -> None:
+    """Two writers and two readers in four processes, with eviction: every hit is exact."""
+    owner = procs.owner(owner_id, slots=64, block_bytes=4096)
+    writers = [procs.worker(owner.socket, "write", ns, 1, 96, 4096) for ns in (1, 2)]
+    readers = [procs.worker(owner.socket, "read", ns, 1, 96, 4096, 150) for ns in (1, 2)]
+    assert [read_line(w) for w in writers] == ["done", "done"]
+    results = [read_line(r) for r in readers]
+    assert all(r.startswith("hits ") and int(r.split()[1]) > 0 for r in results), results
+    assert [p.wait(timeout=DEADLINE_S) for p in writers + readers] == [0, 0, 0, 0]
+    with BlockStoreClient(owner.socket) as client:
+        stats = client.stats()
+        assert (stats.num_puts, stats.num_evictions, stats.num_blocks) == (192, 128, 64)
+        keys = [(ns, h) for ns in (1, 2) for h in range(1, 97)]
+        outs = [np.empty(4096, np.uint8) for _ in keys]
+        hits = [hit for start in range(0, len(keys), 32)
+                for hit in client.get_many(keys[start : start + 32], outs[start : start + 32])]
+        assert sum(hits) == 64
+        for key, hit, out in zip(keys, hits, outs, strict=True):
+            assert not hit or out.tobytes() == content(*key, 4096).tobytes()
+
+
+def test_reader_killed_holding_leases(procs: Processes, owner_id: str) -> None:
+    """A reader SIGKILLed while holding leases: the owner releases them, eviction resumes."""
+    owner = procs.owner(owner_id, slots=8, block_bytes=4096)
+    with BlockStoreClient(owner.socket) as client:
+        client.put_many([(1, h) for h in range(8)], [content(1, h, 4096) for h in range(8)])
+        reader = procs.worker(owner.socket, "lease", 1, 0, 8)
+        assert read_line(reader) == "leased 8"
+        assert client.stats().num_leased_blocks == 8
+        with pytest.raises(StoreFullError):
+            client.put((2, 0), content(2, 0, 4096))
+        reader.send_signal(signal.SIGKILL)
+        assert reader.wait(timeout=DEADLINE_S) == -signal.SIGKILL
+        wait_until(lambda: client.stats().num_leased_blocks == 0, "leases to be released")
+        assert client.put((2, 0), content(2, 0, 4096)) is True
+        assert client.get((2, 0)).tobytes() == content(2, 0, 4096).tobytes()
+
+
+def test_writer_killed_mid_write(procs: Processes, owner_id: str) -> None:
+    """A writer SIGKILLed mid-write leaves nothing visible and its slots come back."""
+    owner = procs.owner(owner_id, slots=8, block_bytes=4096)
+    writer = procs.worker(owner.socket, "half-write", 3, 0, 4)
+    assert read_line(writer) == "reserved"
+    with BlockStoreClient(owner.socket) as client:
+        stats = client.stats()
+        assert (stats.num_reserved, stats.num_free_slots) == (4, 4)
+        assert client.contains_many([(3, h) for h in range(4)]) == [False] * 4
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=DEADLINE_S)
+        wait_until(lambda: client.stats().num_reserved == 0, "reservations to be freed")
+        assert client.stats().num_free_slots == 8
+        assert client.contains_many([(3, h) for h in range(4)]) == [False] * 4
+        keys = [(3, h) for h in range(4)]
+        assert client.put_many(keys, [content(3, h, 4096) for h in range(4)]) == [True] * 4
+        for key in keys:
+            assert client.get(key).tobytes() == content(*key, 4096).tobytes()
+
+
+def test_owner_restart_unlinks_stale_segments(procs: Processes, owner_id: str) -> None:
+    """A SIGKILLed owner's segment and socket are found and removed by its successor."""
+    first = procs.owner(owner_id, slots=4, block_bytes=4096)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=DEADLINE_S)
+    assert segments_of(owner_id) == [first.segment]  # left behind by the crash
+    assert first.socket.exists()
+    second = procs.owner(owner_id, slots=4, block_bytes=4096)
+    assert second.segment != first.segment
+    assert segments_of(owner_id) == [second.segment]
+    with BlockStoreClient(second.socket, expected_owner_id=owner_id) as client:
+        assert client.put((1, 1), content(1, 1, 4096)) is True
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(timeout=DEADLINE_S) == 0
+    assert segments_of(owner_id) == []
+    assert not second.socket.exists()
+
+
+def test_sigterm_with_clients_attached(procs: Processes, owner_id: str) -> None:
+    """SIGTERM unlinks everything even with clients holding leases; they get detached."""
+    owner = procs.owner(owner_id, slots=4, block_bytes=4096)
+    client = BlockStoreClient(owner.socket)
+    try:
+        client.put((1, 1), content(1, 1, 4096))
+        holder = procs.worker(owner.socket, "lease", 1, 1, 1)
+        assert read_line(holder) == "leased 1"
+        owner.proc.send_signal(signal.SIGTERM)
+        assert owner.proc.wait(timeout=DEADLINE_S) == 0
+        assert segments_of(owner_id) == []
+        with pytest.raises(ClientDetachedError):
+            client.contains((1, 1))
+    finally:
+        client.close()
+
+
+def test_second_owner_with_same_id_is_refused(procs: Processes, owner_id: str) -> None:
+    """Starting an owner whose id is live elsewhere exits 3 and leaves the first intact."""
+    first = procs.owner(owner_id, slots=4, block_bytes=4096)
+    other_dir = procs.sock_dir / "other"
+    other_dir.mkdir()
+    second = subprocess.run(
+        [sys.executable, "-m", "shm", "--owner-id", owner_id, "--socket",
+         str(other_dir / "s.sock"), "--capacity-bytes", "16KiB", "--block-bytes", "4KiB"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=DEADLINE_S,
+    )
+    assert second.returncode == 3 and "live owner" in second.stderr
+    assert segments_of(owner_id) == [first.segment]
+    with BlockStoreClient(first.socket) as client:
+        client.ping()
+
+
+def test_cli_help_and_bad_flags() -> None:
+    """--help describes the owner; a bad size is refused with a clear message."""
+    help_out = subprocess.run([sys.executable, "-m", "shm", "--help"], cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+    assert help_out.returncode == 0 and "--capacity-bytes" in help_out.stdout
+    via_cli = subprocess.run([sys.executable, "-m", "kvsidecar", "shm", "--help"], cwd=ROOT,
+                             env=ENV, capture_output=True, text=True, timeout=DEADLINE_S)
+    assert via_cli.returncode == 0 and via_cli.stdout.startswith("usage: kvsidecar shm")
+    bad = subprocess.run(
+        [sys.executable, "-m", "shm", "--owner-id", "x", "--socket", "/tmp/x.sock",
+         "--capacity-bytes", "1KiB", "--block-bytes", "4KiB"],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=DEADLINE_S,
+    )
+    assert bad.returncode == 2 and "holds no block of 4096 bytes" in bad.stderr

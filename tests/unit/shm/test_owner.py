@@ -1,0 +1,348 @@
+"""The owner in-process with real clients over its Unix socket (sync and async)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+from pathlib import Path
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from shm import (
+    AsyncBlockStoreClient,
+    BlockSizeError,
+    BlockStoreClient,
+    BlockStoreOwner,
+    ClientDetachedError,
+    ForeignSegmentError,
+    HeaderCorruptError,
+    OwnerConfig,
+    OwnerConflictError,
+    ProtocolError,
+    StaleDescriptorError,
+    StoreFullError,
+    UnknownBlockError,
+)
+from shm.protocol import decode_reply, encode
+
+BLOCK = 256  # bytes: 128 float16 elements
+
+
+def config(sock_dir: Path, owner_id: str, slots: int = 8, **kw: object) -> OwnerConfig:
+    return OwnerConfig(owner_id=owner_id, socket_path=sock_dir / "store.sock",
+                       capacity_bytes=slots * BLOCK, block_bytes=BLOCK, dtype="float16",
+                       **kw)  # type: ignore[arg-type]
+
+
+def block(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(BLOCK // 2).astype(np.float16)
+
+
+async def test_put_get_round_trip_is_byte_exact(sock_dir: Path, owner_id: str) -> None:
+    """Blocks put by one client come back byte-exact to another; misses are reported."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        writer = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        reader = await AsyncBlockStoreClient.connect(owner.config.socket_path,
+                                                     expected_owner_id=owner_id)
+        try:
+            keys = [(1, 10), (1, 11), (2, 10)]
+            assert await writer.put_many(keys, [block(0), block(1), block(2)]) == [True] * 3
+            assert await writer.put((1, 10), block(9)) is False  # held: not overwritten
+            outs = [np.empty(BLOCK // 2, np.float16) for _ in range(4)]
+            hits = await reader.get_many([*keys, (3, 3)], outs)
+            assert hits == [True, True, True, False]
+            for i in range(3):
+                assert outs[i].tobytes() == block(i).tobytes()
+            assert (await reader.get((2, 10))).tobytes() == block(2).tobytes()
+            with pytest.raises(UnknownBlockError, match=r"block \(3, 3\) is not in the store"):
+                await reader.get((3, 3))
+            async with reader.leased([(1, 11), (9, 9)]) as views:
+                assert views[1] is None and views[0] is not None
+                assert views[0].tobytes() == block(1).tobytes()
+                assert (await reader.stats()).num_leased_blocks == 1
+            assert await reader.remove_many([(1, 11), (5, 5)]) == [True, False]
+            assert await reader.contains((1, 11)) is False
+            assert await reader.contains_many(keys) == [True, False, True]
+        finally:
+            await writer.aclose()
+            await reader.aclose()
+
+
+async def test_large_copies_off_the_loop(sock_dir: Path, owner_id: str) -> None:
+    """With a zero inline threshold copies run in a worker thread and stay exact."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path,
+                                                     inline_copy_bytes=0)
+        try:
+            await client.put_many([(0, i) for i in range(4)], [block(i) for i in range(4)])
+            outs = [np.empty(BLOCK, np.uint8) for _ in range(4)]
+            assert await client.get_many([(0, i) for i in range(4)], outs) == [True] * 4
+            assert all(o.tobytes() == block(i).tobytes() for i, o in enumerate(outs))
+        finally:
+            await client.aclose()
+
+
+async def test_host_tier_events(sock_dir: Path, owner_id: str) -> None:
+    """Puts, evictions and shutdown reach the listener as sequenced host-tier events."""
+    events: list[KVEvent] = []
+    cfg = config(sock_dir, owner_id, slots=2, worker_id="worker-7")
+    async with BlockStoreOwner(cfg, listener=events.append) as owner:
+        client = await AsyncBlockStoreClient.connect(cfg.socket_path)
+        await client.put_many([(1, 100), (1, 101)], [block(0), block(1)],
+                              parent_hashes=[None, 100], token_ids=[[1, 2], [3, 4]])
+        await client.put((1, 102), block(2), parent_hash=101)
+        await client.aclose()
+        epoch = owner.epoch
+    assert events == [
+        BlockStored("worker-7", epoch, 1, Tier.HOST, [100, 101], None, [1, 2, 3, 4]),
+        BlockRemoved("worker-7", epoch, 2, Tier.HOST, [100]),
+        BlockStored("worker-7", epoch, 3, Tier.HOST, [102], 101, None),
+        AllBlocksCleared("worker-7", epoch, 4, Tier.HOST),
+    ]
+
+
+async def test_failing_listener_loses_nothing(sock_dir: Path, owner_id: str) -> None:
+    """A listener that raises is counted; the put still succeeds and the store works."""
+    def explode(event: KVEvent) -> None:
+        raise RuntimeError("listener down")
+
+    async with BlockStoreOwner(config(sock_dir, owner_id), listener=explode) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        try:
+            assert await client.put((1, 1), block(1)) is True
+            assert await client.contains_many([(1, 1)]) == [True]
+            assert owner.num_listener_errors == 1
+        finally:
+            await client.aclose()
+
+
+async def test_bad_blocks_are_refused_without_harm(sock_dir: Path, owner_id: str) -> None:
+    """A wrong-sized block in a batch fails the whole batch before anything is reserved."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        try:
+            with pytest.raises(BlockSizeError, match="block 1 is 254 bytes"):
+                await client.put_many([(1, 1), (1, 2)], [block(1), np.zeros(127, np.float16)])
+            stats = await client.stats()
+            assert (stats.num_blocks, stats.num_reserved) == (0, 0)
+            assert await client.put((1, 1), block(1)) is True
+        finally:
+            await client.aclose()
+
+
+def _full_store_scenario(path: Path) -> None:
+    with BlockStoreClient(path) as holder, BlockStoreClient(path) as other:
+        holder.put_many([(0, i) for i in range(8)], [block(i) for i in range(8)])
+        with holder.leased([(0, i) for i in range(8)]) as views:
+            assert views[3] is not None and views[3].tobytes() == block(3).tobytes()
+            assert not views[3].flags.writeable
+            with pytest.raises(StoreFullError, match="0 evictable"):
+                other.put((9, 9), block(9))
+        assert other.put((9, 9), block(9)) is True  # released: evictable again
+
+
+async def test_store_full_with_everything_leased(sock_dir: Path, owner_id: str) -> None:
+    """With every block leased a put raises StoreFullError; after release it succeeds."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_full_store_scenario, owner.config.socket_path)
+        assert owner.stats().num_leased_blocks == 0
+
+
+def _pending_put_scenario(path: Path) -> None:
+    with BlockStoreClient(path) as client:
+        with client.begin_put([(0, 1), (0, 2)]) as pending:
+            assert pending.stored == [True, True]
+            for i, view in enumerate(pending.views):
+                assert view is not None
+                view[:] = block(i).view(np.uint8)
+            assert client.contains_many([(0, 1)]) == [False]  # not before commit
+        assert client.get((0, 2)).tobytes() == block(1).tobytes()
+        with pytest.raises(RuntimeError), client.begin_put([(0, 3)]):
+            raise RuntimeError("engine copy failed")
+        assert client.contains((0, 3)) is False and client.stats().num_reserved == 0
+        with client.begin_put([(0, 4)]) as pending:  # keep a descriptor, then reuse its slot
+            old = (pending._slots[0], pending._generations[0])
+        client.remove_many([(0, 4)])
+        client.put((0, 5), block(5))
+        with pytest.raises(StaleDescriptorError, match="reused"):
+            client._attachment.check_generations([old[0]], [old[1]])
+
+
+async def test_in_place_puts_and_generations(sock_dir: Path, owner_id: str) -> None:
+    """begin_put fills slots in place, aborts on error, and reused slots fail stale checks."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_pending_put_scenario, owner.config.socket_path)
+
+
+def _disconnect_scenario(path: Path) -> None:
+    with BlockStoreClient(path) as watcher:
+        client = BlockStoreClient(path)
+        client.put_many([(0, 1), (0, 2)], [block(1), block(2)])
+        held = client.leased([(0, 1), (0, 2)])
+        held.__enter__()  # never exited: the client "dies" holding the leases
+        client.begin_put([(0, 3)])
+        assert watcher.stats().num_leased_blocks == 2
+        client.close()
+        with pytest.raises(ClientDetachedError, match="closed"):
+            client.contains((0, 1))
+        deadline = 100
+        while watcher.stats().num_sessions > 1 and deadline:
+            deadline -= 1
+            watcher.ping()
+        stats = watcher.stats()
+        assert (stats.num_sessions, stats.num_leased_blocks, stats.num_reserved) == (1, 0, 0)
+
+
+async def test_closed_client_gives_everything_back(sock_dir: Path, owner_id: str) -> None:
+    """Closing a client releases its leases and reservations; its later calls fail."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_disconnect_scenario, owner.config.socket_path)
+
+
+async def test_owner_gone_detaches_clients(sock_dir: Path, owner_id: str) -> None:
+    """After the owner stops, a client's next call raises ClientDetachedError."""
+    owner = BlockStoreOwner(config(sock_dir, owner_id))
+    await owner.start()
+    client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+    await owner.aclose()
+    with pytest.raises(ClientDetachedError):
+        await client.ping()
+    await client.aclose()
+    assert not owner.config.socket_path.exists()
+
+
+async def test_foreign_owner_and_corrupt_header(sock_dir: Path, owner_id: str) -> None:
+    """A client expecting another owner, or finding a damaged header, refuses to attach."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        with pytest.raises(ForeignSegmentError, match="expected 'nobody'"):
+            await AsyncBlockStoreClient.connect(owner.config.socket_path,
+                                                expected_owner_id="nobody")
+        assert owner.segment is not None
+        shm = posix_ipc.SharedMemory(owner.segment.name)
+        os.pwrite(shm.fd, b"garbage!", 0)
+        shm.close_fd()
+        with pytest.raises(HeaderCorruptError, match="magic"):
+            await AsyncBlockStoreClient.connect(owner.config.socket_path)
+
+
+async def test_second_owner_is_refused(sock_dir: Path, owner_id: str) -> None:
+    """A second owner on the same socket, or with the same id, fails with OwnerConflictError."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)):
+        refused = BlockStoreOwner(config(sock_dir, "other-owner"))
+        with pytest.raises(OwnerConflictError, match="listening"):
+            await refused.start()
+        await refused.aclose()  # must not remove the live owner's socket
+        assert (sock_dir / "store.sock").exists()
+        other_dir = sock_dir / "b"
+        other_dir.mkdir()
+        with pytest.raises(OwnerConflictError, match="live owner"):
+            await BlockStoreOwner(config(other_dir, owner_id)).start()
+
+
+async def test_stale_socket_file_is_replaced(sock_dir: Path, owner_id: str) -> None:
+    """A socket file nobody listens on (a dead owner's) is removed at start-up."""
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(sock_dir / "store.sock"))
+    stale.close()
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        await client.ping()
+        await client.aclose()
+
+
+def _garbage_scenario(path: Path) -> None:
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(5)
+    raw.connect(str(path))
+    body = b"\x92\x02\xc1"  # a Reserve-tagged array holding a byte msgpack never uses
+    raw.sendall(struct.pack("<I", len(body)) + body)
+    reply = raw.recv(4096)
+    error = decode_reply(reply[4:])
+    assert error.code == "protocol" and "bad control request" in error.message  # type: ignore[union-attr]
+    release = b"\x93\x06\xc1\xc1"  # an undecodable Release gets no reply at all
+    raw.sendall(struct.pack("<I", len(release)) + release + encode_ping())
+    assert decode_reply(raw.recv(4096)[4:]).__class__.__name__ == "Done"
+    raw.close()
+    with BlockStoreClient(path) as client:
+        assert client.put((1, 1), block(1)) is True
+
+
+def encode_ping() -> bytes:
+    from shm.protocol import Ping
+
+    return encode(Ping())
+
+
+async def test_garbage_frames_get_errors_not_crashes(sock_dir: Path, owner_id: str) -> None:
+    """Undecodable requests get a protocol error (Release: none); other clients carry on."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_garbage_scenario, owner.config.socket_path)
+        assert owner.num_rejected_releases == 1
+
+
+def test_protocol_error_type() -> None:
+    """A reply of the wrong kind is a ProtocolError, not a silent misread."""
+    from shm._attachment import expect
+    from shm.protocol import Done, Flags
+
+    with pytest.raises(ProtocolError, match="expected a Flags reply, got Done"):
+        expect(Done(), Flags)
+
+
+def _torch_scenario(path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    with BlockStoreClient(path) as client:
+        src = torch.randn(BLOCK // 2).to(torch.bfloat16).reshape(8, 16)
+        assert client.put((4, 4), src) is True
+        out = torch.empty(8, 16, dtype=torch.bfloat16)
+        assert client.get((4, 4), out) is out
+        assert torch.equal(out, src)
+
+
+async def test_torch_tensors_through_the_store(sock_dir: Path, owner_id: str) -> None:
+    """bfloat16 torch tensors go in and come out byte-exact through a bfloat16 store."""
+    pytest.importorskip("torch")
+    cfg = OwnerConfig(owner_id=owner_id, socket_path=sock_dir / "store.sock",
+                      capacity_bytes=4 * BLOCK, block_bytes=BLOCK, dtype="bfloat16")
+    async with BlockStoreOwner(cfg):
+        await asyncio.to_thread(_torch_scenario, cfg.socket_path)
+
+
+async def test_out_of_range_keys(sock_dir: Path, owner_id: str) -> None:
+    """Keys outside unsigned 64-bit fail clearly (locally or from the owner); nothing changes."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        try:
+            with pytest.raises(ValueError, match="unsigned 64-bit"):
+                await client.put((1, 1 << 64), block(0))
+            with pytest.raises(ProtocolError, match=">= 0"):
+                await client.put((1, -5), block(0))
+            stats = await client.stats()
+            assert (stats.num_blocks, stats.num_reserved, stats.num_sessions) == (0, 0, 1)
+        finally:
+            await client.aclose()
+
+
+async def test_async_in_place_put(sock_dir: Path, owner_id: str) -> None:
+    """The async client fills reserved slots in place; commit publishes, an error aborts."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        try:
+            async with await client.begin_put([(0, 1), (0, 2)]) as pending:
+                for i, view in enumerate(pending.views):
+                    assert view is not None
+                    view[:] = block(i).view(np.uint8)
+                assert await client.contains((0, 1)) is False
+            assert (await client.get((0, 2))).tobytes() == block(1).tobytes()
+            with pytest.raises(RuntimeError, match="transfer failed"):
+                async with await client.begin_put([(0, 3)]):
+                    raise RuntimeError("transfer failed")
+            stats = await client.stats()
+            assert (stats.num_blocks, stats.num_reserved) == (2, 0)
+        finally:
+            await client.aclose()

@@ -1,0 +1,256 @@
+"""The block store core: visibility, leases, LRU eviction, sessions and host-tier events."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from shm.errors import StaleDescriptorError, StoreFullError
+from shm.store import BlockStore
+
+NS = 42
+
+
+def keys(*hashes: int) -> list[tuple[int, int]]:
+    return [(NS, h) for h in hashes]
+
+
+def put(store: BlockStore, session: int, *hashes: int) -> None:
+    slots, gens = store.reserve(session, keys(*hashes))  # type: ignore[arg-type]
+    got = [(s, g) for s, g in zip(slots, gens, strict=True) if s is not None]
+    store.commit(session, [s for s, _ in got], [g for _, g in got])  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def store() -> BlockStore:
+    return BlockStore(4, worker_id="w0", epoch=7)
+
+
+class TestPuts:
+    def test_reserved_blocks_are_invisible_until_commit(self, store: BlockStore) -> None:
+        """A reserved block is neither contained nor leasable; after commit it is both."""
+        s = store.open_session()
+        slots, gens = store.reserve(s, keys(1))
+        assert store.contains(keys(1)) == [False]
+        assert store.lease(s, keys(1)) == ([None], [None])
+        store.commit(s, slots, gens)  # type: ignore[arg-type]
+        assert store.contains(keys(1)) == [True]
+        store.check_invariants()
+
+    def test_held_and_in_flight_keys_get_no_slot(self, store: BlockStore) -> None:
+        """A key already held, being written, or repeated in the batch gets no second slot."""
+        a, b = store.open_session(), store.open_session()
+        put(store, a, 1)
+        store.reserve(a, keys(2))
+        slots, _ = store.reserve(b, keys(1, 2, 3, 3))
+        assert slots[:2] == [None, None] and slots[2] is not None and slots[3] is None
+        store.check_invariants()
+
+    def test_namespace_is_part_of_the_key(self, store: BlockStore) -> None:
+        """The same block hash under two namespaces is two blocks."""
+        s = store.open_session()
+        put(store, s, 5)
+        assert store.contains([(NS, 5), (NS + 1, 5)]) == [True, False]
+
+    def test_commit_rejects_foreign_or_stale_descriptors(self, store: BlockStore) -> None:
+        """Only the reserving session may commit, with the current generation."""
+        a, b = store.open_session(), store.open_session()
+        slots, gens = store.reserve(a, keys(1))
+        with pytest.raises(StaleDescriptorError, match="not reserved by this client"):
+            store.commit(b, slots, gens)  # type: ignore[arg-type]
+        with pytest.raises(StaleDescriptorError):
+            store.commit(a, slots, [gens[0] + 1])  # type: ignore[arg-type, operator]
+        store.commit(a, slots, gens)  # type: ignore[arg-type]
+        store.check_invariants()
+
+    def test_abort_frees_the_reservation(self, store: BlockStore) -> None:
+        """An aborted put leaves nothing and returns its slot."""
+        s = store.open_session()
+        slots, gens = store.reserve(s, keys(1, 2))
+        store.abort(s, slots, gens)  # type: ignore[arg-type]
+        assert store.stats().num_free_slots == 4 and store.contains(keys(1)) == [False]
+        store.check_invariants()
+
+
+class TestEviction:
+    def test_lru_order_is_exact(self, store: BlockStore) -> None:
+        """The least recently used unleased block goes first; a read makes a block recent."""
+        s = store.open_session()
+        put(store, s, 1, 2, 3, 4)
+        slots, gens = store.lease(s, keys(1))
+        store.release(s, slots, gens)  # type: ignore[arg-type]
+        put(store, s, 5, 6)
+        assert store.contains(keys(1, 2, 3, 4, 5, 6)) == [True, False, False, True, True, True]
+        store.check_invariants()
+
+    def test_leased_blocks_are_never_evicted(self, store: BlockStore) -> None:
+        """Eviction skips leased blocks; with everything leased a put raises StoreFullError."""
+        s = store.open_session()
+        put(store, s, 1, 2, 3, 4)
+        store.lease(s, keys(1, 2, 3))
+        put(store, s, 5)
+        assert store.contains(keys(1, 2, 3, 4, 5)) == [True, True, True, False, True]
+        store.lease(s, keys(5))
+        with pytest.raises(StoreFullError, match="1 slots needed, 0 free and 0 evictable"):
+            store.reserve(s, keys(6))
+        store.check_invariants()
+
+    def test_store_full_changes_nothing(self, store: BlockStore) -> None:
+        """A batch that cannot fit is refused whole: no eviction, no reservation."""
+        s = store.open_session()
+        put(store, s, 1, 2)
+        store.lease(s, keys(1))
+        with pytest.raises(StoreFullError):
+            store.reserve(s, keys(10, 11, 12, 13))
+        assert store.contains(keys(1, 2)) == [True, True]
+        assert store.stats().num_reserved == 0
+        store.check_invariants()
+
+
+class TestLeasesAndSessions:
+    def test_release_checks_holder_and_count(self, store: BlockStore) -> None:
+        """A session releases only leases it holds, no more times than it took them."""
+        a, b = store.open_session(), store.open_session()
+        put(store, a, 1)
+        slots, gens = store.lease(a, keys(1))
+        with pytest.raises(StaleDescriptorError):
+            store.release(b, slots, gens)  # type: ignore[arg-type]
+        with pytest.raises(StaleDescriptorError):
+            store.release(a, slots * 2, gens * 2)  # type: ignore[arg-type]
+        store.release(a, slots, gens)  # type: ignore[arg-type]
+        store.check_invariants()
+
+    def test_closing_a_session_frees_everything_it_held(self, store: BlockStore) -> None:
+        """A dead client's reservations vanish and its leases are released."""
+        a, b = store.open_session(), store.open_session()
+        put(store, a, 1, 2)
+        store.lease(b, keys(1, 2))
+        store.lease(b, keys(1))
+        store.reserve(b, keys(3, 4))
+        store.close_session(b)
+        stats = store.stats()
+        assert (stats.num_leased_blocks, stats.num_reserved, stats.num_free_slots) == (0, 0, 2)
+        assert store.contains(keys(3, 4)) == [False, False]
+        put(store, a, 5, 6, 7, 8)  # the released blocks are evictable again
+        store.check_invariants()
+
+    def test_removed_leased_block_keeps_its_slot_until_released(self, store: BlockStore) -> None:
+        """remove() hides a leased block at once but frees its slot only on the last release."""
+        s = store.open_session()
+        put(store, s, 1)
+        slots, gens = store.lease(s, keys(1))
+        assert store.remove(keys(1, 9)) == [True, False]
+        assert store.contains(keys(1)) == [False]
+        assert store.stats().num_free_slots == 3
+        store.release(s, slots, gens)  # type: ignore[arg-type]
+        assert store.stats().num_free_slots == 4
+        store.check_invariants()
+
+    def test_closed_session_is_refused(self, store: BlockStore) -> None:
+        """A request on a closed session raises instead of touching the store."""
+        s = store.open_session()
+        store.close_session(s)
+        with pytest.raises(StaleDescriptorError, match="closed"):
+            store.reserve(s, keys(1))
+
+
+class TestEvents:
+    def test_stored_chain_removed_and_cleared(self) -> None:
+        """Commits, evictions and clears become host-tier events with seq 1, 2, 3, ..."""
+        store = BlockStore(2, worker_id="w0", epoch=7)
+        s = store.open_session()
+        slots, gens = store.reserve(s, keys(10, 11), [None, 10], [[1, 2], [3, 4]])
+        store.commit(s, slots, gens)  # type: ignore[arg-type]
+        put(store, s, 12)
+        store.clear()
+        assert store.take_events() == [
+            BlockStored("w0", 7, 1, Tier.HOST, [10, 11], None, [1, 2, 3, 4]),
+            BlockRemoved("w0", 7, 2, Tier.HOST, [10]),
+            BlockStored("w0", 7, 3, Tier.HOST, [12], None, None),
+            AllBlocksCleared("w0", 7, 4, Tier.HOST),
+        ]
+        assert store.take_events() == []
+
+    def test_unchained_blocks_get_one_event_each(self, store: BlockStore) -> None:
+        """Blocks whose parents do not chain are reported as separate stored events."""
+        s = store.open_session()
+        slots, gens = store.reserve(s, keys(1, 2, 3), [None, 99, 2])
+        store.commit(s, slots, gens)  # type: ignore[arg-type]
+        events = store.take_events()
+        assert [(e.block_hashes, e.parent_hash) for e in events] == [  # type: ignore[union-attr]
+            ([1], None), ([2, 3], 99)]
+
+    def test_removal_event(self, store: BlockStore) -> None:
+        """remove() reports only the keys that were held."""
+        s = store.open_session()
+        put(store, s, 1)
+        store.take_events()
+        store.remove(keys(1, 2))
+        assert store.take_events() == [BlockRemoved("w0", 7, 2, Tier.HOST, [1])]
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random puts, leases, releases, removals and disconnects keep the books consistent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store = BlockStore(6, worker_id="w", epoch=1)
+        self.sessions = [self.store.open_session() for _ in range(3)]
+        self.leases: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
+        self.stored_seq = 0
+
+    @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4),
+          commit=st.booleans())
+    def put(self, who: int, hashes: list[int], commit: bool) -> None:
+        session = self.sessions[who]
+        try:
+            slots, gens = self.store.reserve(session, keys(*hashes))
+        except StoreFullError:
+            return
+        got = [(s, g) for s, g in zip(slots, gens, strict=True) if s is not None]
+        assert len({s for s, _ in got}) == len(got)
+        if commit:
+            self.store.commit(session, [s for s, _ in got], [g for _, g in got])
+
+    @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4))
+    def lease(self, who: int, hashes: list[int]) -> None:
+        session = self.sessions[who]
+        slots, gens = self.store.lease(session, keys(*hashes))
+        self.leases[session] += [(s, g) for s, g in zip(slots, gens, strict=True)
+                                 if s is not None]  # type: ignore[misc]
+
+    @precondition(lambda self: any(self.leases.values()))
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        session = data.draw(st.sampled_from([s for s, held in self.leases.items() if held]))
+        held = self.leases[session]
+        count = data.draw(st.integers(1, len(held)))
+        chosen, self.leases[session] = held[:count], held[count:]
+        self.store.release(session, [s for s, _ in chosen], [g for _, g in chosen])
+
+    @rule(hashes=st.lists(st.integers(0, 12), max_size=3))
+    def remove(self, hashes: list[int]) -> None:
+        self.store.remove(keys(*hashes))
+
+    @rule(who=st.integers(0, 2))
+    def reconnect(self, who: int) -> None:
+        old = self.sessions[who]
+        self.store.close_session(old)
+        del self.leases[old]
+        self.sessions[who] = self.store.open_session()
+        self.leases[self.sessions[who]] = []
+
+    @invariant()
+    def books_balance(self) -> None:
+        self.store.check_invariants()
+
+    @invariant()
+    def events_are_sequenced(self) -> None:
+        for event in self.store.take_events():
+            self.stored_seq += 1
+            assert event.seq == self.stored_seq and event.tier is Tier.HOST
+
+
+TestStoreProperties = StoreMachine.TestCase
