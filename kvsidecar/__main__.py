@@ -13,6 +13,11 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvsidecar.up", "run the local stack on the embedded CPU default"),
     "kv-size": ("kvsidecar.kv_size", "KV bytes per token and tier sizing from a model config"),
+    "gateway": ("routing.__main__", "the OpenAI-compatible gateway with KV-aware placement"),
+    "sidecar": ("sidecar.__main__", "run beside one engine replica: event relay, proxy, health"),
+    "engine": ("refengine.__main__", "the CPU reference engine (SGLang-compatible API and events)"),
+    "replay": ("replay.__main__", "replay request traces live or offline, with a report"),
+    "shm": ("shm.__main__", "run a shared-memory KV block store owner (host tier)"),
 }
 
 

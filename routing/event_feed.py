@@ -67,6 +67,7 @@ class SidecarFeed:
         session: aiohttp.ClientSession,
         *,
         model_id: str,
+        worker: str | None = None,
         dead_after_s: float = 5.0,
         idle_timeout_s: float = 10.0,
         retry_s: float = 0.2,
@@ -82,7 +83,7 @@ class SidecarFeed:
         self.on_load = on_load
         self._session = session
         self._clock = clock
-        self.worker_id: str | None = None
+        self.worker_id: str | None = worker  # learned from the stream when not given
         self.role = "agg"
         self.connected = False
         self.error: str | None = None  # why the feed is not live, for /v1/workers
@@ -128,11 +129,11 @@ class SidecarFeed:
             log.warning("worker_removed", worker_id=self.worker_id, url=self.url, lost=len(lost))
 
     async def _consume(self) -> None:
-        params = {}
+        params: dict[str, str] = {"worker": self.worker_id} if self.worker_id else {}
         position = self.router.index.position(self.worker_id) if self.worker_id else None
         resumable = position is not None and not self._removed
         if resumable and not self.router.index.needs_resync(self.worker_id):  # type: ignore[arg-type]
-            params = {"epoch": str(position[0]), "seq": str(position[1])}  # type: ignore[index]
+            params.update(epoch=str(position[0]), seq=str(position[1]))  # type: ignore[index]
         timeout = aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=self.idle_timeout_s)
         async with self._session.get(
             f"{self.url}/v1/kv-events", params=params, timeout=timeout

@@ -1,0 +1,54 @@
+"""The simulated-compute timing model (``--compute sim``): how long a step would take on a
+GPU, with no math done. All costs are divided by ``--speedup``.
+
+* prefill step: ``prefill_base + Σ_chunks (per_token × new_tokens
+  + attn_per_token_ctx × new_tokens × context_after_chunk)`` — linear in uncached tokens plus
+  the attention term that grows with context;
+* decode step: ``decode_base + per_seq × batch + per_ctx_token × Σ context lengths`` — a fixed
+  kernel-launch floor, per-sequence work, and KV reads that grow with context;
+* host-tier load: ``load_per_page × pages``.
+
+Steps run one at a time on a replica, so a prefill step delays every running decode: the
+interference disaggregation removes. Defaults are the order of magnitude of an 8B model on
+one datacenter GPU (about 20k prefill tokens/s, ~10 ms decode steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["TimingModel"]
+
+
+@dataclass(frozen=True, slots=True)
+class TimingModel:
+    prefill_base_s: float = 0.002
+    prefill_per_token_s: float = 50e-6
+    prefill_attn_per_token_ctx_s: float = 2e-9
+    decode_base_s: float = 0.008
+    decode_per_seq_s: float = 0.0002
+    decode_per_ctx_token_s: float = 2e-8
+    load_per_page_s: float = 20e-6
+    speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.speedup <= 0:
+            raise ValueError(f"--speedup must be > 0, got {self.speedup}")
+
+    def prefill(self, chunks: list[tuple[int, int]]) -> float:
+        """``chunks``: (new tokens, context length after the chunk) per request."""
+        t = self.prefill_base_s
+        for new, ctx in chunks:
+            t += self.prefill_per_token_s * new + self.prefill_attn_per_token_ctx_s * new * ctx
+        return t / self.speedup
+
+    def decode(self, context_lens: list[int]) -> float:
+        t = (
+            self.decode_base_s
+            + self.decode_per_seq_s * len(context_lens)
+            + self.decode_per_ctx_token_s * sum(context_lens)
+        )
+        return t / self.speedup
+
+    def load(self, pages: int) -> float:
+        return self.load_per_page_s * pages / self.speedup

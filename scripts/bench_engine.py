@@ -1,0 +1,260 @@
+"""Benchmark the CPU reference engine (real processes, real HTTP).
+
+* TTFT of a 4,096-token prompt: cold, with a full device-pool prefix hit, and with a host-tier
+  load (the device cache flushed, pages read back from the page store) — torch compute;
+* decode tokens/s at batch 1 and batch 8 — torch compute;
+* simulated mode: 16 replicas in one process, each offered 5 requests/s; the engine process's
+  CPU use (from /proc) gives requests/s per core and the headroom against half the machine.
+
+Prints a table; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}`` where every
+ratio compares with a baseline measured in this run, oriented so that >= 1 is good:
+``ttft_prefix_hit_vs_cold`` (cold / hit: 10 meets the ≤10 % target), ``ttft_host_load_vs_cold``
+(cold / host load: 5 meets the ≤20 % target), ``decode_batch8_vs_batch1``,
+``sim_cpu_half_machine_vs_used`` (half the cores / cores the engines used: >= 1 meets the
+target) and ``sim_achieved_vs_offered``.
+
+    python scripts/bench_engine.py [--json out.json] [--sim-seconds 10] [--prompt-tokens 4096]
+                                   [--model-preset tiny|kv-heavy]
+
+The host tier here is the in-process page store (``--enable-hierarchical-cache``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+class Engine:
+    def __init__(self, *args: str, replicas: int = 1) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "refengine", "--port", "0", "--log-level", "warning", *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.ready = [json.loads(self.proc.stdout.readline()) for _ in range(replicas)]
+        if not all(r.get("event") == "server_started" for r in self.ready):
+            raise RuntimeError(f"engine did not start: {self.ready}")
+        self.urls = [r["url"] for r in self.ready]
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / CLK  # utime + stime
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        async with session.get(url + "/health") as r:
+            if r.status == 200:
+                return
+    raise TimeoutError(url)
+
+
+async def ttft(session: aiohttp.ClientSession, url: str, ids: list[int]) -> tuple[float, dict]:
+    """Seconds to the first streamed token, and the last chunk's meta_info."""
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 2, "temperature": 0, "ignore_eos": True},
+    }
+    t0 = time.perf_counter()
+    first = None
+    meta: dict = {}
+    async with session.post(url + "/generate", json=body) as r:
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if first is None:
+                first = time.perf_counter() - t0
+            meta = json.loads(line[6:])["meta_info"]
+    assert first is not None
+    return first, meta
+
+
+async def decode_rate(session: aiohttp.ClientSession, url: str, batch: int, new: int) -> float:
+    async def one(i: int) -> tuple[float, float, int]:
+        ids = [random.randrange(5, 1000) for _ in range(64)]
+        body = {
+            "input_ids": ids,
+            "stream": True,
+            "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True},
+        }
+        first, n = None, 0
+        async with session.post(url + "/generate", json=body) as r:
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if line.startswith("data: {"):
+                    first = first or time.perf_counter()
+                    n = len(json.loads(line[6:])["output_ids"])
+        assert first is not None
+        return first, time.perf_counter(), n
+
+    res = await asyncio.gather(*(one(i) for i in range(batch)))
+    start = max(r[0] for r in res)  # all requests are decoding from here on
+    end = min(r[1] for r in res)
+    tokens_each = new - 1
+    return batch * tokens_each / (end - start) if end > start else float("nan")
+
+
+async def bench_torch(prompt_tokens: int, preset: str, figures: dict[str, float]) -> None:
+    rng = random.Random(0)
+    pool = max(8192, prompt_tokens * 2) if preset == "kv-heavy" else max(32768, prompt_tokens * 4)
+    eng = Engine(
+        "--enable-hierarchical-cache",
+        "--hicache-host-pages",
+        "512",
+        "--model-preset",
+        preset,
+        "--max-total-tokens",
+        str(pool),
+    )
+    try:
+        async with aiohttp.ClientSession() as s:
+            await wait_healthy(s, eng.urls[0])
+            url = eng.urls[0]
+            colds, hits, loads = [], [], []
+            for _ in range(3):
+                ids = [rng.randrange(5, 1000) for _ in range(prompt_tokens)]
+                cold, m = await ttft(s, url, ids)
+                assert m["cached_tokens"] == 0
+                hit, m = await ttft(s, url, ids)
+                assert m["cached_tokens_details"]["device"] >= prompt_tokens - 16
+                async with s.post(url + "/flush_cache") as r:
+                    assert r.status == 200
+                load, m = await ttft(s, url, ids)
+                assert m["cached_tokens_details"]["storage"] >= prompt_tokens - 16
+                colds.append(cold)
+                hits.append(hit)
+                loads.append(load)
+            figures["ttft_cold_s"] = statistics.median(colds)
+            figures["ttft_prefix_hit_s"] = statistics.median(hits)
+            figures["ttft_host_load_s"] = statistics.median(loads)
+            figures["decode_tok_s_batch1"] = await decode_rate(s, url, 1, 129)
+            figures["decode_tok_s_batch8"] = await decode_rate(s, url, 8, 129)
+    finally:
+        eng.stop()
+
+
+async def bench_sim(seconds: float, replicas: int, rate: float, figures: dict[str, float]) -> None:
+    eng = Engine("--compute", "sim", "--replicas", str(replicas), replicas=replicas)
+    rng = random.Random(1)
+    latencies: list[float] = []
+    errors = 0
+    try:
+        conn = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            for url in eng.urls:
+                await wait_healthy(s, url)
+            prefixes = [[rng.randrange(5, 1000) for _ in range(192)] for _ in range(8)]
+
+            async def one(url: str) -> None:
+                nonlocal errors
+                ids = rng.choice(prefixes) + [rng.randrange(5, 1000) for _ in range(64)]
+                body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 32}}
+                t0 = time.perf_counter()
+                async with s.post(url + "/generate", json=body) as r:
+                    await r.read()
+                    if r.status != 200:
+                        errors += 1
+                latencies.append(time.perf_counter() - t0)
+
+            async def drive(url: str, stop_at: float) -> list[asyncio.Task[None]]:
+                tasks = []
+                next_t = time.monotonic() + rng.random() / rate
+                while next_t < stop_at:
+                    await asyncio.sleep(max(0.0, next_t - time.monotonic()))
+                    tasks.append(asyncio.create_task(one(url)))
+                    next_t += rng.expovariate(rate)
+                return tasks
+
+            cpu0, t0 = eng.cpu_seconds(), time.monotonic()
+            stop_at = t0 + seconds
+            batches = await asyncio.gather(*(drive(u, stop_at) for u in eng.urls))
+            tasks = [t for b in batches for t in b]
+            await asyncio.gather(*tasks)
+            wall = time.monotonic() - t0
+            cpu = eng.cpu_seconds() - cpu0
+    finally:
+        eng.stop()
+    done = len(latencies) - errors
+    cores = cpu / wall
+    figures["sim_replicas"] = replicas
+    figures["sim_offered_req_s"] = replicas * rate
+    figures["sim_achieved_req_s"] = done / wall
+    figures["sim_engine_cpu_cores"] = cores
+    figures["sim_req_s_per_core"] = done / cpu if cpu else float("inf")
+    figures["sim_latency_p50_s"] = statistics.median(latencies)
+    figures["sim_errors"] = errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, help="write figures and ratios to this file")
+    p.add_argument("--prompt-tokens", type=int, default=4096)
+    p.add_argument(
+        "--model-preset",
+        default="tiny",
+        choices=["tiny", "kv-heavy"],
+        help="torch model size for the TTFT and decode figures",
+    )
+    p.add_argument("--sim-seconds", type=float, default=10.0)
+    p.add_argument("--sim-replicas", type=int, default=16)
+    p.add_argument("--sim-rate", type=float, default=5.0, help="requests/s per replica")
+    args = p.parse_args(argv)
+    figures: dict[str, float] = {}
+    asyncio.run(bench_torch(args.prompt_tokens, args.model_preset, figures))
+    asyncio.run(bench_sim(args.sim_seconds, args.sim_replicas, args.sim_rate, figures))
+    ncpu = os.cpu_count() or 1
+    ratios = {
+        "ttft_prefix_hit_vs_cold": figures["ttft_cold_s"] / figures["ttft_prefix_hit_s"],
+        "ttft_host_load_vs_cold": figures["ttft_cold_s"] / figures["ttft_host_load_s"],
+        "decode_batch8_vs_batch1": figures["decode_tok_s_batch8"] / figures["decode_tok_s_batch1"],
+        "sim_cpu_half_machine_vs_used": (ncpu / 2) / max(1e-9, figures["sim_engine_cpu_cores"]),
+        "sim_achieved_vs_offered": figures["sim_achieved_req_s"] / figures["sim_offered_req_s"],
+    }
+    print(f"{'figure':<28}{'value':>14}")
+    for k, v in figures.items():
+        print(f"{k:<28}{v:>14.4f}")
+    print(f"\n{'ratio (>= 1 is good)':<32}{'value':>10}  target")
+    targets = {
+        "ttft_prefix_hit_vs_cold": ">= 10 (hit <= 10% of cold)",
+        "ttft_host_load_vs_cold": ">= 5 (load <= 20% of cold)",
+        "sim_cpu_half_machine_vs_used": ">= 1 (engines under half the CPU)",
+    }
+    for k, v in ratios.items():
+        print(f"{k:<32}{v:>10.2f}  {targets.get(k, '')}")
+    if args.json:
+        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""``python -m sidecar`` / ``kvsidecar sidecar``: run beside one engine replica.
+
+Prints one JSON ready line on stdout once serving: ``{"event": "sidecar_ready", "url": ...,
+"worker_ids": [...]}``. SIGTERM/SIGINT drain in-flight requests, close subscribers and exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import orjson
+import uvloop
+
+from kvsidecar.logs import configure_logging
+from sidecar.app import EngineUnavailableError, Sidecar
+from sidecar.config import SidecarConfig
+
+__all__ = ["main"]
+
+
+async def _run(cfg: SidecarConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        async with Sidecar(cfg) as sidecar:
+            ready = {
+                "event": "sidecar_ready",
+                "url": sidecar.url,
+                "worker_ids": list(sidecar.streams),
+            }
+            sys.stdout.write(orjson.dumps(ready).decode() + "\n")
+            sys.stdout.flush()
+            await stop.wait()
+    except EngineUnavailableError as exc:
+        print(f"kvsidecar sidecar: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = SidecarConfig.from_args(argv)
+    configure_logging(cfg.log_level)
+    return uvloop.run(_run(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""The sidecar process: one engine replica's relay, proxy, health and metrics.
+
+``Sidecar`` owns every component and background task, as an async context manager::
+
+    async with Sidecar(cfg) as sidecar:    # waits for the engine, starts the adapter, serves
+        await stop.wait()                  # SIGTERM / SIGINT
+    # leaving: unroutable → stop accepting → drain (shutdown_timeout_s) → close subscribers
+    #          → stop serving → close the adapter
+
+HTTP surface: ``/health``, ``/metrics``, ``/v1/load``, ``/v1/workers``, ``/v1/kv-events``
+(the event stream, README "Event stream protocol") and ``/v1/kvsidecar/generate`` (the
+request proxy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import aiohttp
+import orjson
+import structlog
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from adapters.base import (
+    AdapterConfig,
+    EngineAdapter,
+    EngineKind,
+    EventEndpoint,
+    create_adapter,
+)
+from adapters.canonical.events import AllBlocksCleared, KVEvent, Tier
+from adapters.canonical.stream import LoadReport
+from adapters.normalize_metrics import AdapterMetrics
+from sidecar.config import SidecarConfig
+from sidecar.event_stream import EventStream
+from sidecar.health import SilenceDetector
+from sidecar.load import LoadTracker
+from sidecar.metrics import SidecarMetrics
+from sidecar.proxy import RequestProxy
+from sidecar.relay import EventRelay
+
+__all__ = ["EngineUnavailableError", "Sidecar"]
+
+log = structlog.get_logger(component="sidecar")
+_ENGINE_WAIT_S = 600.0
+_ENGINE_PROBE_S = 2.0
+
+
+class EngineUnavailableError(RuntimeError):
+    """The engine never became healthy within the wait."""
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+class Sidecar:
+    """Everything one sidecar runs, started and stopped in order."""
+
+    def __init__(self, cfg: SidecarConfig, *, engine_wait_s: float = _ENGINE_WAIT_S) -> None:
+        self.cfg = cfg
+        self.engine_wait_s = engine_wait_s
+        self.streams: dict[str, EventStream] = {}
+        self.load: LoadTracker | None = None
+        self.metrics = SidecarMetrics(lambda: self.streams, lambda: self.load)
+        self.url = ""
+        self.model_id = cfg.model_id or ""
+        self.block_size = 0
+        self.engine_healthy = False
+        self.draining = False
+        self._adapter: EngineAdapter | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._proxy: RequestProxy | None = None
+        self._silence = SilenceDetector(cfg.silent_after_s)
+        self._adapter_epochs: dict[str, int] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        cfg = self.cfg
+        self._session = aiohttp.ClientSession()
+        try:
+            await self._wait_for_engine()
+            if not self.model_id:
+                self.model_id = await self._served_model()
+            adapter = create_adapter(
+                AdapterConfig(
+                    engine=EngineKind(cfg.engine),
+                    engine_url=cfg.engine_url,
+                    worker_id=cfg.worker_id,
+                    model_id=self.model_id,
+                    block_size=cfg.block_size,
+                    endpoints=self._flag_endpoints(),
+                    model_path=cfg.model_path,
+                ),
+                metrics=AdapterMetrics(cfg.engine, self.metrics.registry),
+            )
+            info = await adapter.start()
+            self._adapter = adapter
+            self.block_size = info.block_size
+            for worker_id in info.worker_ids:
+                relay = EventRelay(
+                    worker_id,
+                    block_size=info.block_size,
+                    model_id=self.model_id,
+                    role=cfg.role,
+                    buffer_events=cfg.replay_buffer_events,
+                )
+                self.streams[worker_id] = EventStream(
+                    relay, queue_frames=cfg.subscriber_queue_frames
+                )
+            self.load = LoadTracker(info.block_size)
+            self._proxy = RequestProxy(
+                adapter,
+                self._session,
+                self.load,
+                self._silence,
+                engine_url=cfg.engine_url,
+                model_id=self.model_id,
+                worker_ids=info.worker_ids,
+                upstream_timeout_s=cfg.upstream_timeout_s,
+                observe_latency=self.metrics.proxy_latency.observe,
+            )
+            self._tasks = [
+                asyncio.create_task(self._pump_events(), name="pump_events"),
+                asyncio.create_task(self._report_load(), name="report_load"),
+                asyncio.create_task(self._probe_engine(), name="probe_engine"),
+            ]
+            await self._serve()
+        except BaseException:
+            await self._close()
+            raise
+        log.info(
+            "sidecar_started",
+            url=self.url,
+            engine_url=cfg.engine_url,
+            worker_ids=list(self.streams),
+            block_size=self.block_size,
+            model_id=self.model_id,
+            role=cfg.role,
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.drain()
+        await self._close()
+
+    async def drain(self) -> None:
+        """Report unroutable, refuse new requests, wait for in-flight ones (bounded)."""
+        self.draining = True
+        if self._proxy is not None:
+            self._proxy.accepting = False
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        load = self.load
+        while load is not None and load.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if load is not None and load.in_flight:
+            log.warning("shutdown_timeout_reached", in_flight=load.in_flight)
+        log.info("sidecar_drained")
+
+    async def _close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+        errors: list[Exception] = []
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+            except Exception as exc:  # gathered below, so no failure hides another
+                errors.append(exc)
+        self._tasks = []
+        for close in (self._stop_serving, self._close_adapter, self._close_session):
+            try:
+                await close()
+            except Exception as exc:
+                errors.append(exc)
+        if errors:
+            raise ExceptionGroup("sidecar shutdown failed", errors)
+        log.info("sidecar_stopped")
+
+    async def _stop_serving(self) -> None:
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    async def _close_adapter(self) -> None:
+        adapter, self._adapter = self._adapter, None
+        if adapter is not None:
+            await adapter.aclose()
+
+    async def _close_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    # --- startup helpers ------------------------------------------------------------------
+
+    def _flag_endpoints(self) -> tuple[EventEndpoint, ...]:
+        if not self.cfg.kv_events_endpoint:
+            return ()
+        return (EventEndpoint(0, self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint),)
+
+    async def _wait_for_engine(self) -> None:
+        assert self._session is not None
+        deadline = time.monotonic() + self.engine_wait_s
+        url = f"{self.cfg.engine_url}/health"
+        announced = False
+        while True:
+            if await self._engine_ok(url):
+                self.engine_healthy = True
+                return
+            if time.monotonic() > deadline:
+                raise EngineUnavailableError(
+                    f"engine at {self.cfg.engine_url} not healthy after {self.engine_wait_s:.0f}s"
+                )
+            if not announced:
+                log.info("engine_waiting", engine_url=self.cfg.engine_url)
+                announced = True
+            await asyncio.sleep(0.1)
+
+    async def _engine_ok(self, url: str) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def _served_model(self) -> str:
+        assert self._session is not None
+        url = f"{self.cfg.engine_url}/v1/models"
+        try:
+            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                data = await resp.json(content_type=None)
+            return str(data["data"][0]["id"])
+        except (
+            aiohttp.ClientError,
+            TimeoutError,
+            KeyError,
+            IndexError,
+            TypeError,
+            ValueError,
+        ) as exc:
+            raise EngineUnavailableError(
+                f"cannot learn the served model from {url} ({exc!r}); pass --model-id"
+            ) from exc
+
+    async def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/load", self._load_view)
+        app.router.add_get("/v1/workers", self._workers_view)
+        app.router.add_get("/v1/kv-events", self._kv_events)
+        assert self._proxy is not None
+        app.router.add_post("/v1/kvsidecar/generate", self._proxy.handle)
+        runner = web.AppRunner(
+            app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await runner.setup()
+        site = web.TCPSite(runner, self.cfg.host, self.cfg.port)
+        await site.start()
+        self._runner = runner
+        port = _bound_port(runner) or self.cfg.port
+        self.url = f"http://{self.cfg.host}:{port}"
+        if self.cfg.ready_file:
+            ready = {"url": self.url, "worker_ids": list(self.streams)}
+            Path(self.cfg.ready_file).write_text(json.dumps(ready) + "\n")
+
+    # --- background tasks -----------------------------------------------------------------
+
+    async def _pump_events(self) -> None:
+        assert self._adapter is not None
+        async for event in self._adapter.events():
+            stream = self.streams.get(event.worker_id)
+            if stream is None:
+                log.warning("event_for_unknown_worker", worker_id=event.worker_id)
+                continue
+            last_epoch = self._adapter_epochs.get(event.worker_id)
+            if last_epoch is not None and event.epoch > last_epoch:
+                # The adapter resynced (engine restart or unrecoverable gap): what the
+                # engine held before is unknown, so the GPU tier starts over.
+                stream.publish(AllBlocksCleared(event.worker_id, 0, 0, Tier.GPU))
+            self._adapter_epochs[event.worker_id] = event.epoch
+            self._publish(stream, event)
+
+    def _publish(self, stream: EventStream, event: KVEvent) -> None:
+        stream.publish(event)
+        self._silence.on_event()
+
+    async def _report_load(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.load_report_interval_s)
+            for worker_id, stream in self.streams.items():
+                stream.broadcast(self._load_report(worker_id))
+
+    async def _probe_engine(self) -> None:
+        url = f"{self.cfg.engine_url}/health"
+        while True:
+            await asyncio.sleep(_ENGINE_PROBE_S)
+            healthy = await self._engine_ok(url)
+            if healthy != self.engine_healthy:
+                log.warning("engine_health_changed", healthy=healthy)
+            self.engine_healthy = healthy
+
+    # --- views ----------------------------------------------------------------------------
+
+    def _routing_state(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        if not self.engine_healthy:
+            return False, f"engine at {self.cfg.engine_url} fails its health check"
+        health = self._silence.health()
+        return health.routable, health.reason
+
+    def _load_report(self, worker_id: str) -> LoadReport:
+        assert self.load is not None
+        figures = self.load.figures(worker_id)
+        routable, reason = self._routing_state()
+        return LoadReport(
+            worker_id,
+            time.time_ns() // 1_000_000,
+            figures.in_flight,
+            self.load.active_blocks(worker_id),
+            figures.queued_prefill_tokens,
+            None,
+            routable,
+            reason,
+            self.cfg.role,
+        )
+
+    async def _health(self, request: web.Request) -> web.Response:
+        routable, reason = self._routing_state()
+        body = {
+            "status": "ok" if routable else "unavailable",
+            "engine_healthy": self.engine_healthy,
+            "routable": routable,
+            "reason": reason,
+            "draining": self.draining,
+        }
+        return _json(body, 200 if routable else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
+        )
+
+    async def _load_view(self, request: web.Request) -> web.Response:
+        return _json({w: _report_dict(self._load_report(w)) for w in self.streams})
+
+    async def _workers_view(self, request: web.Request) -> web.Response:
+        return _json(
+            {
+                "model_id": self.model_id,
+                "block_size": self.block_size,
+                "role": self.cfg.role,
+                "workers": list(self.streams),
+            }
+        )
+
+    async def _kv_events(self, request: web.Request) -> web.StreamResponse:
+        worker_id = request.query.get("worker") or next(iter(self.streams))
+        stream = self.streams.get(worker_id)
+        if stream is None:
+            return _json(
+                {"error": f"unknown worker {worker_id!r}; known: {list(self.streams)}"}, 404
+            )
+        return await stream.handle(request)
+
+
+def _bound_port(runner: web.AppRunner) -> int | None:
+    """The port the runner's first site actually bound (for ``--port 0``)."""
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return None
+
+
+def _report_dict(report: LoadReport) -> dict[str, Any]:
+    return {
+        "in_flight": report.in_flight,
+        "active_blocks": report.active_blocks,
+        "queued_prefill_tokens": report.queued_prefill_tokens,
+        "routable": report.routable,
+        "reason": report.reason,
+        "role": report.role,
+    }

@@ -1,0 +1,192 @@
+"""The sidecar's one typed configuration, built only from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+__all__ = ["SidecarConfig"]
+
+Role = Literal["agg", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class SidecarConfig:
+    """Everything one sidecar process needs; validated when built."""
+
+    engine: str
+    engine_url: str
+    worker_id: str
+    model_id: str | None = None  # None: the engine's served model name
+    model_path: str | None = None
+    block_size: int | None = None  # None: discovered from the engine
+    host: str = "127.0.0.1"
+    port: int = 0
+    role: Role = "agg"
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    replay_buffer_events: int = 65536
+    subscriber_queue_frames: int = 8192
+    load_report_interval_s: float = 0.5
+    silent_after_s: float = 30.0
+    upstream_timeout_s: float = 600.0
+    shutdown_timeout_s: float = 20.0
+    log_level: str = "info"
+    ready_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("sglang", "trtllm"):
+            raise ValueError(f"--engine must be sglang or trtllm, got {self.engine!r}")
+        scheme = urlsplit(self.engine_url).scheme
+        if scheme not in ("http", "https"):
+            raise ValueError(f"--engine-url must be an http(s) URL, got {self.engine_url!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.role not in ("agg", "prefill", "decode"):
+            raise ValueError(f"--role must be agg, prefill or decode, got {self.role!r}")
+        for name in (
+            "replay_buffer_events",
+            "subscriber_queue_frames",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in (
+            "load_report_interval_s",
+            "silent_after_s",
+            "upstream_timeout_s",
+            "shutdown_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.block_size is not None and not 1 <= self.block_size <= 4096:
+            raise ValueError(f"--block-size must be in [1, 4096], got {self.block_size}")
+
+    @classmethod
+    def parser(cls) -> argparse.ArgumentParser:
+        p = argparse.ArgumentParser(
+            prog="kvsidecar sidecar",
+            description="Run beside one engine replica: relay its KV cache events to gateways "
+            "as one resumable stream, proxy requests to it with load accounting, and report "
+            "its health. Needs only the engine's URL; event endpoints and block size are "
+            "discovered from the engine when it advertises them.",
+        )
+        g = p.add_argument_group("engine")
+        g.add_argument(
+            "--engine",
+            choices=["sglang", "trtllm"],
+            default="sglang",
+            help="engine kind (default: sglang; the reference engine speaks sglang)",
+        )
+        g.add_argument("--engine-url", required=True, help="the engine's HTTP base URL")
+        g.add_argument(
+            "--model-id",
+            help="served model name used in the hash namespace "
+            "(default: the engine's served_model_name)",
+        )
+        g.add_argument("--model-path", help="model directory (config.json) for the KV layout")
+        g.add_argument(
+            "--block-size",
+            type=int,
+            help="tokens per KV block; checked against the engine's page size when both are known",
+        )
+        g.add_argument(
+            "--kv-events-endpoint",
+            help="ZMQ endpoint of the engine's KV events (default: from /server_info)",
+        )
+        g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
+        s = p.add_argument_group("sidecar")
+        s.add_argument(
+            "--worker-id",
+            help="this worker's name in the fleet (default: <hostname>-<engine port>)",
+        )
+        s.add_argument(
+            "--role",
+            choices=["agg", "prefill", "decode"],
+            default="agg",
+            help="the pool this worker serves (default: agg)",
+        )
+        s.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+        s.add_argument(
+            "--port",
+            type=int,
+            default=0,
+            help="listen port; 0 picks a free one (printed in the ready line)",
+        )
+        s.add_argument(
+            "--replay-buffer-events",
+            type=int,
+            default=65536,
+            help="events kept for subscribers that reconnect (default 65536)",
+        )
+        s.add_argument(
+            "--subscriber-queue-frames",
+            type=int,
+            default=8192,
+            help="frames a subscriber may lag before it is told to resync",
+        )
+        s.add_argument(
+            "--load-report-interval-s",
+            type=float,
+            default=0.5,
+            help="seconds between load reports on the event stream",
+        )
+        s.add_argument(
+            "--silent-after-s",
+            type=float,
+            default=30.0,
+            help="report the worker unroutable when it serves shared prefixes but "
+            "its engine published no KV event for this long (default 30)",
+        )
+        s.add_argument(
+            "--upstream-timeout-s",
+            type=float,
+            default=600.0,
+            help="longest wait for an engine reply between bytes",
+        )
+        s.add_argument(
+            "--shutdown-timeout-s",
+            type=float,
+            default=20.0,
+            help="how long SIGTERM waits for in-flight requests (default 20)",
+        )
+        s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        s.add_argument("--ready-file", help="write {'url': ...} JSON here once serving")
+        return p
+
+    @classmethod
+    def from_args(cls, argv: list[str] | None = None) -> SidecarConfig:
+        parser = cls.parser()
+        args = parser.parse_args(argv)
+        worker_id = args.worker_id or _default_worker_id(args.engine_url)
+        try:
+            return cls(
+                engine=args.engine,
+                engine_url=args.engine_url.rstrip("/"),
+                worker_id=worker_id,
+                model_id=args.model_id,
+                model_path=args.model_path,
+                block_size=args.block_size,
+                host=args.host,
+                port=args.port,
+                role=args.role,
+                kv_events_endpoint=args.kv_events_endpoint,
+                kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+                replay_buffer_events=args.replay_buffer_events,
+                subscriber_queue_frames=args.subscriber_queue_frames,
+                load_report_interval_s=args.load_report_interval_s,
+                silent_after_s=args.silent_after_s,
+                upstream_timeout_s=args.upstream_timeout_s,
+                shutdown_timeout_s=args.shutdown_timeout_s,
+                log_level=args.log_level,
+                ready_file=args.ready_file,
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
+def _default_worker_id(engine_url: str) -> str:
+    parts = urlsplit(engine_url)
+    return f"{socket.gethostname()}-{parts.port or parts.hostname or 'engine'}"

@@ -1,0 +1,88 @@
+"""The sidecar's Prometheus metrics, in a registry it owns (served at ``/metrics``).
+
+Counters the components already keep (the event streams' relay counts, the load tracker)
+are read at scrape time by a collector, so the hot paths count once, in plain ints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sidecar.event_stream import EventStream
+from sidecar.load import LoadTracker
+
+__all__ = ["SidecarMetrics"]
+
+
+class _StreamCollector(Collector):
+    def __init__(
+        self, streams: Callable[[], dict[str, EventStream]], load: Callable[[], LoadTracker | None]
+    ) -> None:
+        self._streams = streams
+        self._load = load
+
+    def collect(self) -> Iterator[Metric]:
+        relayed = CounterMetricFamily(
+            "kvsidecar_events_relayed", "KV events relayed to gateways", labels=["worker"]
+        )
+        subscribers = GaugeMetricFamily(
+            "kvsidecar_event_subscribers",
+            "Gateways subscribed to the event stream",
+            labels=["worker"],
+        )
+        replays = CounterMetricFamily(
+            "kvsidecar_stream_replays",
+            "Subscribers resumed from the replay buffer",
+            labels=["worker"],
+        )
+        snapshots = CounterMetricFamily(
+            "kvsidecar_stream_snapshots",
+            "Subscribers (re)synced from a snapshot",
+            labels=["worker"],
+        )
+        dropped = CounterMetricFamily(
+            "kvsidecar_stream_resyncs_forced",
+            "Subscribers dropped for falling behind (told to resync)",
+            labels=["worker"],
+        )
+        for worker, stream in self._streams().items():
+            relayed.add_metric([worker], stream.events_relayed)
+            subscribers.add_metric([worker], stream.num_subscribers)
+            replays.add_metric([worker], stream.replays_served)
+            snapshots.add_metric([worker], stream.snapshots_served)
+            dropped.add_metric([worker], stream.subscribers_dropped)
+        yield from (relayed, subscribers, replays, snapshots, dropped)
+        load = self._load()
+        if load is not None:
+            in_flight = GaugeMetricFamily(
+                "kvsidecar_requests_in_flight", "Requests proxied to the engine now"
+            )
+            in_flight.add_metric([], load.in_flight)
+            done = CounterMetricFamily(
+                "kvsidecar_requests", "Requests proxied, by outcome", labels=["outcome"]
+            )
+            done.add_metric(["ok"], load.completed)
+            done.add_metric(["error"], load.failed)
+            yield from (in_flight, done)
+
+
+class SidecarMetrics:
+    """The registry plus the histograms the sidecar observes directly."""
+
+    def __init__(
+        self,
+        streams: Callable[[], dict[str, EventStream]],
+        load: Callable[[], LoadTracker | None],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_StreamCollector(streams, load))
+        self.proxy_latency = Histogram(
+            "kvsidecar_proxy_seconds",
+            "Time from receiving a request to the end of its answer",
+            buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )

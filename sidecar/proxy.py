@@ -1,0 +1,213 @@
+"""The request proxy: gateway requests to the engine, through the adapter, with accounting.
+
+``POST /v1/kvsidecar/generate`` takes a ``TokenizedRequest`` (JSON; the gateway has already
+tokenized and placed it) and answers in OpenAI's shape: one JSON body, or SSE chunks passed
+through as the engine produces them. A client that disconnects cancels the handler (the app
+runs with ``handler_cancellation``), which closes the engine connection: the engine aborts
+the request. Engine errors come back OpenAI-shaped with the engine's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+import orjson
+import structlog
+from aiohttp import web
+
+from adapters.base import EngineAdapter, OpenAIError, TokenizedRequest
+from adapters.canonical import BlockHasher, Namespace
+from sidecar.health import SilenceDetector
+from sidecar.load import LoadTracker
+
+__all__ = ["RequestProxy", "openai_error_response"]
+
+log = structlog.get_logger(component="proxy")
+_SSE_DONE = b"data: [DONE]\n\n"
+
+
+def openai_error_response(error: OpenAIError, request_id: str | None = None) -> web.Response:
+    headers = {"x-request-id": request_id} if request_id else None
+    return web.json_response(
+        error.body(), status=error.status, headers=headers, dumps=lambda o: orjson.dumps(o).decode()
+    )
+
+
+class RequestProxy:
+    """Forwards tokenized requests to the engine and keeps the load figures."""
+
+    def __init__(
+        self,
+        adapter: EngineAdapter,
+        session: aiohttp.ClientSession,
+        load: LoadTracker,
+        silence: SilenceDetector,
+        *,
+        engine_url: str,
+        model_id: str,
+        worker_ids: tuple[str, ...],
+        upstream_timeout_s: float,
+        observe_latency: Callable[[float], None] | None = None,
+    ) -> None:
+        self._adapter = adapter
+        self._session = session
+        self._load = load
+        self._silence = silence
+        self._engine_url = engine_url.rstrip("/")
+        self._worker_ids = worker_ids
+        self._model_id = model_id
+        self._hasher = BlockHasher(load.block_size)
+        self._seeds: dict[tuple[str | None, str | None], int] = {}
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=upstream_timeout_s)
+        self._observe = observe_latency
+        self.accepting = True
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        request_id = request.headers.get("x-request-id")
+        if not self.accepting:
+            return openai_error_response(
+                OpenAIError(503, "sidecar is draining", "service_unavailable"), request_id
+            )
+        try:
+            tokenized = msgspec.json.decode(await request.read(), type=TokenizedRequest)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return openai_error_response(
+                OpenAIError(400, f"invalid tokenized request: {exc}"), request_id
+            )
+        if request_id and request_id != tokenized.request_id:
+            tokenized = msgspec.structs.replace(tokenized, request_id=request_id)
+        worker_id = self._worker_for(tokenized)
+        if worker_id is None:
+            return openai_error_response(
+                OpenAIError(
+                    400,
+                    f"dp_rank {tokenized.dp_rank} is out of range "
+                    f"(this engine has {len(self._worker_ids)})",
+                ),
+                tokenized.request_id,
+            )
+        try:
+            native = self._adapter.translate_request(tokenized)
+        except ValueError as exc:
+            return openai_error_response(OpenAIError(400, str(exc)), tokenized.request_id)
+        self._silence.on_request(self._first_block_hash(tokenized))
+        self._load.start(tokenized.request_id, worker_id, len(tokenized.prompt_token_ids))
+        started = time.perf_counter()
+        ok = False
+        try:
+            response = await self._forward(
+                request, tokenized, native.path, native.body, native.stream
+            )
+            ok = response.status < 400
+            return response
+        finally:
+            self._load.finish(tokenized.request_id, ok)
+            if self._observe is not None:
+                self._observe(time.perf_counter() - started)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        tokenized: TokenizedRequest,
+        path: str,
+        body: dict[str, Any],
+        stream: bool,
+    ) -> web.StreamResponse:
+        rid = tokenized.request_id
+        translator = self._adapter.response_translator(tokenized)
+        headers = {"x-request-id": rid}
+        try:
+            async with self._session.post(
+                self._engine_url + path,
+                data=orjson.dumps(body),
+                timeout=self._timeout,
+                headers={"Content-Type": "application/json", "x-request-id": rid},
+            ) as upstream:
+                if upstream.status != 200:
+                    error = translator.error(upstream.status, await upstream.read())
+                    return openai_error_response(error, rid)
+                if not stream:
+                    answer = translator.response(orjson.loads(await upstream.read()))
+                    self._load.tokens(rid, _completion_tokens(answer))
+                    return web.json_response(
+                        answer, headers=headers, dumps=lambda o: orjson.dumps(o).decode()
+                    )
+                return await self._stream(request, upstream, translator, rid, headers)
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            log.warning("engine_request_failed", request_id=rid, error=repr(exc))
+            return openai_error_response(
+                OpenAIError(
+                    502, f"engine at {self._engine_url} failed: {exc!r}", "engine_unreachable"
+                ),
+                rid,
+            )
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        translator: Any,
+        rid: str,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        async for raw in upstream.content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            try:
+                data = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                log.warning("engine_chunk_invalid", request_id=rid, head=payload[:64])
+                continue
+            chunks = translator.chunk(data)
+            if chunks:
+                self._load.tokens(rid, 1)
+                await response.write(b"".join(_sse(c) for c in chunks))
+        tail = translator.finish()
+        await response.write(b"".join(_sse(c) for c in tail) + _SSE_DONE)
+        await response.write_eof()
+        return response
+
+    def _worker_for(self, tokenized: TokenizedRequest) -> str | None:
+        rank = tokenized.dp_rank or 0
+        return self._worker_ids[rank] if 0 <= rank < len(self._worker_ids) else None
+
+    def _first_block_hash(self, tokenized: TokenizedRequest) -> int | None:
+        tokens = tokenized.prompt_token_ids
+        if len(tokens) < self._hasher.block_size:
+            return None
+        key = (tokenized.lora_name, tokenized.cache_salt)
+        seed = self._seeds.get(key)
+        if seed is None:
+            seed = self._seeds[key] = Namespace(self._model_id, *key).seed
+        return self._hasher.hash_tokens(tokens[: self._hasher.block_size], seed)[0]
+
+
+def _sse(chunk: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _completion_tokens(answer: dict[str, Any]) -> int:
+    usage = answer.get("usage") or {}
+    return int(usage.get("completion_tokens") or 1)
+
+
+async def cancel_quietly(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        if (current := asyncio.current_task()) is not None and current.cancelling():
+            raise

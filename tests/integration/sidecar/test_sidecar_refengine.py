@@ -1,0 +1,281 @@
+"""The sidecar as a real process beside a real reference engine (simulated compute)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from adapters.canonical import BlockHasher, Namespace
+from adapters.canonical.events import Tier
+from kvsidecar.launch import ManagedProcess
+from routing.event_feed import SidecarFeed
+from routing.kv_router import KvRouter
+
+EVENTS = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv",
+    }
+)
+HASHER = BlockHasher(16)
+
+
+def engine(
+    tmp: Path, name: str = "engine", port: int = 0, events: str = EVENTS, speedup: int = 20
+) -> ManagedProcess:
+    proc = ManagedProcess.start(
+        name,
+        [
+            "refengine",
+            "--compute",
+            "sim",
+            "--port",
+            str(port),
+            "--speedup",
+            str(speedup),
+            "--kv-events-config",
+            events,
+        ],
+        workdir=tmp,
+    )
+    proc.wait_ready(60)
+    return proc
+
+
+def sidecar(tmp: Path, engine_url: str, *extra: str) -> ManagedProcess:
+    proc = ManagedProcess.start(
+        "sidecar",
+        ["sidecar", "--engine-url", engine_url, "--worker-id", "r0", "--port", "0", *extra],
+        workdir=tmp,
+    )
+    proc.wait_ready(60)
+    return proc
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
+    eng = engine(tmp_path)
+    sc = sidecar(tmp_path, eng.url)
+    yield eng, sc
+    assert sc.stop() == 0, sc.log_tail()
+    eng.stop()
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def generate(
+    session: aiohttp.ClientSession,
+    url: str,
+    tokens: list[int],
+    rid: str,
+    stream: bool = False,
+    max_tokens: int = 4,
+) -> dict[str, object]:
+    body = {
+        "request_id": rid,
+        "model": "tiny",
+        "kind": "completion",
+        "prompt_token_ids": tokens,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "include_usage": True,
+    }
+    async with session.post(f"{url}/v1/kvsidecar/generate", json=body) as resp:
+        if not stream:
+            return {
+                "status": resp.status,
+                "body": await resp.json(),
+                "rid": resp.headers.get("x-request-id"),
+            }
+        chunks = [line async for line in resp.content if line.startswith(b"data:")]
+        return {"status": resp.status, "chunks": chunks}
+
+
+async def eventually(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
+    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.01)
+
+
+def prompt(salt: int, n_blocks: int = 6) -> list[int]:
+    return [(salt * 131 + i) % 900 + 10 for i in range(16 * n_blocks)]
+
+
+def overlap(feed: SidecarFeed, tokens: list[int]) -> dict[Tier, dict[str, int]]:
+    return feed.router.index.match_tiers(HASHER.hash_tokens(tokens, Namespace("tiny").seed))
+
+
+@pytest.mark.slow
+class TestSidecarWithEngine:
+    async def test_proxy_answers_and_events_reach_the_gateway(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """Requests go through the proxy; the engine's stored blocks reach a gateway feed."""
+        _, sc = stack
+        tokens = prompt(1)
+        first = await generate(session, sc.url, tokens, "a")
+        assert first["status"] == 200 and first["rid"] == "a"
+        feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+        task = asyncio.create_task(feed.run())
+        await eventually(lambda: overlap(feed, tokens).get(Tier.GPU) == {"r0": 6})
+        streamed = await generate(session, sc.url, tokens, "b", stream=True)
+        assert streamed["chunks"][-1] == b"data: [DONE]\n"
+        usage = json.loads(streamed["chunks"][-2][5:])["usage"]
+        # As in SGLang, the last page is recomputed to produce the first token's logits.
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 80
+        task.cancel()
+
+    async def test_reconnecting_subscriber_converges(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """A gateway that drops mid-stream and resumes matches one that never dropped."""
+        _, sc = stack
+        steady = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+        flaky = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+        tasks = [asyncio.create_task(steady.run()), asyncio.create_task(flaky.run())]
+        await eventually(lambda: steady.connected and flaky.connected)
+        await generate(session, sc.url, prompt(2), "c")
+        tasks[1].cancel()
+        for i in range(5):
+            await generate(session, sc.url, prompt(10 + i), f"d{i}")
+        tasks[1] = asyncio.create_task(flaky.run())
+        await eventually(lambda: flaky.connected and flaky.stats.connects == 2)
+        await generate(session, sc.url, prompt(20), "e")
+        await eventually(
+            lambda: (
+                flaky.router.index.position("r0") == steady.router.index.position("r0")
+                and steady.router.index.position("r0") is not None
+                and overlap(steady, prompt(20)).get(Tier.GPU) == {"r0": 6}
+            )
+        )
+        for salt in (2, 10, 14, 20):
+            assert overlap(flaky, prompt(salt)) == overlap(steady, prompt(salt))
+        for task in tasks:
+            task.cancel()
+
+    async def test_engine_restart_resyncs_the_mirror(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+        """An engine that restarts with an empty cache clears what the gateway believed."""
+        eng = engine(tmp_path)
+        port = eng.ready[0]["port"]
+        sc = sidecar(tmp_path, eng.url)
+        try:
+            feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+            task = asyncio.create_task(feed.run())
+            await generate(session, sc.url, prompt(3), "f")
+            await eventually(lambda: overlap(feed, prompt(3)).get(Tier.GPU) == {"r0": 6})
+            # The restarted engine comes back with the same configuration: same ports. As in
+            # SGLang, a host-less `tcp://*:port` binds (a concrete host would connect out).
+            ready = eng.ready[0]
+            ports = [
+                ready[k].rsplit(":", 1)[1] for k in ("kv_events_endpoint", "kv_replay_endpoint")
+            ]
+            same = json.dumps(
+                {
+                    "publisher": "zmq",
+                    "endpoint": f"tcp://*:{ports[0]}",
+                    "replay_endpoint": f"tcp://*:{ports[1]}",
+                    "topic": "kv",
+                }
+            )
+            eng.kill()
+            eng = engine(tmp_path, "engine2", port=port, events=same)
+            deadline = time.monotonic() + 30
+            while not await healthy(session, sc.url):
+                assert time.monotonic() < deadline, "sidecar never saw the engine come back"
+                await asyncio.sleep(0.05)
+            await generate(session, sc.url, prompt(4), "g")
+            await eventually(lambda: overlap(feed, prompt(4)).get(Tier.GPU) == {"r0": 6}, 30)
+            assert overlap(feed, prompt(3)) == {}
+            task.cancel()
+        finally:
+            assert sc.stop() == 0, sc.log_tail()
+            eng.stop()
+
+    async def test_silent_engine_is_reported_unroutable(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+        """Shared-prefix traffic with no KV events for silent_after_s makes /health say why."""
+        eng = engine(tmp_path)
+        # Listen to an endpoint nobody publishes on: the engine serves, events never arrive.
+        sc = sidecar(
+            tmp_path,
+            eng.url,
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:9",
+            "--block-size",
+            "16",
+            "--silent-after-s",
+            "0.3",
+        )
+        try:
+            for i in range(3):
+                await generate(session, sc.url, prompt(5), f"h{i}")
+
+            async def health() -> dict[str, object]:
+                async with session.get(f"{sc.url}/health") as resp:
+                    return {"http": resp.status, **(await resp.json())}
+
+            deadline = time.monotonic() + 10
+            body = await health()
+            while body["http"] == 200 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+                body = await health()
+            assert body["http"] == 503 and body["routable"] is False
+            assert "published no KV event" in str(body["reason"])
+        finally:
+            sc.stop()
+            eng.stop()
+
+    async def test_sigterm_drains_and_exits_zero(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+        """SIGTERM mid-request lets the request finish, then the sidecar exits 0."""
+        eng = engine(tmp_path, speedup=1)  # 64 decode steps of ~8 ms: long enough to signal
+        sc = sidecar(tmp_path, eng.url)
+        try:
+            pending = asyncio.create_task(generate(session, sc.url, prompt(6), "i", max_tokens=64))
+            deadline = time.monotonic() + 10
+            while await in_flight(session, sc.url) != 1:
+                assert time.monotonic() < deadline, "the request never got in flight"
+                await asyncio.sleep(0.005)
+            sc.proc.send_signal(signal.SIGTERM)
+            result = await pending
+            assert result["status"] == 200
+            assert sc.stop() == 0
+        finally:
+            sc.stop()
+            eng.stop()
+
+    async def test_bad_requests_get_clear_errors(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """Malformed JSON and bad fields get 400 in OpenAI's shape; the sidecar keeps serving."""
+        _, sc = stack
+        for body in (
+            b"{not json",
+            b'{"request_id": "x"}',
+            json.dumps(
+                {"request_id": "x", "model": "tiny", "kind": "completion", "prompt_token_ids": []}
+            ).encode(),
+        ):
+            async with session.post(f"{sc.url}/v1/kvsidecar/generate", data=body) as resp:
+                assert resp.status == 400
+                assert "message" in (await resp.json())["error"]
+        ok = await generate(session, sc.url, prompt(7), "j")
+        assert ok["status"] == 200
+
+
+async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
+    async with session.get(f"{url}/health") as resp:
+        return resp.status == 200
+
+
+async def in_flight(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(f"{url}/v1/load") as resp:
+        return int((await resp.json())["r0"]["in_flight"])
