@@ -35,8 +35,11 @@ from adapters.base import (
     create_adapter,
 )
 from adapters.canonical.events import AllBlocksCleared, KVEvent, Tier
+from adapters.canonical.layout import BlockLayout
 from adapters.canonical.stream import LoadReport
 from adapters.normalize_metrics import AdapterMetrics
+from shm.config import OwnerConfig
+from shm.server import BlockStoreOwner
 from sidecar.config import SidecarConfig
 from sidecar.event_stream import EventStream
 from sidecar.health import SilenceDetector
@@ -68,7 +71,8 @@ class Sidecar:
         self.engine_wait_s = engine_wait_s
         self.streams: dict[str, EventStream] = {}
         self.load: LoadTracker | None = None
-        self.metrics = SidecarMetrics(lambda: self.streams, lambda: self.load)
+        self.store: BlockStoreOwner | None = None
+        self.metrics = SidecarMetrics(lambda: self.streams, lambda: self.load, lambda: self.store)
         self.url = ""
         self.model_id = cfg.model_id or ""
         self.block_size = 0
@@ -117,6 +121,8 @@ class Sidecar:
                 self.streams[worker_id] = EventStream(
                     relay, queue_frames=cfg.subscriber_queue_frames
                 )
+            if cfg.store_capacity_bytes:
+                await self._start_store(adapter)
             self.load = LoadTracker(info.block_size)
             self._proxy = RequestProxy(
                 adapter,
@@ -185,7 +191,13 @@ class Sidecar:
             except Exception as exc:  # gathered below, so no failure hides another
                 errors.append(exc)
         self._tasks = []
-        for close in (self._stop_serving, self._close_adapter, self._close_session):
+        # Release in the reverse order of acquisition; the shared memory goes last.
+        for close in (
+            self._stop_serving,
+            self._close_adapter,
+            self._close_session,
+            self._close_store,
+        ):
             try:
                 await close()
             except Exception as exc:
@@ -204,12 +216,50 @@ class Sidecar:
         if adapter is not None:
             await adapter.aclose()
 
+    async def _close_store(self) -> None:
+        store, self.store = self.store, None
+        if store is not None:
+            await store.aclose()
+
     async def _close_session(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
 
     # --- startup helpers ------------------------------------------------------------------
+
+    async def _start_store(self, adapter: EngineAdapter) -> None:
+        """Own the host-tier block store; its puts and evictions join the event stream."""
+        cfg = self.cfg
+        owner_id = _owner_id(cfg.worker_id)
+        layout: BlockLayout | None = None
+        if cfg.store_block_bytes is None:
+            layout = adapter.block_layout()
+        block_bytes = cfg.store_block_bytes or layout.bytes_per_block  # type: ignore[union-attr]
+        socket_path = Path(cfg.store_socket or f"/tmp/kvsidecar-{owner_id}.sock")
+        owner_cfg = OwnerConfig(
+            owner_id=owner_id,
+            socket_path=socket_path,
+            capacity_bytes=cfg.store_capacity_bytes,
+            block_bytes=block_bytes,
+            dtype=layout.dtype if layout is not None else "uint8",
+            layout=layout.kind.value if layout is not None else "raw",
+            worker_id=cfg.worker_id,
+        )
+        store = BlockStoreOwner(owner_cfg, listener=self._on_store_event)
+        await store.start()
+        self.store = store
+        log.info(
+            "block_store_started",
+            socket=str(socket_path),
+            block_bytes=block_bytes,
+            capacity_bytes=cfg.store_capacity_bytes,
+        )
+
+    def _on_store_event(self, event: KVEvent) -> None:
+        # The host tier is shared by every DP rank of this replica.
+        for stream in self.streams.values():
+            stream.publish(event)
 
     def _flag_endpoints(self) -> tuple[EventEndpoint, ...]:
         if not self.cfg.kv_events_endpoint:
@@ -382,6 +432,12 @@ class Sidecar:
                 {"error": f"unknown worker {worker_id!r}; known: {list(self.streams)}"}, 404
             )
         return await stream.handle(request)
+
+
+def _owner_id(worker_id: str) -> str:
+    """A shared-memory owner id (letters, digits, '_', '.', '-') from a worker id."""
+    cleaned = "".join(c if c.isalnum() or c in "_.-" else "-" for c in worker_id)
+    return cleaned[:64] or "sidecar"
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
+from shm.config import parse_bytes
+
 __all__ = ["SidecarConfig"]
 
 Role = Literal["agg", "prefill", "decode"]
@@ -36,6 +38,9 @@ class SidecarConfig:
     shutdown_timeout_s: float = 20.0
     log_level: str = "info"
     ready_file: str | None = None
+    store_capacity_bytes: int = 0  # 0: no host-tier store
+    store_socket: str | None = None
+    store_block_bytes: int | None = None  # None: from the model's KV layout
 
     def __post_init__(self) -> None:
         if self.engine not in ("sglang", "trtllm"):
@@ -61,6 +66,10 @@ class SidecarConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
+        if self.store_capacity_bytes < 0:
+            raise ValueError("--store-capacity-bytes must be >= 0")
+        if self.store_block_bytes is not None and self.store_block_bytes < 1:
+            raise ValueError("--store-block-bytes must be >= 1")
         if self.block_size is not None and not 1 <= self.block_size <= 4096:
             raise ValueError(f"--block-size must be in [1, 4096], got {self.block_size}")
 
@@ -152,6 +161,22 @@ class SidecarConfig:
             default=20.0,
             help="how long SIGTERM waits for in-flight requests (default 20)",
         )
+        t = p.add_argument_group("host-tier block store (shared memory)")
+        t.add_argument(
+            "--store-capacity-bytes",
+            type=parse_bytes,
+            default=0,
+            help="size of the shared-memory block store, e.g. 4GiB (default 0: none)",
+        )
+        t.add_argument(
+            "--store-socket",
+            help="Unix socket engine hooks attach to (default: /tmp/kvsidecar-<worker-id>.sock)",
+        )
+        t.add_argument(
+            "--store-block-bytes",
+            type=parse_bytes,
+            help="bytes per stored block (default: from the model's KV layout)",
+        )
         s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         s.add_argument("--ready-file", help="write {'url': ...} JSON here once serving")
         return p
@@ -182,6 +207,9 @@ class SidecarConfig:
                 shutdown_timeout_s=args.shutdown_timeout_s,
                 log_level=args.log_level,
                 ready_file=args.ready_file,
+                store_capacity_bytes=args.store_capacity_bytes,
+                store_socket=args.store_socket,
+                store_block_bytes=args.store_block_bytes,
             )
         except ValueError as exc:
             parser.error(str(exc))

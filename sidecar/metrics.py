@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shm.server import BlockStoreOwner
 from sidecar.event_stream import EventStream
 from sidecar.load import LoadTracker
 
@@ -20,10 +21,14 @@ __all__ = ["SidecarMetrics"]
 
 class _StreamCollector(Collector):
     def __init__(
-        self, streams: Callable[[], dict[str, EventStream]], load: Callable[[], LoadTracker | None]
+        self,
+        streams: Callable[[], dict[str, EventStream]],
+        load: Callable[[], LoadTracker | None],
+        store: Callable[[], BlockStoreOwner | None],
     ) -> None:
         self._streams = streams
         self._load = load
+        self._store = store
 
     def collect(self) -> Iterator[Metric]:
         relayed = CounterMetricFamily(
@@ -68,6 +73,22 @@ class _StreamCollector(Collector):
             done.add_metric(["ok"], load.completed)
             done.add_metric(["error"], load.failed)
             yield from (in_flight, done)
+        store = self._store()
+        if store is not None:
+            stats = store.stats()
+            lookups = CounterMetricFamily(
+                "kvsidecar_store_lookups", "Host-tier store lookups, by result", labels=["result"]
+            )
+            lookups.add_metric(["hit"], stats.num_hits)
+            lookups.add_metric(["miss"], stats.num_misses)
+            evictions = CounterMetricFamily("kvsidecar_store_evictions", "Blocks evicted (LRU)")
+            evictions.add_metric([], stats.num_evictions)
+            blocks = GaugeMetricFamily(
+                "kvsidecar_store_blocks", "Blocks held, and slots in all", labels=["kind"]
+            )
+            blocks.add_metric(["held"], stats.num_blocks)
+            blocks.add_metric(["slots"], stats.num_slots)
+            yield from (lookups, evictions, blocks)
 
 
 class SidecarMetrics:
@@ -77,9 +98,10 @@ class SidecarMetrics:
         self,
         streams: Callable[[], dict[str, EventStream]],
         load: Callable[[], LoadTracker | None],
+        store: Callable[[], BlockStoreOwner | None],
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_StreamCollector(streams, load))
+        self.registry.register(_StreamCollector(streams, load, store))
         self.proxy_latency = Histogram(
             "kvsidecar_proxy_seconds",
             "Time from receiving a request to the end of its answer",

@@ -279,3 +279,37 @@ async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
 async def in_flight(session: aiohttp.ClientSession, url: str) -> int:
     async with session.get(f"{url}/v1/load") as resp:
         return int((await resp.json())["r0"]["in_flight"])
+
+
+@pytest.mark.slow
+async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+    """Blocks an engine hook puts in the sidecar's store appear in the gateway's host tier."""
+    import numpy as np
+
+    from shm import BlockStoreClient
+
+    eng = engine(tmp_path)
+    sock = tmp_path / "store.sock"
+    sc = sidecar(tmp_path, eng.url, "--store-capacity-bytes", "1MiB",
+                 "--store-block-bytes", "4KiB", "--store-socket", str(sock))
+    try:
+        feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+        task = asyncio.create_task(feed.run())
+        blocks = HASHER.hash_tokens(prompt(8), Namespace("tiny").seed)
+        seed = Namespace("tiny").seed
+        data = [np.full(4096, i, dtype=np.uint8) for i in range(len(blocks))]
+        with BlockStoreClient(str(sock)) as store:
+            store.put_many([(seed, b) for b in blocks], data,
+                           parent_hashes=[None, *blocks[:-1]])
+            outs = [np.empty(4096, dtype=np.uint8) for _ in blocks]
+            assert store.get_many([(seed, b) for b in blocks], outs) == [True] * len(blocks)
+        assert all((o == i).all() for i, o in enumerate(outs))
+        await eventually(lambda: overlap(feed, prompt(8)).get(Tier.HOST) == {"r0": 6})
+        async with session.get(f"{sc.url}/metrics") as resp:
+            text = await resp.text()
+        assert 'kvsidecar_store_lookups_total{result="hit"} 6.0' in text
+        task.cancel()
+    finally:
+        assert sc.stop() == 0, sc.log_tail()
+        eng.stop()
+    assert not sock.exists()
