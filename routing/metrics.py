@@ -1,0 +1,236 @@
+"""Gateway metrics: plain counters on the hot path, rendered for Prometheus on scrape.
+
+Recording a request costs a few dict and list increments (no locks, no label lookups through
+``prometheus_client``); a custom collector turns them into metric families when ``/metrics``
+is read.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+__all__ = ["GatewayMetrics", "Histogram"]
+
+_LATENCY_BUCKETS_S = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_PLACEMENT_BUCKETS_S = (
+    0.00001,
+    0.000025,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.05,
+)
+
+
+class Histogram:
+    """Cumulative-on-render histogram: ``observe`` is a bisect and two adds."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        out, acc = [], 0
+        for bound, count in zip(self.bounds, self.counts, strict=False):
+            acc += count
+            out.append((repr(bound), acc))
+        out.append(("+Inf", acc + self.counts[-1]))
+        return out
+
+
+class GatewayMetrics:
+    """Everything the gateway counts."""
+
+    def __init__(self) -> None:
+        self.responses: dict[tuple[str, int], int] = {}  # (endpoint, status) → count
+        self.worker_requests: dict[str, int] = {}
+        self.worker_prompt_tokens: dict[str, int] = {}  # as the gateway counted them
+        self.worker_predicted_cached_tokens: dict[str, int] = {}
+        self.worker_actual_cached_tokens: dict[str, int] = {}  # from the engines' usage
+        self.worker_errors: dict[str, int] = {}
+        self.retries = 0
+        self.client_aborts = 0
+        self.upstream_timeouts = 0
+        self.predicted_cached_tokens = 0
+        self.actual_cached_tokens = 0
+        self.usage_prompt_tokens = 0
+        self.requests_with_usage = 0
+        self.completion_tokens = 0
+        self.tokenizer_cache_hit_tokens = 0
+        self.tokenized_tokens = 0
+        self.ttft = Histogram(_LATENCY_BUCKETS_S)
+        self.itl = Histogram(_LATENCY_BUCKETS_S)
+        self.latency = Histogram(_LATENCY_BUCKETS_S)
+        self.placement = Histogram(_PLACEMENT_BUCKETS_S)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._gauges: Callable[[], dict[str, Any]] | None = None
+        self.registry.register(_Collector(self))
+
+    def count_response(self, endpoint: str, status: int) -> None:
+        key = (endpoint, status)
+        self.responses[key] = self.responses.get(key, 0) + 1
+
+    def set_gauge_source(self, source: Callable[[], dict[str, Any]]) -> None:
+        """``source()`` → {"workers": [{"worker_id", "healthy", "in_flight", ...}], ...}."""
+        self._gauges = source
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Collector:
+    def __init__(self, m: GatewayMetrics) -> None:
+        self.m = m
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.m
+        p = "kvsidecar_gateway_"
+        c = CounterMetricFamily(
+            p + "responses", "Responses sent, by endpoint and status", labels=["endpoint", "status"]
+        )
+        for (endpoint, status), n in sorted(m.responses.items()):
+            c.add_metric([endpoint, str(status)], n)
+        yield c
+        for name, doc, table in (
+            ("worker_requests", "Requests dispatched to each worker", m.worker_requests),
+            (
+                "worker_errors",
+                "Requests that failed on each worker (connect or upstream loss)",
+                m.worker_errors,
+            ),
+            (
+                "worker_prompt_tokens",
+                "Prompt tokens of the requests each worker served (hit-rate denominator)",
+                m.worker_prompt_tokens,
+            ),
+            (
+                "worker_predicted_cached_tokens",
+                "Prompt tokens predicted cached at placement, per worker",
+                m.worker_predicted_cached_tokens,
+            ),
+            (
+                "worker_actual_cached_tokens",
+                "Cached prompt tokens each worker reported in usage",
+                m.worker_actual_cached_tokens,
+            ),
+        ):
+            c = CounterMetricFamily(p + name, doc, labels=["worker"])
+            for worker, n in sorted(table.items()):
+                c.add_metric([worker], n)
+            yield c
+        for name, doc, value in (
+            ("retries", "Requests retried on another worker before the first byte", m.retries),
+            (
+                "client_aborts",
+                "Requests whose client went away (upstream aborted)",
+                m.client_aborts,
+            ),
+            (
+                "upstream_timeouts",
+                "Requests abandoned after --upstream-timeout-s of silence",
+                m.upstream_timeouts,
+            ),
+            (
+                "predicted_cached_tokens",
+                "Prompt tokens predicted cached at placement",
+                m.predicted_cached_tokens,
+            ),
+            (
+                "actual_cached_tokens",
+                "Cached prompt tokens the engines reported in usage",
+                m.actual_cached_tokens,
+            ),
+            (
+                "usage_prompt_tokens",
+                "Prompt tokens the engines reported in usage",
+                m.usage_prompt_tokens,
+            ),
+            ("requests_with_usage", "Responses that carried a usage object", m.requests_with_usage),
+            (
+                "completion_tokens",
+                "Generated tokens relayed (SSE events or usage)",
+                m.completion_tokens,
+            ),
+            (
+                "tokenized_tokens",
+                "Prompt tokens produced by the gateway's tokenizer",
+                m.tokenized_tokens,
+            ),
+            (
+                "tokenizer_cache_hit_tokens",
+                "Of those, tokens reused from the segment cache",
+                m.tokenizer_cache_hit_tokens,
+            ),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        for name, doc, h in (
+            ("ttft_seconds", "Time to the first body byte from the worker", m.ttft),
+            ("itl_seconds", "Mean inter-chunk latency of each stream", m.itl),
+            ("request_duration_seconds", "Whole request, as the gateway saw it", m.latency),
+            ("placement_seconds", "Parse + tokenize + hash + match + score", m.placement),
+        ):
+            yield HistogramMetricFamily(p + name, doc, buckets=h.buckets(), sum_value=h.total)
+        if m._gauges is None:
+            return
+        state = m._gauges()
+        labels = ["worker"]
+        healthy = GaugeMetricFamily(
+            p + "worker_healthy", "1 if the worker takes requests", labels=labels
+        )
+        in_flight = GaugeMetricFamily(p + "worker_in_flight", "Requests in flight", labels=labels)
+        blocks = GaugeMetricFamily(
+            p + "worker_active_blocks",
+            "KV blocks held by in-flight requests (gateway's accounting)",
+            labels=labels,
+        )
+        prefill = GaugeMetricFamily(
+            p + "worker_active_prefill_tokens",
+            "Uncached prompt tokens not yet prefilled",
+            labels=labels,
+        )
+        for w in state["workers"]:
+            wid = w["worker_id"]
+            healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
+            in_flight.add_metric([wid], w["in_flight"])
+            blocks.add_metric([wid], w["active_blocks"])
+            prefill.add_metric([wid], w["active_prefill_tokens"])
+        yield from (healthy, in_flight, blocks, prefill)
