@@ -1,51 +1,283 @@
-"""``kvsidecar up``: the local stack on the embedded CPU default.
+"""``kvsidecar up``: the whole stack on loopback, on the embedded CPU reference engine.
 
-The gateway, sidecar and reference engine are being built (see the README's status table);
-until they exist this command says so and runs what does: the routing core's benchmark on a
-realistic multi-worker event stream.
+Starts N reference engines (simulated compute in one process, or N torch processes), a
+sidecar beside each, and a gateway following the sidecars; waits until each is ready;
+prints the URL and a one-screen status; with ``--demo`` runs a short chat workload through
+KV-aware placement and through round-robin on the same engines and prints cache hit rate
+and TTFT side by side. Ctrl-C (or SIGTERM) stops everything, gateway first.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
+import asyncio
+import json
+import signal
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import aiohttp
+
+from kvsidecar.demo import DemoResult, run_demo
+from kvsidecar.launch import LaunchError, ManagedProcess
+
 _ROOT = Path(__file__).resolve().parent.parent
-_COMPONENTS = {
-    "routing core (canonical hashing, prefix index, scorer)": "routing.prefix_index",
-    "shared-memory block store": "shm.store",
-    "reference engine": "refengine.server",
-    "sidecar": "sidecar.app",
-    "gateway": "routing.app",
-}
+_DEFAULT_MODEL = _ROOT / "refengine" / "models" / "tiny"
+_EVENTS_CONFIG = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv-events",
+    }
+)
 
 
-def _present(module: str) -> bool:
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvsidecar up",
+        description="Run the local stack on loopback: N CPU reference engines, a sidecar beside "
+        "each, and a KV-aware gateway in front. Prints the gateway's URL; Ctrl-C stops it all.",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument(
+        "--compute",
+        choices=["sim", "torch"],
+        default="sim",
+        help="sim: timing model, no math (many replicas fit on 2 cores); torch: the "
+        "real model, one process per replica (default sim)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000; 0: any)")
+    p.add_argument(
+        "--router-mode",
+        default="kv",
+        choices=["kv", "approx", "round-robin", "random", "least-loaded"],
+        help="the gateway's placement policy (default kv)",
+    )
+    p.add_argument(
+        "--model-path",
+        default=str(_DEFAULT_MODEL),
+        help="model directory for engines and gateway (default: the shipped tiny one)",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=32768,
+        help="KV pool of each engine, in tokens (default 32768)",
+    )
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=1.0,
+        help="sim compute: divide every modelled duration by this (default 1)",
+    )
+    p.add_argument(
+        "--demo",
+        action="store_true",
+        help="run a short workload through kv and round-robin placement and print "
+        "hit rate and TTFT side by side",
+    )
+    p.add_argument(
+        "--exit-after-demo",
+        action="store_true",
+        help="stop the stack once the demo has printed (for scripts and tests)",
+    )
+    p.add_argument("--workdir", help="where logs and ready files go (default: a new temp dir)")
+    return p
+
+
+@contextmanager
+def _stack_processes() -> Iterator[list[ManagedProcess]]:
+    procs: list[ManagedProcess] = []
     try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:
-        return False
+        yield procs
+    finally:
+        for proc in reversed(procs):  # gateway first, engines last
+            proc.stop()
+
+
+def _start_engines(
+    args: argparse.Namespace, workdir: Path, procs: list[ManagedProcess]
+) -> list[str]:
+    common = [
+        "--model-path",
+        args.model_path,
+        "--max-total-tokens",
+        str(args.max_total_tokens),
+        "--kv-events-config",
+        _EVENTS_CONFIG,
+        "--port",
+        "0",
+    ]
+    if args.compute == "sim":
+        proc = ManagedProcess.start(
+            "engines",
+            [
+                "refengine",
+                "--compute",
+                "sim",
+                "--replicas",
+                str(args.replicas),
+                "--speedup",
+                str(args.speedup),
+                *common,
+            ],
+            workdir=workdir,
+        )
+        procs.append(proc)
+        return [line["url"] for line in proc.wait_ready(120, count=args.replicas)]
+    started = []
+    for i in range(args.replicas):
+        proc = ManagedProcess.start(
+            f"engine-{i}", ["refengine", "--compute", "torch", *common], workdir=workdir
+        )
+        procs.append(proc)
+        started.append(proc)
+    return [p.wait_ready(300)[0]["url"] for p in started]
+
+
+def _start_sidecars(
+    engine_urls: list[str], workdir: Path, procs: list[ManagedProcess]
+) -> list[str]:
+    started = []
+    for i, url in enumerate(engine_urls):
+        proc = ManagedProcess.start(
+            f"sidecar-{i}",
+            ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}", "--port", "0"],
+            workdir=workdir,
+        )
+        procs.append(proc)
+        started.append(proc)
+    return [p.wait_ready(120)[0]["url"] for p in started]
+
+
+def _start_gateway(
+    name: str,
+    port: int,
+    mode: str,
+    args: argparse.Namespace,
+    sidecars: list[str],
+    workdir: Path,
+    procs: list[ManagedProcess],
+) -> str:
+    sidecar_flags = [flag for url in sidecars for flag in ("--sidecar", url)]
+    proc = ManagedProcess.start(
+        name,
+        [
+            "routing",
+            "--host",
+            args.host,
+            "--port",
+            str(port),
+            "--router-mode",
+            mode,
+            "--model-path",
+            args.model_path,
+            "--health-check-interval-s",
+            "1",
+            *sidecar_flags,
+        ],
+        workdir=workdir,
+    )
+    procs.append(proc)
+    return str(proc.wait_ready(60)[0]["url"])
+
+
+async def _wait_routable(url: str, count: int, timeout_s: float = 60.0) -> list[dict[str, object]]:
+    """Poll the gateway's /v1/workers until ``count`` workers are routable."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(f"{url}/v1/workers") as resp:
+                workers = (await resp.json())["workers"]
+            if sum(bool(w["routable"]) and bool(w["healthy"]) for w in workers) >= count:
+                return list(workers)
+            if time.monotonic() > deadline:
+                raise LaunchError(f"only some workers became routable: {workers}")
+            await asyncio.sleep(0.1)
+
+
+def _print_status(url: str, workers: list[dict[str, object]], workdir: Path) -> None:
+    print(f"\nkvsidecar is up: {url}  (OpenAI API: {url}/v1/chat/completions)")
+    print(f"{'worker':<14}{'kind':<9}{'role':<7}{'routable':<10}{'in flight':>10}")
+    for w in workers:
+        print(
+            f"{w['worker_id']!s:<14}{w['kind']!s:<9}{w['role']!s:<7}"
+            f"{'yes' if w['routable'] else 'no':<10}{w['in_flight']!s:>10}"
+        )
+    print(f"logs: {workdir}")
+
+
+def _print_demo(results: list[DemoResult]) -> None:
+    print("\ndemo: the same multi-turn chat workload through each placement policy")
+    print(
+        f"{'policy':<14}{'requests':>9}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
+        f"{'workers used':>14}"
+    )
+    for r in results:
+        print(
+            f"{r.policy:<14}{r.requests:>9}{r.hit_rate:>10.1%}{r.ttft_p50_ms:>13.1f}"
+            f"{r.ttft_p99_ms:>13.1f}{r.workers_used:>14}"
+        )
+
+
+async def _serve(args: argparse.Namespace, workdir: Path) -> int:
+    with _stack_processes() as procs:
+        print(
+            f"starting {args.replicas} {args.compute} engine replica(s), their sidecars and "
+            f"the gateway (logs in {workdir})...",
+            file=sys.stderr,
+            flush=True,
+        )
+        engines = await asyncio.to_thread(_start_engines, args, workdir, procs)
+        sidecars = await asyncio.to_thread(_start_sidecars, engines, workdir, procs)
+        url = await asyncio.to_thread(
+            _start_gateway, "gateway", args.port, args.router_mode, args, sidecars, workdir, procs
+        )
+        workers = await _wait_routable(url, args.replicas)
+        _print_status(url, workers, workdir)
+        if args.demo:
+            rr_url = await asyncio.to_thread(
+                _start_gateway,
+                "gateway-round-robin",
+                0,
+                "round-robin",
+                args,
+                sidecars,
+                workdir,
+                procs,
+            )
+            await _wait_routable(rr_url, args.replicas)
+            results = await run_demo(
+                {args.router_mode: url, "round-robin": rr_url},
+                engines,
+                model=Path(args.model_path).resolve().name,
+            )
+            _print_demo(results)
+            if args.exit_after_demo:
+                return 0
+        print("\nCtrl-C stops the stack.", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        print("stopping...", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvsidecar up",
-        description="Start the local stack (gateway + reference engines + sidecars) on loopback. "
-        "Until every component exists, it reports what is missing and runs what exists.",
-    )
-    parser.parse_args(argv)
-    missing = []
-    for name, module in _COMPONENTS.items():
-        ok = _present(module)
-        print(f"  [{'x' if ok else ' '}] {name}")
-        if not ok:
-            missing.append(name)
-    if missing:
-        print(f"\nnot built yet: {', '.join(missing)}; running the routing core benchmark.\n")
-        bench = _ROOT / "scripts" / "bench_index.py"
-        return subprocess.call([sys.executable, str(bench), "--quick"])
-    print("every component is present, but the stack launcher is not wired yet.")
-    return 1
+    args = _parser().parse_args(argv)
+    if args.replicas < 1:
+        _parser().error("--replicas must be >= 1")
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvsidecar-up-"))
+    try:
+        return asyncio.run(_serve(args, workdir))
+    except LaunchError as exc:
+        print(f"kvsidecar up: {exc}", file=sys.stderr)
+        return 1

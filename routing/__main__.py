@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import sys
 from collections.abc import Sequence
@@ -12,39 +11,11 @@ import orjson
 import structlog
 import uvloop
 
+from kvsidecar.logs import configure_logging
 from routing.app import Gateway, load_config_summary
 from routing.config import RouterConfig
 
 __all__ = ["main"]
-
-_LEVELS = {
-    "debug": logging.DEBUG,
-    "info": logging.INFO,
-    "warning": logging.WARNING,
-    "error": logging.ERROR,
-}
-
-
-def configure_logging(level: str) -> None:
-    """structlog's performance recipe: JSON lines on stderr (console rendering on a TTY)."""
-    tty = sys.stderr.isatty()
-    renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer() if tty else structlog.processors.JSONRenderer(orjson.dumps)
-    )
-    structlog.configure(
-        cache_logger_on_first_use=True,
-        wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            renderer,
-        ],
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr)
-        if tty
-        else structlog.BytesLoggerFactory(sys.stderr.buffer),
-    )
-
 
 async def serve(cfg: RouterConfig) -> int:
     log = structlog.get_logger("routing").bind(component="gateway")
@@ -58,9 +29,13 @@ async def serve(cfg: RouterConfig) -> int:
         port=port,
         url=f"http://{cfg.host}:{port}",
         workers=len(cfg.workers),
+        sidecars=len(cfg.sidecars),
         healthy_workers=healthy,
         router_mode=cfg.router_mode.value,
     )
+    if cfg.ready_file is not None:
+        ready = {"event": "gateway_ready", "url": f"http://{cfg.host}:{port}", "port": port}
+        cfg.ready_file.write_bytes(orjson.dumps(ready) + b"\n")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -14,12 +14,14 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import aiohttp
 import orjson
 import structlog
 
 from adapters.canonical import BlockHasher
+from adapters.canonical.events import Tier
 from routing.chat_template import ChatTemplate
-from routing.config import LogLevel, RouterConfig
+from routing.config import LogLevel, RouterConfig, WorkerAddress
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.kv_router import KvRouter
@@ -29,8 +31,9 @@ from routing.policies import make_policy
 from routing.prompt import PromptPreparer
 from routing.proxy import Exchange
 from routing.scorer import ScoringWeights
+from routing.sidecar_pool import SidecarPool, SidecarWorker
 from routing.tokenizer import PromptTokenizer
-from routing.workers import WorkerSet
+from routing.workers import Worker, WorkerSet
 
 __all__ = ["Gateway", "load_config_summary"]
 
@@ -39,6 +42,9 @@ log = structlog.get_logger("routing.app").bind(component="gateway")
 _ENDPOINTS = {e.value.encode(): e for e in Endpoint}
 _FORWARDED_HEADERS = (b"authorization", b"traceparent", b"tracestate", b"user-agent")
 _SWEEP_INTERVAL_S = 1.0
+# With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
+# to bridge the prefill and the event's trip.
+_SPECULATIVE_TTL_WITH_EVENTS_S = 2.0
 
 
 def _max_model_len(cfg: RouterConfig) -> int | None:
@@ -68,9 +74,14 @@ class Gateway:
             temperature=cfg.router_temperature,
         )
         # Plain workers publish no KV events: recent placements are all kv mode can go by.
+        # Sidecars do, and their events confirm (or refute) a placement quickly.
+        has_sidecars = bool(cfg.sidecars or cfg.sidecar_file)
+        ttl = _SPECULATIVE_TTL_WITH_EVENTS_S if has_sidecars else cfg.approx_ttl_s
         self.router = KvRouter(
-            block_size=cfg.block_size, weights=weights, speculative_ttl_s=cfg.approx_ttl_s, rng=rng
+            block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng
         )
+        self.sidecars: SidecarPool | None = None
+        self._session: aiohttp.ClientSession | None = None
         self.policy = make_policy(cfg.router_mode, self.router, rng)
         self.pool = UpstreamPool(cfg.max_idle_connections_per_worker, cfg.connect_timeout_s)
         self.metrics = GatewayMetrics()
@@ -102,6 +113,8 @@ class Gateway:
         """Probe the workers once, start listening; returns the bound port."""
         discover = not self.cfg.model_names
         await self.workers.probe_all(discover)
+        if self.cfg.sidecars or self.cfg.sidecar_file:
+            self._start_sidecars()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             self._new_connection, self.cfg.host, self.cfg.port, backlog=4096, reuse_address=True
@@ -126,6 +139,36 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.pool.close_all()
+        if self.sidecars is not None:
+            await self.sidecars.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    def _start_sidecars(self) -> None:
+        """Follow every configured sidecar: its workers join as they are discovered."""
+        self._session = aiohttp.ClientSession()
+        self.sidecars = SidecarPool(
+            self.router,
+            self._session,
+            model_id=self.cfg.model_names[0],
+            dead_after_s=self.cfg.dead_after_s,
+            on_added=self._sidecar_worker_added,
+            on_removed=lambda w: self.workers.remove(w.worker_id),
+        )
+        for address in self.cfg.sidecars:
+            self.sidecars.add(address.url)
+        if self.cfg.sidecar_file is not None:
+            self.sidecars.watch_file(self.cfg.sidecar_file)
+
+    def _sidecar_worker_added(self, sidecar_worker: SidecarWorker) -> None:
+        worker = Worker(
+            WorkerAddress.parse(sidecar_worker.sidecar_url),
+            sidecar_worker.worker_id,
+            models=self.cfg.model_names,
+            kind="sidecar",
+            dp_rank=sidecar_worker.dp_rank,
+        )
+        self.workers.add(worker)
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """A task owned by the gateway (cancelled on stop)."""
@@ -205,6 +248,8 @@ class Gateway:
             label,
             request.path,
             request.body if prepared.body is None else prepared.body,
+            parsed,
+            prepared.token_ids,
             parsed.stream,
             parsed.include_usage,
             prepared.block_hashes,
@@ -261,18 +306,29 @@ class Gateway:
     def workers_state(self) -> dict[str, Any]:
         ids = [w.worker_id for w in self.workers]
         loads = self.router.load.loads(ids, ())
+        index = self.router.index
+        known = set(index.worker_ids)
         out = []
         for worker, load in zip(self.workers, loads, strict=True):
+            wid = worker.worker_id
+            cached = {
+                tier.name.lower(): index.num_blocks(wid, tier) if wid in known else 0
+                for tier in Tier
+            }
+            feed = self.sidecars.get(wid) if self.sidecars is not None else None
             out.append(
                 {
-                    "worker_id": worker.worker_id,
+                    "worker_id": wid,
                     "url": worker.address.url,
-                    "kind": "plain",
+                    "kind": worker.kind,
+                    "role": feed.role if feed is not None else "agg",
                     "healthy": worker.healthy,
+                    "routable": feed.routable if feed is not None else worker.healthy,
+                    "reason": feed.reason if feed is not None else "",
                     "in_flight": worker.in_flight,
                     "active_blocks": load.decode_blocks,
                     "active_prefill_tokens": load.active_prefill_tokens,
-                    "cached_blocks": {"gpu": 0, "host": 0, "disk": 0, "remote": 0},
+                    "cached_blocks": cached,
                     "requests": worker.requests,
                     "models": list(worker.models),
                     "last_error": worker.last_error,

@@ -64,6 +64,10 @@ class RouterConfig:
     """Everything ``kvsidecar gateway`` needs; validated on construction."""
 
     workers: tuple[WorkerAddress, ...]
+    sidecars: tuple[WorkerAddress, ...] = ()
+    sidecar_file: Path | None = None
+    dead_after_s: float = 5.0
+    ready_file: Path | None = None
     router_mode: RouterMode = RouterMode.KV
     model_path: Path | None = None
     served_model_names: tuple[str, ...] = ()
@@ -86,11 +90,18 @@ class RouterConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("at least one --worker URL is required")
-        urls = [w.url for w in self.workers]
+        if not (self.workers or self.sidecars or self.sidecar_file):
+            raise ValueError("give at least one --sidecar URL, --sidecar-file or --worker URL")
+        urls = [w.url for w in (*self.workers, *self.sidecars)]
         if len(set(urls)) != len(urls):
-            raise ValueError(f"a worker is listed twice: {urls}")
+            raise ValueError(f"a worker or sidecar is listed twice: {urls}")
+        if (self.sidecars or self.sidecar_file) and self.model_path is None:
+            raise ValueError(
+                "sidecar workers take token ids: give --model-path (the model's tokenizer and "
+                "chat template) so the gateway tokenizes exactly what the engine caches"
+            )
+        if not math.isfinite(self.dead_after_s) or self.dead_after_s <= 0:
+            raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s!r}")
         for name in ("overlap_weight", "router_temperature", "host_weight", "disk_weight"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -134,6 +145,10 @@ class RouterConfig:
         try:
             return cls(
                 workers=tuple(WorkerAddress.parse(u) for u in args.worker or ()),
+                sidecars=tuple(WorkerAddress.parse(u) for u in args.sidecar or ()),
+                sidecar_file=Path(args.sidecar_file) if args.sidecar_file else None,
+                dead_after_s=args.dead_after_s,
+                ready_file=Path(args.ready_file) if args.ready_file else None,
                 router_mode=RouterMode(args.router_mode),
                 model_path=Path(args.model_path) if args.model_path else None,
                 served_model_names=tuple(args.served_model_name or ()),
@@ -166,6 +181,25 @@ def _parser() -> argparse.ArgumentParser:
         "blocks, places each request on a worker and proxies the reply (streaming or not).",
     )
     w = p.add_argument_group("workers and model")
+    w.add_argument(
+        "--sidecar",
+        action="append",
+        metavar="URL",
+        help="a kvsidecar sidecar beside an engine replica, e.g. http://10.0.0.5:9000: the "
+        "gateway follows its KV events and sends it token ids; repeat for more",
+    )
+    w.add_argument(
+        "--sidecar-file",
+        metavar="PATH",
+        help="a file of sidecar URLs, one per line (# comments), re-read when it changes",
+    )
+    w.add_argument(
+        "--dead-after-s",
+        type=float,
+        default=5.0,
+        help="a sidecar unreachable this long leaves placement and its blocks leave the "
+        "index until it returns (default 5)",
+    )
     w.add_argument(
         "--worker",
         action="append",
@@ -271,4 +305,5 @@ def _parser() -> argparse.ArgumentParser:
         help="longest silence from a worker before the request is abandoned",
     )
     s.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    s.add_argument("--ready-file", help="write {'url': ...} JSON here once listening")
     return p

@@ -35,6 +35,7 @@ class PreparedPrompt:
     timed: bool  # placement work was done (tokenize and/or hash): worth a histogram sample
     tokenized: int = 0
     cache_hit_tokens: int = 0
+    token_ids: list[int] | None = None  # the real prompt token ids, when known (sidecars)
 
 
 def _pseudo_tokens(text: str) -> list[int]:
@@ -84,7 +85,8 @@ class PromptPreparer:
             )
         except TokenIdError as exc:
             raise ApiError(400, f"bad token id in 'prompt': {exc}", param="prompt") from exc
-        return PreparedPrompt(hashes, len(tokens), body, True, tokenized, hits)
+        real = tokens if (tokenized or req.prompt_ids is not None) else None
+        return PreparedPrompt(hashes, len(tokens), body, True, tokenized, hits, real)
 
     def _tokens(
         self, req: OpenAIRequest, bounds: list[tuple[int, int]]

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 from routing.http.client import UpstreamConnection
 from routing.http.server import ServerConnection, reason
-from routing.openai_api import error_body
+from routing.openai_api import ApiError, OpenAIRequest, error_body
 from routing.scorer import Placement
+from routing.sidecar_request import tokenized_body
 from routing.usage import count_usage_in_body, count_usage_in_sse
 
 if TYPE_CHECKING:
@@ -60,6 +61,7 @@ class Exchange:
         "path",
         "placement",
         "prompt_tokens",
+        "request",
         "request_id",
         "reused",
         "stale_retry_used",
@@ -68,6 +70,7 @@ class Exchange:
         "t_first",
         "t_last",
         "t_start",
+        "token_ids",
         "tried",
         "upstream",
         "worker",
@@ -82,6 +85,8 @@ class Exchange:
         endpoint: str,
         path: bytes,
         body: bytes,
+        request: OpenAIRequest,
+        token_ids: list[int] | None,
         stream: bool,
         include_usage: bool,
         block_hashes: Sequence[int],
@@ -96,6 +101,8 @@ class Exchange:
         self.endpoint = endpoint
         self.path = path
         self.body = body
+        self.request = request
+        self.token_ids = token_ids
         self.stream = stream
         self.include_usage = include_usage
         self.block_hashes = block_hashes
@@ -190,9 +197,26 @@ class Exchange:
             return
         self._send(conn, False)
 
+    def _wire(self, worker: Worker) -> tuple[bytes, bytes]:
+        """(path, body) for this worker: the client's request, or tokenized for a sidecar."""
+        if worker.kind != "sidecar":
+            return self.path, self.body
+        if self.token_ids is None:
+            raise ApiError(400, "sidecar workers need a single prompt the gateway can tokenize "
+                           "(batched prompts are not supported)", param="prompt")
+        body = tokenized_body(self.request, self.token_ids, self.request_id.decode(),
+                              worker.dp_rank)
+        return b"/v1/kvsidecar/generate", body
+
     def _send(self, conn: UpstreamConnection, reused: bool) -> None:
         worker = self.worker
         assert worker is not None  # set by _dispatch
+        try:
+            path, body = self._wire(worker)
+        except ApiError as exc:
+            self.gw.pool.release(conn)
+            self._reply_error(exc.status, exc.message, exc.type)
+            return
         self.upstream, self.reused = conn, reused
         self.last_activity = time.monotonic()
         if self.client.write_paused:
@@ -203,12 +227,12 @@ class Exchange:
             b"content-length: %d\r\nx-request-id: %s\r\n%s\r\n%s"
             % (
                 worker.address.base_path.encode(),
-                self.path,
+                path,
                 worker.host_header,
-                len(self.body),
+                len(body),
                 self.request_id,
                 self.extra_headers,
-                self.body,
+                body,
             ),
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -91,8 +91,12 @@ class SidecarPool:
         *,
         model_id: str,
         dead_after_s: float = 5.0,
+        on_added: Callable[[SidecarWorker], None] | None = None,
+        on_removed: Callable[[SidecarWorker], None] | None = None,
     ) -> None:
         self.router = router
+        self._on_added = on_added
+        self._on_removed = on_removed
         self.model_id = model_id
         self.dead_after_s = dead_after_s
         self._session = session
@@ -127,6 +131,8 @@ class SidecarPool:
         for worker in sidecar.workers:
             self._workers.pop(worker.worker_id, None)
             self.router.remove_worker(worker.worker_id)
+            if self._on_removed is not None:
+                self._on_removed(worker)
         log.info("sidecar_removed", url=url)
 
     def sync(self, urls: Iterable[str]) -> list[asyncio.Task[None]]:
@@ -200,6 +206,8 @@ class SidecarPool:
             worker.task = asyncio.create_task(feed.run(), name=f"feed {worker_id}")
             sidecar.workers.append(worker)
             self._workers[worker_id] = worker
+            if self._on_added is not None:
+                self._on_added(worker)
         log.info("sidecar_discovered", url=sidecar.url, worker_ids=worker_ids)
 
     async def _watch(self, path: Path) -> None:

@@ -37,6 +37,8 @@ class Worker:
     last_probe_s: float | None = None
     last_error: str | None = None
     host_header: bytes = field(default=b"")
+    kind: str = "plain"  # "plain": an OpenAI engine; "sidecar": a kvsidecar sidecar
+    dp_rank: int | None = None  # the engine's data-parallel rank this worker is (sidecars)
 
     def __post_init__(self) -> None:
         a = self.address
@@ -56,6 +58,19 @@ class WorkerSet:
 
     def get(self, worker_id: str) -> Worker:
         return self.workers[worker_id]
+
+    def add(self, worker: Worker) -> None:
+        """A worker joins (a sidecar was discovered)."""
+        self.workers[worker.worker_id] = worker
+        self._healthy_cache = None
+        log.info("worker_added", worker_id=worker.worker_id, kind=worker.kind,
+                 url=worker.address.url)
+
+    def remove(self, worker_id: str) -> None:
+        """A worker leaves (its sidecar was removed from the configuration)."""
+        if self.workers.pop(worker_id, None) is not None:
+            self._healthy_cache = None
+            log.info("worker_removed", worker_id=worker_id)
 
     def healthy(self) -> list[Worker]:
         cached = self._healthy_cache

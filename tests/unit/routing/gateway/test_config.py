@@ -43,7 +43,7 @@ def test_flags_map_to_fields(tiny_model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        ([], "at least one --worker"),
+        ([], "at least one --sidecar URL, --sidecar-file or --worker"),
         (["--worker", "https://x:1"], "http://"),
         (["--worker", "http://x:1", "--worker", "http://x:1"], "listed twice"),
         (["--worker", "http://x:1", "--block-size", "0"], "block_size"),
