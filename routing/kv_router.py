@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 
 from adapters.canonical.events import BlockStored, KVEvent, Tier
 from routing.active_load import ActiveLoad
@@ -64,19 +65,25 @@ class KvRouter:
         remote = tiers.get(Tier.REMOTE, {})
         pending = self.pending.match(block_hashes, self._clock()) if block_hashes else {}
         loads = self.load.loads(workers, block_hashes)
-        return [
-            Candidate(
-                worker_id,
-                TierOverlap(
-                    max(gpu.get(worker_id, 0), pending.get(worker_id, 0)),
-                    host.get(worker_id, 0),
-                    disk.get(worker_id, 0),
-                    remote.get(worker_id, 0),
-                ),
-                load,
+        out = []
+        for worker_id, worker_load in zip(workers, loads, strict=True):
+            load = worker_load
+            real = gpu.get(worker_id, 0)
+            speculative = pending.get(worker_id, 0)
+            if speculative > real and load.active_prefill_tokens:
+                # The blocks only speculated on this worker are being prefilled right now by
+                # requests in flight there; this request rides on that prefill instead of
+                # queueing the same work again, so it does not count against the worker.
+                shared = min(load.active_prefill_tokens, (speculative - real) * self.block_size)
+                load = replace(load, active_prefill_tokens=load.active_prefill_tokens - shared)
+            overlap = TierOverlap(
+                max(real, speculative),
+                host.get(worker_id, 0),
+                disk.get(worker_id, 0),
+                remote.get(worker_id, 0),
             )
-            for worker_id, load in zip(workers, loads, strict=True)
-        ]
+            out.append(Candidate(worker_id, overlap, load))
+        return out
 
     def place(
         self,

@@ -33,6 +33,7 @@ class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to one worker."""
 
     __slots__ = (
+        "_chunked",
         "_content_length",
         "_content_type",
         "_got_head",
@@ -56,6 +57,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._pieces: list[bytes] = []
         self._content_type = b""
         self._content_length: int | None = None
+        self._chunked = False
         self._got_head = False
         self.closed = False
         self._paused = False
@@ -122,8 +124,9 @@ class UpstreamConnection(asyncio.Protocol):
         if self._pieces:
             pieces, self._pieces = self._pieces, []
             receiver.upstream_body(pieces)
-        if self._got_head and self._content_length is None and exc is None:
-            # A close-delimited body (neither length nor chunked) ends with the connection.
+        if self._got_head and self._content_length is None and not self._chunked and exc is None:
+            # A close-delimited body (neither length nor chunked) ends with the connection;
+            # a chunked one that ends before its last chunk was cut (the worker died).
             receiver.upstream_complete()
         else:
             receiver.upstream_lost(exc, self._got_head)
@@ -133,6 +136,7 @@ class UpstreamConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._content_type = b""
         self._content_length = None
+        self._chunked = False
         self._got_head = False
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -141,6 +145,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._content_type = value
         elif lower == b"content-length":
             self._content_length = int(value)
+        elif lower == b"transfer-encoding":
+            self._chunked = b"chunked" in value.lower()
 
     def on_headers_complete(self) -> None:
         self._got_head = True

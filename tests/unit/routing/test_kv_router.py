@@ -23,8 +23,8 @@ class Clock:
         return self.now
 
 
-def prompt(n_blocks: int, salt: int) -> tuple[list[int], list[int]]:
-    tokens = [salt * 7919 + i for i in range(16 * n_blocks)]
+def prompt(n_blocks: int, salt: int, tail: int = 0) -> tuple[list[int], list[int]]:
+    tokens = [salt * 7919 + i for i in range(16 * n_blocks + tail)]
     return tokens, HASHER.hash_tokens(tokens, SEED)
 
 
@@ -42,7 +42,7 @@ class TestPlacement:
         """Identical prompts routed before any event arrives all land on one worker."""
         clock = Clock()
         router = KvRouter(rng=random.Random(3), clock=clock)
-        tokens, hashes = prompt(20, 2)
+        tokens, hashes = prompt(20, 2, tail=7)  # a partial last block must not tip it
         picks = []
         for i in range(8):
             placement = router.place(hashes, len(tokens), WORKERS)

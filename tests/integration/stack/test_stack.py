@@ -1,0 +1,300 @@
+"""The whole stack through real processes: engines, sidecars and a KV-aware gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvsidecar.launch import ManagedProcess
+
+ROOT = Path(__file__).resolve().parents[3]
+MODEL = ROOT / "refengine" / "models" / "tiny"
+EVENTS = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv",
+    }
+)
+WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory"]
+
+
+@dataclass
+class Stack:
+    engines: ManagedProcess
+    sidecars: list[ManagedProcess]
+    gateway: ManagedProcess
+    engine_urls: list[str]
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+
+def start_stack(tmp: Path, replicas: int = 2, speedup: str = "5") -> Stack:
+    procs: list[ManagedProcess] = []
+    try:
+        engines = ManagedProcess.start(
+            "engines",
+            [
+                "refengine",
+                "--compute",
+                "sim",
+                "--replicas",
+                str(replicas),
+                "--speedup",
+                speedup,
+                "--port",
+                "0",
+                "--kv-events-config",
+                EVENTS,
+            ],
+            workdir=tmp,
+        )
+        procs.append(engines)
+        engine_urls = [r["url"] for r in engines.wait_ready(60, count=replicas)]
+        sidecars = []
+        for i, url in enumerate(engine_urls):
+            sc = ManagedProcess.start(
+                f"sidecar-{i}",
+                ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}", "--port", "0"],
+                workdir=tmp,
+            )
+            procs.append(sc)
+            sidecars.append(sc)
+        for sc in sidecars:
+            sc.wait_ready(60)
+        flags = [f for sc in sidecars for f in ("--sidecar", sc.url)]
+        gateway = ManagedProcess.start(
+            "gateway",
+            [
+                "routing",
+                "--port",
+                "0",
+                "--model-path",
+                str(MODEL),
+                "--router-mode",
+                "kv",
+                "--health-check-interval-s",
+                "0.5",
+                "--dead-after-s",
+                "1",
+                "--seed",
+                "1",
+                *flags,
+            ],
+            workdir=tmp,
+        )
+        procs.append(gateway)
+        gateway.wait_ready(60)
+    except BaseException:
+        for proc in reversed(procs):
+            proc.stop()
+        raise
+    return Stack(engines, sidecars, gateway, engine_urls)
+
+
+def stop_stack(stack: Stack) -> None:
+    for proc in [stack.gateway, *reversed(stack.sidecars), stack.engines]:
+        proc.stop()
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    s = start_stack(tmp_path)
+    yield s
+    stop_stack(s)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def routable(session: aiohttp.ClientSession, url: str, count: int) -> None:
+    """Poll /v1/workers until ``count`` workers are routable (a deadline, no fixed sleep)."""
+    deadline = time.monotonic() + 30
+    while True:
+        async with session.get(f"{url}/v1/workers") as resp:
+            workers = (await resp.json())["workers"]
+        if sum(w["routable"] and w["healthy"] for w in workers) >= count:
+            return
+        assert time.monotonic() < deadline, f"workers never became routable: {workers}"
+        await asyncio.sleep(0.05)
+
+
+def text(seed: int, words: int) -> str:
+    return " ".join(
+        WORDS[(seed * 7 + i * 3) % len(WORDS)] + str((seed + i) % 97) for i in range(words)
+    )
+
+
+async def chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    system: str,
+    user: str,
+    max_tokens: int = 4,
+    stream: bool = False,
+) -> tuple[int, str, int, int]:
+    """(status, worker, predicted cached blocks, engine-reported cached tokens)."""
+    body = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        worker = resp.headers.get("x-kvsidecar-worker", "")
+        predicted = int(resp.headers.get("x-kvsidecar-cached-blocks", "0"))
+        if not stream:
+            data = await resp.json()
+            cached = (
+                (data.get("usage") or {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            )
+            return resp.status, worker, predicted, cached
+        lines = [line async for line in resp.content if line.startswith(b"data:")]
+        assert lines[-1].strip() == b"data: [DONE]"
+        usage = json.loads(lines[-2][5:])["usage"]
+        return resp.status, worker, predicted, usage["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+class TestPlacement:
+    async def test_shared_prefix_lands_where_it_is_cached(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """A request whose prefix is cached on one replica is placed there and hits."""
+        await routable(session, stack.url, 2)
+        system = text(1, 200)
+        status, first, _, _ = await chat(session, stack.url, system, "hello")
+        assert status == 200
+        deadline = time.monotonic() + 10
+        while True:  # the stored events reach the gateway within a moment
+            status, worker, predicted, cached = await chat(session, stack.url, system, "again")
+            if predicted > 0 or time.monotonic() > deadline:
+                break
+        assert (status, worker) == (200, first)
+        assert predicted > 0 and cached > 0
+
+    async def test_equal_overlap_spreads_load(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """Unrelated prompts in flight together spread over both replicas."""
+        await routable(session, stack.url, 2)
+        results = await asyncio.gather(
+            *(chat(session, stack.url, text(100 + i, 150), "hi", max_tokens=32) for i in range(8))
+        )
+        assert all(r[0] == 200 for r in results)
+        assert len({r[1] for r in results}) == 2
+
+    async def test_back_to_back_identical_prompts_do_not_scatter(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """Identical prompts sent together, before any event returns, share one replica."""
+        await routable(session, stack.url, 2)
+        system = text(7, 200)
+        results = await asyncio.gather(
+            *(chat(session, stack.url, system, "same") for _ in range(6))
+        )
+        assert all(r[0] == 200 for r in results)
+        assert len({r[1] for r in results}) == 1
+
+    async def test_200_concurrent_streams_complete(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """200 concurrent streams all finish with [DONE]; nothing is lost."""
+        await routable(session, stack.url, 2)
+        results = await asyncio.gather(
+            *(
+                chat(session, stack.url, text(i % 10, 30), f"q{i}", max_tokens=6, stream=True)
+                for i in range(200)
+            )
+        )
+        assert Counter(r[0] for r in results) == {200: 200}
+
+
+@pytest.mark.slow
+async def test_dead_sidecar_leaves_placement(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+    """A sidecar killed mid-stream cuts that stream only; later requests go to the other."""
+    stack = start_stack(tmp_path, speedup="1")
+    try:
+        await routable(session, stack.url, 2)
+        system = text(3, 100)
+        _, victim, _, _ = await chat(session, stack.url, system, "warm")
+        index = int(victim.rsplit("-", 1)[1])
+        body = {
+            "model": "tiny",
+            "max_tokens": 400,
+            "stream": True,
+            "ignore_eos": True,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "long"},
+            ],
+        }
+        async with session.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+            assert resp.headers["x-kvsidecar-worker"] == victim
+            await resp.content.readline()  # the stream has started
+            stack.sidecars[index].kill()
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async for _ in resp.content:
+                    pass
+        survivors = set()
+        for i in range(6):
+            status, worker, _, _ = await chat(session, stack.url, text(50 + i, 40), "after")
+            assert status == 200
+            survivors.add(worker)
+        assert victim not in survivors
+        deadline = time.monotonic() + 15
+        while True:
+            async with session.get(f"{stack.url}/v1/workers") as r:
+                state = {w["worker_id"]: w for w in (await r.json())["workers"]}
+            dead = state[victim]
+            if not dead["routable"] and sum(dead["cached_blocks"].values()) == 0:
+                break
+            assert time.monotonic() < deadline, dead
+            await asyncio.sleep(0.1)
+    finally:
+        stop_stack(stack)
+
+
+@pytest.mark.slow
+def test_kvsidecar_up_demo(tmp_path: Path) -> None:
+    """`kvsidecar up --demo --exit-after-demo` starts the stack, prints both policies, stops."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvsidecar",
+            "up",
+            "--replicas",
+            "2",
+            "--port",
+            "0",
+            "--speedup",
+            "5",
+            "--demo",
+            "--exit-after-demo",
+            "--workdir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "kvsidecar is up: http://127.0.0.1:" in run.stdout
+    rows = [
+        line.split() for line in run.stdout.splitlines() if line.startswith(("kv ", "round-robin"))
+    ]
+    assert [r[0] for r in rows] == ["kv", "round-robin"]
+    assert all(int(r[1]) == 48 for r in rows)
