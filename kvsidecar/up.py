@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
         help="stop the stack once the demo has printed (for scripts and tests)",
     )
     p.add_argument("--workdir", help="where logs and ready files go (default: a new temp dir)")
+    p.add_argument("--ready-file", help="write {'url': gateway URL} JSON here once every "
+                   "worker is routable (for scripts and tests)")
     return p
 
 
@@ -241,6 +243,8 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
         )
         workers = await _wait_routable(url, args.replicas)
         _print_status(url, workers, workdir)
+        if args.ready_file:
+            Path(args.ready_file).write_text(json.dumps({"url": url}) + "\n")
         if args.demo:
             rr_url = await asyncio.to_thread(
                 _start_gateway,

@@ -69,6 +69,7 @@ class Gateway:
         self.workers = WorkerSet(cfg.workers, probe_timeout_s=cfg.connect_timeout_s)
         weights = ScoringWeights(
             overlap_weight=cfg.overlap_weight,
+            prefill_load_scale=cfg.prefill_load_scale,
             host_weight=cfg.host_weight,
             disk_weight=cfg.disk_weight,
             temperature=cfg.router_temperature,

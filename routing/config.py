@@ -72,6 +72,7 @@ class RouterConfig:
     model_path: Path | None = None
     served_model_names: tuple[str, ...] = ()
     overlap_weight: float = 1.0
+    prefill_load_scale: float = 1.0
     router_temperature: float = 0.0
     host_weight: float = 0.75
     disk_weight: float = 0.25
@@ -102,7 +103,13 @@ class RouterConfig:
             )
         if not math.isfinite(self.dead_after_s) or self.dead_after_s <= 0:
             raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s!r}")
-        for name in ("overlap_weight", "router_temperature", "host_weight", "disk_weight"):
+        for name in (
+            "overlap_weight",
+            "prefill_load_scale",
+            "router_temperature",
+            "host_weight",
+            "disk_weight",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -153,6 +160,7 @@ class RouterConfig:
                 model_path=Path(args.model_path) if args.model_path else None,
                 served_model_names=tuple(args.served_model_name or ()),
                 overlap_weight=args.overlap_weight,
+                prefill_load_scale=args.prefill_load_scale,
                 router_temperature=args.router_temperature,
                 host_weight=args.host_weight,
                 disk_weight=args.disk_weight,
@@ -241,6 +249,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         help="credit per GPU-cached prefix block in the cost (default 1.0)",
+    )
+    r.add_argument(
+        "--prefill-load-scale",
+        type=float,
+        default=1.0,
+        help="weight of a block of prefill work against a block held by decoding requests "
+        "(Dynamo's prefill_load_scale; default 1.0; raise it for long shared prefixes)",
     )
     r.add_argument(
         "--router-temperature",

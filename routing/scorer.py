@@ -6,9 +6,12 @@ The cost of placing a request on a worker, lowest wins (Dynamo's default "linear
     prefill_blocks_after_credit = max(0, (active_prefill_tokens + prompt_tokens) / block_size
                                          − overlap_weight·gpu − host_weight·host
                                          − disk_weight·disk − remote_weight·remote)
-    cost = prefill_blocks_after_credit + decode_blocks
+    cost = prefill_load_scale × prefill_blocks_after_credit + decode_blocks
 
-where ``decode_blocks`` counts the blocks held by the worker's active requests plus this
+(``prefill_load_scale`` is Dynamo's knob, default 1: how much a block of prefill work weighs
+against a block held by a decoding request; prefill is far more compute per block, so traffic
+with long shared prefixes places better with it raised, see the trace replay's README), where
+``decode_blocks`` counts the blocks held by the worker's active requests plus this
 request's. Tier credits are *incremental*: a block is credited once, at the fastest tier that
 holds it, i.e. ``host`` counts the leading blocks found in host memory beyond the GPU match.
 With exclusive tiers (a block lives in one tier at a time, the usual offload) that is exactly
@@ -59,9 +62,16 @@ class ScoringWeights:
     disk_weight: float = 0.25
     remote_weight: float = 0.1
     temperature: float = 0.0
+    prefill_load_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("overlap_weight", "host_weight", "disk_weight", "remote_weight"):
+        for name in (
+            "overlap_weight",
+            "host_weight",
+            "disk_weight",
+            "remote_weight",
+            "prefill_load_scale",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -151,7 +161,8 @@ class Scorer:
             if not capacity:
                 return float(candidate.load.decode_blocks)
             return candidate.load.decode_blocks / capacity
-        return self.prefill_blocks_after_credit(candidate, prompt_tokens) + (
+        scale = self.weights.prefill_load_scale
+        return scale * self.prefill_blocks_after_credit(candidate, prompt_tokens) + (
             candidate.load.decode_blocks
         )
 

@@ -36,6 +36,15 @@ class TestCost:
         c = cand("a", gpu=10, prefill=320, decode=40)
         assert scorer.cost(c, prompt_tokens=640) == (320 + 640) / 16 - 10 + 40
 
+    def test_prefill_load_scale_weighs_prefill_against_decode(self) -> None:
+        """prefill_load_scale multiplies the prefill term only (Dynamo's knob)."""
+        scorer = Scorer(ScoringWeights(prefill_load_scale=4.0), block_size=16)
+        c = cand("a", gpu=2, decode=10)
+        assert scorer.cost(c, prompt_tokens=160) == 4.0 * (10 - 2) + 10
+        cached, idle = cand("cached", gpu=8, decode=20), cand("idle")
+        assert Scorer(ScoringWeights(), 16).place([cached, idle], 160).worker_id == "idle"  # type: ignore[union-attr]
+        assert scorer.place([cached, idle], 160).worker_id == "cached"  # type: ignore[union-attr]
+
     def test_credit_never_makes_prefill_negative(self) -> None:
         """Prefill blocks after credit are clamped at zero."""
         scorer = Scorer(ScoringWeights(overlap_weight=5.0), block_size=16)
