@@ -209,13 +209,13 @@ async def replay_live(
 
 
 async def served_model(session: aiohttp.ClientSession, url: str) -> str:
-    """The first model the gateway serves (``GET /v1/models``)."""
-    async with session.get(f"{url}/v1/models") as resp:
-        data = await resp.json(content_type=None)
+    """The first model the gateway lists at ``GET /v1/models``, else ``"default"``."""
     try:
+        async with session.get(f"{url}/v1/models") as resp:
+            data = await resp.json(content_type=None)
         return str(data["data"][0]["id"])
-    except (KeyError, IndexError, TypeError) as exc:
-        raise ValueError(f"{url}/v1/models lists no model; pass --model") from exc
+    except (aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError):
+        return "default"
 
 
 class _Bar:
