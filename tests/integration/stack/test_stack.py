@@ -298,3 +298,52 @@ def test_kvsidecar_up_demo(tmp_path: Path) -> None:
     ]
     assert [r[0] for r in rows] == ["kv", "round-robin"]
     assert all(int(r[1]) == 48 for r in rows)
+
+
+@pytest.mark.slow
+async def test_sidecar_file_is_reread_on_change(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+    """Workers follow --sidecar-file: added and removed as the file changes."""
+    stack = start_stack(tmp_path)
+    listing = tmp_path / "sidecars.txt"
+    listing.write_text(f"# the fleet\n{stack.sidecars[0].url}\n")
+    gateway = ManagedProcess.start(
+        "gateway-file",
+        [
+            "routing",
+            "--port",
+            "0",
+            "--model-path",
+            str(MODEL),
+            "--sidecar-file",
+            str(listing),
+            "--health-check-interval-s",
+            "0.5",
+        ],
+        workdir=tmp_path,
+    )
+    try:
+        url = gateway.wait_ready(60)[0]["url"]
+
+        async def worker_ids() -> set[str]:
+            async with session.get(f"{url}/v1/workers") as resp:
+                return {w["worker_id"] for w in (await resp.json())["workers"]}
+
+        async def until(expected: set[str]) -> None:
+            deadline = time.monotonic() + 20
+            while (seen := await worker_ids()) != expected:
+                assert time.monotonic() < deadline, seen
+                await asyncio.sleep(0.05)
+
+        await until({"replica-0"})
+        await routable(session, url, 1)
+        status, worker, _, _ = await chat(session, url, text(9, 20), "one")
+        assert (status, worker) == (200, "replica-0")
+        listing.write_text(f"{stack.sidecars[0].url}\n{stack.sidecars[1].url}\n")
+        await until({"replica-0", "replica-1"})
+        listing.write_text(f"{stack.sidecars[1].url}  # replica-0 retired\n")
+        await until({"replica-1"})
+        status, worker, _, _ = await chat(session, url, text(9, 20), "two")
+        assert (status, worker) == (200, "replica-1")
+    finally:
+        gateway.stop()
+        stop_stack(stack)
