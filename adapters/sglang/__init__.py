@@ -1,4 +1,6 @@
-"""SGLang adapter: KV events over ZMQ (with replay), request translation to ``/generate``.
+"""SGLang adapter: KV events over ZMQ (with replay), request translation to ``/generate``, and
+the HiCache storage backend (``hicache.py``) SGLang loads into its own process.
 
-Speaks SGLang's wire formats; never imports the ``sglang`` package.
+The adapter speaks SGLang's wire formats and imports nothing of SGLang; only the storage
+backend subclasses SGLang's ``HiCacheStorage`` when SGLang is installed (it runs inside it).
 """
