@@ -9,31 +9,14 @@ SIGTERM/SIGINT: report unhealthy, stop accepting, finish in-flight work (up to 1
 
 from __future__ import annotations
 
-import logging
 import sys
 
-import orjson
-import structlog
 import uvloop
 
+from kvsidecar.logs import configure_logging
 from refengine.config import EngineConfig
 
 __all__ = ["main"]
-
-
-def configure_logging(level: str) -> None:
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=orjson.dumps),
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.BytesLoggerFactory(sys.stderr.buffer),
-        cache_logger_on_first_use=True,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

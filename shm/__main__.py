@@ -8,7 +8,6 @@ and writes the same line to ``--ready-file`` when given. Structured logs go to s
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -17,30 +16,10 @@ import orjson
 import structlog
 import uvloop
 
+from kvsidecar.logs import configure_logging
 from shm.config import OwnerConfig
 from shm.errors import OwnerConflictError
 from shm.server import BlockStoreOwner
-
-
-def _configure_logging(level: str) -> None:
-    renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty()
-        else structlog.processors.JSONRenderer(serializer=orjson.dumps)
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=(structlog.PrintLoggerFactory(sys.stderr) if sys.stderr.isatty()
-                        else structlog.BytesLoggerFactory(sys.stderr.buffer)),
-        cache_logger_on_first_use=True,
-    )
 
 
 async def _serve(config: OwnerConfig) -> None:
@@ -71,7 +50,7 @@ _PROG = "python -m shm" if __name__ == "__main__" else "kvsidecar shm"
 
 def main(argv: list[str] | None = None) -> int:
     config = OwnerConfig.from_args(argv, prog=_PROG)
-    _configure_logging(config.log_level)
+    configure_logging(config.log_level)
     structlog.get_logger(component="shm").info(
         "config_loaded", owner_id=config.owner_id, socket=str(config.socket_path),
         capacity_bytes=config.capacity_bytes, block_bytes=config.block_bytes,
