@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("refengine.__main__", "the CPU reference engine (SGLang-compatible API and events)"),
     "replay": ("replay.__main__", "replay request traces live or offline, with a report"),
     "shm": ("shm.__main__", "run a shared-memory KV block store owner (host tier)"),
+    "blocks": ("sidecar.transfer.__main__",
+               "a block store with sidecar-to-sidecar transfers, no engine (tests, peers)"),
 }
 
 
