@@ -1,0 +1,161 @@
+"""The sidecar process relaying SGLang's own KV-event publisher (the `sglang` extra).
+
+SGLang's real ``ZmqEventPublisher`` runs in the test on loopback; the sidecar (a real
+process) subscribes to it through ``--kv-events-endpoint`` while a reference engine answers
+its HTTP side. A gateway feed follows the sidecar's stream: it must see SGLang's blocks,
+a swallowed batch filled by SGLang's replay, and a publisher restart clearing the old epoch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
+
+from adapters.canonical import BlockHasher, Namespace  # noqa: E402
+from adapters.canonical.events import Tier  # noqa: E402
+from kvsidecar.launch import ManagedProcess  # noqa: E402
+from routing.event_feed import SidecarFeed  # noqa: E402
+from routing.kv_router import KvRouter  # noqa: E402
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+PAGE = 16
+EVENTS = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv",
+    }
+)
+
+
+def canonical(tokens: list[int]) -> list[int]:
+    return BlockHasher(PAGE).hash_tokens(tokens, Namespace("m").seed)
+
+
+def stored(hashes: list[int], tokens: list[int]) -> Any:
+    return kv_events.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=PAGE,
+        lora_id=None,
+        medium="GPU",
+    )
+
+
+def batch(*events: Any) -> Any:
+    return kv_events.KVEventBatch(ts=time.time(), events=list(events))
+
+
+class DropOneSend:
+    """Stands in for the publisher's PUB socket and swallows one seq (a lost batch)."""
+
+    def __init__(self, sock: Any, drop_seq: int) -> None:
+        self._sock = sock
+        self._drop = drop_seq.to_bytes(8, "big")
+
+    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
+        return (
+            None if frames[1] == self._drop else self._sock.send_multipart(frames, *args, **kwargs)
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def until(predicate: Any, timeout_s: float = 20.0) -> None:
+    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached before the deadline"
+        await asyncio.sleep(0.01)
+
+
+async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+    """SGLang's blocks, a replayed gap and a publisher restart all reach the gateway."""
+    pub = kv_events.ZmqEventPublisher(
+        0,
+        endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*",
+        bind=True,
+        buffer_steps=1000,
+    )
+    live, replay = pub._local_pub_endpoint, pub._local_replay_endpoint
+    eng = ManagedProcess.start(
+        "engine",
+        ["refengine", "--compute", "sim", "--port", "0", "--kv-events-config", EVENTS],
+        workdir=tmp_path,
+    )
+    eng.wait_ready(60)
+    sc = ManagedProcess.start(
+        "sidecar",
+        [
+            "sidecar",
+            "--engine-url",
+            eng.url,
+            "--worker-id",
+            "sg",
+            "--port",
+            "0",
+            "--model-id",
+            "m",
+            "--block-size",
+            str(PAGE),
+            "--kv-events-endpoint",
+            live,
+            "--kv-events-replay-endpoint",
+            replay,
+        ],
+        workdir=tmp_path,
+    )
+    feed_task = None
+    try:
+        sc.wait_ready(60)
+        feed = SidecarFeed(sc.url, KvRouter(), session, model_id="m")
+        feed_task = asyncio.create_task(feed.run())
+        await until(lambda: feed.connected)
+        a, b, c = ([i] * PAGE for i in (1, 2, 3))
+
+        def gpu(tokens: list[int]) -> dict[str, int]:
+            return feed.router.index.match(canonical(tokens), Tier.GPU)
+
+        pub.publish(batch(stored([11], a)))
+        await until(lambda: gpu(a) == {"sg": 1})
+        pub._pub = DropOneSend(pub._pub, drop_seq=1)
+        pub.publish(batch(stored([12], b)))  # seq 1 never goes out live
+        pub.publish(batch(stored([13], c)))  # seq 2 reveals the gap; replay fills it
+        await until(lambda: gpu(b) == {"sg": 1} and gpu(c) == {"sg": 1})
+
+        await asyncio.to_thread(pub.shutdown)  # the engine restarts, its cache empty
+        pub = kv_events.ZmqEventPublisher(
+            0, endpoint=live, replay_endpoint=replay, bind=True, buffer_steps=1000
+        )
+        d = [4] * PAGE
+        deadline = time.monotonic() + 20
+        while gpu(d) != {"sg": 1}:  # publish until the sidecar's SUB has reconnected
+            assert time.monotonic() < deadline, "the restarted publisher was never heard"
+            pub.publish(batch(stored([14], d)))
+            await asyncio.sleep(0.2)
+        assert gpu(a) == gpu(b) == gpu(c) == {}
+    finally:
+        if feed_task is not None:
+            feed_task.cancel()
+        assert sc.stop() == 0, sc.log_tail()
+        eng.stop()
+        await asyncio.to_thread(pub.shutdown)
