@@ -43,7 +43,41 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the local stack on loopback: N CPU reference engines, a sidecar beside "
         "each, and a KV-aware gateway in front. Prints the gateway's URL; Ctrl-C stops it all.",
     )
-    p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        help="aggregated engine replicas (default 2; with --prefill/--decode default 0: "
+        "the aggregated workers failed KV handoffs fall back to)",
+    )
+    p.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill-only replicas: serve disaggregated, prefill on N replicas and decode on "
+        "--decode M, the KV handed over through a page store the engines share",
+    )
+    p.add_argument("--decode", type=int, default=0, metavar="M", help="decode-only replicas")
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "fallback"],
+        default="fallback",
+        help="a failed KV handoff fails the request or re-runs it aggregated (default fallback)",
+    )
+    p.add_argument(
+        "--sim-handoff-ms-per-1k-tokens",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="sim compute with --prefill/--decode: each KV handoff takes this long per 1,000 "
+        "prompt tokens, as a transport of that speed would (default 0)",
+    )
+    p.add_argument(
+        "--pd-mode",
+        choices=["auto", "sglang", "off"],
+        default="auto",
+        help="the gateway's disaggregation mode (default auto: KV handoff between sidecars)",
+    )
     p.add_argument(
         "--compute",
         choices=["sim", "torch"],
@@ -103,9 +137,25 @@ def _stack_processes() -> Iterator[list[ManagedProcess]]:
             proc.stop()
 
 
+def _role_flags(role: str, workdir: Path) -> list[str]:
+    """Engine flags of a role: prefill/decode engines share one page store (the handoff)."""
+    if role == "agg":
+        return []
+    store = json.dumps({"file_path": str(workdir / "pd-pages")})
+    return [
+        "--disaggregation-mode",
+        role,
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-backend-extra-config",
+        store,
+    ]
+
+
 def _start_engines(
     args: argparse.Namespace, workdir: Path, procs: list[ManagedProcess]
-) -> list[str]:
+) -> list[tuple[str, str]]:
+    """(role, engine URL) of every replica: aggregated ones, then prefill, then decode."""
     common = [
         "--model-path",
         args.model_path,
@@ -116,41 +166,63 @@ def _start_engines(
         "--port",
         "0",
     ]
+    counts = [("agg", args.replicas), ("prefill", args.prefill), ("decode", args.decode)]
     if args.compute == "sim":
-        proc = ManagedProcess.start(
-            "engines",
-            [
-                "refengine",
-                "--compute",
-                "sim",
-                "--replicas",
-                str(args.replicas),
-                "--speedup",
-                str(args.speedup),
-                *common,
-            ],
-            workdir=workdir,
-        )
-        procs.append(proc)
-        return [line["url"] for line in proc.wait_ready(120, count=args.replicas)]
+        waits = []
+        for role, count in counts:
+            if not count:
+                continue
+            proc = ManagedProcess.start(
+                "engines" if role == "agg" else f"engines-{role}",
+                [
+                    "refengine",
+                    "--compute",
+                    "sim",
+                    "--replicas",
+                    str(count),
+                    "--speedup",
+                    str(args.speedup),
+                    *common,
+                    *_role_flags(role, workdir),
+                ],
+                workdir=workdir,
+            )
+            procs.append(proc)
+            waits.append((role, count, proc))
+        return [
+            (role, line["url"])
+            for role, count, proc in waits
+            for line in proc.wait_ready(120, count=count)
+        ]
     started = []
-    for i in range(args.replicas):
-        proc = ManagedProcess.start(
-            f"engine-{i}", ["refengine", "--compute", "torch", *common], workdir=workdir
-        )
-        procs.append(proc)
-        started.append(proc)
-    return [p.wait_ready(300)[0]["url"] for p in started]
+    for role, count in counts:
+        for i in range(count):
+            name = f"engine-{i}" if role == "agg" else f"engine-{role}-{i}"
+            proc = ManagedProcess.start(
+                name,
+                ["refengine", "--compute", "torch", *common, *_role_flags(role, workdir)],
+                workdir=workdir,
+            )
+            procs.append(proc)
+            started.append((role, proc))
+    return [(role, p.wait_ready(300)[0]["url"]) for role, p in started]
 
 
 def _start_sidecars(
-    engine_urls: list[str], workdir: Path, procs: list[ManagedProcess]
+    engines: list[tuple[str, str]],
+    workdir: Path,
+    procs: list[ManagedProcess],
+    handoff_ms: float = 0.0,
 ) -> list[str]:
     started = []
-    for i, url in enumerate(engine_urls):
+    index: dict[str, int] = {}
+    for role, url in engines:
+        i = index[role] = index.get(role, -1) + 1
+        worker_id = f"replica-{i}" if role == "agg" else f"{role}-{i}"
         proc = ManagedProcess.start(
-            f"sidecar-{i}",
-            ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}", "--port", "0"],
+            f"sidecar-{i}" if role == "agg" else f"sidecar-{role}-{i}",
+            ["sidecar", "--engine-url", url, "--worker-id", worker_id, "--role", role,
+             "--port", "0", "--sim-handoff-ms-per-1k-tokens", str(handoff_ms)],
             workdir=workdir,
         )
         procs.append(proc)
@@ -182,6 +254,10 @@ def _start_gateway(
             args.model_path,
             "--health-check-interval-s",
             "1",
+            "--pd-mode",
+            args.pd_mode,
+            "--kv-load-failure-policy",
+            args.kv_load_failure_policy,
             *sidecar_flags,
         ],
         workdir=workdir,
@@ -206,10 +282,10 @@ async def _wait_routable(url: str, count: int, timeout_s: float = 60.0) -> list[
 
 def _print_status(url: str, workers: list[dict[str, object]], workdir: Path) -> None:
     print(f"\nkvsidecar is up: {url}  (OpenAI API: {url}/v1/chat/completions)")
-    print(f"{'worker':<14}{'kind':<9}{'role':<7}{'routable':<10}{'in flight':>10}")
+    print(f"{'worker':<14}{'kind':<9}{'role':<9}{'routable':<10}{'in flight':>10}")
     for w in workers:
         print(
-            f"{w['worker_id']!s:<14}{w['kind']!s:<9}{w['role']!s:<7}"
+            f"{w['worker_id']!s:<14}{w['kind']!s:<9}{w['role']!s:<9}"
             f"{'yes' if w['routable'] else 'no':<10}{w['in_flight']!s:>10}"
         )
     print(f"logs: {workdir}")
@@ -230,22 +306,29 @@ def _print_demo(results: list[DemoResult]) -> None:
 
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     with _stack_processes() as procs:
+        total = args.replicas + args.prefill + args.decode
+        pd = f" ({args.prefill} prefill, {args.decode} decode)" if args.prefill else ""
         print(
-            f"starting {args.replicas} {args.compute} engine replica(s), their sidecars and "
+            f"starting {total} {args.compute} engine replica(s){pd}, their sidecars and "
             f"the gateway (logs in {workdir})...",
             file=sys.stderr,
             flush=True,
         )
         engines = await asyncio.to_thread(_start_engines, args, workdir, procs)
-        sidecars = await asyncio.to_thread(_start_sidecars, engines, workdir, procs)
+        sidecars = await asyncio.to_thread(
+            _start_sidecars, engines, workdir, procs, args.sim_handoff_ms_per_1k_tokens
+        )
         url = await asyncio.to_thread(
             _start_gateway, "gateway", args.port, args.router_mode, args, sidecars, workdir, procs
         )
-        workers = await _wait_routable(url, args.replicas)
+        workers = await _wait_routable(url, total)
         _print_status(url, workers, workdir)
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps({"url": url}) + "\n")
-        if args.demo:
+        if args.demo and args.prefill:
+            print("--demo compares aggregated placement policies; it is skipped with "
+                  "--prefill/--decode (scripts/bench_disagg.py measures those)", file=sys.stderr)
+        elif args.demo:
             rr_url = await asyncio.to_thread(
                 _start_gateway,
                 "gateway-round-robin",
@@ -259,7 +342,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             await _wait_routable(rr_url, args.replicas)
             results = await run_demo(
                 {args.router_mode: url, "round-robin": rr_url},
-                engines,
+                [engine_url for _, engine_url in engines],
                 model=Path(args.model_path).resolve().name,
             )
             _print_demo(results)
@@ -277,8 +360,12 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.replicas < 1:
-        _parser().error("--replicas must be >= 1")
+    if (args.prefill > 0) != (args.decode > 0) or args.prefill < 0 or args.decode < 0:
+        _parser().error("--prefill N and --decode M go together, each >= 1")
+    if args.replicas is None:
+        args.replicas = 0 if args.prefill else 2
+    if args.replicas < (0 if args.prefill else 1):
+        _parser().error("--replicas must be >= 1 (>= 0 with --prefill/--decode)")
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvsidecar-up-"))
     try:
         return asyncio.run(_serve(args, workdir))

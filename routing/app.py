@@ -22,6 +22,7 @@ from adapters.canonical import BlockHasher
 from adapters.canonical.events import Tier
 from routing.chat_template import ChatTemplate
 from routing.config import LogLevel, RouterConfig, WorkerAddress
+from routing.disagg import PdCoordinator
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.kv_router import KvRouter
@@ -87,6 +88,8 @@ class Gateway:
         self.pool = UpstreamPool(cfg.max_idle_connections_per_worker, cfg.connect_timeout_s)
         self.metrics = GatewayMetrics()
         self.metrics.set_gauge_source(self.workers_state)
+        # Prefill/decode pairs (routing/disagg.py); also keeps aggregated requests off them.
+        self.pd: PdCoordinator | None = PdCoordinator(self) if has_sidecars else None
         self.exchanges: dict[str, Exchange] = {}
         tokenizer = template = None
         if cfg.model_path is not None:
@@ -241,6 +244,9 @@ class Gateway:
         )
         self._next_key += 1
         key = f"{self._key_prefix}-{self._next_key}"
+        if self.pd is not None and self.pd.takes(prepared):
+            self.pd.start(conn, key, request_id, label, parsed, prepared, t_start)
+            return
         exchange = Exchange(
             self,
             conn,

@@ -89,6 +89,12 @@ class RouterConfig:
     max_body_bytes: int = 32 << 20
     max_idle_connections_per_worker: int = 256
     seed: int | None = None
+    # Prefill/decode disaggregation (routing/disagg.py); values are PdMode / FailurePolicy.
+    pd_mode: str = "auto"
+    kv_load_failure_policy: str = "fallback"
+    kv_transfer_timeout_s: float = 10.0
+    pd_queue_timeout_s: float = 30.0
+    kv_transport: str = "auto"  # auto: shm on one host, else nixl (tcp when nixl is absent)
 
     def __post_init__(self) -> None:
         if not (self.workers or self.sidecars or self.sidecar_file):
@@ -134,6 +140,18 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.pd_mode not in ("auto", "sglang", "off"):
+            raise ValueError(f"pd_mode must be auto, sglang or off, got {self.pd_mode!r}")
+        if self.kv_transport not in ("auto", "shm", "nixl", "tcp"):
+            raise ValueError(f"kv_transport must be auto, shm, nixl or tcp, got "
+                             f"{self.kv_transport!r}")
+        if self.kv_load_failure_policy not in ("fail", "fallback"):
+            raise ValueError("kv_load_failure_policy must be fail or fallback, got "
+                             f"{self.kv_load_failure_policy!r}")
+        for name in ("kv_transfer_timeout_s", "pd_queue_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if self.model_path is not None and not (self.model_path / "tokenizer.json").is_file():
             raise ValueError(f"--model-path {self.model_path} has no tokenizer.json")
 
@@ -176,6 +194,11 @@ class RouterConfig:
                 upstream_timeout_s=args.upstream_timeout_s,
                 max_body_bytes=args.max_body_bytes,
                 seed=args.seed,
+                pd_mode=args.pd_mode,
+                kv_load_failure_policy=args.kv_load_failure_policy,
+                kv_transfer_timeout_s=args.kv_transfer_timeout_s,
+                pd_queue_timeout_s=args.pd_queue_timeout_s,
+                kv_transport=args.kv_transport,
             )
         except ValueError as exc:
             _parser().error(str(exc))
@@ -292,6 +315,44 @@ def _parser() -> argparse.ArgumentParser:
         "saturated (default: unlimited)",
     )
     r.add_argument("--seed", type=int, help="seed of the random choices (tests)")
+    d = p.add_argument_group("prefill/decode disaggregation (sidecars with --role prefill/decode)")
+    d.add_argument(
+        "--pd-mode",
+        default="auto",
+        choices=["auto", "sglang", "off"],
+        help="auto: when prefill and decode workers exist, serve each request by a pair, the "
+        "KV handed over between their sidecars; sglang: SGLang's own PD transfer (bootstrap "
+        "room), our placement choosing the pair; off: aggregated workers only (default auto)",
+    )
+    d.add_argument(
+        "--kv-load-failure-policy",
+        default="fallback",
+        choices=["fail", "fallback"],
+        help="a failed or timed-out KV handoff: fail (502 kv_transfer_failed; streams get "
+        "their first token as soon as the prefill has it, and a failure ends the stream with "
+        "an error event) or fallback (re-run on an aggregated worker; the first token waits "
+        "for the handoff) (default fallback)",
+    )
+    d.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=10.0,
+        help="longest KV handoff (pull + import) before it counts as failed (default 10)",
+    )
+    d.add_argument(
+        "--kv-transport",
+        default="auto",
+        choices=["auto", "shm", "nixl", "tcp"],
+        help="how decode sidecars pull blocks (--kv-handoff transfer): auto = shm when the "
+        "two sidecars share a host, else nixl, falling back to tcp (default auto)",
+    )
+    d.add_argument(
+        "--pd-queue-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long a request waits for room in a full decode pool before 503 "
+        "(default 30)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
     s.add_argument(

@@ -138,6 +138,8 @@ class Exchange:
     def _place(self) -> None:
         gw = self.gw
         healthy = gw.workers.healthy()
+        if gw.pd is not None:  # never a prefill or decode worker (routing/disagg.py)
+            healthy = gw.pd.agg_only(healthy)
         if not healthy:
             if self.tried:
                 self._reply_error(502, "every worker failed before answering", "bad_gateway")

@@ -41,12 +41,20 @@ from adapters.normalize_metrics import AdapterMetrics
 from shm.config import OwnerConfig
 from shm.server import BlockStoreOwner
 from sidecar.config import SidecarConfig
+from sidecar.disagg import PdRoutes
 from sidecar.event_stream import EventStream
 from sidecar.health import SilenceDetector
 from sidecar.load import LoadTracker
 from sidecar.metrics import SidecarMetrics
+from sidecar.pd_handoff import (
+    KvHandoff,
+    SharedPageStoreHandoff,
+    SimulatedTransportHandoff,
+    TransferServiceHandoff,
+)
 from sidecar.proxy import RequestProxy
 from sidecar.relay import EventRelay
+from sidecar.transfer import BlockTransferService, PullRecord, TransferConfig
 
 __all__ = ["EngineUnavailableError", "Sidecar"]
 
@@ -72,6 +80,7 @@ class Sidecar:
         self.streams: dict[str, EventStream] = {}
         self.load: LoadTracker | None = None
         self.store: BlockStoreOwner | None = None
+        self.transfer: BlockTransferService | None = None
         self.metrics = SidecarMetrics(lambda: self.streams, lambda: self.load, lambda: self.store)
         self.url = ""
         self.model_id = cfg.model_id or ""
@@ -217,6 +226,9 @@ class Sidecar:
             await adapter.aclose()
 
     async def _close_store(self) -> None:
+        transfer, self.transfer = self.transfer, None
+        if transfer is not None:  # its leases and NIXL registration go before the segment
+            await transfer.aclose()
         store, self.store = self.store, None
         if store is not None:
             await store.aclose()
@@ -249,12 +261,31 @@ class Sidecar:
         store = BlockStoreOwner(owner_cfg, listener=self._on_store_event)
         await store.start()
         self.store = store
+        assert self._session is not None
+        transfer = BlockTransferService(
+            store,
+            self._session,
+            TransferConfig(
+                tcp_host=cfg.host,
+                tcp_port=cfg.transfer_tcp_port,
+                advertise_host=cfg.advertise_host,
+            ),
+            on_pull=self._on_pull,
+        )
+        await transfer.start()
+        self.transfer = transfer
         log.info(
             "block_store_started",
             socket=str(socket_path),
             block_bytes=block_bytes,
             capacity_bytes=cfg.store_capacity_bytes,
         )
+
+    def _on_pull(self, record: PullRecord) -> None:
+        outcome = record.error_code or "ok"
+        transport = record.transport.value
+        self.metrics.transfer_bytes.labels(transport, outcome).inc(record.num_bytes)
+        self.metrics.transfer_seconds.labels(transport, outcome).observe(record.seconds)
 
     def _on_store_event(self, event: KVEvent) -> None:
         # The host tier is shared by every DP rank of this replica.
@@ -320,6 +351,9 @@ class Sidecar:
         app.router.add_get("/v1/kv-events", self._kv_events)
         assert self._proxy is not None
         app.router.add_post("/v1/kvsidecar/generate", self._proxy.handle)
+        if self.transfer is not None:  # /v1/blocks/...: exports to and pulls from peer sidecars
+            app.add_routes(self.transfer.routes())
+        app.add_routes(self._pd_routes().routes())  # /v1/kvsidecar/pd/... (sidecar/disagg.py)
         runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
         )
@@ -332,6 +366,29 @@ class Sidecar:
         if self.cfg.ready_file:
             ready = {"url": self.url, "worker_ids": list(self.streams)}
             Path(self.cfg.ready_file).write_text(json.dumps(ready) + "\n")
+
+    def _pd_routes(self) -> PdRoutes:
+        """Prefill/decode disaggregation: the prefill and decode legs and the KV handoff."""
+        assert self._adapter is not None and self._session is not None and self.load is not None
+        handoff: KvHandoff = SharedPageStoreHandoff()
+        if self.cfg.kv_handoff == "transfer":
+            assert self.transfer is not None  # the config requires a block store
+            handoff = TransferServiceHandoff(self.transfer, self.model_id)
+        if self.cfg.sim_handoff_ms_per_1k_tokens:
+            handoff = SimulatedTransportHandoff(
+                handoff, self.cfg.sim_handoff_ms_per_1k_tokens, self.block_size
+            )
+        return PdRoutes(
+            self._adapter,
+            self._session,
+            self.load,
+            handoff,
+            engine_url=self.cfg.engine_url,
+            worker_ids=tuple(self.streams),
+            role=self.cfg.role,
+            bootstrap_port=self.cfg.disaggregation_bootstrap_port,
+            timeout_s=self.cfg.upstream_timeout_s,
+        )
 
     # --- background tasks -----------------------------------------------------------------
 

@@ -41,6 +41,13 @@ class SidecarConfig:
     store_capacity_bytes: int = 0  # 0: no host-tier store
     store_socket: str | None = None
     store_block_bytes: int | None = None  # None: from the model's KV layout
+    transfer_tcp_port: int = 0  # the TCP block stream to peers (0: any free port)
+    advertise_host: str | None = None  # the address peer sidecars dial (default: --host)
+    # Prefill/decode disaggregation (sidecar/disagg.py): how a decode worker gets the blocks,
+    # and the prefill engine's SGLang bootstrap port (for the gateway's native PD mode).
+    kv_handoff: str = "shared-store"
+    disaggregation_bootstrap_port: int | None = None
+    sim_handoff_ms_per_1k_tokens: float = 0.0  # simulated engines: the transport's duration
 
     def __post_init__(self) -> None:
         if self.engine not in ("sglang", "trtllm"):
@@ -72,6 +79,17 @@ class SidecarConfig:
             raise ValueError("--store-block-bytes must be >= 1")
         if self.block_size is not None and not 1 <= self.block_size <= 4096:
             raise ValueError(f"--block-size must be in [1, 4096], got {self.block_size}")
+        if not 0 <= self.sim_handoff_ms_per_1k_tokens < float("inf"):
+            raise ValueError("--sim-handoff-ms-per-1k-tokens must be a finite number >= 0")
+        if self.kv_handoff not in ("shared-store", "transfer"):
+            raise ValueError(
+                f"--kv-handoff must be shared-store or transfer, got {self.kv_handoff!r}"
+            )
+        if self.kv_handoff == "transfer" and not self.store_capacity_bytes:
+            raise ValueError(
+                "--kv-handoff transfer pulls blocks into this sidecar's block store: "
+                "set --store-capacity-bytes (and point the engine's storage hook at its socket)"
+            )
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -177,6 +195,39 @@ class SidecarConfig:
             type=parse_bytes,
             help="bytes per stored block (default: from the model's KV layout)",
         )
+        t.add_argument(
+            "--transfer-tcp-port",
+            type=int,
+            default=0,
+            help="port of the TCP block stream peers pull from when NIXL is absent (0: any)",
+        )
+        t.add_argument(
+            "--advertise-host",
+            help="the address peer sidecars reach this one at (default: --host)",
+        )
+        d = p.add_argument_group("prefill/decode disaggregation")
+        d.add_argument(
+            "--kv-handoff",
+            choices=["shared-store", "transfer"],
+            default="shared-store",
+            help="how a decode worker gets a request's KV from its prefill worker: "
+            "shared-store = the engines' storage hooks share one page store (default); "
+            "transfer = pull the blocks from the prefill sidecar's store into this one "
+            "(shm on one host, NIXL or TCP across hosts; engines hooked to their sidecar)",
+        )
+        d.add_argument(
+            "--disaggregation-bootstrap-port",
+            type=int,
+            help="the prefill engine's SGLang bootstrap port (gateway --pd-mode sglang)",
+        )
+        d.add_argument(
+            "--sim-handoff-ms-per-1k-tokens",
+            type=float,
+            default=0.0,
+            metavar="MS",
+            help="for simulated engines (pages without bytes): make each KV handoff take this "
+            "long per 1,000 prompt tokens, as a transport of that speed would (default 0)",
+        )
         s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         s.add_argument("--ready-file", help="write {'url': ...} JSON here once serving")
         return p
@@ -210,6 +261,11 @@ class SidecarConfig:
                 store_capacity_bytes=args.store_capacity_bytes,
                 store_socket=args.store_socket,
                 store_block_bytes=args.store_block_bytes,
+                transfer_tcp_port=args.transfer_tcp_port,
+                advertise_host=args.advertise_host,
+                kv_handoff=args.kv_handoff,
+                disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
+                sim_handoff_ms_per_1k_tokens=args.sim_handoff_ms_per_1k_tokens,
             )
         except ValueError as exc:
             parser.error(str(exc))

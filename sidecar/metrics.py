@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -106,5 +106,18 @@ class SidecarMetrics:
             "kvsidecar_proxy_seconds",
             "Time from receiving a request to the end of its answer",
             buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=self.registry,
+        )
+        self.transfer_bytes = Counter(
+            "kvsidecar_transfer_bytes",
+            "KV bytes pulled from peer sidecars, by transport and outcome",
+            ["transport", "outcome"],
+            registry=self.registry,
+        )
+        self.transfer_seconds = Histogram(
+            "kvsidecar_transfer_seconds",
+            "Duration of one pull from a peer sidecar, by transport and outcome",
+            ["transport", "outcome"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 30),
             registry=self.registry,
         )

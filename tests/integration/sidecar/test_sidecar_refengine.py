@@ -290,8 +290,16 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
 
     eng = engine(tmp_path)
     sock = tmp_path / "store.sock"
-    sc = sidecar(tmp_path, eng.url, "--store-capacity-bytes", "1MiB",
-                 "--store-block-bytes", "4KiB", "--store-socket", str(sock))
+    sc = sidecar(
+        tmp_path,
+        eng.url,
+        "--store-capacity-bytes",
+        "1MiB",
+        "--store-block-bytes",
+        "4KiB",
+        "--store-socket",
+        str(sock),
+    )
     try:
         feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
         task = asyncio.create_task(feed.run())
@@ -299,8 +307,7 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
         seed = Namespace("tiny").seed
         data = [np.full(4096, i, dtype=np.uint8) for i in range(len(blocks))]
         with BlockStoreClient(str(sock)) as store:
-            store.put_many([(seed, b) for b in blocks], data,
-                           parent_hashes=[None, *blocks[:-1]])
+            store.put_many([(seed, b) for b in blocks], data, parent_hashes=[None, *blocks[:-1]])
             outs = [np.empty(4096, dtype=np.uint8) for _ in blocks]
             assert store.get_many([(seed, b) for b in blocks], outs) == [True] * len(blocks)
         assert all((o == i).all() for i, o in enumerate(outs))
@@ -313,3 +320,96 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
         assert sc.stop() == 0, sc.log_tail()
         eng.stop()
     assert not sock.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["shm", "nixl", "tcp"])
+async def test_peer_sidecar_imports_blocks(tmp_path: Path, session, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """A sidecar pulls a peer sidecar's host-tier blocks by shm, NIXL or TCP; bytes match."""
+    import numpy as np
+
+    from shm import BlockStoreClient
+
+    if transport == "nixl":
+        pytest.importorskip("nixl_cu12", reason="the nixl extra (nixl-cu12) is not installed")
+    eng = engine(tmp_path)
+    peers = []
+    for name in ("a", "b"):
+        proc = ManagedProcess.start(
+            f"sidecar-{name}",
+            [
+                "sidecar",
+                "--engine-url",
+                eng.url,
+                "--worker-id",
+                f"peer-{name}",
+                "--port",
+                "0",
+                "--store-capacity-bytes",
+                "2MiB",
+                "--store-block-bytes",
+                "64KiB",
+                "--store-socket",
+                str(tmp_path / f"{name}.sock"),
+            ],
+            workdir=tmp_path,
+        )
+        peers.append(proc)
+    try:
+        a, b = (p.wait_ready(60)[0]["url"] for p in peers)
+        seed = Namespace("tiny").seed
+        blocks = HASHER.hash_tokens(prompt(30, 8), seed)
+        data = [
+            np.random.default_rng(i).integers(0, 256, 65536, dtype=np.uint8)
+            for i in range(len(blocks))
+        ]
+        with BlockStoreClient(str(tmp_path / "a.sock")) as store:
+            store.put_many([(seed, h) for h in blocks], data)
+        body = {"peer_url": a, "keys": [[seed, h] for h in blocks], "transport": transport}
+        async with session.post(f"{b}/v1/blocks/pull", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        outs = [np.empty(65536, dtype=np.uint8) for _ in blocks]
+        with BlockStoreClient(str(tmp_path / "b.sock")) as store:
+            assert store.get_many([(seed, h) for h in blocks], outs) == [True] * len(blocks)
+        assert all((o == d).all() for o, d in zip(outs, data, strict=True))
+        async with session.get(f"{b}/metrics") as resp:
+            metrics = await resp.text()
+        expected = f'kvsidecar_transfer_bytes_total{{outcome="ok",transport="{transport}"}} '
+        assert expected + f"{len(blocks) * 65536}.0" in metrics
+    finally:
+        for proc in peers:
+            assert proc.stop() == 0, proc.log_tail()
+        eng.stop()
+
+
+@pytest.mark.slow
+async def test_client_disconnect_aborts_the_engine_request(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+    """A client that goes away mid-stream makes the sidecar abort the engine's request."""
+    eng = engine(tmp_path, speedup=1)
+    sc = sidecar(tmp_path, eng.url)
+
+    async def running() -> int:
+        async with session.get(f"{eng.url}/v1/loads") as resp:
+            body = await resp.json()
+        loads = body["loads"] if isinstance(body, dict) and "loads" in body else body
+        return sum(int(x["num_running_reqs"]) for x in loads)
+
+    try:
+        body = {"request_id": "long", "model": "tiny", "kind": "completion",
+                "prompt_token_ids": prompt(9), "max_tokens": 4000, "stream": True,
+                "ignore_eos": True}  # ~30 s of decoding at 8 ms a step
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(f"{sc.url}/v1/kvsidecar/generate", json=body) as resp,
+        ):
+            await resp.content.readline()
+            assert await running() == 1
+        # leaving the block closed the client's connection mid-stream
+        deadline = time.monotonic() + 10
+        while await running():
+            assert time.monotonic() < deadline, "the engine kept generating for a gone client"
+            await asyncio.sleep(0.05)
+        assert await in_flight(session, sc.url) == 0
+    finally:
+        sc.stop()
+        eng.stop()

@@ -1,0 +1,70 @@
+"""SGLang's native PD mode: the gateway pairs the workers, SGLang's engines move the KV.
+
+The reference engine accepts and ignores the bootstrap fields, and it cannot wait for a
+bootstrap room, so here both engines are aggregated engines behind sidecars that declare the
+prefill and decode roles: what is checked is the gateway's side (one placement per pool, the
+same request to both, the decode answer streamed). SGLang's own KV transfer is not exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.integration.disagg.pd_stack import PdStack, Replica, answer_text, complete, routable
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+async def _engine_prompt_tokens(session: aiohttp.ClientSession, url: str, least: int) -> int:
+    """The engine's prompt-token counter once it reaches ``least`` (or the deadline)."""
+    deadline = time.monotonic() + 10
+    while True:
+        async with session.get(f"{url}/metrics") as resp:
+            text = await resp.text()
+        line = next(x for x in text.splitlines() if x.startswith("sglang:prompt_tokens_total "))
+        value = int(float(line.split()[1]))
+        if value >= least or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow
+async def test_pair_gets_the_same_request_and_decode_answers(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
+    """--pd-mode sglang sends one request to both workers and streams the decode side."""
+    stack = PdStack(tmp_path)
+    try:
+        stack.start_replicas([
+            Replica("agg"),
+            Replica("prefill", engine_disagg=False,
+                    sidecar_extra=("--disaggregation-bootstrap-port", "9123")),
+            Replica("decode", engine_disagg=False),
+        ])
+        native = stack.start_gateway("gateway-sglang", "--pd-mode", "sglang")
+        agg = stack.start_gateway("gateway-agg", "--pd-mode", "off")
+        await routable(session, native, 3)
+        await routable(session, agg, 3)
+        text = "cache1 token2 prefix3 block4 engine5 gateway6 " * 8
+        _, _, reference = await complete(session, agg, text, 10)
+        async with session.get(stack.sidecars["prefill-1"] + "/v1/kvsidecar/pd/info") as r:
+            info = await r.json()
+        assert (info["role"], info["bootstrap_port"]) == ("prefill", 9123)
+        status, worker, body = await complete(session, native, text, 10, stream=True)
+        assert (status, worker) == (200, "prefill-1,decode-2")
+        assert body["text"] == answer_text(reference)
+        assert body["usage"]["completion_tokens"] == 10
+        # Both engines were given the whole prompt (the health checks add a token or two).
+        want = body["usage"]["prompt_tokens"]
+        for worker_id in ("prefill-1", "decode-2"):
+            assert await _engine_prompt_tokens(session, stack.engines[worker_id], want) >= want
+    finally:
+        stack.stop()
