@@ -13,6 +13,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+from typing import Any
+
 import aiohttp
 import orjson
 
@@ -73,7 +75,7 @@ async def _chat(
     t0 = time.monotonic()
     ttft = 0.0
     reply: list[str] = []
-    usage: dict[str, object] = {}
+    usage: dict[str, Any] = {}
     async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"demo request failed: {resp.status} {await resp.text()}")
@@ -89,9 +91,9 @@ async def _chat(
                 for choice in chunk.get("choices") or ()
             )
             usage = chunk.get("usage") or usage
-    details = usage.get("prompt_tokens_details") or {}
-    cached = int(details.get("cached_tokens") or 0)  # type: ignore[union-attr]
-    return "".join(reply), ttft, int(usage.get("prompt_tokens") or 0), cached, worker  # type: ignore[call-overload]
+    details: dict[str, Any] = usage.get("prompt_tokens_details") or {}
+    cached = int(details.get("cached_tokens") or 0)
+    return "".join(reply), ttft, int(usage.get("prompt_tokens") or 0), cached, worker
 
 
 async def _run_policy(
