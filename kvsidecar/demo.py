@@ -12,7 +12,6 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-
 from typing import Any
 
 import aiohttp
