@@ -6,8 +6,9 @@ hands them to a ``WorkerNormalizer``, which owns everything both engines share:
 * **canonical hashes**: stored tokens are re-hashed with ``BlockHasher`` under the
   namespace (model id, LoRA name, cache salt), chained to the canonical hash of the engine
   parent; the engine's own block hashes stay the keys of a per-tier map
-  ``engine hash → (canonical hash, canonical parent)``, so removals (which carry only engine
-  hashes) resolve, and a snapshot can be cut at any point;
+  ``engine hash → (canonical hash, canonical parent, chain state)``, so removals (which carry
+  only engine hashes) resolve, a snapshot can be cut at any point, and a child continues a
+  batched chain from its kept state without inverting the parent's hash;
 * **epochs and sequence numbers**: each emitted event gets the next ``seq`` (from 1) of the
   current ``epoch``; ``new_epoch()`` (engine restart, lost events) forgets everything and
   emits ``AllBlocksCleared`` so consumers drop the worker's old blocks;
@@ -33,14 +34,17 @@ from adapters.canonical.events import (
     TierBlocks,
     WorkerSnapshot,
 )
-from adapters.canonical.hashing import BlockHasher, TokenIdError
+from adapters.canonical.hashing import CHAIN_MUL, BlockHasher, TokenIdError, fmix64, fmix64_inverse
 from adapters.canonical.namespace import Namespace
-from adapters.normalize_hashing import block_locals, chain_from_locals
+from adapters.normalize_hashing import block_locals, chain_states
 from adapters.normalize_metrics import AdapterMetrics
 
 __all__ = ["MalformedEventError", "WorkerNormalizer"]
 
 _MAX_COUNTER = (1 << 63) - 1
+_MASK = (1 << 64) - 1
+
+_Held = tuple[int, int | None, int | None]
 
 
 class MalformedEventError(ValueError):
@@ -58,6 +62,7 @@ class WorkerNormalizer:
         "_metrics",
         "_pending",
         "_seeds",
+        "_stored_blocks",
         "block_size",
         "epoch",
         "model_id",
@@ -81,13 +86,17 @@ class WorkerNormalizer:
         self.block_size = hasher.block_size
         self.epoch = epoch
         self.seq = 0
-        # tier → engine hash → (canonical hash, canonical parent or None)
-        self._blocks: dict[Tier, dict[int, tuple[int, int | None]]] = {t: {} for t in Tier}
+        # tier → engine hash → (canonical hash, canonical parent or None, chain state or None);
+        # the chain state (fmix64⁻¹ of the canonical hash) is kept where it was computed
+        # anyway (the last block of a batched chain): a child stored later continues from it
+        # instead of inverting the hash.
+        self._blocks: dict[Tier, dict[int, _Held]] = {t: {} for t in Tier}
         self._seeds: dict[tuple[str | None, str | None], int] = {}
         self._default_seed = Namespace(model_id).seed
         self._metrics = metrics
         self._block_counters: dict[str, Any] = {}
         self._pending: dict[str, int] = {}
+        self._stored_blocks = 0  # counted apart from _pending: the hot path
 
     # --- native operations --------------------------------------------------------------
 
@@ -118,13 +127,15 @@ class WorkerNormalizer:
             raise MalformedEventError(f"{n} blocks of {bs} tokens cannot hold {count} token ids")
         full = count // bs
         parent: int | None = None
+        parent_state: int | None = None
         if engine_parent is not None:
-            parent = self._canonical(engine_parent, tier)
-            if parent is None:
-                self._count("orphaned", n)
+            entry = self._entry(engine_parent, tier)
+            if entry is None:
+                self.count("orphaned", n)
                 return
+            parent, _, parent_state = entry
         if full < n:
-            self._count("skipped", n - full)
+            self.count("skipped", n - full)
             if full == 0:
                 return
         if lora_name is None and cache_salt is None:
@@ -133,22 +144,35 @@ class WorkerNormalizer:
             seed = self._seed(lora_name, cache_salt)
         tokens = token_ids if full * bs == count else token_ids[: full * bs]
         if locals_ is not None and len(locals_) >= full:
-            hashes = chain_from_locals(locals_[:full], seed, parent)
+            if parent is None:
+                state = seed
+            else:
+                state = fmix64_inverse(parent) if parent_state is None else parent_state
+            if full == 1:
+                # One block (the common batched case): the recurrence, inline.
+                state = (state * CHAIN_MUL + locals_[0]) & _MASK
+                hashes = [fmix64(state)]
+            else:
+                hashes, state = chain_states(
+                    locals_ if len(locals_) == full else locals_[:full], state
+                )
         else:
+            state = None
             try:
                 hashes = self._hasher.hash_tokens(tokens, seed, parent)
             except TokenIdError as exc:
                 raise MalformedEventError(str(exc)) from exc
         held = self._blocks[tier]
         if full == 1:
-            held[engine_hashes[0]] = (hashes[0], parent)
+            held[engine_hashes[0]] = (hashes[0], parent, state)
         else:
             prev = parent
             for engine_hash, canonical in zip(engine_hashes, hashes, strict=False):
-                held[engine_hash] = (canonical, prev)
+                held[engine_hash] = (canonical, prev, None)
                 prev = canonical
-        pending = self._pending
-        pending["stored"] = pending.get("stored", 0) + full
+            if state is not None:
+                held[engine_hashes[full - 1]] = (hashes[-1], hashes[-2], state)
+        self._stored_blocks += full
         self.seq += 1
         out.append(BlockStored(self.worker_id, self.epoch, self.seq, tier, hashes, parent, tokens))
 
@@ -164,22 +188,29 @@ class WorkerNormalizer:
         """
         bs = self.block_size
         flat: list[int] = []
-        spans: list[tuple[int, int] | None] = []
+        spans: list[tuple[int, int] | None] = []  # [start, end) in blocks of flat
+        start = 0
         for n, tokens in chains:
             count = len(tokens)
-            if not (n - 1) * bs < count <= n * bs:
+            if count == n * bs:
+                flat += tokens
+                end = start + n
+            elif (n - 1) * bs < count < n * bs:
+                full = count // bs
+                flat += tokens[: full * bs]
+                end = start + full
+            else:
                 spans.append(None)
                 continue
-            full = count // bs
-            spans.append((len(flat) // bs, full))
-            flat.extend(tokens[: full * bs] if full * bs != count else tokens)
+            spans.append((start, end))
+            start = end
         if len(spans) < 2 or not flat:
             return None
         try:
             locs = block_locals(self._hasher, flat)
         except TokenIdError:
             return None
-        return [None if sp is None else locs[sp[0] : sp[0] + sp[1]] for sp in spans]
+        return [None if sp is None else locs[sp[0] : sp[1]] for sp in spans]
 
     def removed(self, engine_hashes: Sequence[int], tier: Tier | None, out: list[KVEvent]) -> None:
         """Blocks ``engine_hashes`` left ``tier`` (None: whichever tier holds each one);
@@ -198,15 +229,15 @@ class WorkerNormalizer:
                     break
         found = sum(len(v) for v in by_tier.values())
         if found < len(engine_hashes):
-            self._count("unknown_removed", len(engine_hashes) - found)
+            self.count("unknown_removed", len(engine_hashes) - found)
         for t, gone in by_tier.items():
             self._emit_removed(t, gone, len(gone), out)
 
     def _emit_removed(self, tier: Tier, gone: list[int], asked: int, out: list[KVEvent]) -> None:
         if asked > len(gone):
-            self._count("unknown_removed", asked - len(gone))
+            self.count("unknown_removed", asked - len(gone))
         if gone:
-            self._count("removed", len(gone))
+            self.count("removed", len(gone))
             self.seq += 1
             out.append(BlockRemoved(self.worker_id, self.epoch, self.seq, tier, gone))
 
@@ -214,9 +245,9 @@ class WorkerNormalizer:
         """One block moved from ``src`` to ``dst`` (TensorRT-LLM's offload/onboard update)."""
         entry = self._blocks[src].pop(engine_hash, None)
         if entry is None:
-            self._count("unknown_removed", 1)
+            self.count("unknown_removed", 1)
             return
-        canonical, parent = entry
+        canonical, parent = entry[0], entry[1]
         self.seq += 1
         out.append(BlockRemoved(self.worker_id, self.epoch, self.seq, src, [canonical]))
         self._blocks[dst][engine_hash] = entry
@@ -257,13 +288,14 @@ class WorkerNormalizer:
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _canonical(self, engine_hash: int, tier: Tier) -> int | None:
+    def _entry(self, engine_hash: int, tier: Tier) -> _Held | None:
+        """What is held for an engine block, looked up in ``tier`` first."""
         entry = self._blocks[tier].get(engine_hash)
         if entry is None:
             for other in Tier:
                 if other is not tier and (entry := self._blocks[other].get(engine_hash)):
                     break
-        return None if entry is None else entry[0]
+        return entry
 
     def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
         key = (lora_name or None, cache_salt or None)
@@ -282,7 +314,9 @@ class WorkerNormalizer:
             self._blocks[t].clear()
         return announce
 
-    def _count(self, outcome: str, n: int) -> None:
+    def count(self, outcome: str, n: int) -> None:
+        """Count ``n`` blocks under ``outcome`` (one the adapter decided: ``filtered``,
+        ``skipped``); added to the Prometheus counter at the next ``flush_metrics``."""
         pending = self._pending
         pending[outcome] = pending.get(outcome, 0) + n
 
@@ -290,6 +324,9 @@ class WorkerNormalizer:
         """Add the block counts gathered since the last flush to the Prometheus counters
         (once per native batch: per-event ``inc`` calls cost more than the bookkeeping)."""
         pending, self._pending = self._pending, {}
+        if self._stored_blocks:
+            pending["stored"] = pending.get("stored", 0) + self._stored_blocks
+            self._stored_blocks = 0
         if self._metrics is None:
             return
         for outcome, n in pending.items():

@@ -36,7 +36,7 @@ from adapters.normalize import WorkerNormalizer
 from adapters.normalize_hashing import SHORT_CHAIN_BLOCKS
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.normalize_stream import EventStream
-from adapters.trtllm.core import TrtRankCore
+from adapters.trtllm.core import Prepared, TrtRankCore
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
 from adapters.trtllm.sources import HttpEventSource, LlmApiEventSource
 from adapters.trtllm.wire import (
@@ -108,39 +108,49 @@ class TrtllmNormalizer:
     def apply_envelopes(self, envelopes: list[Envelope | BadEnvelope]) -> list[KVEvent]:
         out: list[KVEvent] = []
         cores = self.cores
-        batched = self._short_chain_locals(envelopes)
-        for index, env in enumerate(envelopes):
-            rank = env.attention_dp_rank or 0
-            if rank >= len(cores) or rank < 0:
+        ranks = len(cores)
+        prepared = self._prepare(envelopes)
+        for env, prep in zip(envelopes, prepared, strict=True):
+            rank = env.attention_dp_rank
+            if not rank:
+                cores[0].apply(env, out, prep)
+            elif 0 < rank < ranks:
+                cores[rank].apply(env, out, prep)
+            else:
                 raw = msgspec.json.encode(env)
-                reason = f"attention_dp_rank {rank} but the adapter expects {len(cores)} rank(s)"
+                reason = f"attention_dp_rank {rank} but the adapter expects {ranks} rank(s)"
                 cores[0].apply(BadEnvelope(None, None, reason, raw), out)
-                continue
-            cores[rank].apply(env, out, batched.get(index))
         for core in cores:
             core.flush_metrics()
         return out
 
-    def _short_chain_locals(
-        self, envelopes: list[Envelope | BadEnvelope]
-    ) -> dict[int, list[int] | None]:
-        """Block locals of every short stored chain of one answer, in one vectorized pass."""
-        short = [
-            (i, env.data)
-            for i, env in enumerate(envelopes)
-            if isinstance(env, Envelope)
-            and isinstance(env.data, Stored)
-            and len(env.data.blocks) < SHORT_CHAIN_BLOCKS
-        ]
-        if len(short) < 2:
-            return {}
-        chains = [
-            (len(d.blocks), [t.token_id for b in d.blocks for t in b.tokens]) for _, d in short
-        ]
-        locs = self.cores[0].normalizer.short_chain_locals(chains)
-        if locs is None:
-            return {}
-        return {i: loc for (i, _), loc in zip(short, locs, strict=True)}
+    def _prepare(self, envelopes: list[Envelope | BadEnvelope]) -> list[Prepared | None]:
+        """Token ids of every stored envelope of one answer, read once, and the block locals
+        of its short chains, hashed in one vectorized pass."""
+        prepared: list[Prepared | None] = [None] * len(envelopes)
+        short: list[int] = []  # indices of the short stored chains
+        chains: list[tuple[int, list[int]]] = []  # their (blocks, token ids)
+        for i, env in enumerate(envelopes):
+            if isinstance(env, BadEnvelope):
+                continue
+            data = env.data
+            if isinstance(data, Stored):
+                blocks = data.blocks
+                n = len(blocks)
+                if n == 1:
+                    ids = [t.token_id for t in blocks[0].tokens]
+                else:
+                    ids = [t.token_id for b in blocks for t in b.tokens]
+                prepared[i] = (ids, None)
+                if n < SHORT_CHAIN_BLOCKS:
+                    short.append(i)
+                    chains.append((n, ids))
+        if len(chains) > 1:
+            locs = self.cores[0].normalizer.short_chain_locals(chains)
+            if locs is not None:
+                for i, (_, ids), loc in zip(short, chains, locs, strict=True):
+                    prepared[i] = (ids, loc)
+        return prepared
 
 
 class TrtllmAdapter:

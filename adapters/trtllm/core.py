@@ -27,14 +27,24 @@ import structlog
 from adapters.canonical.events import KVEvent, Tier
 from adapters.normalize import MalformedEventError, WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
-from adapters.trtllm.wire import BadEnvelope, Created, Envelope, Removed, Stored
+from adapters.trtllm.wire import (
+    BadEnvelope,
+    Created,
+    Envelope,
+    PlainStored,
+    Removed,
+    Stored,
+)
 
-__all__ = ["TrtRankCore", "tier_of_level"]
+__all__ = ["Prepared", "TrtRankCore", "tier_of_level"]
 
 log = structlog.get_logger(component="adapters.trtllm")
 
 _HEAD = 64
 _LEVEL_TIERS = {0: Tier.GPU, 1: Tier.HOST, 2: Tier.DISK}
+
+# A stored envelope's token ids (every block's, flattened) and block locals (or None).
+Prepared = tuple[list[int], list[int] | None]
 
 
 def tier_of_level(level: int) -> Tier | None:
@@ -73,11 +83,13 @@ class TrtRankCore:
         self.normalizer.flush_metrics()
 
     def apply(
-        self, env: Envelope | BadEnvelope, out: list[KVEvent], locals_: list[int] | None = None
+        self, env: Envelope | BadEnvelope, out: list[KVEvent], prepared: Prepared | None = None
     ) -> None:
         """Apply one envelope (in order); resyncs itself when the stream broke.
 
-        ``locals_``: precomputed block locals of a stored envelope (see ``normalize_hashing``).
+        ``prepared``: for a stored envelope, the token ids of all its blocks (flattened) and
+        their precomputed block locals, if any (see ``normalize_hashing``), gathered for the
+        whole answer at once.
         """
         if isinstance(env, BadEnvelope):
             self._bad("envelope", env.reason, env.raw)
@@ -113,7 +125,7 @@ class TrtRankCore:
         try:
             if isinstance(data, Stored):
                 self._pending_types["stored"] += 1
-                self._stored(data, out, locals_)
+                self._stored(data, out, prepared)
             elif isinstance(data, Removed):
                 self._pending_types["removed"] += 1
                 self.normalizer.removed(data.block_hashes, None, out)
@@ -129,58 +141,86 @@ class TrtRankCore:
             self._bad("event", str(exc), msgspec.json.encode(env))
             self.resync("malformed_event", out)
 
-    def _stored(self, data: Stored, out: list[KVEvent], locals_: list[int] | None) -> None:
-        norm = self.normalizer
-        bs = norm.block_size
+    def _stored(self, data: Stored, out: list[KVEvent], prepared: Prepared | None) -> None:
+        blocks = data.blocks
+        if prepared is None:
+            ids = [t.token_id for b in blocks for t in b.tokens]
+            locals_ = None
+        else:
+            ids, locals_ = prepared
         lora = data.lora_name
         if lora is None and data.lora_id is not None:
             lora = self._lora_names.get(data.lora_id, f"lora-id-{data.lora_id}")
+        norm = self.normalizer
+        if len(blocks) == 1:
+            # The common case of a decode step: no runs to split.
+            block = blocks[0]
+            tier = _LEVEL_TIERS.get(block.cache_level)
+            if tier is None:
+                raise MalformedEventError(f"unknown cache_level {block.cache_level}")
+            if block.mm_keys or (
+                type(data) is not PlainStored and any([t.token_extra_id for t in block.tokens])
+            ):
+                self._skipped(1)
+                return
+            norm.stored(
+                [block.block_hash],
+                data.parent_hash,
+                ids,
+                tier,
+                out,
+                lora_name=lora,
+                cache_salt=block.cache_salt,
+                locals_=locals_,
+            )
+            return
+        # Consecutive blocks sharing a level and a salt become one canonical event; a run
+        # is blocks[first:end], its token ids ids[tok_first:tok_end].
         parent = data.parent_hash
-        # Consecutive blocks sharing a level and a salt become one canonical event.
-        run_hashes: list[int] = []
-        run_tokens: list[int] = []
+        extra = type(data) is not PlainStored and any(
+            [t.token_extra_id for b in blocks for t in b.tokens]
+        )
+        first = end = tok_first = tok_end = 0
         run_tier = Tier.GPU
         run_salt: str | None = None
-        run_start = 0
 
         def flush() -> None:
-            run_locals = None if locals_ is None else locals_[run_start:]
+            whole = tok_first == 0 and tok_end == len(ids)
             norm.stored(
-                run_hashes,
+                [b.block_hash for b in blocks[first:end]],
                 parent,
-                run_tokens,
+                ids if whole else ids[tok_first:tok_end],
                 run_tier,
                 out,
                 lora_name=lora,
                 cache_salt=run_salt,
-                locals_=run_locals,
+                locals_=locals_ if locals_ is None or first == 0 else locals_[first:],
             )
 
-        blocks = data.blocks
+        bs = norm.block_size
         for i, block in enumerate(blocks):
-            tier = tier_of_level(block.cache_level)
+            tier = _LEVEL_TIERS.get(block.cache_level)
             if tier is None:
                 raise MalformedEventError(f"unknown cache_level {block.cache_level}")
             toks = block.tokens
-            ids = [t.token_id for t in toks]
-            plain = not block.mm_keys and not any([t.token_extra_id for t in toks])
-            if run_hashes and (not plain or tier is not run_tier or block.cache_salt != run_salt):
+            plain = not block.mm_keys and not (extra and any([t.token_extra_id for t in toks]))
+            if end > first and (not plain or tier is not run_tier or block.cache_salt != run_salt):
                 flush()
-                parent = run_hashes[-1]
-                run_hashes, run_tokens, run_start = [], [], i
+                parent = blocks[end - 1].block_hash
+                first, tok_first = end, tok_end
             if not plain:
                 # Multimodal or extra-id tokens: this block and its children cannot be hashed.
                 self._skipped(len(blocks) - i)
                 return
-            run_hashes.append(block.block_hash)
-            run_tokens += ids
+            count = len(toks)
+            end, tok_end = i + 1, tok_end + count
             run_tier, run_salt = tier, block.cache_salt
-            if len(ids) != bs:
+            if count != bs:
                 # A partial block ends the chain (the normalizer skips it); anything after it
                 # would hang under a block nobody publishes.
-                self._skipped(len(blocks) - i - 1)
+                self._skipped(len(blocks) - end)
                 break
-        if run_hashes:
+        if end > first:
             flush()
 
     def resync(self, reason: str, out: list[KVEvent]) -> None:
@@ -198,12 +238,11 @@ class TrtRankCore:
             self._max_window = None
 
     def _filtered(self, data: object) -> None:
-        n = len(data.blocks) if isinstance(data, Stored) else 1
-        self.metrics.blocks.labels(self.metrics.engine, self._worker, "filtered").inc(n)
+        self.normalizer.count("filtered", len(data.blocks) if isinstance(data, Stored) else 1)
 
     def _skipped(self, n: int) -> None:
         if n:
-            self.metrics.blocks.labels(self.metrics.engine, self._worker, "skipped").inc(n)
+            self.normalizer.count("skipped", n)
 
     def _bad(self, kind: str, reason: str, raw: bytes) -> None:
         self.metrics.decode_errors.labels(self.metrics.engine, self._worker, kind).inc()

@@ -12,6 +12,10 @@
 * ``updated``: ``block_hash``, ``cache_level`` and ``priority`` as
   ``{"type": "event_diff", "new_value", "old_value"}`` (either may be null).
 
+Decoding tries the common case first: every token's ``token_extra_id`` is 0, checked by the
+decoder itself (``PlainStored``), so the normalizer need not look at each token again; an
+answer with a non-zero extra id (multimodal) is decoded again with the general types.
+
 Assumed, not read in a release we could run (TensorRT-LLM cannot be installed here):
 ``lora_name`` at the ``data`` level (Dynamo reads it), ``lora_id`` per block, and that
 ``event_id`` counts per attention-DP rank. Unknown extra keys are ignored, so newer fields
@@ -21,7 +25,7 @@ decode. The LLM API (``get_kv_cache_events_async``) yields the same objects as d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -30,6 +34,7 @@ __all__ = [
     "Created",
     "Envelope",
     "EventDiff",
+    "PlainStored",
     "Removed",
     "Stored",
     "StoredBlock",
@@ -86,11 +91,31 @@ class Updated(msgspec.Struct, tag="updated", gc=False):
 TrtData = Created | Stored | Removed | Updated
 
 
+class _PlainToken(Token, gc=False):
+    token_extra_id: Literal[0] = 0
+
+
+# The narrower element types make these lists invariant overrides (mypy); reading them as
+# the base types is safe, and nothing writes to them.
+class _PlainStoredBlock(StoredBlock, gc=False):
+    tokens: list[_PlainToken]  # type: ignore[assignment]
+
+
+class PlainStored(Stored, tag="stored", gc=False):
+    """A ``Stored`` whose tokens all have ``token_extra_id`` 0 (checked while decoding)."""
+
+    blocks: list[_PlainStoredBlock]  # type: ignore[assignment]
+
+
 class Envelope(msgspec.Struct, gc=False):
     event_id: int
     data: TrtData
     window_size: int | None = None
     attention_dp_rank: int | None = None
+
+
+class _PlainEnvelope(Envelope, gc=False):
+    data: Created | PlainStored | Removed | Updated
 
 
 class _LooseEnvelope(msgspec.Struct, gc=False):
@@ -114,6 +139,7 @@ class PayloadError(ValueError):
     """A ``/kv_cache_events`` answer that is not a JSON array of event objects."""
 
 
+_plain = msgspec.json.Decoder(list[_PlainEnvelope])
 _fast = msgspec.json.Decoder(list[Envelope])
 _loose = msgspec.json.Decoder(list[Any])
 _encode = msgspec.json.encode
@@ -124,10 +150,11 @@ def decode_envelopes(payload: bytes) -> list[Envelope | BadEnvelope]:
 
     Raises ``PayloadError`` only when the payload is not a JSON array at all.
     """
-    try:
-        return list(_fast.decode(payload))
-    except (msgspec.MsgspecError, ValueError, TypeError, RecursionError):
-        pass
+    for decoder in (_plain, _fast):
+        try:
+            return list(decoder.decode(payload))
+        except (msgspec.MsgspecError, ValueError, TypeError, RecursionError):
+            pass
     try:
         items = _loose.decode(payload)
     except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.canonical.events import KVEvent
-from adapters.canonical.hashing import BlockHasher
+from adapters.canonical.events import BlockStored, KVEvent, Tier
+from adapters.canonical.hashing import BlockHasher, fmix64_inverse
+from adapters.canonical.namespace import Namespace
 from adapters.normalize import WorkerNormalizer
-from adapters.normalize_hashing import block_locals, chain_from_locals
+from adapters.normalize_hashing import _np_fmix64_inverse, block_locals, chain_from_locals
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
 from adapters.trtllm.adapter import TrtllmNormalizer
@@ -36,6 +38,15 @@ def test_chain_from_locals_equals_hash_tokens(
     assert chain_from_locals(block_locals(hasher, tokens), seed, parent) == hasher.hash_tokens(
         tokens, seed, parent
     )
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(u64, min_size=1, max_size=64))
+def test_vectorized_fmix64_inverse_equals_the_scalar_one(values: list[int]) -> None:
+    """The numpy inversion used by block_locals matches hashing.fmix64_inverse bit for bit."""
+    values += [0, 1, 2**63, 2**64 - 1]
+    got = _np_fmix64_inverse(np.array(values, dtype=np.uint64)).tolist()
+    assert got == [fmix64_inverse(v) for v in values]
 
 
 def sg_stored(h: int | list[int], parent: int | None, tokens: list[int]) -> dict:
@@ -99,3 +110,27 @@ def test_trtllm_answer_of_short_chains_matches_one_envelope_per_answer() -> None
     batched = run([envs])
     assert batched == run([[e] for e in envs])
     assert len(batched) == 1 + 7 + 2
+
+
+def test_children_continue_from_kept_chain_states_or_invert_the_parent() -> None:
+    """A child of a batched block reuses its chain state; other parents are inverted."""
+    hasher = BlockHasher(4)
+    seed = Namespace("m").seed
+    norm = WorkerNormalizer("w", "m", hasher, 1)
+    out: list[KVEvent] = []
+    tokens = [[i, i + 1, i + 2, i + 3] for i in range(0, 40, 4)]
+    norm.stored([1, 2], None, tokens[0] + tokens[1], Tier.GPU, out)  # per-event hashing
+    for start in (2, 4, 6):  # one-block chains, batched in twos, under the previous block
+        pair = tokens[start : start + 2]
+        locs = norm.short_chain_locals([(1, t) for t in pair])
+        assert locs is not None
+        for i, (t, loc) in enumerate(zip(pair, locs, strict=True)):
+            norm.stored([start + i + 1], start + i, t, Tier.GPU, out, locals_=loc)
+    locs = norm.short_chain_locals([(2, tokens[8] + tokens[9]), (1, [7, 7, 7, 7])])
+    assert locs is not None
+    norm.stored([9, 10], 8, tokens[8] + tokens[9], Tier.HOST, out, locals_=locs[0])
+    norm.stored([11], 10, [7, 7, 7, 7], Tier.GPU, out, locals_=locs[1])  # parent in HOST
+    expected = hasher.hash_tokens([tok for t in tokens for tok in t] + [7, 7, 7, 7], seed)
+    got = [h for e in out if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert got == expected
+    assert norm.snapshot().tiers[0].parent_hashes == [None, *expected[:7], expected[9]]

@@ -11,7 +11,7 @@ from adapters.canonical.hashing import BlockHasher
 from adapters.canonical.namespace import Namespace
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.trtllm.adapter import TrtllmNormalizer
-from adapters.trtllm.wire import BadEnvelope, Envelope, decode_envelopes
+from adapters.trtllm.wire import BadEnvelope, Envelope, PlainStored, Stored, decode_envelopes
 from tests.unit.adapters.trtllm_fixtures import (
     block,
     created,
@@ -225,3 +225,17 @@ def test_llm_api_objects_with_bad_shapes_are_bad_envelopes(objects: list) -> Non
     from adapters.trtllm.wire import envelopes_from_objects
 
     assert isinstance(envelopes_from_objects(objects)[0], BadEnvelope)
+
+
+def test_plain_answers_decode_typed_and_extra_ids_fall_back_to_the_general_types() -> None:
+    """Zero extra ids decode as PlainStored; one non-zero id re-decodes the answer generally."""
+    plain = [envelope(0, stored(None, [block(1, [1, 2, 3, 4])]))]
+    first = decode_envelopes(orjson.dumps(plain))[0]
+    assert isinstance(first, Envelope) and type(first.data) is PlainStored
+    mixed = [*plain, envelope(1, stored(None, [block(2, [5, 6, 7, 8], extra_ids=[0, 3, 0, 0])]))]
+    envs = decode_envelopes(orjson.dumps(mixed))
+    assert [type(e.data) for e in envs if isinstance(e, Envelope)] == [Stored, Stored]
+    norm, metrics = make()
+    out = run(norm, *mixed, envelope(2, stored(1, [block(3, [9, 9, 9, 9])])))
+    assert [e.block_hashes for e in out] == [canon([1, 2, 3, 4]), canon([1, 2, 3, 4] + [9] * 4)[1:]]
+    assert metrics.value("blocks", worker="w", outcome="skipped") == 1
