@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -79,6 +80,19 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
+def ports_free(*endpoints: str) -> bool:
+    """Whether these tcp://host:port endpoints can be bound again (the old publisher let go)."""
+    for endpoint in endpoints:
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, int(port)))
+            except OSError:
+                return False
+    return True
+
+
 async def until(predicate: Any, timeout_s: float = 20.0) -> None:
     """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -143,6 +157,7 @@ async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None
         await until(lambda: gpu(b) == {"sg": 1} and gpu(c) == {"sg": 1})
 
         await asyncio.to_thread(pub.shutdown)  # the engine restarts, its cache empty
+        await until(lambda: ports_free(live, replay))
         pub = kv_events.ZmqEventPublisher(
             0, endpoint=live, replay_endpoint=replay, bind=True, buffer_steps=1000
         )
