@@ -5,18 +5,23 @@ For each block size (16 KiB, 256 KiB, 2 MiB, 16 MiB) this starts a real owner
 (``python -m shm``) and, from this process, measures:
 
 * put: ``put_many`` of a batch of fresh keys chained parent → child, as one request's
-  blocks are (reserve round trip, copy into the mapping, commit round trip; the store
-  holds one batch, so it evicts the previous one and records one stored and one removed
-  event);
-* get: ``get_many`` of that batch into warm arrays (lease round trip, copy out, release);
-* memcpy: ``numpy.copyto`` of the same batch between the same warm private arrays, in one
-  thread: the baseline every copy ratio compares with;
+  blocks are (reserve round trip, copy into the mapping, one-way commit; the store holds
+  one batch, so it evicts the previous one and records one stored and one removed event);
+* get: ``get_many`` of that batch into warm arrays (lease round trip, copy out, one-way
+  release);
+* memcpy: ``numpy.copyto`` of the same batch between the same warm private arrays, one
+  block-sized copy per block as put and get make, in one thread: the baseline every copy
+  ratio compares with (all arrays are page-aligned, see ``_aligned``);
 
-the three interleaved round by round, so noise from other work on the host hits all alike;
+the three interleaved round by round, so noise from other work on the host hits all alike,
+in an order that rotates (put get memcpy, memcpy put get, put memcpy get): each copy reads
+one buffer and writes another, and whichever ran just before decides which of them is still
+in the cache (a 16 MiB batch is half the L3), so a fixed order would favour one of them;
 
 in batches of 1 and 64 blocks (16 MiB blocks: as many as fit in ``--max-segment-mib``), as
 GB/s and blocks/s, per-batch medians. It also measures control round trips (an empty
-``Ping``, a ``Contains`` of 64 keys, a ``Lease`` of 64 keys plus its ``Release``) against
+``Ping``, a ``Contains`` of 64 keys, a ``Lease`` of 64 keys plus its ``Release``; a second,
+idle client stays attached, as in a deployment) against
 a Unix-socket echo server on uvloop with the same framing, in the same run, with the
 servers on this process's CPU and on another one (a VM pays tens of µs per cross-CPU
 wake-up, so where the scheduler puts a server otherwise decides the figure).
@@ -66,12 +71,16 @@ uvloop.run(main())
 """
 
 
+ORDERS = (("put", "get", "memcpy"), ("memcpy", "put", "get"), ("put", "memcpy", "get"))
+OWNER_ARGS: list[str] = []  # extra owner options (--owner-sched-batch)
+
+
 def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> subprocess.Popen[str]:
     sock = tmp / f"{name}.sock"
     proc = subprocess.Popen(
         [sys.executable, "-m", "shm", "--owner-id", f"bench{os.getpid()}-{name}",
          "--socket", str(sock), "--capacity-bytes", str(block_bytes * num_slots),
-         "--block-bytes", str(block_bytes), "--log-level", "warning"],
+         "--block-bytes", str(block_bytes), "--log-level", "warning", *OWNER_ARGS],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
         stdout=subprocess.PIPE, text=True,
     )
@@ -81,6 +90,16 @@ def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> subp
         proc.kill()
         raise RuntimeError(f"owner did not start: {line!r}")
     return proc
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned uint8 array, as engines' buffers are (torch aligns CPU tensors to 64
+    bytes, pinned buffers to pages). numpy's malloc puts a 256 KiB array 16 bytes past a
+    page: two such arrays copy with mutually aligned loads and stores, but a copy between
+    one and a 512-byte-aligned slot does not, which would slow only our side."""
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + nbytes]
 
 
 def _stop(proc: subprocess.Popen[str]) -> None:
@@ -97,39 +116,49 @@ def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
     rng = np.random.default_rng(0)
     try:
         with BlockStoreClient(tmp / f"{label}.sock") as client:
-            srcs = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(batch_max)]
-            dsts = [np.ones(block_bytes, dtype=np.uint8) for _ in range(batch_max)]
+            srcs = [_aligned(block_bytes) for _ in range(batch_max)]
+            for arr in srcs:
+                arr[:] = rng.integers(0, 256, block_bytes, dtype=np.uint8)
+            dsts = [_aligned(block_bytes) for _ in range(batch_max)]
+            for arr in dsts:
+                arr.fill(1)
             counter = iter(range(1, 1 << 62))
             for batch in sorted({1, batch_max}):
                 src, dst = srcs[:batch], dsts[:batch]
                 times: dict[str, list[float]] = {"put": [], "get": [], "memcpy": []}
                 deadline = time.perf_counter() + budget_s
                 rep = 0
-                while rep < 6 or time.perf_counter() < deadline:
+                while rep < 9 or time.perf_counter() < deadline:
                     # A batch is one request's chain of blocks: each block's parent is the
                     # previous one, so the owner records one BlockStored event per batch. The
                     # store holds one batch, so each put evicts the previous one.
                     hashes = [next(counter) for _ in range(batch)]
                     keys = [(7, h) for h in hashes]
                     parents = [hashes[0] - 1, *hashes[:-1]]
-                    t0 = time.perf_counter()
-                    client.put_many(keys, src, parent_hashes=parents)
-                    t1 = time.perf_counter()
-                    hits = client.get_many(keys, dst)
-                    t2 = time.perf_counter()
-                    for s, d in zip(src, dst, strict=True):
-                        np.copyto(d, s)
-                    t3 = time.perf_counter()
+                    took: dict[str, float] = {}
+                    hits: list[bool] = []
+                    if rep == 0:  # so that the byte check below sees what get wrote
+                        for d in dst:
+                            d.fill(1)
+                    for op in ORDERS[rep % len(ORDERS)]:
+                        t0 = time.perf_counter()
+                        if op == "put":
+                            client.put_many(keys, src, parent_hashes=parents)
+                        elif op == "get":
+                            hits = client.get_many(keys, dst)
+                        else:
+                            for s, d in zip(src, dst, strict=True):
+                                np.copyto(d, s)
+                        took[op] = time.perf_counter() - t0
+                        if op == "get" and rep == 0 and not all(  # round 0: get before memcpy
+                            np.array_equal(s, d) for s, d in zip(src, dst, strict=True)
+                        ):
+                            raise RuntimeError("get returned different bytes than were put")
                     if not all(hits):
                         raise RuntimeError("a block just put was missing")
-                    if rep == 0 and not all(
-                        np.array_equal(s, d) for s, d in zip(src, dst, strict=True)
-                    ):
-                        raise RuntimeError("get returned different bytes than were put")
-                    if rep:  # the first round warms up
-                        times["put"].append(t1 - t0)
-                        times["get"].append(t2 - t1)
-                        times["memcpy"].append(t3 - t2)
+                    if rep >= len(ORDERS):  # the first rounds warm up
+                        for op, seconds in took.items():
+                            times[op].append(seconds)
                     rep += 1
                     if rep >= 20_000:
                         break
@@ -163,8 +192,12 @@ def bench_rtt(tmp: Path, reps: int, cpus: tuple[int, int] | None) -> dict[str, f
             os.sched_setaffinity(0, {cpus[0]})
             for pid in (echo.pid, owner.pid):
                 os.sched_setaffinity(pid, {cpus[1]})
+        # A second, idle client, as in a deployment (the sidecar and an engine): with more
+        # than one connection the owner queues each request for one loop turn behind the
+        # one-way frames other connections have sent (see shm.server).
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock, \
-                BlockStoreClient(tmp / "rtt.sock") as client:
+                BlockStoreClient(tmp / "rtt.sock") as client, \
+                BlockStoreClient(tmp / "rtt.sock") as _idle:
             sock.connect(str(echo_path))
             frame = struct.pack("<I", 8) + bytes(8)
 
@@ -241,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="run this process, the owners and the echo server on CPU N "
                              "(the protocol is synchronous, so they never need to run at "
                              "once; this avoids cross-CPU wake-ups, costly in VMs)")
+    parser.add_argument("--owner-sched-batch", action="store_true",
+                        help="run the owners under SCHED_BATCH (python -m shm --sched-batch)")
     args = parser.parse_args(argv)
+    if args.owner_sched_batch:
+        OWNER_ARGS.append("--sched-batch")
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})  # children inherit it
 

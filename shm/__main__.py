@@ -55,6 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         "config_loaded", owner_id=config.owner_id, socket=str(config.socket_path),
         capacity_bytes=config.capacity_bytes, block_bytes=config.block_bytes,
         num_slots=config.num_slots, dtype=config.dtype, layout=config.layout)
+    if config.sched_batch and hasattr(os, "SCHED_BATCH"):
+        # Wake-ups of a SCHED_BATCH thread never preempt the running one. A client's one-way
+        # Release then costs it a send, not a context switch to us and back; we run when it
+        # blocks on its next reply (or at the next tick), and read both frames in one wake-up.
+        try:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        except OSError as exc:
+            structlog.get_logger(component="shm").warning(
+                "sched_batch_refused", error=str(exc))
     try:
         uvloop.run(_serve(config))
     except OwnerConflictError as exc:

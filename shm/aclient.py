@@ -32,6 +32,7 @@ from shm.protocol import (
     Hello,
     Lease,
     Ping,
+    Publish,
     Release,
     Remove,
     Reply,
@@ -158,7 +159,7 @@ class AsyncBlockStoreClient:
         parent_hashes: Sequence[int | None] | None = None,
         token_ids: Sequence[list[int] | None] | None = None,
     ) -> list[bool]:
-        """Store blocks (one reserve and one commit round trip); per key, whether copied.
+        """Store blocks (one reserve round trip, then a one-way commit); per key, whether copied.
 
         A key the store already holds, or that another client is writing, is skipped
         (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them.
@@ -178,8 +179,8 @@ class AsyncBlockStoreClient:
             if slots and self._writer is not None:
                 await self._call(Abort(slots, gens), Done)
             raise
-        if slots:
-            await self._call(Commit(slots, gens), Done)
+        if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
+            await self._send_only(Publish(slots, gens))
         return [s is not None for s in reply.slots]
 
     async def begin_put(

@@ -34,6 +34,7 @@ from shm.protocol import (
     Hello,
     Lease,
     Ping,
+    Publish,
     Release,
     Remove,
     Reply,
@@ -146,7 +147,7 @@ class BlockStoreClient:
         parent_hashes: Sequence[int | None] | None = None,
         token_ids: Sequence[list[int] | None] | None = None,
     ) -> list[bool]:
-        """Store blocks (one reserve and one commit round trip); per key, whether copied.
+        """Store blocks (one reserve round trip, then a one-way commit); per key, whether copied.
 
         A key the store already holds, or that another client is writing, is skipped
         (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them.
@@ -158,8 +159,8 @@ class BlockStoreClient:
         except BaseException:
             self._abort_quietly(reply)
             raise
-        if slots:
-            self._call(Commit(slots, gens), Done)
+        if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
+            self._send_only(Publish(slots, gens))
         return [s is not None for s in reply.slots]
 
     def begin_put(

@@ -39,6 +39,7 @@ class OwnerConfig:
     worker_id: str | None = None
     ready_file: Path | None = None
     log_level: str = "info"
+    sched_batch: bool = False
 
     def __post_init__(self) -> None:
         check_owner_id(self.owner_id)
@@ -95,6 +96,12 @@ class OwnerConfig:
                             help="also write the ready line to this file")
         parser.add_argument("--log-level", default="info",
                             choices=["debug", "info", "warning", "error"])
+        parser.add_argument(
+            "--sched-batch", action="store_true",
+            help="run the owner under Linux SCHED_BATCH, so that a client's one-way frames "
+                 "(Release, Publish) do not preempt the client when both share a CPU; the "
+                 "owner handles them once the client waits for a reply. Off by default: it "
+                 "helps single-CPU placements and costs small batches across CPUs")
         args = parser.parse_args(argv)
         try:
             return cls(
@@ -107,6 +114,7 @@ class OwnerConfig:
                 worker_id=args.worker_id,
                 ready_file=args.ready_file,
                 log_level=args.log_level,
+                sched_batch=args.sched_batch,
             )
         except ValueError as exc:
             parser.error(str(exc))

@@ -61,20 +61,26 @@ class SlotPool:
         taken = free[len(free) - count :]
         del free[len(free) - count :]
         gens, is_free, mirror = self.generations, self._is_free, self._mirror
-        for slot in taken:
-            is_free[slot] = 0
-            gens[slot] += 1
-        if mirror is not None:
+        if mirror is None:
             for slot in taken:
-                mirror[slot] = gens[slot]
+                is_free[slot] = 0
+                gens[slot] += 1
+        else:
+            for slot in taken:
+                is_free[slot] = 0
+                gen = gens[slot] + 1
+                gens[slot] = gen
+                mirror[slot] = gen
         return taken  # type: ignore[return-value]  # SlotId is an int
 
     def free(self, slots: list[SlotId] | list[int]) -> None:
         """Return allocated slots; freeing a free or unknown slot is a bug (``ValueError``)."""
         is_free = self._is_free
-        for slot in slots:  # check everything first: a bad call changes nothing
-            if not 0 <= slot < self.num_slots or is_free[slot]:
-                raise ValueError(f"slot {slot} is not allocated")
+        # Check everything first: a bad call changes nothing.
+        if slots and (min(slots) < 0 or max(slots) >= self.num_slots
+                      or any(map(is_free.__getitem__, slots))):
+            bad = next(s for s in slots if not 0 <= s < self.num_slots or is_free[s])
+            raise ValueError(f"slot {bad} is not allocated")
         if len(slots) > 1 and len(set(slots)) != len(slots):
             raise ValueError(f"slots {slots} name a slot twice")
         for slot in slots:

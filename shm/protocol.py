@@ -5,9 +5,13 @@ into one of the tagged structs below. Keys travel as two flat lists (namespace s
 block hashes), slot descriptors as two flat lists (slots and generations), so a batch of
 64 blocks is one frame of about a kilobyte and one decode.
 
-Every request gets exactly one reply, in order, except ``Release``, which gets none: a
-reader gives its leases back without waiting. A connection's replies therefore pair with
-its requests first-in first-out, with no request ids.
+Every request gets exactly one reply, in order, except the one-way messages ``Release``
+and ``Publish`` (a commit without a reply), which get none: a reader gives its leases back,
+and ``put_many`` makes its blocks visible, without waiting. A connection's replies
+therefore pair with its requests first-in first-out, with no request ids. The owner
+handles every one-way frame that has reached it before any request it reads in the same
+wake-up (see ``shm.server``), so a block ``put_many`` has returned is visible to any
+request sent after that, on any connection.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from msgspec import Meta
 from shm.errors import ProtocolError
 
 __all__ = [
+    "ONE_WAY_TAGS",
     "PROTOCOL_VERSION",
     "Abort",
     "Commit",
@@ -32,6 +37,7 @@ __all__ = [
     "Hello",
     "Lease",
     "Ping",
+    "Publish",
     "Release",
     "Remove",
     "Reply",
@@ -47,7 +53,7 @@ __all__ = [
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Publish
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 
@@ -78,6 +84,13 @@ class Reserve(_Msg, frozen=True, array_like=True, gc=False, tag=2):
 
 
 class Commit(_Msg, frozen=True, array_like=True, gc=False, tag=3):
+    slots: list[int]
+    generations: list[int]
+
+
+class Publish(_Msg, frozen=True, array_like=True, gc=False, tag=11):
+    """``Commit`` without a reply: what ``put_many`` sends once its copy is done."""
+
     slots: list[int]
     generations: list[int]
 
@@ -117,7 +130,10 @@ class Ping(_Msg, frozen=True, array_like=True, gc=False, tag=10):
     pass
 
 
-Request = Hello | Reserve | Commit | Abort | Lease | Release | Contains | Remove | Stats | Ping
+Request = (
+    Hello | Reserve | Commit | Publish | Abort | Lease | Release | Contains | Remove | Stats | Ping
+)
+ONE_WAY_TAGS = frozenset({Release.__struct_config__.tag, Publish.__struct_config__.tag})
 
 
 # -------------------------------------------------------------------- replies

@@ -5,12 +5,18 @@ dead owner with the same id, creates and pre-faults the segment, and serves clie
 Unix socket until the block exits, when it drops every client and unlinks the segment and
 the socket. The sidecar embeds it in its own loop; ``python -m shm`` is a thin shell.
 
-Each connection is one store session. Requests are handled synchronously in
-``data_received`` (the store core is pure and fast), so a batch costs one loop callback.
-When a connection closes, however the client died, its reservations are freed and its
-leases released. After each request the store's events go to ``listener``, a plain
-callable that must not block (the sidecar's puts them on a bounded queue); an exception
-from it is logged and counted, never lost silently and never fatal to the store.
+Each connection is one store session. Frames are handled synchronously (the store core is
+pure and fast), in this order: a connection's one-way frames (``Release``, ``Publish``) as
+soon as they are read, and a request that needs a reply once every connection that was
+readable in the same wake-up has been read (one ``call_soon`` hop, skipped when only one
+client is connected). So whatever one-way frame reached the owner before a request was
+sent, on any connection, is applied before that request: a block whose ``put_many`` has
+returned is visible to every later request, and a lease given back is evictable.
+When a connection closes, however the client died, the frames it had sent are applied,
+then its reservations are freed and its leases released. After each request the store's
+events go to ``listener``, a plain callable that must not block (the sidecar's puts them
+on a bounded queue); an exception from it is logged and counted, never lost silently and
+never fatal to the store.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from adapters.canonical.events import KVEvent
 from shm.config import OwnerConfig
 from shm.errors import BlockStoreError, OwnerConflictError, ProtocolError
 from shm.protocol import (
+    ONE_WAY_TAGS,
     PROTOCOL_VERSION,
     Abort,
     Commit,
@@ -40,6 +47,7 @@ from shm.protocol import (
     Hello,
     Lease,
     Ping,
+    Publish,
     Release,
     Remove,
     Request,
@@ -77,6 +85,8 @@ class BlockStoreOwner:
         self._bound = False
         self.num_listener_errors = 0
         self.num_rejected_releases = 0
+        self.num_rejected_commits = 0  # one-way ``Publish`` frames that failed
+        self._waiting: list[_Connection] = []  # with a request queued for ``_run_waiting``
         self.num_internal_errors = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -193,21 +203,21 @@ class BlockStoreOwner:
         return self.store.stats()
 
     def handle(self, session: SessionId, body: bytes) -> bytes | None:
-        """One request frame body → one reply frame (``None`` for ``Release``)."""
+        """One request frame body → one reply frame (``None`` for one-way frames)."""
         if self.store is None:
             return encode(ErrorReply("client_detached", "the owner is shutting down"))
         try:
             msg = decode_request(body)
         except ProtocolError as exc:
-            if _is_release(body):  # the client waits for no reply: log, don't answer
-                self._reject_release(session, exc)
+            if _is_one_way(body):  # the client waits for no reply: log, don't answer
+                self._reject_one_way(session, body[1], exc)
                 return None
             return encode(ErrorReply(exc.code, str(exc)))
         try:
             reply = self._dispatch(self.store, session, msg)
         except (BlockStoreError, ValueError) as exc:
-            if isinstance(msg, Release):
-                self._reject_release(session, exc)
+            if isinstance(msg, Release | Publish):
+                self._reject_one_way(session, body[1], exc)
                 reply = None
             else:
                 code = exc.code if isinstance(exc, BlockStoreError) else "protocol"
@@ -215,7 +225,7 @@ class BlockStoreOwner:
         except Exception as exc:  # a bug of ours: answer, count, keep serving the others
             self.num_internal_errors += 1
             log.exception("shm_request_failed", session=session, request=type(msg).__name__)
-            reply = None if isinstance(msg, Release) else encode(
+            reply = None if isinstance(msg, Release | Publish) else encode(
                 ErrorReply(BlockStoreError.code, f"internal error: {exc!r}"))
         self._drain_events()
         return reply
@@ -228,6 +238,9 @@ class BlockStoreOwner:
             case Commit(slots, generations):
                 store.commit(session, slots, generations)
                 return _DONE
+            case Publish(slots, generations):
+                store.commit(session, slots, generations)
+                return None
             case Lease(namespaces, hashes):
                 return encode(Slots(*store.lease(session, _keys(namespaces, hashes))))
             case Release(slots, generations):
@@ -252,9 +265,30 @@ class BlockStoreOwner:
             case _:
                 assert_never(msg)
 
-    def _reject_release(self, session: SessionId, exc: Exception) -> None:
-        self.num_rejected_releases += 1
-        log.warning("shm_release_rejected", session=session, error=str(exc))
+    def _reject_one_way(self, session: SessionId, tag: int, exc: Exception) -> None:
+        if tag == Publish.__struct_config__.tag:
+            self.num_rejected_commits += 1
+            log.warning("shm_publish_rejected", session=session, error=str(exc))
+        else:
+            self.num_rejected_releases += 1
+            log.warning("shm_release_rejected", session=session, error=str(exc))
+
+    def wait_turn(self, conn: _Connection) -> bool:
+        """Queue ``conn``'s request behind the other connections' one-way frames.
+
+        ``False`` when no queueing is needed (``conn`` is the only connection).
+        """
+        if len(self._connections) <= 1:
+            return False
+        if not self._waiting:
+            asyncio.get_running_loop().call_soon(self._run_waiting)
+        self._waiting.append(conn)
+        return True
+
+    def _run_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for conn in waiting:
+            conn.run_queued()
 
     def _drain_events(self) -> None:
         if self.store is None:
@@ -286,9 +320,9 @@ def _stats_reply(stats: StoreStats) -> StatsReply:
     return StatsReply(*(getattr(stats, name) for name in StatsReply.__struct_fields__))
 
 
-def _is_release(body: bytes) -> bool:
-    """Whether an (undecodable) body is tagged ``Release``: a msgpack array, then tag 6."""
-    return len(body) > 1 and 0x90 <= body[0] <= 0x9F and body[1] == Release.__struct_config__.tag
+def _is_one_way(body: bytes) -> bool:
+    """Whether a body is tagged ``Release`` or ``Publish``: a msgpack array, then its tag."""
+    return len(body) > 1 and 0x90 <= body[0] <= 0x9F and body[1] in ONE_WAY_TAGS
 
 
 def _keys(namespaces: list[int], hashes: list[int]) -> list[tuple[int, int]]:
@@ -305,6 +339,7 @@ class _Connection(asyncio.Protocol):
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
         self._session: SessionId | None = None
+        self._queued: list[bytes] = []  # a request and what followed it, awaiting our turn
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
@@ -319,7 +354,27 @@ class _Connection(asyncio.Protocol):
             self._transport.write(encode(ErrorReply(exc.code, str(exc))))
             self._transport.close()
             return
-        replies = [r for body in bodies if (r := self._owner.handle(self._session, body))]
+        if self._queued:  # still waiting for our turn: keep the order
+            self._queued += bodies
+            return
+        handle, session = self._owner.handle, self._session
+        for i, body in enumerate(bodies):
+            if not _is_one_way(body):
+                self._queued = bodies[i:]
+                if not self._owner.wait_turn(self):
+                    self.run_queued()
+                return
+            handle(session, body)
+
+    def run_queued(self) -> None:
+        """Handle the queued frames in order and send their replies in one write."""
+        bodies, self._queued = self._queued, []
+        if self._session is None or not bodies:
+            return
+        handle, session = self._owner.handle, self._session
+        replies = [r for body in bodies if (r := handle(session, body))]
+        if self._transport is None or self._transport.is_closing():
+            return
         if len(replies) == 1:
             self._transport.write(replies[0])
         elif replies:
@@ -327,6 +382,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._session is not None:
+            self.run_queued()  # e.g. a Publish sent just before the client exited
             self._owner.session_closed(self, self._session)
             self._session = None
 

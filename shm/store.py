@@ -11,18 +11,24 @@ a ``BlockStored`` event. A writer that dies between the two leaves nothing visib
 reservations are freed with its session. A get is ``lease`` (the slot cannot be evicted or
 reused while any lease is held), a copy out, then ``release``.
 
-Eviction is least-recently-used over committed, unleased blocks (``_lru`` holds exactly
-those), done only when a reservation needs slots. Every commit, eviction and removal is
-recorded as a normalized host-tier event, which the owner drains with ``take_events``.
+Eviction is least-recently-used over committed blocks, skipping leased ones: ``_lru``
+holds every committed block in order of last use (a commit or a lease moves a block to
+the end), and eviction, done only when a reservation needs slots, takes unleased blocks
+from the front (a lease no longer costs an LRU removal and a release an LRU insertion).
+Every commit, eviction and removal is recorded as a normalized host-tier event, which the
+owner drains with ``take_events``.
 
 State is kept per slot in flat lists rather than per-block objects: a batch of 64 keys
-costs a few dictionary operations per key and no allocation beyond the reply lists.
+costs a few dictionary operations per key and no allocation beyond the reply lists. The
+owner's per-key work is on every put's and get's critical path, so the common case (no key
+repeated, none held) takes set-level checks and single loops. Plain loops stay where they
+beat ``map`` over bound setters on CPython 3.11 (measured).
 Descriptors travel as two parallel lists, ``slots`` and ``generations``.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
@@ -51,7 +57,7 @@ def _uniform_tokens(token_lists: list[list[int] | None]) -> bool:
 @dataclass(slots=True)
 class _Session:
     reserved: set[int] = field(default_factory=set)  # slots
-    leases: dict[int, int] = field(default_factory=dict)  # slot → leases held
+    leases: dict[int, int] = field(default_factory=dict)  # slot → leases held (> 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,13 +87,14 @@ class BlockStore:
         self.epoch = epoch
         self._blocks: dict[BlockKey, int] = {}  # committed, visible: key → slot
         self._reserved: dict[BlockKey, int] = {}  # being written, invisible
-        self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # committed and unleased
+        self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # committed, by last use
         self._key: list[BlockKey | None] = [None] * num_slots
         self._state = bytearray(num_slots)
         self._leases = [0] * num_slots
         self._parent: list[int | None] = [None] * num_slots
         self._tokens: list[list[int] | None] = [None] * num_slots
-        self._num_leased = 0
+        self._num_leased = 0  # slots with a lease
+        self._num_doomed = 0  # removed while leased: leased, no longer in _blocks or _lru
         self._sessions: dict[SessionId, _Session] = {}
         self._next_session = 1
         self._seq = 0
@@ -111,8 +118,7 @@ class BlockStore:
             del self._reserved[self._key[slot]]  # type: ignore[arg-type]
             self._vacate(slot)
         self._pool.free(slots)
-        for slot, count in state.leases.items():
-            self._drop_leases(slot, count)
+        self._drop_leases(state.leases)
 
     def _session(self, session: SessionId) -> _Session:
         try:
@@ -144,43 +150,68 @@ class BlockStore:
             if extra is not None and len(extra) != len(keys):
                 raise ValueError(f"{len(extra)} {name} for {len(keys)} keys")
         blocks, reserved = self._blocks, self._reserved
-        fresh = [i for i, key in enumerate(keys) if key not in blocks and key not in reserved]
-        if len(fresh) > 1 and len({keys[i] for i in fresh}) != len(fresh):
+        fresh: list[int] | None = None  # indices of the keys to write; None: all of them
+        if not (blocks.keys().isdisjoint(keys) and reserved.keys().isdisjoint(keys)
+                and len(set(keys)) == len(keys)):
             seen: set[BlockKey] = set()
-            fresh = [i for i in fresh if not (keys[i] in seen or seen.add(keys[i]))]  # type: ignore[func-returns-value]
-        self._make_room(len(fresh))
-        slots = self._pool.allocate(len(fresh))
-        out_slots: list[int | None] = [None] * len(keys)
-        out_gens: list[int | None] = [None] * len(keys)
-        key_of, st, gens = self._key, self._state, self._pool.generations
-        for i, slot in zip(fresh, slots, strict=True):
-            key = keys[i]
-            reserved[key] = slot
+            fresh = [i for i, key in enumerate(keys) if not (
+                key in blocks or key in reserved or key in seen or seen.add(key))]  # type: ignore[func-returns-value]
+        new_keys = list(keys) if fresh is None else [keys[i] for i in fresh]
+        self._make_room(len(new_keys))
+        slots = self._pool.allocate(len(new_keys))
+        reserved.update(zip(new_keys, slots, strict=True))
+        key_of, st = self._key, self._state
+        for slot, key in zip(slots, new_keys, strict=True):
             key_of[slot] = key
             st[slot] = _RESERVED
-            out_slots[i] = slot
-            out_gens[i] = gens[slot]
         if parent_hashes is not None:
-            for i, slot in zip(fresh, slots, strict=True):
-                self._parent[slot] = parent_hashes[i]
+            parent = self._parent
+            for slot, p in zip(slots, parent_hashes if fresh is None
+                               else [parent_hashes[i] for i in fresh], strict=True):
+                parent[slot] = p
         if token_ids is not None:
-            for i, slot in zip(fresh, slots, strict=True):
-                self._tokens[slot] = token_ids[i]
+            tokens = self._tokens
+            for slot, t in zip(slots, token_ids if fresh is None
+                               else [token_ids[i] for i in fresh], strict=True):
+                tokens[slot] = t
         state.reserved.update(slots)
+        new_gens: list[int | None] = list(map(self._pool.generations.__getitem__, slots))
+        if fresh is None:
+            return slots, new_gens  # type: ignore[return-value]  # list is invariant
+        out_slots: list[int | None] = [None] * len(keys)
+        out_gens: list[int | None] = [None] * len(keys)
+        for i, slot, gen in zip(fresh, slots, new_gens, strict=True):
+            out_slots[i] = slot
+            out_gens[i] = gen
         return out_slots, out_gens
 
     def _make_room(self, count: int) -> None:
         free = self._pool.num_free_slots
         if count <= free:
             return
-        if count > free + len(self._lru):
+        lru = self._lru
+        leased_in_lru = self._num_leased - self._num_doomed
+        evictable = len(lru) - leased_in_lru
+        if count > free + evictable:
             raise StoreFullError(
-                f"{count} slots needed, {free} free and {len(self._lru)} evictable of "
+                f"{count} slots needed, {free} free and {evictable} evictable of "
                 f"{self._pool.num_slots} ({self._num_leased} leased, "
                 f"{len(self._reserved)} being written)"
             )
-        lru, blocks, key_of, st = self._lru, self._blocks, self._key, self._state
-        evicted = [lru.popitem(last=False) for _ in range(count - free)]
+        need = count - free
+        if not leased_in_lru:
+            evicted = [lru.popitem(last=False) for _ in range(need)]
+        else:  # skip leased blocks, oldest first
+            leases = self._leases
+            evicted = []
+            for key, slot in lru.items():
+                if not leases[slot]:
+                    evicted.append((key, slot))
+                    if len(evicted) == need:
+                        break
+            for key, _ in evicted:
+                del lru[key]
+        blocks, key_of, st = self._blocks, self._key, self._state
         for key, slot in evicted:  # committed slots keep no parent or tokens (see commit)
             del blocks[key]
             key_of[slot] = None
@@ -195,11 +226,12 @@ class BlockStore:
         if len(slots) != len(generations):
             raise StaleDescriptorError(f"{len(slots)} slots with {len(generations)} generations")
         mine, gens = state.reserved, self._pool.generations
-        for slot, generation in zip(slots, generations, strict=True):
-            if slot not in mine or gens[slot] != generation:
-                raise StaleDescriptorError(
-                    f"slot {slot} generation {generation} is not reserved by this client"
-                )
+        if not mine.issuperset(slots) or list(map(gens.__getitem__, slots)) != list(generations):
+            for slot, generation in zip(slots, generations, strict=True):
+                if slot not in mine or gens[slot] != generation:
+                    raise StaleDescriptorError(
+                        f"slot {slot} generation {generation} is not reserved by this client"
+                    )
         if len(slots) > 1 and len(set(slots)) != len(slots):
             raise StaleDescriptorError("a request names the same slot twice")
 
@@ -239,27 +271,31 @@ class BlockStore:
     ) -> tuple[list[int | None], list[int | None]]:
         """Pin each held key's slot for reading; ``None`` for keys not held."""
         state = self._session(session)
-        blocks, lru, leases, mine = self._blocks, self._lru, self._leases, state.leases
-        gens = self._pool.generations
-        out_slots: list[int | None] = []
-        out_gens: list[int | None] = []
-        for key in keys:
-            slot = blocks.get(key)
-            if slot is None:
-                out_slots.append(None)
-                out_gens.append(None)
-                continue
-            if not leases[slot]:
-                del lru[key]
-                self._num_leased += 1
-            leases[slot] += 1
-            mine[slot] = mine.get(slot, 0) + 1
-            out_slots.append(slot)
-            out_gens.append(gens[slot])
+        out_slots: list[int | None] = list(map(self._blocks.get, keys))
         misses = out_slots.count(None)
+        if misses:
+            hit_keys = [k for k, s in zip(keys, out_slots, strict=True) if s is not None]
+            slots: list[int] = [s for s in out_slots if s is not None]
+        else:
+            hit_keys, slots = keys, out_slots  # type: ignore[assignment]
+        leases, touch = self._leases, self._lru.move_to_end
+        mine = state.leases
+        held = mine.get
+        newly = 0
+        for key, slot in zip(hit_keys, slots, strict=True):
+            count = leases[slot]
+            if not count:
+                newly += 1
+            leases[slot] = count + 1
+            mine[slot] = held(slot, 0) + 1
+            touch(key)  # a read makes a block recent
+        self._num_leased += newly
+        gens = self._pool.generations
         self._num_hits += len(keys) - misses
         self._num_misses += misses
-        return out_slots, out_gens
+        if not misses:
+            return out_slots, list(map(gens.__getitem__, slots))
+        return out_slots, [None if s is None else gens[s] for s in out_slots]
 
     def release(
         self, session: SessionId, slots: Sequence[int], generations: Sequence[int]
@@ -269,32 +305,43 @@ class BlockStore:
         if len(slots) != len(generations):
             raise StaleDescriptorError(f"{len(slots)} slots with {len(generations)} generations")
         mine, gens = state.leases, self._pool.generations
-        wanted: dict[int, int] = {}
-        for slot, generation in zip(slots, generations, strict=True):
-            count = wanted.get(slot, 0) + 1
-            if count > mine.get(slot, 0) or gens[slot] != generation:
-                raise StaleDescriptorError(
-                    f"slot {slot} generation {generation} is not leased by this client"
-                )
-            wanted[slot] = count
+        wanted = Counter(slots)
+        if (list(map(gens.__getitem__, slots)) != list(generations)
+                or not mine.keys() >= wanted.keys()
+                or (len(wanted) != len(slots)
+                    and any(mine[slot] < count for slot, count in wanted.items()))):
+            for slot, generation in zip(slots, generations, strict=True):
+                if wanted[slot] > mine.get(slot, 0) or gens[slot] != generation:
+                    raise StaleDescriptorError(
+                        f"slot {slot} generation {generation} is not leased by this client"
+                    )
         for slot, count in wanted.items():
-            held = mine[slot] - count
-            if held:
-                mine[slot] = held
+            left = mine[slot] - count
+            if left:
+                mine[slot] = left
             else:
                 del mine[slot]
-            self._drop_leases(slot, count)
+        self._drop_leases(wanted)
 
-    def _drop_leases(self, slot: int, count: int) -> None:
-        self._leases[slot] -= count
-        if self._leases[slot]:
+    def _drop_leases(self, counts: dict[int, int]) -> None:
+        """Take ``counts[slot]`` leases off each slot; free removed blocks left unleased."""
+        leases = self._leases
+        last: list[int] = []
+        for slot, count in counts.items():
+            left = leases[slot] - count
+            leases[slot] = left
+            if not left:
+                last.append(slot)
+        if not last:
             return
-        self._num_leased -= 1
-        if self._state[slot] == _DOOMED:
-            self._vacate(slot)
-            self._pool.free([slot])
-        else:
-            self._lru[self._key[slot]] = slot  # type: ignore[index]
+        self._num_leased -= len(last)
+        st = self._state
+        doomed = [slot for slot in last if st[slot] == _DOOMED]
+        if doomed:
+            for slot in doomed:
+                self._vacate(slot)
+            self._num_doomed -= len(doomed)
+            self._pool.free(doomed)
 
     # ------------------------------------------------------------------- remove
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -308,10 +355,11 @@ class BlockStore:
             if slot is None:
                 continue
             hashes.append(key[1])
+            del self._lru[key]
             if self._leases[slot]:
                 self._state[slot] = _DOOMED
+                self._num_doomed += 1
             else:
-                del self._lru[key]
                 self._vacate(slot)
                 free.append(slot)
         self._pool.free(free)
@@ -325,6 +373,7 @@ class BlockStore:
         for slot in self._blocks.values():
             if self._leases[slot]:
                 self._state[slot] = _DOOMED
+                self._num_doomed += 1
             else:
                 self._vacate(slot)
                 self._pool.free([slot])
@@ -402,9 +451,8 @@ class BlockStore:
             raise AssertionError("the index disagrees with the committed slots")
         if sorted(self._reserved.values()) != sorted(s for s in used if st[s] == _RESERVED):
             raise AssertionError("the reservations disagree with the reserved slots")
-        unleased = {k for k, s in self._blocks.items() if not self._leases[s]}
-        if unleased != set(self._lru):
-            raise AssertionError("the LRU does not hold exactly the unleased blocks")
+        if self._blocks != dict(self._lru):
+            raise AssertionError("the LRU does not hold exactly the committed blocks")
         by_sessions: dict[int, int] = {}
         for state in self._sessions.values():
             for slot, count in state.leases.items():
@@ -413,5 +461,7 @@ class BlockStore:
             raise AssertionError("lease counts disagree with the sessions holding them")
         if self._num_leased != len(by_sessions):
             raise AssertionError("the leased-block count is off")
+        if self._num_doomed != sum(st[s] == _DOOMED for s in used):
+            raise AssertionError("the removed-while-leased count is off")
         if any(st[s] == _DOOMED and not self._leases[s] for s in used):
             raise AssertionError("a removed block kept its slot with no lease left")

@@ -67,20 +67,22 @@ class Processes:
         self.procs: list[subprocess.Popen[str]] = []
         self.owner_ids: set[str] = set()
 
-    def owner(self, owner_id: str, *, slots: int, block_bytes: int) -> Owner:
-        proc = self.owner_proc(owner_id, slots=slots, block_bytes=block_bytes)
+    def owner(self, owner_id: str, *, slots: int, block_bytes: int,
+              extra: tuple[str, ...] = ()) -> Owner:
+        proc = self.owner_proc(owner_id, slots=slots, block_bytes=block_bytes, extra=extra)
         ready = json.loads(read_line(proc))
         assert ready["event"] == "shm_owner_ready" and ready["pid"] == proc.pid
         return Owner(proc, owner_id, Path(ready["socket"]), ready["segment"])
 
-    def owner_proc(self, owner_id: str, *, slots: int,
-                   block_bytes: int) -> subprocess.Popen[str]:
+    def owner_proc(self, owner_id: str, *, slots: int, block_bytes: int,
+                   extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
         self.owner_ids.add(owner_id)
         log = (self.sock_dir / f"{owner_id}.log").open("a")
         proc = subprocess.Popen(
             [sys.executable, "-m", "shm", "--owner-id", owner_id,
              "--socket", str(self.sock_dir / "store.sock"),
-             "--capacity-bytes", str(slots * block_bytes), "--block-bytes", str(block_bytes)],
+             "--capacity-bytes", str(slots * block_bytes), "--block-bytes", str(block_bytes),
+             *extra],
             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=log, text=True,
         )
         log.close()
@@ -251,3 +253,44 @@ def test_cli_help_and_bad_flags() -> None:
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=DEADLINE_S,
     )
     assert bad.returncode == 2 and "holds no block of 4096 bytes" in bad.stderr
+
+
+def test_put_is_visible_to_requests_queued_behind_other_frames(
+    procs: Processes, owner_id: str
+) -> None:
+    """A block whose put returned is seen by a later request on another socket, always."""
+    from shm.protocol import Publish, Slots
+
+    owner = procs.owner(owner_id, slots=8, block_bytes=4096, extra=("--sched-batch",))
+    # One CPU for the test and a SCHED_BATCH owner: the owner then runs only when a client
+    # blocks, and sees the reader's Release (sent first), the writer's Publish
+    # and the reader's Contains in one wake-up, with the reader's socket ready first.
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    os.sched_setaffinity(owner.proc.pid, {cpu})
+    os.sched_setaffinity(0, {cpu})
+    try:
+        with BlockStoreClient(owner.socket) as writer, BlockStoreClient(owner.socket) as reader:
+            reader.put((1, 0), content(1, 0, 4096))
+            out = np.empty(4096, np.uint8)
+            for i in range(1, 51):
+                # put_many's frames, split so the reader can act between them.
+                reply = writer._call(writer._reserve([(1, i)], None, None), Slots)
+                slots, gens = writer._attachment.write_blocks(reply, [content(1, i, 4096)])
+                assert reader.get_many([(1, 0)], [out]) == [True]  # leaves a Release queued
+                writer._send_only(Publish(slots, gens))  # put_many returns here
+                assert reader.contains((1, i)), f"put {i} was not visible after it returned"
+                assert reader.get((1, i)).tobytes() == content(1, i, 4096).tobytes()
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def test_published_blocks_survive_the_writer_exiting(procs: Processes, owner_id: str) -> None:
+    """A writer that exits right after put_many returns leaves its blocks stored."""
+    owner = procs.owner(owner_id, slots=8, block_bytes=4096)
+    keys = [(2, i) for i in range(4)]
+    with BlockStoreClient(owner.socket) as writer:
+        assert writer.put_many(keys, [content(2, i, 4096) for i in range(4)]) == [True] * 4
+    with BlockStoreClient(owner.socket) as reader:
+        assert reader.contains_many(keys) == [True] * 4
+        assert reader.stats().num_reserved == 0

@@ -346,3 +346,18 @@ async def test_async_in_place_put(sock_dir: Path, owner_id: str) -> None:
             assert (stats.num_blocks, stats.num_reserved) == (2, 0)
         finally:
             await client.aclose()
+
+
+def _bad_publish_scenario(path: Path) -> None:
+    from shm.protocol import Publish
+
+    with BlockStoreClient(path) as client:
+        client._send_only(Publish([0], [12345]))  # a one-way commit of a slot never reserved
+        assert client.put((1, 1), block(1)) is True  # the connection carries on
+
+
+async def test_rejected_publish_is_counted(sock_dir: Path, owner_id: str) -> None:
+    """A one-way commit that fails gets no reply; the owner logs and counts it."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_bad_publish_scenario, owner.config.socket_path)
+        assert owner.num_rejected_commits == 1 and owner.stats().num_blocks == 1

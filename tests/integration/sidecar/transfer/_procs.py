@@ -46,17 +46,37 @@ class PeerProcess:
     block_bytes: int
 
     @classmethod
-    def start(cls, tmp: Path, *, num_slots: int, block_bytes: int,
-              extra: tuple[str, ...] = ()) -> PeerProcess:
+    def start(
+        cls, tmp: Path, *, num_slots: int, block_bytes: int, extra: tuple[str, ...] = ()
+    ) -> PeerProcess:
         owner_id = f"p{uuid.uuid4().hex[:10]}"
         sock = tmp / f"{owner_id}.sock"
         with (tmp / f"{owner_id}.log").open("w") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "sidecar.transfer", "--owner-id", owner_id,
-                 "--socket", str(sock), "--capacity-bytes", str(num_slots * block_bytes),
-                 "--block-bytes", str(block_bytes), "--port", "0", "--log-level", "warning",
-                 *extra],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, cwd=ROOT)
+                [
+                    sys.executable,
+                    "-m",
+                    "sidecar.transfer",
+                    "--owner-id",
+                    owner_id,
+                    "--socket",
+                    str(sock),
+                    "--capacity-bytes",
+                    str(num_slots * block_bytes),
+                    "--block-bytes",
+                    str(block_bytes),
+                    "--port",
+                    "0",
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=ENV,
+                cwd=ROOT,
+            )
         assert proc.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(proc.stdout, selectors.EVENT_READ)
@@ -66,8 +86,10 @@ class PeerProcess:
         line = proc.stdout.readline()
         if not line:
             proc.wait()
-            raise AssertionError(f"peer {owner_id} exited {proc.returncode}: "
-                                 f"{(tmp / f'{owner_id}.log').read_text()[-2000:]}")
+            raise AssertionError(
+                f"peer {owner_id} exited {proc.returncode}: "
+                f"{(tmp / f'{owner_id}.log').read_text()[-2000:]}"
+            )
         ready = json.loads(line)
         return cls(proc, ready["url"], sock, owner_id, block_bytes)
 

@@ -23,10 +23,18 @@ from shm.reader import AsyncSegmentReader
 
 
 def tcp(url: str, ns: int, count: int, block_bytes: int) -> None:
-    body = json.dumps({"keys": [[ns, i] for i in range(count)], "transport": "tcp",
-                       "block_bytes": block_bytes, "dtype": "uint8", "ttl_s": 60}).encode()
-    req = urllib.request.Request(f"{url}/v1/blocks/export", body,
-                                 {"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "keys": [[ns, i] for i in range(count)],
+            "transport": "tcp",
+            "block_bytes": block_bytes,
+            "dtype": "uint8",
+            "ttl_s": 60,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{url}/v1/blocks/export", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=10) as resp:
         offer = json.loads(resp.read())
     sock = socket.create_connection((offer["tcp_host"], offer["tcp_port"]))

@@ -27,10 +27,12 @@ def spawn(tmp_short: Path) -> Iterator[Callable[..., PeerProcess]]:
     """Start peer processes; every one is stopped (and its shm unlinked) after the test."""
     started: list[PeerProcess] = []
 
-    def factory(num_slots: int = 32, block_bytes: int = 1 << 20,
-                extra: tuple[str, ...] = ()) -> PeerProcess:
-        peer = PeerProcess.start(tmp_short, num_slots=num_slots, block_bytes=block_bytes,
-                                 extra=extra)
+    def factory(
+        num_slots: int = 32, block_bytes: int = 1 << 20, extra: tuple[str, ...] = ()
+    ) -> PeerProcess:
+        peer = PeerProcess.start(
+            tmp_short, num_slots=num_slots, block_bytes=block_bytes, extra=extra
+        )
         started.append(peer)
         return peer
 

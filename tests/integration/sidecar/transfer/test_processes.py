@@ -44,10 +44,16 @@ async def test_peer_process_imports_blocks_byte_exact(spawn: Spawn, transport: T
         pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
     exporter, importer = spawn(), spawn()
     await asyncio.to_thread(exporter.seed, KEYS)
-    body = {"peer_url": exporter.url, "keys": [list(k) for k in KEYS],
-            "transport": transport.value, "timeout_s": 30}
-    async with aiohttp.ClientSession() as http, \
-            http.post(f"{importer.url}/v1/blocks/pull", json=body) as resp:
+    body = {
+        "peer_url": exporter.url,
+        "keys": [list(k) for k in KEYS],
+        "transport": transport.value,
+        "timeout_s": 30,
+    }
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{importer.url}/v1/blocks/pull", json=body) as resp,
+    ):
         result = await resp.json()
     assert resp.status == 200, result
     assert result["imported"] == [list(k) for k in KEYS]
@@ -55,21 +61,27 @@ async def test_peer_process_imports_blocks_byte_exact(spawn: Spawn, transport: T
     for key, block in zip(KEYS, blocks, strict=True):
         assert block is not None
         np.testing.assert_array_equal(block, content(key, importer.block_bytes))
-    await asyncio.to_thread(wait_until, lambda: exporter.stats().num_leased_blocks == 0,
-                            "the exporter's leases to be given back")
+    await asyncio.to_thread(
+        wait_until,
+        lambda: exporter.stats().num_leased_blocks == 0,
+        "the exporter's leases to be given back",
+    )
 
 
 @pytest.mark.slow
-async def test_killed_exporter_mid_stream_fails_cleanly(spawn: Spawn,
-                                                        make_peer: PeerFactory) -> None:
+async def test_killed_exporter_mid_stream_fails_cleanly(
+    spawn: Spawn, make_peer: PeerFactory
+) -> None:
     """SIGKILL of the exporter mid-TCP-stream: PeerUnavailableError, nothing half-visible."""
     keys = [(12, i) for i in range(48)]
     exporter = spawn(num_slots=48, block_bytes=2 << 20)
     await asyncio.to_thread(exporter.seed, keys)
     importer = await make_peer(num_slots=64, block_bytes=2 << 20)
     pull = asyncio.create_task(importer.service.pull(exporter.url, keys, transport=Transport.TCP))
-    await wait_for(lambda: importer.service.stats().num_stream_bytes_received > 0 or pull.done(),
-                   "the stream to start")
+    await wait_for(
+        lambda: importer.service.stats().num_stream_bytes_received > 0 or pull.done(),
+        "the stream to start",
+    )
     exporter.proc.send_signal(signal.SIGKILL)
     with pytest.raises(PeerUnavailableError, match="broke after"):
         await pull
@@ -83,8 +95,9 @@ async def test_killed_exporter_mid_stream_fails_cleanly(spawn: Spawn,
 
 
 @pytest.mark.slow
-async def test_killed_exporter_mid_nixl_read_fails_cleanly(spawn: Spawn,
-                                                           make_peer: PeerFactory) -> None:
+async def test_killed_exporter_mid_nixl_read_fails_cleanly(
+    spawn: Spawn, make_peer: PeerFactory
+) -> None:
     """SIGKILL of the exporter while our NIXL READ runs: the pull fails, nothing visible."""
     pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
     keys = [(14, i) for i in range(48)]
@@ -95,10 +108,13 @@ async def test_killed_exporter_mid_nixl_read_fails_cleanly(spawn: Spawn,
     with LocalSession(importer.owner) as session:
         session.remove(keys[:1])
     offers = importer.service.stats().num_offers_received
-    pull = asyncio.create_task(importer.service.pull(exporter.url, keys, transport=Transport.NIXL,
-                                                     timeout_s=10))
-    await wait_for(lambda: importer.service.stats().num_offers_received > offers or pull.done(),
-                   "the export offer")
+    pull = asyncio.create_task(
+        importer.service.pull(exporter.url, keys, transport=Transport.NIXL, timeout_s=10)
+    )
+    await wait_for(
+        lambda: importer.service.stats().num_offers_received > offers or pull.done(),
+        "the export offer",
+    )
     exporter.proc.send_signal(signal.SIGKILL)
     with pytest.raises((PeerUnavailableError, TransferTimeoutError)) as info:
         await pull
@@ -109,7 +125,8 @@ async def test_killed_exporter_mid_nixl_read_fails_cleanly(spawn: Spawn,
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", list(Transport))
 async def test_stopped_exporter_times_out_and_its_leases_lapse(
-        spawn: Spawn, make_peer: PeerFactory, transport: Transport) -> None:
+    spawn: Spawn, make_peer: PeerFactory, transport: Transport
+) -> None:
     """A frozen exporter: the pull times out with nothing imported; thawed, it frees leases."""
     if transport is Transport.NIXL:
         pytest.importorskip("nixl_cu12", reason="the nixl extra is not installed")
@@ -119,22 +136,28 @@ async def test_stopped_exporter_times_out_and_its_leases_lapse(
     exporter.proc.send_signal(signal.SIGSTOP)
     try:
         with pytest.raises(TransferTimeoutError):
-            await importer.service.pull(exporter.url, KEYS, transport=transport,
-                                        timeout_s=1.0)
+            await importer.service.pull(exporter.url, KEYS, transport=transport, timeout_s=1.0)
     finally:
         exporter.proc.send_signal(signal.SIGCONT)
     assert_untouched(importer)
     if transport is not Transport.SHM:  # the export request waited in the socket: served late
-        await asyncio.to_thread(wait_until, lambda: exporter.stats().num_hits == len(KEYS),
-                                "the late export to lease the blocks")
-    await asyncio.to_thread(wait_until, lambda: exporter.stats().num_leased_blocks == 0,
-                            "the exporter's leases to lapse")
+        await asyncio.to_thread(
+            wait_until,
+            lambda: exporter.stats().num_hits == len(KEYS),
+            "the late export to lease the blocks",
+        )
+    await asyncio.to_thread(
+        wait_until,
+        lambda: exporter.stats().num_leased_blocks == 0,
+        "the exporter's leases to lapse",
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", [Transport.TCP, Transport.SHM])
 async def test_killed_importer_releases_the_exporters_leases(
-        make_peer: PeerFactory, transport: Transport) -> None:
+    make_peer: PeerFactory, transport: Transport
+) -> None:
     """SIGKILL of an importer holding leases mid-pull: the exporter releases them at once."""
     keys = [(13, i) for i in range(48)]
     block_bytes = 1 << 20
@@ -142,8 +165,16 @@ async def test_killed_importer_releases_the_exporters_leases(
     exporter.put(keys)
     target = exporter.url if transport is Transport.TCP else str(exporter.owner.config.socket_path)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(STALLED), transport.value, target, "13", str(len(keys)),
-        str(block_bytes), stdout=asyncio.subprocess.PIPE, env=ENV)
+        sys.executable,
+        str(STALLED),
+        transport.value,
+        target,
+        "13",
+        str(len(keys)),
+        str(block_bytes),
+        stdout=asyncio.subprocess.PIPE,
+        env=ENV,
+    )
     try:
         assert proc.stdout is not None
         async with asyncio.timeout(30):  # (unconfigured structlog also writes to stdout)
@@ -151,8 +182,11 @@ async def test_killed_importer_releases_the_exporters_leases(
                 assert line, "the stalled importer exited early"
         assert exporter.owner.stats().num_leased_blocks == len(keys)
         proc.kill()
-        await wait_for(lambda: exporter.owner.stats().num_leased_blocks == 0,
-                       "the exporter's leases to be released", timeout_s=10)
+        await wait_for(
+            lambda: exporter.owner.stats().num_leased_blocks == 0,
+            "the exporter's leases to be released",
+            timeout_s=10,
+        )
     finally:
         if proc.returncode is None:
             proc.kill()
