@@ -27,6 +27,25 @@ EVENTS = json.dumps(
     }
 )
 HASHER = BlockHasher(16)
+# Processes the running test started; the autouse fixture below stops whatever is left, so a
+# failure between starting an engine and reaching a test's `finally` leaks nothing.
+_LAUNCHED: list[list[ManagedProcess]] = []
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftovers() -> Iterator[None]:
+    started: list[ManagedProcess] = []
+    _LAUNCHED.append(started)
+    yield
+    _LAUNCHED.pop()
+    for proc in started:
+        proc.stop()
+
+
+def _track(proc: ManagedProcess) -> ManagedProcess:
+    if _LAUNCHED:
+        _LAUNCHED[-1].append(proc)
+    return proc
 
 
 def engine(
@@ -47,7 +66,7 @@ def engine(
         ],
         workdir=tmp,
     )
-    proc.wait_ready(60)
+    _track(proc).wait_ready(60)
     return proc
 
 
@@ -57,7 +76,7 @@ def sidecar(tmp: Path, engine_url: str, *extra: str) -> ManagedProcess:
         ["sidecar", "--engine-url", engine_url, "--worker-id", "r0", "--port", "0", *extra],
         workdir=tmp,
     )
-    proc.wait_ready(60)
+    _track(proc).wait_ready(60)
     return proc
 
 
@@ -335,24 +354,26 @@ async def test_peer_sidecar_imports_blocks(tmp_path: Path, session, transport: s
     eng = engine(tmp_path)
     peers = []
     for name in ("a", "b"):
-        proc = ManagedProcess.start(
-            f"sidecar-{name}",
-            [
-                "sidecar",
-                "--engine-url",
-                eng.url,
-                "--worker-id",
-                f"peer-{name}",
-                "--port",
-                "0",
-                "--store-capacity-bytes",
-                "2MiB",
-                "--store-block-bytes",
-                "64KiB",
-                "--store-socket",
-                str(tmp_path / f"{name}.sock"),
-            ],
-            workdir=tmp_path,
+        proc = _track(
+            ManagedProcess.start(
+                f"sidecar-{name}",
+                [
+                    "sidecar",
+                    "--engine-url",
+                    eng.url,
+                    "--worker-id",
+                    f"peer-{name}",
+                    "--port",
+                    "0",
+                    "--store-capacity-bytes",
+                    "2MiB",
+                    "--store-block-bytes",
+                    "64KiB",
+                    "--store-socket",
+                    str(tmp_path / f"{name}.sock"),
+                ],
+                workdir=tmp_path,
+            )
         )
         peers.append(proc)
     try:
@@ -395,9 +416,15 @@ async def test_client_disconnect_aborts_the_engine_request(tmp_path: Path, sessi
         return sum(int(x["num_running_reqs"]) for x in loads)
 
     try:
-        body = {"request_id": "long", "model": "tiny", "kind": "completion",
-                "prompt_token_ids": prompt(9), "max_tokens": 4000, "stream": True,
-                "ignore_eos": True}  # ~30 s of decoding at 8 ms a step
+        body = {
+            "request_id": "long",
+            "model": "tiny",
+            "kind": "completion",
+            "prompt_token_ids": prompt(9),
+            "max_tokens": 4000,
+            "stream": True,
+            "ignore_eos": True,
+        }  # ~30 s of decoding at 8 ms a step
         async with (
             aiohttp.ClientSession() as client,
             client.post(f"{sc.url}/v1/kvsidecar/generate", json=body) as resp,
