@@ -10,9 +10,10 @@ Prompt blocks of requests on the same worker that share a prefix count once (ref
 engine's prefix cache shares them); generated tokens add a block each time they cross a block
 boundary. Everything is released on finish.
 
-To tell a candidate how many of a new request's blocks it already holds actively, active
-prompt blocks are kept in a private ``PrefixIndex`` (each worker's active set is a union of
-whole prefixes, so the index's binary-search match applies).
+To tell a candidate how many of a new request's blocks it already holds actively, the
+refcounts themselves are searched: every active request holds a whole prefix of its chain
+and hashes are chained, so a worker's active set is prefix-closed and "block i is active"
+is monotone in i — a binary search over the request's blocks finds the depth.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from adapters.canonical.events import BlockRemoved, BlockStored, Tier
-from routing.prefix_index import PrefixIndex
 from routing.scorer import WorkerLoad
 
 __all__ = ["ActiveLoad", "UnknownRequestError"]
@@ -46,7 +45,6 @@ class _WorkerTotals:
     prefill_tokens: int = 0
     output_blocks: int = 0
     in_flight: int = 0
-    seq: int = 0  # event sequence of this worker in the private active-block index
     capacity_blocks: int | None = None
 
 
@@ -58,7 +56,6 @@ class ActiveLoad:
         self._requests: dict[str, _Request] = {}
         self._workers: dict[str, _WorkerTotals] = {}
         self._refs: dict[str, dict[int, int]] = {}  # worker → active prompt block → refcount
-        self._active = PrefixIndex()  # active prompt blocks, for "already active" matching
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -79,15 +76,8 @@ class ActiveLoad:
         totals.prefill_tokens += prefill
         totals.in_flight += 1
         refs = self._refs.setdefault(worker_id, {})
-        new = []
         for block in block_hashes:
-            count = refs.get(block, 0)
-            refs[block] = count + 1
-            if not count:
-                new.append(block)
-        if new:
-            totals.seq += 1
-            self._active.apply(BlockStored(worker_id, 0, totals.seq, Tier.GPU, new))
+            refs[block] = refs.get(block, 0) + 1
 
     def first_token(self, request_id: str) -> None:
         """The request's prefill is done: its prefill tokens no longer load the worker."""
@@ -116,17 +106,12 @@ class ActiveLoad:
         totals.output_blocks -= request.output_blocks
         totals.in_flight -= 1
         refs = self._refs[request.worker_id]
-        gone = []
         for block in request.block_hashes:
             count = refs[block] - 1
             if count:
                 refs[block] = count
             else:
                 del refs[block]
-                gone.append(block)
-        if gone:
-            totals.seq += 1
-            self._active.apply(BlockRemoved(request.worker_id, 0, totals.seq, Tier.GPU, gone))
 
     # --- queries ------------------------------------------------------------------------
 
@@ -138,22 +123,21 @@ class ActiveLoad:
         return self.loads([worker_id], block_hashes)[0]
 
     def loads(self, worker_ids: Sequence[str], block_hashes: Sequence[int]) -> list[WorkerLoad]:
-        """``load`` for many workers with one match of the request's blocks."""
-        matched = self._active.match(block_hashes) if block_hashes else {}
+        """``load`` for each worker, with ``block_hashes`` counted as if added there."""
         out = []
         for worker_id in worker_ids:
             totals = self._workers.get(worker_id)
             if totals is None:
                 out.append(WorkerLoad(decode_blocks=len(block_hashes)))
                 continue
-            active = len(self._refs.get(worker_id, ()))
+            refs = self._refs.get(worker_id, {})
             out.append(
                 WorkerLoad(
                     active_prefill_tokens=totals.prefill_tokens,
-                    decode_blocks=active
+                    decode_blocks=len(refs)
                     + totals.output_blocks
                     + len(block_hashes)
-                    - matched.get(worker_id, 0),
+                    - _active_depth(refs, block_hashes),
                     in_flight=totals.in_flight,
                     capacity_blocks=totals.capacity_blocks,
                 )
@@ -174,7 +158,6 @@ class ActiveLoad:
             del self._requests[rid]
         self._workers.pop(worker_id, None)
         self._refs.pop(worker_id, None)
-        self._active.remove_worker(worker_id)
         return lost
 
     # --- internals ----------------------------------------------------------------------
@@ -190,3 +173,20 @@ class ActiveLoad:
         if totals is None:
             totals = self._workers[worker_id] = _WorkerTotals()
         return totals
+
+
+def _active_depth(refs: dict[int, int], block_hashes: Sequence[int]) -> int:
+    """How many leading blocks of the request are active (prefix-closed: binary search)."""
+    n = len(block_hashes)
+    if not n or not refs or block_hashes[0] not in refs:
+        return 0
+    if block_hashes[n - 1] in refs:
+        return n
+    lo, hi = 1, n - 1  # block lo-1 is active, block hi is not
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if block_hashes[mid] in refs:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
