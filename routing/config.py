@@ -271,7 +271,9 @@ def _parser() -> argparse.ArgumentParser:
         "--overlap-weight",
         type=float,
         default=1.0,
-        help="credit per GPU-cached prefix block in the cost (default 1.0)",
+        help="credit per GPU-cached prefix block in the cost, in blocks of prefill work "
+        "(default 1.0, Dynamo's; values of 10-50 keep multi-turn conversations on the "
+        "worker that holds them, see the README's trace replay section)",
     )
     r.add_argument(
         "--prefill-load-scale",

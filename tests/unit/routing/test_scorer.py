@@ -31,7 +31,7 @@ def cand(
 
 class TestCost:
     def test_formula(self) -> None:
-        """cost = max(0, (active_prefill + prompt)/block_size − credit) + decode_blocks."""
+        """cost = (active_prefill + prompt)/block_size − credit + decode_blocks."""
         scorer = Scorer(ScoringWeights(), block_size=16)
         c = cand("a", gpu=10, prefill=320, decode=40)
         assert scorer.cost(c, prompt_tokens=640) == (320 + 640) / 16 - 10 + 40
@@ -45,10 +45,16 @@ class TestCost:
         assert Scorer(ScoringWeights(), 16).place([cached, idle], 160).worker_id == "idle"  # type: ignore[union-attr]
         assert scorer.place([cached, idle], 160).worker_id == "cached"  # type: ignore[union-attr]
 
-    def test_credit_never_makes_prefill_negative(self) -> None:
-        """Prefill blocks after credit are clamped at zero."""
+    def test_credit_is_not_clamped(self) -> None:
+        """A credit beyond the prefill work keeps counting: deeper overlap still ranks first.
+
+        With overlap weight 5, 4 and 10 cached blocks both cover a 10-block prompt; clamped at
+        zero they would tie on prefill and the lighter decode load would win.
+        """
         scorer = Scorer(ScoringWeights(overlap_weight=5.0), block_size=16)
-        assert scorer.cost(cand("a", gpu=10, decode=3), prompt_tokens=160) == 3
+        assert scorer.cost(cand("a", gpu=10, decode=3), prompt_tokens=160) == 10 - 50 + 3
+        deep, shallow = cand("deep", gpu=10, decode=8), cand("shallow", gpu=4, decode=2)
+        assert scorer.place([shallow, deep], 160).worker_id == "deep"  # type: ignore[union-attr]
 
     def test_tier_weights_on_exclusive_tiers(self) -> None:
         """Blocks beyond the GPU match are credited at host, then disk weight (Dynamo's sum)."""
