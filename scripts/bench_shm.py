@@ -7,8 +7,9 @@ For each block size (16 KiB, 256 KiB, 2 MiB, 16 MiB) this starts a real owner
 * put: ``put_many`` of a batch of fresh keys chained parent → child, as one request's
   blocks are (reserve round trip, copy into the mapping, one-way commit; the store holds
   one batch, so it evicts the previous one and records one stored and one removed event);
-* get: ``get_many`` of that batch into warm arrays (lease round trip, copy out, one-way
-  release);
+* get: ``get_many`` of that batch into warm arrays (the client knows where it put the
+  blocks, so it copies out through the segment's read index without asking the owner; see
+  ``shm.read_index``);
 * memcpy: ``numpy.copyto`` of the same batch between the same warm private arrays, one
   block-sized copy per block as put and get make, in one thread: the baseline every copy
   ratio compares with (all arrays are page-aligned, see ``_aligned``);

@@ -7,6 +7,7 @@ the right exception) lives here once.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +23,7 @@ from shm.errors import (
     error_from_code,
 )
 from shm.protocol import ErrorReply, Reply, Slots, StatsReply, Welcome
+from shm.read_index import OPTIMISTIC_READS_SUPPORTED, ReadIndex
 from shm.segment import Segment
 from shm.store import BlockKey, StoreStats
 
@@ -54,7 +56,11 @@ def stats_from_reply(reply: StatsReply) -> StoreStats:
 class Attachment:
     """A client's mapping of the owner's segment, checked against the owner's welcome."""
 
-    def __init__(self, welcome: Welcome, expected_owner_id: str | None) -> None:
+    def __init__(
+        self, welcome: Welcome, expected_owner_id: str | None, *, optimistic_reads: bool = True,
+    ) -> None:
+        """``optimistic_reads``: read through the segment's read index where it can (see
+        ``shm.read_index``; needs x86-64 and a hit cell from the owner), else lease."""
         if expected_owner_id is not None and welcome.owner_id != expected_owner_id:
             raise ForeignSegmentError(
                 f"the owner on this socket is {welcome.owner_id!r}, expected "
@@ -76,6 +82,57 @@ class Attachment:
         self.format = BlockFormat(welcome.block_bytes, welcome.dtype)
         self._rows: np.ndarray | None = self.segment.slots[:, : welcome.block_bytes]
         self._generations: np.ndarray | None = self.segment.generations
+        self._index: ReadIndex | None = None
+        if optimistic_reads and OPTIMISTIC_READS_SUPPORTED and welcome.hit_cell >= 0:
+            self._index = self.segment.index
+        self._hits = 0  # optimistic hits so far, mirrored into our hit cell
+        self._where: dict[BlockKey, int] = {}  # key → slot last seen holding it (a hint)
+
+    @property
+    def reads_optimistically(self) -> bool:
+        return self._index is not None
+
+    def read_optimistic(self, keys: Sequence[BlockKey], checked: list[Any]) -> list[bool]:
+        """Copy the blocks the read index holds into ``checked`` outputs, without the owner.
+
+        Per key, whether its block was copied and validated (its slot was not retracted
+        during the copy). Any other key must be read through the owner; its ``outs`` entry
+        may have been written. Thread-safe; the caller then reports the hits
+        (``count_hits``).
+        """
+        index = self._index
+        if index is None:
+            raise ClientDetachedError("the client is closed or does not read optimistically")
+        rows, read = self.rows(), self.format.read
+
+        def copy(i: int, slot: int) -> None:
+            read(rows, slot, checked[i])
+
+        try:
+            return index.read(keys, self._where, copy)
+        except (TypeError, IndexError) as exc:
+            raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
+
+    def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
+        """Keep where the owner found keys, as hints for later optimistic reads."""
+        if self._index is not None:
+            self._hint([(slot, key) for slot, key in zip(reply.slots, keys, strict=True)
+                        if slot is not None])
+
+    def _hint(self, pairs: list[tuple[int, BlockKey]]) -> None:
+        where = self._where
+        for slot, key in pairs:
+            where[key] = slot
+        limit = 2 * self.welcome.num_slots  # hints outlive evictions: drop the oldest half
+        if len(where) > limit:
+            for key in list(itertools.islice(where, len(where) - limit // 2)):
+                del where[key]
+
+    def count_hits(self, count: int) -> None:
+        """Add optimistic hits to our cell (the caller serializes calls: one writer)."""
+        if self._index is not None and count:
+            self._hits += count
+            self._index.hit_cells[self.welcome.hit_cell] = self._hits
 
     def rows(self) -> np.ndarray:
         if self._rows is None:
@@ -101,17 +158,29 @@ class Attachment:
         check = self.format.check_out if out else self.format.check
         return [check(a, f"block {i}") for i, a in enumerate(arrays)]
 
-    def write_blocks(self, reply: Slots, arrays: list[Any]) -> tuple[list[int], list[int]]:
-        """Copy the arrays whose keys got a slot; return the descriptors written."""
+    def write_blocks(
+        self, reply: Slots, arrays: list[Any], keys: Sequence[BlockKey] | None = None,
+    ) -> tuple[list[int], list[int]]:
+        """Copy the arrays whose keys got a slot; return the descriptors written.
+
+        With ``keys`` (a put about to commit), each slot is published in the read index as
+        soon as its bytes are in (see ``shm.read_index``), and kept as a hint.
+        """
         rows = self.rows()
         write = self.format.write
         slots: list[int] = []
         gens: list[int] = []
+        index = self._index if keys is not None else None
         for i, slot in enumerate(reply.slots):
             if slot is not None:
                 write(rows, slot, arrays[i])
+                if index is not None:
+                    index.publish_slot(slot, keys[i])  # type: ignore[index]
                 slots.append(slot)
                 gens.append(reply.generations[i])  # type: ignore[arg-type]
+        if index is not None:
+            self._hint([(slot, keys[i]) for i, slot in enumerate(reply.slots)  # type: ignore[index]
+                        if slot is not None])
         return slots, gens
 
     def read_blocks(self, reply: Slots, outs: list[Any]) -> tuple[list[int], list[int]]:
@@ -144,6 +213,7 @@ class Attachment:
     def close(self) -> None:
         self._rows = None
         self._generations = None
+        self._index = None
         self.segment.close()
 
 

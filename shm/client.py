@@ -103,7 +103,11 @@ class BlockStoreClient:
         *,
         expected_owner_id: str | None = None,
         timeout_s: float = 10.0,
+        optimistic_reads: bool = True,
     ) -> None:
+        """``optimistic_reads``: gets read through the segment's read index, asking the
+        owner only for what it does not show (see ``shm.read_index``); False: every get
+        leases through the owner."""
         self.socket_path = Path(socket_path)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -112,7 +116,8 @@ class BlockStoreClient:
             self._sock.settimeout(timeout_s)
             self._sock.connect(str(self.socket_path))
             welcome = self._call(Hello(PROTOCOL_VERSION, os.getpid()), Welcome)
-            self._attachment = Attachment(welcome, expected_owner_id)
+            self._attachment = Attachment(welcome, expected_owner_id,
+                                          optimistic_reads=optimistic_reads)
         except BaseException:
             self._detach()
             raise
@@ -155,7 +160,7 @@ class BlockStoreClient:
         checked = self._attachment.check_blocks(arrays, len(keys), out=False)
         reply = self._call(self._reserve(keys, parent_hashes, token_ids), Slots)
         try:
-            slots, gens = self._attachment.write_blocks(reply, checked)
+            slots, gens = self._attachment.write_blocks(reply, checked, keys)
         except BaseException:
             self._abort_quietly(reply)
             raise
@@ -200,9 +205,32 @@ class BlockStoreClient:
         return target
 
     def get_many(self, keys: Sequence[BlockKey], outs: Sequence[Any]) -> list[bool]:
-        """Copy each held block into its ``outs`` entry (one round trip); per key, a hit."""
-        checked = self._attachment.check_blocks(outs, len(keys), out=True)
+        """Copy each held block into its ``outs`` entry; per key, a hit.
+
+        Blocks the segment's read index shows are copied without asking the owner; the rest
+        (misses included) take one lease round trip. A missed key's ``outs`` entry may have
+        been written.
+        """
+        attachment = self._attachment
+        checked = attachment.check_blocks(outs, len(keys), out=True)
+        if not attachment.reads_optimistically:
+            return self._get_leased(keys, checked)
+        hits = attachment.read_optimistic(keys, checked)
+        found = hits.count(True)
+        if found:
+            with self._lock:
+                attachment.count_hits(found)
+        if found == len(hits):
+            return hits
+        rest = [i for i, hit in enumerate(hits) if not hit]
+        for i, hit in zip(rest, self._get_leased([keys[i] for i in rest],
+                                                 [checked[i] for i in rest]), strict=True):
+            hits[i] = hit
+        return hits
+
+    def _get_leased(self, keys: Sequence[BlockKey], checked: list[Any]) -> list[bool]:
         reply = self._call(Lease(*split_keys(keys)), Slots)
+        self._attachment.remember(keys, reply)
         try:
             self._attachment.read_blocks(reply, checked)
         finally:

@@ -53,7 +53,7 @@ __all__ = [
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 2  # 2: Publish
+PROTOCOL_VERSION = 3  # 2: Publish; 3: the segment's read index and Welcome.hit_cell
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 
@@ -149,6 +149,7 @@ class Welcome(_Msg, frozen=True, array_like=True, gc=False, tag=101):
     num_slots: int
     dtype: str
     layout: str
+    hit_cell: int = -1  # this client's cell in the read index's hit counters; -1: none
 
 
 class Slots(_Msg, frozen=True, array_like=True, gc=False, tag=102):
@@ -177,6 +178,7 @@ class StatsReply(_Msg, frozen=True, array_like=True, gc=False, tag=105):
     num_hits: int
     num_misses: int
     num_evictions: int
+    num_optimistic_hits: int
 
 
 class ErrorReply(_Msg, frozen=True, array_like=True, gc=False, tag=106):

@@ -3,11 +3,14 @@
 One segment holds one block store's memory, laid out as::
 
     [0, 4096)                 header (``_HEADER``), written once by the owner, last
-    [4096, data_offset)       generation table: one little-endian u64 per slot
+    [4096, index_offset)      generation table: one little-endian u64 per slot
+    [index_offset, data_off)  read index (``shm.read_index``): per-slot keys and seqlock,
+                              key buckets, reader marks
     [data_offset, size)       ``num_slots`` slots of ``slot_bytes`` each (512-byte aligned)
 
-The owner is the only writer of the header and of the generation table; clients only
-read them. The header is written *after* the memory is allocated and pre-faulted, and
+The owner is the only writer of the header, the generation table and the read index's keys,
+seqs and buckets; clients only read them (they set the index's touched marks and their own
+hit cell). The header is written *after* the memory is allocated and pre-faulted, and
 carries a CRC-32, so a segment left half-made by a crash never validates.
 
 Names are ``/kvsidecar-<owner_id>-<purpose>-<uuid8>``. The owner holds an exclusive
@@ -37,6 +40,7 @@ import posix_ipc  # type: ignore[import-not-found]  # ships no type stubs
 import structlog
 
 from shm.errors import ForeignSegmentError, HeaderCorruptError, OwnerConflictError
+from shm.read_index import ReadIndex, ReadIndexLayout
 
 __all__ = [
     "HEADER_VERSION",
@@ -54,7 +58,7 @@ log = structlog.get_logger(component="shm")
 SEGMENT_PREFIX = "kvsidecar-"
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVSHMSEG"
-HEADER_VERSION = 1
+HEADER_VERSION = 2  # 2: the read index
 HEADER_BYTES = 4096
 SLOT_ALIGN_BYTES = 512
 PAGE_BYTES = 4096
@@ -126,8 +130,13 @@ class SegmentHeader:
         return HEADER_BYTES
 
     @property
+    def index_offset(self) -> int:
+        return HEADER_BYTES + 8 * self.num_slots
+
+    @property
     def data_offset(self) -> int:
-        return _align_up(HEADER_BYTES + 8 * self.num_slots, PAGE_BYTES)
+        index_bytes = ReadIndexLayout(self.num_slots).nbytes
+        return _align_up(self.index_offset + index_bytes, PAGE_BYTES)
 
     @property
     def segment_bytes(self) -> int:
@@ -202,8 +211,9 @@ class SegmentHeader:
 class Segment:
     """One mapped segment. The creating owner unlinks it; attachers only ``close()``.
 
-    ``slots`` is a ``(num_slots, slot_bytes)`` uint8 view and ``generations`` a u64 view of
-    the generation table; both die with the segment, so never keep them past ``close()``.
+    ``slots`` is a ``(num_slots, slot_bytes)`` uint8 view, ``generations`` a u64 view of
+    the generation table and ``index`` the read index over its region; all die with the
+    segment, so never keep them past ``close()``.
     """
 
     def __init__(
@@ -222,6 +232,8 @@ class Segment:
         self.slots: np.ndarray = whole[header.data_offset : header.segment_bytes].reshape(
             header.num_slots, header.slot_bytes
         )
+        self.index = ReadIndex(whole[header.index_offset : header.data_offset],
+                               header.num_slots, owner=owner)
         self._unlinked = False
 
     @classmethod
@@ -307,7 +319,7 @@ class Segment:
         """Unmap (idempotent). Views handed out from ``slots`` must be gone by now."""
         if self._mm is None:
             return
-        del self.slots, self.generations
+        del self.slots, self.generations, self.index
         mm, self._mm = self._mm, None
         try:
             mm.close()

@@ -26,9 +26,11 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from types import TracebackType
 from typing import assert_never, cast
 
+import msgspec
 import structlog
 
 from adapters.canonical.events import KVEvent
@@ -59,6 +61,7 @@ from shm.protocol import (
     decode_request,
     encode,
 )
+from shm.read_index import MAX_HIT_CELLS
 from shm.segment import Segment, unlink_stale_segments
 from shm.store import BlockStore, SessionId, StoreStats
 
@@ -81,7 +84,11 @@ class BlockStoreOwner:
         self.store: BlockStore | None = None
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
-        self._welcome = b""
+        self._welcome: Welcome | None = None
+        # Optimistic readers count their hits in cells of the segment's read index.
+        self._free_cells = list(range(MAX_HIT_CELLS - 1, -1, -1))
+        self._cell_of: dict[SessionId, int] = {}
+        self._retired_hits = 0  # counted in the cells of clients now gone
         self._bound = False
         self.num_listener_errors = 0
         self.num_rejected_releases = 0
@@ -119,9 +126,9 @@ class BlockStoreOwner:
                 worker_id=cfg.effective_worker_id,
                 epoch=self.epoch,
                 generation_mirror=self.segment.generations,
+                read_index=self.segment.index,
             )
-            self._welcome = encode(
-                Welcome(
+            self._welcome = Welcome(
                     protocol_version=PROTOCOL_VERSION,
                     owner_id=cfg.owner_id,
                     worker_id=cfg.effective_worker_id,
@@ -132,7 +139,6 @@ class BlockStoreOwner:
                     dtype=cfg.dtype,
                     layout=cfg.layout,
                 )
-            )
             loop = asyncio.get_running_loop()
             self._server = await loop.create_unix_server(
                 lambda: _Connection(self), path=str(cfg.socket_path)
@@ -182,7 +188,7 @@ class BlockStoreOwner:
             self._server = None
         if self.store is not None:
             self.store.clear()
-            self._drain_events()
+            self.drain_events()
             self.store = None  # it holds a view of the segment's generation table
         self._release_segment()
         if self._bound:  # never remove a socket file we did not create
@@ -198,12 +204,21 @@ class BlockStoreOwner:
 
     # ----------------------------------------------------------------- requests
     def stats(self) -> StoreStats:
-        if self.store is None:
+        """The store's statistics, hits counting the clients' optimistic reads too."""
+        if self.store is None or self.segment is None:
             raise RuntimeError("the owner is not started")
-        return self.store.stats()
+        stats = self.store.stats()
+        cells = self.segment.index.hit_cells
+        optimistic = self._retired_hits + sum(int(cells[c]) for c in self._cell_of.values())
+        return replace(stats, num_hits=stats.num_hits + optimistic,
+                       num_optimistic_hits=optimistic)
 
-    def handle(self, session: SessionId, body: bytes) -> bytes | None:
-        """One request frame body → one reply frame (``None`` for one-way frames)."""
+    def handle(self, session: SessionId, body: bytes, *, drain: bool = True) -> bytes | None:
+        """One request frame body → one reply frame (``None`` for one-way frames).
+
+        ``drain=False`` leaves the store's events for ``drain_events``: a connection sends
+        the reply first, so the listener's work is not on the client's round trip.
+        """
         if self.store is None:
             return encode(ErrorReply("client_detached", "the owner is shutting down"))
         try:
@@ -227,7 +242,8 @@ class BlockStoreOwner:
             log.exception("shm_request_failed", session=session, request=type(msg).__name__)
             reply = None if isinstance(msg, Release | Publish) else encode(
                 ErrorReply(BlockStoreError.code, f"internal error: {exc!r}"))
-        self._drain_events()
+        if drain:
+            self.drain_events()
         return reply
 
     def _dispatch(self, store: BlockStore, session: SessionId, msg: Request) -> bytes | None:
@@ -254,14 +270,16 @@ class BlockStoreOwner:
             case Remove(namespaces, hashes):
                 return encode(Flags(store.remove(_keys(namespaces, hashes))))
             case Stats():
-                return encode(_stats_reply(store.stats()))
+                return encode(_stats_reply(self.stats()))
             case Ping():
                 return _DONE
             case Hello(version, _pid):
                 if version != PROTOCOL_VERSION:
                     raise ProtocolError(
                         f"client speaks protocol {version}, owner {PROTOCOL_VERSION}")
-                return self._welcome
+                assert self._welcome is not None  # set before the server accepts anyone
+                return encode(msgspec.structs.replace(
+                    self._welcome, hit_cell=self._cell_of.get(session, -1)))
             case _:
                 assert_never(msg)
 
@@ -290,7 +308,7 @@ class BlockStoreOwner:
         for conn in waiting:
             conn.run_queued()
 
-    def _drain_events(self) -> None:
+    def drain_events(self) -> None:
         if self.store is None:
             return
         events = self.store.take_events()
@@ -307,13 +325,22 @@ class BlockStoreOwner:
         if self.store is None:
             raise RuntimeError("the owner is not started")
         self._connections.add(conn)
-        return self.store.open_session()
+        session = self.store.open_session()
+        if self._free_cells:  # else the client leases every read (1,024 clients attached)
+            self._cell_of[session] = self._free_cells.pop()
+        return session
 
     def session_closed(self, conn: _Connection, session: SessionId) -> None:
         self._connections.discard(conn)
+        cell = self._cell_of.pop(session, None)
+        if cell is not None and self.segment is not None:
+            cells = self.segment.index.hit_cells
+            self._retired_hits += int(cells[cell])
+            cells[cell] = 0
+            self._free_cells.append(cell)
         if self.store is not None:
             self.store.close_session(session)
-            self._drain_events()
+            self.drain_events()
 
 
 def _stats_reply(stats: StoreStats) -> StatsReply:
@@ -364,21 +391,19 @@ class _Connection(asyncio.Protocol):
                 if not self._owner.wait_turn(self):
                     self.run_queued()
                 return
-            handle(session, body)
+            handle(session, body)  # one-way: nobody waits, drain at once
 
     def run_queued(self) -> None:
-        """Handle the queued frames in order and send their replies in one write."""
+        """Handle the queued frames in order, sending each reply as soon as it is made."""
         bodies, self._queued = self._queued, []
         if self._session is None or not bodies:
             return
-        handle, session = self._owner.handle, self._session
-        replies = [r for body in bodies if (r := handle(session, body))]
-        if self._transport is None or self._transport.is_closing():
-            return
-        if len(replies) == 1:
-            self._transport.write(replies[0])
-        elif replies:
-            self._transport.write(b"".join(replies))
+        owner, session = self._owner, self._session
+        for body in bodies:  # reply first: the listener's work is not on the round trip
+            reply = owner.handle(session, body, drain=False)
+            if reply and self._transport is not None and not self._transport.is_closing():
+                self._transport.write(reply)
+            owner.drain_events()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._session is not None:

@@ -1,22 +1,26 @@
 """The block store core: keys → slots, reservations, leases, LRU eviction, host-tier events.
 
 Pure and synchronous: no sockets, no asyncio, no shared memory of its own (the owner hands
-it the segment's generation table to mirror). Callers are *sessions* (one per client
+it the segment's generation table to mirror and its read index to keep in step: see
+``shm.read_index``). Callers are *sessions* (one per client
 connection); whatever a session holds is given back by ``close_session`` when its client
 goes away.
 
 A put is two steps: ``reserve`` hands out slots for the keys not yet held (invisible to
 readers), the client copies its bytes in, then ``commit`` makes them visible and records
 a ``BlockStored`` event. A writer that dies between the two leaves nothing visible: its
-reservations are freed with its session. A get is ``lease`` (the slot cannot be evicted or
-reused while any lease is held), a copy out, then ``release``.
+reservations are freed with its session. A get through the owner is ``lease`` (the slot
+cannot be evicted or reused while any lease is held), a copy out, then ``release``; most
+gets never reach the store, they read through the read index.
 
 Eviction is least-recently-used over committed blocks, skipping leased ones: ``_lru``
 holds every committed block in order of last use (a commit or a lease moves a block to
 the end), and eviction, done only when a reservation needs slots, takes unleased blocks
 from the front (a lease no longer costs an LRU removal and a release an LRU insertion).
-Every commit, eviction and removal is recorded as a normalized host-tier event, which the
-owner drains with ``take_events``.
+With a read index, readers also use blocks without telling the store: eviction then ranks
+the oldest blocks by their last use, the store's or a reader's (``_pick_victims``).
+Every commit, eviction and removal is recorded as a normalized host-tier event
+(``shm.host_events``), which the owner drains with ``take_events``.
 
 State is kept per slot in flat lists rather than per-block objects: a batch of 64 keys
 costs a few dictionary operations per key and no allocation beyond the reply lists. The
@@ -28,14 +32,17 @@ Descriptors travel as two parallel lists, ``slots`` and ``generations``.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from adapters.canonical.events import KVEvent
 from shm.errors import StaleDescriptorError, StoreFullError
+from shm.host_events import HostEventLog
 from shm.pool import SlotPool
+from shm.read_index import ReadIndex
 
 __all__ = ["BlockKey", "BlockStore", "SessionId", "StoreStats"]
 
@@ -43,15 +50,11 @@ BlockKey = tuple[int, int]
 """``(namespace_seed, block_hash)``, both unsigned 64-bit."""
 SessionId = NewType("SessionId", int)
 
+# Blocks beyond the ones needed that an eviction ranks by last use (see ``_pick_victims``).
+_EVICTION_WINDOW = 64
+
 # What a slot holds (``_state``).
 _FREE, _RESERVED, _COMMITTED, _DOOMED = 0, 1, 2, 3  # DOOMED: removed while leased
-
-
-def _uniform_tokens(token_lists: list[list[int] | None]) -> bool:
-    """Whether blocks can share one event's flat ``token_ids``: all absent, or all one size."""
-    if token_lists[0] is None:
-        return token_lists.count(None) == len(token_lists)
-    return None not in token_lists and len({len(t) for t in token_lists}) == 1  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -74,6 +77,7 @@ class StoreStats:
     num_hits: int
     num_misses: int
     num_evictions: int
+    num_optimistic_hits: int = 0  # of num_hits, read through the read index (the owner's)
 
 
 class BlockStore:
@@ -81,8 +85,11 @@ class BlockStore:
 
     def __init__(
         self, num_slots: int, *, worker_id: str, epoch: int, generation_mirror: Any = None,
+        read_index: ReadIndex | None = None,
     ) -> None:
+        """``read_index``: the segment's index to keep in step for optimistic readers."""
         self._pool = SlotPool(num_slots, generation_mirror)
+        self._index = read_index
         self.worker_id = worker_id
         self.epoch = epoch
         self._blocks: dict[BlockKey, int] = {}  # committed, visible: key → slot
@@ -93,12 +100,14 @@ class BlockStore:
         self._leases = [0] * num_slots
         self._parent: list[int | None] = [None] * num_slots
         self._tokens: list[list[int] | None] = [None] * num_slots
+        # Last commit or lease (monotonic ns): with a read index, eviction weighs readers'
+        # uses against it.
+        self._used_ns = [0] * num_slots
         self._num_leased = 0  # slots with a lease
         self._num_doomed = 0  # removed while leased: leased, no longer in _blocks or _lru
         self._sessions: dict[SessionId, _Session] = {}
         self._next_session = 1
-        self._seq = 0
-        self._events: list[KVEvent] = []
+        self._log = HostEventLog(worker_id, epoch)
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
 
     # ----------------------------------------------------------------- sessions
@@ -117,6 +126,8 @@ class BlockStore:
         for slot in slots:
             del self._reserved[self._key[slot]]  # type: ignore[arg-type]
             self._vacate(slot)
+        if self._index is not None:  # its writer may have published them before dying
+            self._index.unpublish(slots)
         self._pool.free(slots)
         self._drop_leases(state.leases)
 
@@ -199,26 +210,49 @@ class BlockStore:
                 f"{len(self._reserved)} being written)"
             )
         need = count - free
-        if not leased_in_lru:
-            evicted = [lru.popitem(last=False) for _ in range(need)]
-        else:  # skip leased blocks, oldest first
-            leases = self._leases
-            evicted = []
-            for key, slot in lru.items():
-                if not leases[slot]:
-                    evicted.append((key, slot))
-                    if len(evicted) == need:
-                        break
-            for key, _ in evicted:
-                del lru[key]
+        evicted = self._pick_victims(need)
         blocks, key_of, st = self._blocks, self._key, self._state
         for key, slot in evicted:  # committed slots keep no parent or tokens (see commit)
             del blocks[key]
             key_of[slot] = None
             st[slot] = _FREE
+        if self._index is not None:
+            self._index.retract([slot for _, slot in evicted])
         self._pool.free([slot for _, slot in evicted])
         self._num_evictions += len(evicted)
-        self._emit_removed([key[1] for key, _ in evicted])
+        self._log.removed([key[1] for key, _ in evicted])
+
+    def _pick_victims(self, need: int) -> list[tuple[BlockKey, int]]:
+        """The ``need`` least recently used unleased blocks, taken out of the LRU.
+
+        With a read index, readers also use blocks without telling us (``ReadIndex``): the
+        oldest unleased blocks by our order, ``need`` plus a window of them, are ranked by
+        their last use, ours or a reader's, and the oldest go; those read since we last
+        used them move to the back, in the order they were read.
+        """
+        lru, index = self._lru, self._index
+        if not (self._num_leased - self._num_doomed) and (index is None or need >= len(lru)):
+            return [lru.popitem(last=False) for _ in range(need)]  # nothing to choose between
+        leases = self._leases
+        window = need if index is None else need + _EVICTION_WINDOW
+        candidates: list[tuple[BlockKey, int]] = []
+        for key, slot in lru.items():
+            if not leases[slot]:
+                candidates.append((key, slot))
+                if len(candidates) == window:
+                    break
+        if index is not None and len(candidates) > need:
+            used, read = self._used_ns, index.last_read_ns
+            last_use = {slot: max(used[slot], read(slot)) for _, slot in candidates}
+            candidates.sort(key=lambda item: last_use[item[1]])  # stable: ties keep LRU order
+            for key, slot in candidates[need:]:
+                if last_use[slot] > used[slot]:
+                    used[slot] = last_use[slot]
+                    lru.move_to_end(key)
+        victims = candidates[:need]
+        for key, _ in victims:
+            del lru[key]
+        return victims
 
     def _check_reserved(
         self, state: _Session, slots: Sequence[int], generations: Sequence[int]
@@ -241,12 +275,16 @@ class BlockStore:
         self._check_reserved(state, slots, generations)
         reserved, blocks, lru, key_of, st = (
             self._reserved, self._blocks, self._lru, self._key, self._state)
+        index, now, used = self._index, time.monotonic_ns(), self._used_ns
         for slot in slots:
             key = key_of[slot]
             del reserved[key]  # type: ignore[arg-type]
             blocks[key] = slot  # type: ignore[index]
             lru[key] = slot  # type: ignore[index]
             st[slot] = _COMMITTED
+            used[slot] = now
+            if index is not None:
+                index.publish_slot(slot, key)  # type: ignore[arg-type]
         state.reserved.difference_update(slots)
         self._num_puts += len(slots)
         self._emit_stored(slots)
@@ -259,6 +297,8 @@ class BlockStore:
             del self._reserved[self._key[slot]]  # type: ignore[arg-type]
             self._vacate(slot)
         state.reserved.difference_update(slots)
+        if self._index is not None:
+            self._index.unpublish(slots)
         self._pool.free(list(slots))
 
     # ---------------------------------------------------------------------- get
@@ -282,6 +322,7 @@ class BlockStore:
         mine = state.leases
         held = mine.get
         newly = 0
+        now, used = time.monotonic_ns(), self._used_ns
         for key, slot in zip(hit_keys, slots, strict=True):
             count = leases[slot]
             if not count:
@@ -289,6 +330,7 @@ class BlockStore:
             leases[slot] = count + 1
             mine[slot] = held(slot, 0) + 1
             touch(key)  # a read makes a block recent
+            used[slot] = now
         self._num_leased += newly
         gens = self._pool.generations
         self._num_hits += len(keys) - misses
@@ -349,12 +391,14 @@ class BlockStore:
         removed: list[bool] = []
         hashes: list[int] = []
         free: list[int] = []
+        gone: list[tuple[BlockKey, int]] = []
         for key in keys:
             slot = self._blocks.pop(key, None)
             removed.append(slot is not None)
             if slot is None:
                 continue
             hashes.append(key[1])
+            gone.append((key, slot))
             del self._lru[key]
             if self._leases[slot]:
                 self._state[slot] = _DOOMED
@@ -362,14 +406,18 @@ class BlockStore:
             else:
                 self._vacate(slot)
                 free.append(slot)
+        if self._index is not None and gone:
+            self._index.retract([slot for _, slot in gone])
         self._pool.free(free)
-        self._emit_removed(hashes)
+        self._log.removed(hashes)
         return removed
 
     def clear(self) -> None:
         """Drop every block (leased ones when released) and record ``AllBlocksCleared``."""
         if not self._blocks:
             return
+        if self._index is not None:
+            self._index.retract_all()
         for slot in self._blocks.values():
             if self._leases[slot]:
                 self._state[slot] = _DOOMED
@@ -379,25 +427,14 @@ class BlockStore:
                 self._pool.free([slot])
         self._blocks.clear()
         self._lru.clear()
-        self._seq += 1
-        self._events.append(AllBlocksCleared(self.worker_id, self.epoch, self._seq, Tier.HOST))
+        self._log.cleared()
 
     # ------------------------------------------------------------------- events
     def take_events(self) -> list[KVEvent]:
         """Events recorded since the last call, in sequence order."""
-        events, self._events = self._events, []
-        return events
-
-    def _emit_removed(self, hashes: list[int]) -> None:
-        if hashes:
-            self._seq += 1
-            self._events.append(
-                BlockRemoved(self.worker_id, self.epoch, self._seq, Tier.HOST, hashes))
+        return self._log.take()
 
     def _emit_stored(self, slots: Sequence[int]) -> None:
-        """One ``BlockStored`` per run of committed slots that chain parent → child."""
-        if not slots:
-            return
         key_of, parent, tokens = self._key, self._parent, self._tokens
         hashes = [key_of[s][1] for s in slots]  # type: ignore[index]
         parents = [parent[s] for s in slots]
@@ -405,23 +442,7 @@ class BlockStore:
         for slot in slots:  # the events carry them now; the slots need not
             parent[slot] = None
             tokens[slot] = None
-        start = 0
-        if parents[1:] != hashes[:-1] or not _uniform_tokens(token_lists):
-            for i in range(1, len(slots)):  # the slow path: find where chains break
-                if parents[i] != hashes[i - 1] or not _uniform_tokens(token_lists[i - 1 : i + 1]):
-                    self._emit_run(hashes[start:i], parents[start], token_lists[start:i])
-                    start = i
-        self._emit_run(hashes[start:], parents[start], token_lists[start:])
-
-    def _emit_run(
-        self, hashes: list[int], parent_hash: int | None, token_lists: list[list[int] | None]
-    ) -> None:
-        run_tokens = None
-        if token_lists[0] is not None:
-            run_tokens = [t for block in token_lists for t in block]  # type: ignore[union-attr]
-        self._seq += 1
-        self._events.append(BlockStored(
-            self.worker_id, self.epoch, self._seq, Tier.HOST, hashes, parent_hash, run_tokens))
+        self._log.stored(hashes, parents, token_lists)
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> StoreStats:
@@ -440,28 +461,6 @@ class BlockStore:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping disagrees with itself (for tests)."""
-        pool, st = self._pool, self._state
-        used = [s for s in range(pool.num_slots) if st[s] != _FREE]
-        if len(used) + pool.num_free_slots != pool.num_slots:
-            raise AssertionError(f"{len(used)} used + {pool.num_free_slots} free slots != "
-                                 f"{pool.num_slots}")
-        if any(pool.is_free(s) for s in used):
-            raise AssertionError("a used slot is also on the free list")
-        if sorted(self._blocks.values()) != sorted(s for s in used if st[s] == _COMMITTED):
-            raise AssertionError("the index disagrees with the committed slots")
-        if sorted(self._reserved.values()) != sorted(s for s in used if st[s] == _RESERVED):
-            raise AssertionError("the reservations disagree with the reserved slots")
-        if self._blocks != dict(self._lru):
-            raise AssertionError("the LRU does not hold exactly the committed blocks")
-        by_sessions: dict[int, int] = {}
-        for state in self._sessions.values():
-            for slot, count in state.leases.items():
-                by_sessions[slot] = by_sessions.get(slot, 0) + count
-        if by_sessions != {s: n for s, n in enumerate(self._leases) if n}:
-            raise AssertionError("lease counts disagree with the sessions holding them")
-        if self._num_leased != len(by_sessions):
-            raise AssertionError("the leased-block count is off")
-        if self._num_doomed != sum(st[s] == _DOOMED for s in used):
-            raise AssertionError("the removed-while-leased count is off")
-        if any(st[s] == _DOOMED and not self._leases[s] for s in used):
-            raise AssertionError("a removed block kept its slot with no lease left")
+        from shm.store_checks import check_store  # noqa: PLC0415 - test support only
+
+        check_store(self)

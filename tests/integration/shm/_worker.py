@@ -1,11 +1,14 @@
 """A block store client run as its own process by the integration tests.
 
     python _worker.py SOCKET write NS FIRST COUNT BLOCK_BYTES   put in batches of 8, print "done"
-    python _worker.py SOCKET read NS FIRST COUNT BLOCK_BYTES ROUNDS
-        read the range repeatedly in batches of 8, check every hit byte-exact, print "hits N"
+    python _worker.py SOCKET read NS[,NS...] FIRST COUNT BLOCK_BYTES ROUNDS
+        read the range (of each namespace) repeatedly in batches of 8, check every hit
+        byte-exact, print "hits N"
     python _worker.py SOCKET lease NS FIRST COUNT               lease, print "leased", hang
     python _worker.py SOCKET half-write NS FIRST COUNT          reserve, fill half, print
                                                                 "reserved", hang
+    python _worker.py SOCKET unsent-put NS FIRST COUNT          reserve, write and publish in
+        the read index as put_many does, but never send the commit; print "written SLOTS", hang
 
 Block contents are a pure function of the key, so any process can check any block.
 """
@@ -34,8 +37,10 @@ def main(argv: list[str]) -> int:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
     )
-    sock, command, ns, first, count = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4])
-    keys = [(ns, h) for h in range(first, first + count)]
+    sock, command, first, count = argv[0], argv[1], int(argv[3]), int(argv[4])
+    namespaces = [int(n) for n in argv[2].split(",")]
+    ns = namespaces[0]
+    keys = [(n, h) for n in namespaces for h in range(first, first + count)]
     with BlockStoreClient(sock) as client:
         if command == "write":
             block_bytes = int(argv[5])
@@ -52,14 +57,14 @@ def main(argv: list[str]) -> int:
             done = 0
             while done < rounds or (hits == 0 and time.monotonic() < deadline):
                 done += 1
-                for start in range(0, count, 8):  # at most 8 leases held at a time
+                for start in range(0, len(keys), 8):  # at most 8 leases held at a time
                     batch, batch_outs = keys[start : start + 8], outs[start : start + 8]
-                    for got, (_, h), out in zip(client.get_many(batch, batch_outs), batch,
+                    for got, (n, h), out in zip(client.get_many(batch, batch_outs), batch,
                                                 batch_outs, strict=True):
                         if got:
                             hits += 1
-                            if not np.array_equal(out, content(ns, h, block_bytes)):
-                                print(f"mismatch {h}", flush=True)
+                            if not np.array_equal(out, content(n, h, block_bytes)):
+                                print(f"mismatch {n} {h}", flush=True)
                                 return 1
             print(f"hits {hits}", flush=True)
         elif command == "lease":
@@ -72,6 +77,14 @@ def main(argv: list[str]) -> int:
                 if view is not None:
                     view[:] = 0xAB
             print("reserved", flush=True)
+            sys.stdin.read()  # hang until killed
+        elif command == "unsent-put":  # put_many stopped just before its Publish frame
+            from shm.protocol import Slots
+
+            reply = client._call(client._reserve(keys, None, None), Slots)
+            arrays = [np.full(client.block_bytes, 0xCD, np.uint8) for _ in keys]
+            slots, _ = client._attachment.write_blocks(reply, arrays, keys)
+            print("written", *slots, flush=True)
             sys.stdin.read()  # hang until killed
         else:
             print(f"unknown command {command}", file=sys.stderr)

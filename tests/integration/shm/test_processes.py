@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from shm import BlockStoreClient, ClientDetachedError, StoreFullError, segments_of
-from shm.segment import unlink_stale_segments
+from shm.segment import Segment, unlink_stale_segments
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("_worker.py")
@@ -131,10 +131,14 @@ def owner_id() -> str:
 
 
 def test_concurrent_writers_and_readers_are_byte_exact(procs: Processes, owner_id: str) -> None:
-    """Two writers and two readers in four processes, with eviction: every hit is exact."""
+    """Two writers and two readers in four processes, with eviction: every hit is exact.
+
+    Readers read both namespaces: one reading only its own could find every block of it
+    evicted, as LRU should when the other reader keeps its blocks recent.
+    """
     owner = procs.owner(owner_id, slots=64, block_bytes=4096)
     writers = [procs.worker(owner.socket, "write", ns, 1, 96, 4096) for ns in (1, 2)]
-    readers = [procs.worker(owner.socket, "read", ns, 1, 96, 4096, 150) for ns in (1, 2)]
+    readers = [procs.worker(owner.socket, "read", "1,2", 1, 96, 4096, 75) for _ in (1, 2)]
     assert [read_line(w) for w in writers] == ["done", "done"]
     results = [read_line(r) for r in readers]
     assert all(r.startswith("hits ") and int(r.split()[1]) > 0 for r in results), results
@@ -186,6 +190,57 @@ def test_writer_killed_mid_write(procs: Processes, owner_id: str) -> None:
         assert client.put_many(keys, [content(3, h, 4096) for h in range(4)]) == [True] * 4
         for key in keys:
             assert client.get(key).tobytes() == content(*key, 4096).tobytes()
+
+
+def test_reads_skip_the_owner_once_a_client_knows_where_blocks_are(
+    procs: Processes, owner_id: str
+) -> None:
+    """A client reads what it put without a round trip; another client leases the first
+    time, then reads optimistically too; a client with optimistic reads off always leases.
+    The owner counts every hit, optimistic ones included, also after their client left."""
+    owner = procs.owner(owner_id, slots=16, block_bytes=4096)
+    keys = [(5, h) for h in range(8)]
+    outs = [np.empty(4096, np.uint8) for _ in keys]
+
+    def read_all(client: BlockStoreClient) -> None:
+        assert client.get_many(keys, outs) == [True] * 8
+        assert all(o.tobytes() == content(*k, 4096).tobytes() for k, o in zip(keys, outs,
+                                                                              strict=True))
+
+    with BlockStoreClient(owner.socket) as writer:
+        assert writer.put_many(keys, [content(*k, 4096) for k in keys]) == [True] * 8
+        read_all(writer)
+        assert (writer.stats().num_hits, writer.stats().num_optimistic_hits) == (8, 8)
+        with BlockStoreClient(owner.socket) as other:
+            read_all(other)  # no hints yet: one lease
+            read_all(other)  # the lease told it where they are
+        assert (writer.stats().num_hits, writer.stats().num_optimistic_hits) == (24, 16)
+        with BlockStoreClient(owner.socket, optimistic_reads=False) as leasing:
+            read_all(leasing)
+            read_all(leasing)
+        assert (writer.stats().num_hits, writer.stats().num_optimistic_hits) == (40, 16)
+
+
+def test_writer_killed_after_publishing_its_slots(procs: Processes, owner_id: str) -> None:
+    """A writer that made its slots readable but died before committing leaves nothing
+    readable: the owner makes those slots odd again before it frees them."""
+    owner = procs.owner(owner_id, slots=8, block_bytes=4096)
+    writer = procs.worker(owner.socket, "unsent-put", 6, 0, 4)
+    line = read_line(writer)
+    assert line.startswith("written ")
+    slots = [int(s) for s in line.split()[1:]]
+    segment = Segment.attach(owner.segment)
+    try:
+        assert [int(segment.index.seq[s]) % 2 for s in slots] == [0, 0, 0, 0]  # readable
+        with BlockStoreClient(owner.socket) as client:
+            assert client.contains_many([(6, h) for h in range(4)]) == [False] * 4
+            writer.send_signal(signal.SIGKILL)
+            writer.wait(timeout=DEADLINE_S)
+            wait_until(lambda: client.stats().num_reserved == 0, "reservations to be freed")
+            assert [int(segment.index.seq[s]) % 2 for s in slots] == [1, 1, 1, 1]
+            assert client.contains_many([(6, h) for h in range(4)]) == [False] * 4
+    finally:
+        segment.close()
 
 
 def test_owner_restart_unlinks_stale_segments(procs: Processes, owner_id: str) -> None:

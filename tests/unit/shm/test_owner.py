@@ -74,7 +74,8 @@ async def test_put_get_round_trip_is_byte_exact(sock_dir: Path, owner_id: str) -
 
 
 async def test_large_copies_off_the_loop(sock_dir: Path, owner_id: str) -> None:
-    """With a zero inline threshold copies run in a worker thread and stay exact."""
+    """With a zero inline threshold copies run in a worker thread and stay exact (the get
+    reads optimistically: the client knows where it put the blocks)."""
     async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
         client = await AsyncBlockStoreClient.connect(owner.config.socket_path,
                                                      inline_copy_bytes=0)
@@ -83,6 +84,7 @@ async def test_large_copies_off_the_loop(sock_dir: Path, owner_id: str) -> None:
             outs = [np.empty(BLOCK, np.uint8) for _ in range(4)]
             assert await client.get_many([(0, i) for i in range(4)], outs) == [True] * 4
             assert all(o.tobytes() == block(i).tobytes() for i, o in enumerate(outs))
+            assert (await client.stats()).num_optimistic_hits == 4
         finally:
             await client.aclose()
 

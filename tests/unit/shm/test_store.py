@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from shm.errors import StaleDescriptorError, StoreFullError
+from shm.read_index import ReadIndex, ReadIndexLayout
 from shm.store import BlockStore
 
 NS = 42
@@ -196,14 +198,16 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.store = BlockStore(6, worker_id="w", epoch=1)
+        region = np.zeros(ReadIndexLayout(6).nbytes, np.uint8)
+        self.index = ReadIndex(region, 6, owner=True)  # kept in step: see check_invariants
+        self.store = BlockStore(6, worker_id="w", epoch=1, read_index=self.index)
         self.sessions = [self.store.open_session() for _ in range(3)]
         self.leases: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
         self.stored_seq = 0
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4),
-          commit=st.booleans())
-    def put(self, who: int, hashes: list[int], commit: bool) -> None:
+          commit=st.booleans(), writer_publishes=st.booleans())
+    def put(self, who: int, hashes: list[int], commit: bool, writer_publishes: bool) -> None:
         session = self.sessions[who]
         try:
             slots, gens = self.store.reserve(session, keys(*hashes))
@@ -211,8 +215,24 @@ class StoreMachine(RuleBasedStateMachine):
             return
         got = [(s, g) for s, g in zip(slots, gens, strict=True) if s is not None]
         assert len({s for s, _ in got}) == len(got)
+        if writer_publishes:  # as a client does once its bytes are in, before committing
+            for slot, key in zip(slots, keys(*hashes), strict=True):
+                if slot is not None:
+                    self.index.publish_slot(slot, key)
         if commit:
             self.store.commit(session, [s for s, _ in got], [g for _, g in got])
+
+    @rule(hashes=st.lists(st.integers(0, 12), max_size=4),
+          hint_slots=st.lists(st.integers(0, 5), min_size=4, max_size=4))
+    def read_optimistically(self, hashes: list[int], hint_slots: list[int]) -> None:
+        """A reader with arbitrary (often stale) hints copies only a block whose bytes are
+        complete: committed, or reserved and published by its writer (about to commit)."""
+        wanted = keys(*hashes)
+        hints = dict(zip(wanted, hint_slots, strict=False))
+        hits = self.index.read(wanted, hints, lambda i, slot: None)
+        blocks, reserved = self.store._blocks, self.store._reserved  # the store's truth
+        for key, hit in zip(wanted, hits, strict=True):
+            assert not hit or hints[key] in (blocks.get(key), reserved.get(key))
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4))
     def lease(self, who: int, hashes: list[int]) -> None:

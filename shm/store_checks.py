@@ -1,0 +1,54 @@
+"""The block store's consistency checks, for tests (``BlockStore.check_invariants``).
+
+They read the store's private books on purpose: the point is to check them against each
+other and against the slot pool and the read index.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shm.store import _COMMITTED, _DOOMED, _FREE, _RESERVED
+
+if TYPE_CHECKING:
+    from shm.store import BlockStore
+
+__all__ = ["check_store"]
+
+
+def check_store(store: BlockStore) -> None:
+    """Raise ``AssertionError`` if the store's bookkeeping disagrees with itself."""
+    pool, st = store._pool, store._state
+    used = [s for s in range(pool.num_slots) if st[s] != _FREE]
+    if len(used) + pool.num_free_slots != pool.num_slots:
+        raise AssertionError(f"{len(used)} used + {pool.num_free_slots} free slots != "
+                             f"{pool.num_slots}")
+    if any(pool.is_free(s) for s in used):
+        raise AssertionError("a used slot is also on the free list")
+    if sorted(store._blocks.values()) != sorted(s for s in used if st[s] == _COMMITTED):
+        raise AssertionError("the index disagrees with the committed slots")
+    if sorted(store._reserved.values()) != sorted(s for s in used if st[s] == _RESERVED):
+        raise AssertionError("the reservations disagree with the reserved slots")
+    if store._blocks != dict(store._lru):
+        raise AssertionError("the LRU does not hold exactly the committed blocks")
+    by_sessions: dict[int, int] = {}
+    for state in store._sessions.values():
+        for slot, count in state.leases.items():
+            by_sessions[slot] = by_sessions.get(slot, 0) + count
+    if by_sessions != {s: n for s, n in enumerate(store._leases) if n}:
+        raise AssertionError("lease counts disagree with the sessions holding them")
+    if store._num_leased != len(by_sessions):
+        raise AssertionError("the leased-block count is off")
+    if store._num_doomed != sum(st[s] == _DOOMED for s in used):
+        raise AssertionError("the removed-while-leased count is off")
+    if any(st[s] == _DOOMED and not store._leases[s] for s in used):
+        raise AssertionError("a removed block kept its slot with no lease left")
+    if store._index is not None:
+        readable = {s for s in range(pool.num_slots) if not store._index.seq[s] & 1}
+        committed = set(store._blocks.values())
+        # A reserved slot may be readable too: its writer publishes it before committing.
+        if not committed <= readable <= committed | set(store._reserved.values()):
+            raise AssertionError("the read index shows other slots than the committed")
+        for key, slot in store._blocks.items():
+            if tuple(int(w) for w in store._index.keys[slot]) != key:
+                raise AssertionError(f"the read index holds the wrong key for slot {slot}")
