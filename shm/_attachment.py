@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from shm._blocks import BlockFormat
+from shm._cuda import CudaMapping
 from shm.errors import (
     ClientDetachedError,
     ForeignSegmentError,
@@ -58,9 +59,11 @@ class Attachment:
 
     def __init__(
         self, welcome: Welcome, expected_owner_id: str | None, *, optimistic_reads: bool = True,
+        register_cuda: bool = True,
     ) -> None:
         """``optimistic_reads``: read through the segment's read index where it can (see
-        ``shm.read_index``; needs x86-64 and a hit cell from the owner), else lease."""
+        ``shm.read_index``; needs x86-64 and a hit cell from the owner), else lease.
+        ``register_cuda``: pin the mapping for CUDA on the first GPU tensor (``shm._cuda``)."""
         if expected_owner_id is not None and welcome.owner_id != expected_owner_id:
             raise ForeignSegmentError(
                 f"the owner on this socket is {welcome.owner_id!r}, expected "
@@ -82,6 +85,7 @@ class Attachment:
         self.format = BlockFormat(welcome.block_bytes, welcome.dtype)
         self._rows: np.ndarray | None = self.segment.slots[:, : welcome.block_bytes]
         self._generations: np.ndarray | None = self.segment.generations
+        self._cuda = CudaMapping(self.segment.slots, enabled=register_cuda)  # padding too
         self._index: ReadIndex | None = None
         if optimistic_reads and OPTIMISTIC_READS_SUPPORTED and welcome.hit_cell >= 0:
             self._index = self.segment.index
@@ -104,6 +108,7 @@ class Attachment:
         if index is None:
             raise ClientDetachedError("the client is closed or does not read optimistically")
         rows, read = self.rows(), self.format.read
+        self._cuda.prepare(checked)
 
         def copy(i: int, slot: int) -> None:
             read(rows, slot, checked[i])
@@ -171,6 +176,7 @@ class Attachment:
         slots: list[int] = []
         gens: list[int] = []
         index = self._index if keys is not None else None
+        self._cuda.prepare(arrays)
         for i, slot in enumerate(reply.slots):
             if slot is not None:
                 write(rows, slot, arrays[i])
@@ -189,6 +195,7 @@ class Attachment:
         read = self.format.read
         slots: list[int] = []
         gens: list[int] = []
+        self._cuda.prepare(outs)
         for i, slot in enumerate(reply.slots):
             if slot is not None:
                 read(rows, slot, outs[i])
@@ -211,6 +218,7 @@ class Attachment:
         return views
 
     def close(self) -> None:
+        self._cuda.close()  # while the mapping is still there
         self._rows = None
         self._generations = None
         self._index = None

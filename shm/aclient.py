@@ -126,8 +126,9 @@ class AsyncBlockStoreClient:
         timeout_s: float = 10.0,
         inline_copy_bytes: int = 1 << 20,
         optimistic_reads: bool = True,
+        register_cuda: bool = True,
     ) -> AsyncBlockStoreClient:
-        """``optimistic_reads``: as for ``BlockStoreClient``."""
+        """``optimistic_reads``, ``register_cuda``: as for ``BlockStoreClient``."""
         path = os.fspath(socket_path)
         async with asyncio.timeout(timeout_s):
             reader, writer = await asyncio.open_unix_connection(path)
@@ -136,7 +137,8 @@ class AsyncBlockStoreClient:
             async with asyncio.timeout(timeout_s):
                 welcome = expect(await _read_reply(reader), Welcome)
             attachment = Attachment(welcome, expected_owner_id,
-                                    optimistic_reads=optimistic_reads)
+                                    optimistic_reads=optimistic_reads,
+                                    register_cuda=register_cuda)
         except BaseException:
             writer.close()
             raise

@@ -104,10 +104,12 @@ class BlockStoreClient:
         expected_owner_id: str | None = None,
         timeout_s: float = 10.0,
         optimistic_reads: bool = True,
+        register_cuda: bool = True,
     ) -> None:
         """``optimistic_reads``: gets read through the segment's read index, asking the
         owner only for what it does not show (see ``shm.read_index``); False: every get
-        leases through the owner."""
+        leases through the owner. ``register_cuda``: the first copy of a CUDA tensor pins
+        the mapping for CUDA, so GPU copies DMA straight to it (see ``shm._cuda``)."""
         self.socket_path = Path(socket_path)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -117,7 +119,8 @@ class BlockStoreClient:
             self._sock.connect(str(self.socket_path))
             welcome = self._call(Hello(PROTOCOL_VERSION, os.getpid()), Welcome)
             self._attachment = Attachment(welcome, expected_owner_id,
-                                          optimistic_reads=optimistic_reads)
+                                          optimistic_reads=optimistic_reads,
+                                          register_cuda=register_cuda)
         except BaseException:
             self._detach()
             raise
