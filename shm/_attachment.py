@@ -7,7 +7,6 @@ the right exception) lives here once.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -130,8 +129,9 @@ class Attachment:
             where[key] = slot
         limit = 2 * self.welcome.num_slots  # hints outlive evictions: drop the oldest half
         if len(where) > limit:
-            for key in list(itertools.islice(where, len(where) - limit // 2)):
-                del where[key]
+            # list() copies the keys at once (other threads may add hints meanwhile).
+            for key in list(where)[: len(where) - limit // 2]:
+                where.pop(key, None)
 
     def count_hits(self, count: int) -> None:
         """Add optimistic hits to our cell (the caller serializes calls: one writer)."""

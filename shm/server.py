@@ -129,16 +129,16 @@ class BlockStoreOwner:
                 read_index=self.segment.index,
             )
             self._welcome = Welcome(
-                    protocol_version=PROTOCOL_VERSION,
-                    owner_id=cfg.owner_id,
-                    worker_id=cfg.effective_worker_id,
-                    epoch=self.epoch,
-                    segment=self.segment.name,
-                    block_bytes=cfg.block_bytes,
-                    num_slots=cfg.num_slots,
-                    dtype=cfg.dtype,
-                    layout=cfg.layout,
-                )
+                protocol_version=PROTOCOL_VERSION,
+                owner_id=cfg.owner_id,
+                worker_id=cfg.effective_worker_id,
+                epoch=self.epoch,
+                segment=self.segment.name,
+                block_bytes=cfg.block_bytes,
+                num_slots=cfg.num_slots,
+                dtype=cfg.dtype,
+                layout=cfg.layout,
+            )
             loop = asyncio.get_running_loop()
             self._server = await loop.create_unix_server(
                 lambda: _Connection(self), path=str(cfg.socket_path)

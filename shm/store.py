@@ -100,8 +100,9 @@ class BlockStore:
         self._leases = [0] * num_slots
         self._parent: list[int | None] = [None] * num_slots
         self._tokens: list[list[int] | None] = [None] * num_slots
-        # Last commit or lease (monotonic ns): with a read index, eviction weighs readers'
-        # uses against it.
+        # Commit time (monotonic ns), then raised to readers' read times as eviction ranks
+        # blocks (see ``_pick_victims``). A lease need not stamp it: it moves the block to
+        # the back of the LRU, out of reach of the ranking until the block has aged anyway.
         self._used_ns = [0] * num_slots
         self._num_leased = 0  # slots with a lease
         self._num_doomed = 0  # removed while leased: leased, no longer in _blocks or _lru
@@ -228,7 +229,9 @@ class BlockStore:
         With a read index, readers also use blocks without telling us (``ReadIndex``): the
         oldest unleased blocks by our order, ``need`` plus a window of them, are ranked by
         their last use, ours or a reader's, and the oldest go; those read since we last
-        used them move to the back, in the order they were read.
+        used them move to the back, in the order they were read. Our last use of a block is
+        its commit time, or, for a block our LRU order puts behind a newer one (a lease moved
+        it), that newer one's.
         """
         lru, index = self._lru, self._index
         if not (self._num_leased - self._num_doomed) and (index is None or need >= len(lru)):
@@ -243,7 +246,11 @@ class BlockStore:
                     break
         if index is not None and len(candidates) > need:
             used, read = self._used_ns, index.last_read_ns
-            last_use = {slot: max(used[slot], read(slot)) for _, slot in candidates}
+            last_use: dict[int, int] = {}
+            ours = 0  # our last use of a block is no earlier than of any block before it
+            for _, slot in candidates:
+                ours = max(ours, used[slot])
+                last_use[slot] = max(ours, read(slot))
             candidates.sort(key=lambda item: last_use[item[1]])  # stable: ties keep LRU order
             for key, slot in candidates[need:]:
                 if last_use[slot] > used[slot]:
@@ -322,7 +329,6 @@ class BlockStore:
         mine = state.leases
         held = mine.get
         newly = 0
-        now, used = time.monotonic_ns(), self._used_ns
         for key, slot in zip(hit_keys, slots, strict=True):
             count = leases[slot]
             if not count:
@@ -330,7 +336,6 @@ class BlockStore:
             leases[slot] = count + 1
             mine[slot] = held(slot, 0) + 1
             touch(key)  # a read makes a block recent
-            used[slot] = now
         self._num_leased += newly
         gens = self._pool.generations
         self._num_hits += len(keys) - misses

@@ -10,9 +10,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 from shm import BlockStoreClient, ClientDetachedError, StoreFullError, segments_of
 from shm.segment import Segment, unlink_stale_segments
+from tests.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("_worker.py")
@@ -40,15 +40,6 @@ def read_line(proc: subprocess.Popen[str], timeout_s: float = DEADLINE_S) -> str
         if not sel.select(timeout_s):
             raise AssertionError(f"no output from pid {proc.pid} within {timeout_s}s")
     return proc.stdout.readline().strip()
-
-
-def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    """Poll ``predicate`` until it holds, failing after the deadline."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @dataclass

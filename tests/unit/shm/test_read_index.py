@@ -131,3 +131,17 @@ class TestStoreKeepsTheIndex:
         assert store.reserve(s, [(NS, 4)])[0] == [second]  # block 2 goes, not block 1
         assert store.contains([(NS, 1), (NS, 2)]) == [True, False]
         store.check_invariants()
+
+    def test_a_leased_block_ranks_by_its_place_in_the_lru(self) -> None:
+        """A lease moves a block behind newer commits without stamping it: when readers'
+        uses are weighed, it still ranks at least as recent as the blocks in front of it."""
+        store, index = store_with_index(4)
+        s = store.open_session()
+        first, _, third = (put(store, s, h)[0] for h in (1, 2, 3))
+        slots, gens = store.lease(s, [(NS, 1)])
+        store.release(s, slots, gens)  # type: ignore[arg-type]  # LRU now: 2, 3, 1
+        copied_by(index, [(NS, 3)], {(NS, 3): third})  # 3 read after everything
+        put(store, s, 4)  # fills the last free slot
+        assert store.reserve(s, [(NS, 5)])[0] != [first]  # not block 1: block 2 is older
+        assert store.contains([(NS, 1), (NS, 2)]) == [True, False]
+        store.check_invariants()

@@ -8,9 +8,7 @@ import selectors
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,15 +24,6 @@ READY_S = 30.0
 
 def content(key: tuple[int, int], block_bytes: int) -> np.ndarray:
     return np.random.default_rng(list(key)).integers(0, 256, block_bytes, dtype=np.uint8)
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 @dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +14,8 @@ import pytest
 
 from shm.local import LocalSession
 from sidecar.transfer import PeerUnavailableError, TransferTimeoutError, Transport
-from tests.integration.sidecar.transfer._procs import ENV, PeerProcess, content, wait_until
+from tests.integration.sidecar.transfer._procs import ENV, PeerProcess, content
+from tests.polling import wait_for, wait_until
 from tests.unit.sidecar.transfer.conftest import Peer, PeerFactory
 
 KEYS = [(11, i) for i in range(16)]
@@ -26,15 +26,6 @@ Spawn = Callable[..., PeerProcess]
 def assert_untouched(peer: Peer) -> None:
     stats = peer.owner.stats()
     assert (stats.num_blocks, stats.num_reserved, stats.num_leased_blocks) == (0, 0, 0)
-
-
-async def wait_for(predicate: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    """Poll ``predicate`` on the loop (finely: some windows last milliseconds)."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.0002)
 
 
 @pytest.mark.parametrize("transport", list(Transport))
