@@ -207,11 +207,18 @@ async def test_closed_client_gives_everything_back(sock_dir: Path, owner_id: str
 
 
 async def test_owner_gone_detaches_clients(sock_dir: Path, owner_id: str) -> None:
-    """After the owner stops, a client's next call raises ClientDetachedError."""
+    """After the owner stops, a client's next call raises ClientDetachedError, a get too:
+    the stopping owner retracts every slot, so nothing is read from the old mapping."""
     owner = BlockStoreOwner(config(sock_dir, owner_id))
     await owner.start()
     client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+    await client.put((4, 4), block(4))
+    out = np.empty(BLOCK // 2, np.float16)
+    assert await client.get_many([(4, 4)], [out]) == [True]  # optimistic: no owner involved
+    assert (await client.stats()).num_optimistic_hits == 1
     await owner.aclose()
+    with pytest.raises(ClientDetachedError):
+        await client.get_many([(4, 4)], [out])
     with pytest.raises(ClientDetachedError):
         await client.ping()
     await client.aclose()
