@@ -7,7 +7,7 @@ the right exception) lives here once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,6 +30,7 @@ from shm.store import BlockKey, StoreStats
 __all__ = ["Attachment", "BlockKey", "expect", "split_keys", "stats_from_reply"]
 
 R = TypeVar("R")
+_MAX_HINTS = 1 << 16  # per client: about 10 MB of Python objects at most
 
 
 def expect(reply: Reply, kind: type[R]) -> R:
@@ -117,6 +118,25 @@ class Attachment:
         except (TypeError, IndexError) as exc:
             raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
 
+    def read_views_optimistic(
+        self, keys: Sequence[BlockKey], copy: Callable[[int, np.ndarray], None],
+    ) -> list[bool]:
+        """``read_optimistic`` with the copy left to ``copy(i, read-only view)``."""
+        index = self._index
+        if index is None:
+            raise ClientDetachedError("the client is closed or does not read optimistically")
+        rows = self.rows()
+
+        def copy_view(i: int, slot: int) -> None:
+            view = rows[slot].view()
+            view.flags.writeable = False
+            copy(i, view)
+
+        try:
+            return index.read(keys, self._where, copy_view)
+        except (TypeError, IndexError) as exc:
+            raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
+
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""
         if self._index is not None:
@@ -127,7 +147,8 @@ class Attachment:
         where = self._where
         for slot, key in pairs:
             where[key] = slot
-        limit = 2 * self.welcome.num_slots  # hints outlive evictions: drop the oldest half
+        # Hints outlive evictions and cost memory: past the limit, drop the oldest half.
+        limit = min(2 * self.welcome.num_slots, _MAX_HINTS)
         if len(where) > limit:
             # list() copies the keys at once (other threads may add hints meanwhile).
             for key in list(where)[: len(where) - limit // 2]:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -179,7 +179,9 @@ class BlockStoreClient:
         token_ids: Sequence[list[int] | None] | None = None,
     ) -> PendingPut:
         """Reserve slots to fill in place (e.g. a device-to-host copy straight into them)."""
-        return PendingPut(self, self._call(self._reserve(keys, parent_hashes, token_ids), Slots))
+        reply = self._call(self._reserve(keys, parent_hashes, token_ids), Slots)
+        self._attachment.remember(keys, reply)  # where to read them back once committed
+        return PendingPut(self, reply)
 
     @staticmethod
     def _reserve(keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
@@ -246,12 +248,42 @@ class BlockStoreClient:
     def leased(self, keys: Sequence[BlockKey]) -> Iterator[list[np.ndarray | None]]:
         """Read-only views of the held blocks (``None`` if absent), valid inside the block."""
         reply = self._call(Lease(*split_keys(keys)), Slots)
+        self._attachment.remember(keys, reply)
         try:
             yield self._attachment.views(reply, writable=False)
         finally:
             slots, gens = descriptors(reply)
             if slots and self._sock is not None:
                 self._send_only(Release(slots, gens))
+
+    def read(self, keys: Sequence[BlockKey],
+             copy: Callable[[int, np.ndarray], None]) -> list[bool]:
+        """``copy(i, view)`` for each held key ``i`` (a read-only view of its block); per key,
+        whether it was held and its copy stands.
+
+        The copy-out of ``get_many`` with the copy left to the caller (e.g. into an engine's
+        host KV pool layout): blocks the read index shows are read without the owner, and a
+        key whose slot was retracted meanwhile is read again under a lease, so ``copy`` may
+        run twice for a key and must simply overwrite. The views are valid only inside
+        ``copy``.
+        """
+        attachment = self._attachment
+        hits = [False] * len(keys)
+        if attachment.reads_optimistically:
+            hits = attachment.read_views_optimistic(keys, copy)
+            found = hits.count(True)
+            if found:
+                with self._lock:
+                    attachment.count_hits(found)
+            if found == len(keys):
+                return hits
+        rest = [i for i, hit in enumerate(hits) if not hit]
+        with self.leased([keys[i] for i in rest]) as views:
+            for i, view in zip(rest, views, strict=True):
+                if view is not None:
+                    copy(i, view)
+                    hits[i] = True
+        return hits
 
     def contains(self, key: BlockKey) -> bool:
         return self.contains_many([key])[0]

@@ -9,8 +9,9 @@ Load it into SGLang (0.5.23) with::
 
 ``interface_v1`` makes SGLang call ``batch_get_v1``/``batch_set_v1`` with host indices:
 pages then move in one ``numpy.copyto`` each, straight between the host KV pool's buffer and
-the store's mapped slots (``begin_put`` / ``leased``), one store round trip per batch
-(``adapters.sglang.host_pages``). Without it SGLang uses the generic ``batch_get``/
+the store's mapped slots (``begin_put`` / ``read``): one store round trip per batch stored,
+and none for pages read back that this engine stored itself (the store's read index), one
+otherwise (``adapters.sglang.host_pages``). Without it SGLang uses the generic ``batch_get``/
 ``batch_set`` with flat page tensors, which work too (one extra copy, SGLang's).
 
 The reference engine loads the same class through its ``dynamic`` backend
@@ -143,11 +144,8 @@ class KvSidecarHiCacheStorage(_Base):  # type: ignore[misc,valid-type,unused-ign
         skeys, pages, access = batch
 
         def get(client: BlockStoreClient) -> list[bool]:
-            with client.leased(skeys) as views:
-                for view, page in zip(views, pages, strict=True):
-                    if view is not None:
-                        access.load(page, view)
-                hits = [view is not None for view in views]
+            # Pages this engine offloaded itself come back without a store round trip.
+            hits = client.read(skeys, lambda i, view: access.load(pages[i], view))
             self._count_get(hits)
             return hits
 
@@ -168,11 +166,12 @@ class KvSidecarHiCacheStorage(_Base):  # type: ignore[misc,valid-type,unused-ign
             return misses
 
         def get(client: BlockStoreClient) -> list[torch.Tensor | None]:
-            out: list[torch.Tensor | None] = []
-            with client.leased(skeys) as views:
-                for view, target in zip(views, targets, strict=True):
-                    out.append(None if view is None else self._block_to_flat(view, target))
-            self._count_get([t is not None for t in out])
+            out: list[torch.Tensor | None] = [None] * len(skeys)
+
+            def copy(i: int, view: np.ndarray) -> None:
+                out[i] = self._block_to_flat(view, targets[i])
+
+            self._count_get(client.read(skeys, copy))
             return out
 
         return self._link.call("batch_get", get, misses)

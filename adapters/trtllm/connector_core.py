@@ -282,10 +282,7 @@ class WorkerCore:
         blocks = [b for t in transfers for b in t.block_ids]
 
         def get(client: BlockStoreClient) -> int:
-            with client.leased(keys) as views:
-                hits = [(b, v) for b, v in zip(blocks, views, strict=True) if v is not None]
-                self._copy_in(hits)
-            return len(hits)
+            return self._copy_in(client, keys, blocks)
 
         loaded = self.link.call("load", get, 0)
         self.link.counters.blocks_loaded += loaded
@@ -312,23 +309,28 @@ class WorkerCore:
         self.link.counters.blocks_stored += sum(stored)
         self.link.counters.blocks_present += len(stored) - sum(stored)
 
-    def _copy_in(self, hits: list[tuple[int, np.ndarray]]) -> None:
-        if not hits:
-            return
-        if self._rows is not None:
-            for block, view in hits:
-                np.copyto(self._rows[block], view)
-            return
+    def _copy_in(self, client: BlockStoreClient, keys: list[Key],
+                 blocks: list[int]) -> int:
+        """Copy the held ``keys`` into KV blocks ``blocks``; how many were held.
+
+        ``client.read`` reads blocks this worker saved itself without a store round trip,
+        and may hand a key over twice (a slot evicted mid-copy is read again under a lease):
+        every copy here overwrites."""
+        if self._rows is not None:  # host KV: straight into the block's rows
+            rows = self._rows
+            return client.read(keys, lambda i, view: np.copyto(rows[blocks[i]], view)).count(True)
         kv = self._kv
         assert kv is not None
-        staging = torch.empty((len(hits), self.block_bytes), dtype=torch.uint8,
+        staging = torch.empty((len(keys), self.block_bytes), dtype=torch.uint8,
                               pin_memory=kv.is_cuda)
-        rows = staging.numpy()
-        for i, (_, view) in enumerate(hits):
-            np.copyto(rows[i], view)
-        index = torch.tensor([b for b, _ in hits], dtype=torch.long, device=kv.device)
-        flat = kv.view(kv.shape[0], -1).view(torch.uint8)
-        flat.index_copy_(0, index, staging.to(kv.device, non_blocking=False))
+        staged = staging.numpy()
+        hits = client.read(keys, lambda i, view: np.copyto(staged[i], view))
+        held = [i for i, hit in enumerate(hits) if hit]
+        if held:
+            index = torch.tensor([blocks[i] for i in held], dtype=torch.long, device=kv.device)
+            flat = kv.view(kv.shape[0], -1).view(torch.uint8)
+            flat.index_copy_(0, index, staging[held].to(kv.device, non_blocking=False))
+        return len(held)
 
     def _copy_out(self, slots: list[tuple[int, np.ndarray]]) -> None:
         if not slots:

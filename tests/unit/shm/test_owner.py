@@ -370,3 +370,45 @@ async def test_rejected_publish_is_counted(sock_dir: Path, owner_id: str) -> Non
     async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
         await asyncio.to_thread(_bad_publish_scenario, owner.config.socket_path)
         assert owner.num_rejected_commits == 1 and owner.stats().num_blocks == 1
+
+
+def _read_scenario(path: Path) -> None:
+    keys = [(6, 1), (6, 2)]
+    with BlockStoreClient(path) as writer, BlockStoreClient(path) as reader:
+        writer.put_many(keys, [block(1), block(2)])
+        got: dict[int, bytes] = {}
+
+        def copy(i: int, view: np.ndarray) -> None:
+            assert not view.flags.writeable
+            got[i] = view.tobytes()
+
+        # The writer knows where its blocks are: no round trip. A miss is never copied.
+        assert writer.read([*keys, (6, 9)], copy) == [True, True, False]
+        assert got == {0: block(1).tobytes(), 1: block(2).tobytes()}
+        assert writer.stats().num_optimistic_hits == 2
+        # The reader has no hints yet: it leases, and knows where they are from then on.
+        got.clear()
+        assert reader.read(keys, copy) == [True, True]
+        assert writer.stats().num_optimistic_hits == 2
+        assert reader.read(keys, copy) == [True, True]
+        assert writer.stats().num_optimistic_hits == 4
+        # In-place puts leave hints too.
+        with writer.begin_put([(6, 3)]) as pending:
+            pending.views[0][:] = block(3).view(np.uint8)  # type: ignore[index]
+        assert writer.read([(6, 3)], copy) == [True]
+        assert writer.stats().num_optimistic_hits == 5
+
+        # A block evicted while a reader copies it is reported missing, not half-read: the
+        # store holds 8 blocks and another client fills it in the middle of the copy.
+        def evicting_copy(i: int, view: np.ndarray) -> None:
+            writer.put_many([(7, h) for h in range(8)], [block(h) for h in range(8)])
+            copy(i, view)
+
+        assert reader.read([(6, 1)], evicting_copy) == [False]
+
+
+async def test_read_with_a_callers_copy(sock_dir: Path, owner_id: str) -> None:
+    """read() hands read-only views to the caller's copy: without the owner where the client
+    knows the place, under a lease otherwise; a block evicted mid-copy is a miss."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_read_scenario, owner.config.socket_path)
