@@ -22,6 +22,7 @@ never fatal to the store.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import socket
 import time
@@ -86,7 +87,9 @@ class BlockStoreOwner:
         self._connections: set[_Connection] = set()
         self._welcome: Welcome | None = None
         # Optimistic readers count their hits in cells of the segment's read index.
-        self._free_cells = list(range(MAX_HIT_CELLS - 1, -1, -1))
+        # Oldest-freed first: a client the owner dropped may still count hits in its old cell
+        # until it notices, so a freed cell goes to the back of the line.
+        self._free_cells = collections.deque(range(MAX_HIT_CELLS))
         self._cell_of: dict[SessionId, int] = {}
         self._retired_hits = 0  # counted in the cells of clients now gone
         self._bound = False
@@ -327,7 +330,7 @@ class BlockStoreOwner:
         self._connections.add(conn)
         session = self.store.open_session()
         if self._free_cells:  # else the client leases every read (1,024 clients attached)
-            self._cell_of[session] = self._free_cells.pop()
+            self._cell_of[session] = self._free_cells.popleft()
         return session
 
     def session_closed(self, conn: _Connection, session: SessionId) -> None:
