@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -412,3 +413,40 @@ async def test_read_with_a_callers_copy(sock_dir: Path, owner_id: str) -> None:
     knows the place, under a lease otherwise; a block evicted mid-copy is a miss."""
     async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
         await asyncio.to_thread(_read_scenario, owner.config.socket_path)
+
+
+def _threads_scenario(path: Path) -> None:
+    """Four threads share one client's gets (optimistic, leasing what they miss: at most 16
+    leases) while another client churns the store (32 slots, 48 keys, puts of 4 that evict):
+    every hit carries the bytes of its key."""
+    keys = [(8, h) for h in range(48)]
+    errors: list[str] = []
+    hits = [0]
+    with BlockStoreClient(path) as writer, BlockStoreClient(path) as shared:
+        def read_loop() -> None:
+            out = [np.empty(BLOCK // 2, np.float16) for _ in range(4)]
+            for n in range(150):
+                batch = [keys[(3 * n + j) % 48] for j in range(4)]
+                for key, hit, o in zip(batch, shared.get_many(batch, out), out, strict=True):
+                    if hit:
+                        hits[0] += 1
+                        if o.tobytes() != block(key[1]).tobytes():
+                            errors.append(f"{key} read other bytes")
+
+        readers = [threading.Thread(target=read_loop) for _ in range(4)]
+        for t in readers:
+            t.start()
+        try:
+            for n in range(120):  # slots are retracted and reused under the readers
+                batch = [keys[(4 * n + j) % 48] for j in range(4)]
+                writer.put_many(batch, [block(k[1]) for k in batch])
+        finally:
+            for t in readers:
+                t.join()
+    assert not errors, errors[:3]
+    assert hits[0] > 0
+
+
+async def test_threads_sharing_a_client_read_exact_bytes(sock_dir: Path, owner_id: str) -> None:
+    async with BlockStoreOwner(config(sock_dir, owner_id, slots=32)) as owner:
+        await asyncio.to_thread(_threads_scenario, owner.config.socket_path)
