@@ -137,6 +137,16 @@ class Attachment:
         except (TypeError, IndexError) as exc:
             raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
 
+    def publish_filled(self, keys: Sequence[BlockKey], reply: Slots) -> None:
+        """The caller filled ``reply``'s slots in place with ``keys``' bytes: make them
+        readable now, before the one-way commit (see ``shm.read_index``), and keep hints."""
+        if self._index is None:
+            return
+        pairs = [(slot, key) for slot, key in zip(reply.slots, keys, strict=True)
+                 if slot is not None]
+        self._index.publish([slot for slot, _ in pairs], [key for _, key in pairs])
+        self._hint(pairs)
+
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""
         if self._index is not None:

@@ -27,7 +27,6 @@ from shm.errors import ClientDetachedError, UnknownBlockError
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
-    Commit,
     Contains,
     Done,
     Flags,
@@ -60,10 +59,14 @@ class PendingPut:
     ``views[i]`` is a writable uint8 view of key ``i``'s slot, or ``None`` when the store
     already holds (or is being given) that key. Nothing is visible to readers until commit;
     after ``commit()`` or ``abort()`` the views must not be written (or kept) any more.
+    ``commit()`` is one-way, as ``put_many``'s: the blocks are visible to every request sent
+    after it returns, without waiting for the owner.
     """
 
-    def __init__(self, client: BlockStoreClient, reply: Slots) -> None:
+    def __init__(self, client: BlockStoreClient, reply: Slots, keys: Sequence[BlockKey]) -> None:
         self._client = client
+        self._reply = reply
+        self._keys = keys
         self.views = client._attachment.views(reply, writable=True)
         self._slots, self._generations = descriptors(reply)
         self.stored = [s is not None for s in reply.slots]
@@ -73,7 +76,8 @@ class PendingPut:
         if self._open:
             self._open = False
             if self._slots:
-                self._client._call(Commit(self._slots, self._generations), Done)
+                self._client._attachment.publish_filled(self._keys, self._reply)
+                self._client._send_only(Publish(self._slots, self._generations))
 
     def abort(self) -> None:
         if self._open:
@@ -180,8 +184,7 @@ class BlockStoreClient:
     ) -> PendingPut:
         """Reserve slots to fill in place (e.g. a device-to-host copy straight into them)."""
         reply = self._call(self._reserve(keys, parent_hashes, token_ids), Slots)
-        self._attachment.remember(keys, reply)  # where to read them back once committed
-        return PendingPut(self, reply)
+        return PendingPut(self, reply, keys)
 
     @staticmethod
     def _reserve(keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
