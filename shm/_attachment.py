@@ -104,27 +104,14 @@ class Attachment:
         may have been written. Thread-safe; the caller then reports the hits
         (``count_hits``).
         """
-        index = self._index
-        if index is None:
-            raise ClientDetachedError("the client is closed or does not read optimistically")
         rows, read = self.rows(), self.format.read
         self._cuda.prepare(checked)
-
-        def copy(i: int, slot: int) -> None:
-            read(rows, slot, checked[i])
-
-        try:
-            return index.read(keys, self._where, copy)
-        except (TypeError, IndexError) as exc:
-            raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
+        return self._read_through_index(keys, lambda i, slot: read(rows, slot, checked[i]))
 
     def read_views_optimistic(
         self, keys: Sequence[BlockKey], copy: Callable[[int, np.ndarray], None],
     ) -> list[bool]:
         """``read_optimistic`` with the copy left to ``copy(i, read-only view)``."""
-        index = self._index
-        if index is None:
-            raise ClientDetachedError("the client is closed or does not read optimistically")
         rows = self.rows()
 
         def copy_view(i: int, slot: int) -> None:
@@ -132,14 +119,23 @@ class Attachment:
             view.flags.writeable = False
             copy(i, view)
 
+        return self._read_through_index(keys, copy_view)
+
+    def _read_through_index(
+        self, keys: Sequence[BlockKey], copy_slot: Callable[[int, int], None],
+    ) -> list[bool]:
+        index = self._index
+        if index is None:
+            raise ClientDetachedError("the client is closed or does not read optimistically")
         try:
-            return index.read(keys, self._where, copy_view)
+            return index.read(keys, self._where, copy_slot)
         except (TypeError, IndexError) as exc:
             raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
 
     def publish_filled(self, keys: Sequence[BlockKey], reply: Slots) -> None:
-        """The caller filled ``reply``'s slots in place with ``keys``' bytes: make them
-        readable now, before the one-way commit (see ``shm.read_index``), and keep hints."""
+        """``reply``'s slots now hold ``keys``' bytes (copied in, or filled in place): make
+        them readable at once, before the one-way commit (see ``shm.read_index``), and keep
+        them as hints."""
         if self._index is None:
             return
         pairs = [(slot, key) for slot, key in zip(reply.slots, keys, strict=True)
@@ -194,30 +190,18 @@ class Attachment:
         check = self.format.check_out if out else self.format.check
         return [check(a, f"block {i}") for i, a in enumerate(arrays)]
 
-    def write_blocks(
-        self, reply: Slots, arrays: list[Any], keys: Sequence[BlockKey] | None = None,
-    ) -> tuple[list[int], list[int]]:
-        """Copy the arrays whose keys got a slot; return the descriptors written.
-
-        With ``keys`` (a put about to commit), each slot is published in the read index as
-        soon as its bytes are in (see ``shm.read_index``), and kept as a hint.
-        """
+    def write_blocks(self, reply: Slots, arrays: list[Any]) -> tuple[list[int], list[int]]:
+        """Copy the arrays whose keys got a slot; return the descriptors written."""
         rows = self.rows()
         write = self.format.write
         slots: list[int] = []
         gens: list[int] = []
-        index = self._index if keys is not None else None
         self._cuda.prepare(arrays)
         for i, slot in enumerate(reply.slots):
             if slot is not None:
                 write(rows, slot, arrays[i])
-                if index is not None:
-                    index.publish_slot(slot, keys[i])  # type: ignore[index]
                 slots.append(slot)
                 gens.append(reply.generations[i])  # type: ignore[arg-type]
-        if index is not None:
-            self._hint([(slot, keys[i]) for i, slot in enumerate(reply.slots)  # type: ignore[index]
-                        if slot is not None])
         return slots, gens
 
     def read_blocks(self, reply: Slots, outs: list[Any]) -> tuple[list[int], list[int]]:

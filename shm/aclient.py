@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
@@ -179,14 +178,14 @@ class AsyncBlockStoreClient:
                           None if token_ids is None else list(token_ids))
         reply = await self._call(request, Slots)
         try:
-            slots, gens = await self._copy(
-                functools.partial(self._attachment.write_blocks, keys=keys), reply, checked)
+            slots, gens = await self._copy(self._attachment.write_blocks, reply, checked)
         except BaseException:
             slots, gens = descriptors(reply)
             if slots and self._writer is not None:
                 await self._call(Abort(slots, gens), Done)
             raise
         if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
+            self._attachment.publish_filled(keys, reply)
             await self._send_only(Publish(slots, gens))
         return [s is not None for s in reply.slots]
 

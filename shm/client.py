@@ -167,11 +167,12 @@ class BlockStoreClient:
         checked = self._attachment.check_blocks(arrays, len(keys), out=False)
         reply = self._call(self._reserve(keys, parent_hashes, token_ids), Slots)
         try:
-            slots, gens = self._attachment.write_blocks(reply, checked, keys)
+            slots, gens = self._attachment.write_blocks(reply, checked)
         except BaseException:
             self._abort_quietly(reply)
             raise
         if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
+            self._attachment.publish_filled(keys, reply)
             self._send_only(Publish(slots, gens))
         return [s is not None for s in reply.slots]
 

@@ -83,7 +83,8 @@ def main(argv: list[str]) -> int:
 
             reply = client._call(client._reserve(keys, None, None), Slots)
             arrays = [np.full(client.block_bytes, 0xCD, np.uint8) for _ in keys]
-            slots, _ = client._attachment.write_blocks(reply, arrays, keys)
+            slots, _ = client._attachment.write_blocks(reply, arrays)
+            client._attachment.publish_filled(keys, reply)
             print("written", *slots, flush=True)
             sys.stdin.read()  # hang until killed
         else:
