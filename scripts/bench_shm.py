@@ -5,8 +5,11 @@ For each block size (16 KiB, 256 KiB, 2 MiB, 16 MiB) this starts a real owner
 (``python -m shm``) and, from this process, measures:
 
 * put: ``put_many`` of a batch of fresh keys chained parent → child, as one request's
-  blocks are (reserve round trip, copy into the mapping, one-way commit; the store holds
-  one batch, so it evicts the previous one and records one stored and one removed event);
+  blocks are: the client copies into slots the owner granted it ahead while its claim of
+  them for the keys is on the way, then commits one-way (the first put of a run reserves
+  first and asks for the grant; see ``BlockStoreClient.begin_put``). The store holds four
+  batches (the owner grants at most a quarter of its slots ahead), so each put's new grant
+  evicts the oldest batch: one stored and one removed event per put;
 * get: ``get_many`` of that batch into warm arrays (the client knows where it put the
   blocks, so it copies out through the segment's read index without asking the owner; see
   ``shm.read_index``);
@@ -19,7 +22,8 @@ in an order that rotates (put get memcpy, memcpy put get, put memcpy get): each 
 one buffer and writes another, and whichever ran just before decides which of them is still
 in the cache (a 16 MiB batch is half the L3), so a fixed order would favour one of them;
 
-in batches of 1 and 64 blocks (16 MiB blocks: as many as fit in ``--max-segment-mib``), as
+in batches of 1 and 64 blocks (16 MiB blocks: as many as four batches in ``--max-segment-mib``
+allow), as
 GB/s and blocks/s, per-batch medians. It also measures control round trips (an empty
 ``Ping``, a ``Contains`` of 64 keys, a ``Lease`` of 64 keys plus its ``Release``; a second,
 idle client stays attached, as in a deployment) against
@@ -111,9 +115,9 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
                budget_s: float) -> dict[str, float]:
     """put, get and memcpy of one block size, interleaved so all three see the same noise."""
-    batch_max = min(64, max_segment // block_bytes)
+    batch_max = min(64, max_segment // block_bytes // 4)
     fig: dict[str, float] = {}
-    owner = _start_owner(tmp, label, block_bytes, batch_max)
+    owner = _start_owner(tmp, label, block_bytes, 4 * batch_max)
     rng = np.random.default_rng(0)
     try:
         with BlockStoreClient(tmp / f"{label}.sock") as client:
@@ -132,7 +136,7 @@ def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
                 while rep < 9 or time.perf_counter() < deadline:
                     # A batch is one request's chain of blocks: each block's parent is the
                     # previous one, so the owner records one BlockStored event per batch. The
-                    # store holds one batch, so each put evicts the previous one.
+                    # store holds four batches, so each put evicts the oldest one.
                     hashes = [next(counter) for _ in range(batch)]
                     keys = [(7, h) for h in hashes]
                     parents = [hashes[0] - 1, *hashes[:-1]]
@@ -264,8 +268,9 @@ def ratios(fig: dict[str, float]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
-    parser.add_argument("--max-segment-mib", type=int, default=256,
-                        help="largest segment to create (default 256; caps the 16 MiB batch)")
+    parser.add_argument("--max-segment-mib", type=int, default=1024,
+                        help="largest segment to create, four batches (default 1024; caps "
+                             "the 16 MiB batch at 16 blocks)")
     parser.add_argument("--budget-s", type=float, default=0.6,
                         help="seconds of interleaved put/get/memcpy rounds per block size "
                              "and batch (default 0.6)")

@@ -132,6 +132,23 @@ class Attachment:
         except (TypeError, IndexError) as exc:
             raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
 
+    def known_held(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Per key, whether the read index shows it where we last saw it, i.e. the store
+        held it as we looked (all False when the client does not read optimistically)."""
+        if self._index is None:
+            return [False] * len(keys)
+        try:
+            return self._index.shows(keys, self._where)
+        except (TypeError, IndexError) as exc:
+            raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
+
+    def write_to(self, slots: Sequence[int], arrays: Sequence[Any]) -> None:
+        """Copy ``arrays[i]`` (checked) into ``slots[i]``."""
+        rows, write = self.rows(), self.format.write
+        self._cuda.prepare(arrays)
+        for slot, array in zip(slots, arrays, strict=True):
+            write(rows, slot, array)
+
     def publish_filled(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """``reply``'s slots now hold ``keys``' bytes (copied in, or filled in place): make
         them readable at once, before the one-way commit (see ``shm.read_index``), and keep

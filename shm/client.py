@@ -1,12 +1,16 @@
 """The blocking client, for engine threads: one socket, one mapping, thread-safe.
 
     with BlockStoreClient("/run/kv/store.sock") as store:
-        store.put_many(keys, arrays)             # reserve → copy into the mapping → commit
-        hits = store.get_many(keys, outs)        # lease → copy out → release (no wait)
+        store.put_many(keys, arrays)       # copy into slots granted ahead while claiming
+                                           # them (or reserve first), then commit one-way
+        hits = store.get_many(keys, outs)  # through the read index, or lease → copy → release
 
 Keys are ``(namespace_seed, block_hash)`` pairs. Arrays are numpy arrays or torch tensors
 of exactly one block (see ``shm._blocks``). Block bytes never cross the socket: one small
 frame per batch asks for slots, and the copy goes straight to or from the mapped segment.
+
+Requests and replies pair first-in first-out; each request takes a ticket, so a thread can
+send a ``Claim``, copy, and only then collect its reply while other threads make calls.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from shm._attachment import Attachment, descriptors, expect, split_keys, stats_from_reply
@@ -27,6 +33,7 @@ from shm.errors import ClientDetachedError, UnknownBlockError
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
+    Claim,
     Contains,
     Done,
     Flags,
@@ -54,36 +61,80 @@ __all__ = ["BlockStoreClient", "PendingPut"]
 
 
 class PendingPut:
-    """Reserved slots for a put: write ``views`` in place, then ``commit()`` (or ``abort()``).
+    """Slots for a put: write ``views`` in place, then ``commit()`` (or ``abort()``).
 
-    ``views[i]`` is a writable uint8 view of key ``i``'s slot, or ``None`` when the store
-    already holds (or is being given) that key. Nothing is visible to readers until commit;
-    after ``commit()`` or ``abort()`` the views must not be written (or kept) any more.
-    ``commit()`` is one-way, as ``put_many``'s: the blocks are visible to every request sent
-    after it returns, without waiting for the owner.
+    ``views[i]`` is a writable uint8 view of the slot for key ``i``, or ``None`` when the
+    store already holds (or is being given) that key. Nothing is visible to readers until
+    commit; after ``commit()`` or ``abort()`` the views must not be written (or kept) any
+    more. ``commit()`` is one-way, as ``put_many``'s: the blocks are visible to every
+    request sent after it returns, without waiting for the owner.
+
+    The slots are either reserved for the keys (the owner answered before ``begin_put``
+    returned) or granted ahead (the client's ``Claim`` of them for these keys is on its way
+    while the caller writes): then a key the owner finds held meanwhile keeps a view that
+    is written for nothing, and ``stored``, read after the writes, says which keys took.
     """
 
-    def __init__(self, client: BlockStoreClient, reply: Slots, keys: Sequence[BlockKey]) -> None:
+    def __init__(self, client: BlockStoreClient, keys: Sequence[BlockKey], *,
+                 reply: Slots | None = None, claim: _Claim | None = None) -> None:
         self._client = client
-        self._reply = reply
         self._keys = keys
-        self.views = client._attachment.views(reply, writable=True)
-        self._slots, self._generations = descriptors(reply)
-        self.stored = [s is not None for s in reply.slots]
+        self._reply = reply
+        self._claim = claim
+        # Key indices the reply answers: every key's for a reserve, the claimed ones' else.
+        self._written = list(range(len(keys))) if claim is None else claim.todo
+        self._views: list[np.ndarray | None] | None = None  # made on first use
         self._open = True
+
+    @property
+    def views(self) -> list[np.ndarray | None]:
+        if self._views is None:
+            views: list[np.ndarray | None] = [None] * len(self._keys)
+            rows = self._client._attachment.rows()
+            for i, slot in self.targets:
+                views[i] = rows[slot]
+            self._views = views
+        return self._views
+
+    @property
+    def targets(self) -> list[tuple[int, int]]:
+        """``(key index, slot)`` of each slot to write."""
+        if self._claim is not None:
+            return list(zip(self._claim.todo, self._claim.slots, strict=True))
+        assert self._reply is not None
+        return [(i, s) for i, s in enumerate(self._reply.slots) if s is not None]
+
+    @property
+    def stored(self) -> list[bool]:
+        """Per key, whether this put gives the store its block (waits for a claim's reply)."""
+        reply = self._answer()
+        out = [False] * len(self._keys)
+        for i, slot in zip(self._written, reply.slots, strict=True):
+            out[i] = slot is not None
+        return out
+
+    def _answer(self) -> Slots:
+        if self._reply is None:
+            assert self._claim is not None
+            self._reply = self._client._claimed(self._claim)
+        return self._reply
 
     def commit(self) -> None:
         if self._open:
             self._open = False
-            if self._slots:
-                self._client._attachment.publish_filled(self._keys, self._reply)
-                self._client._send_only(Publish(self._slots, self._generations))
+            reply = self._answer()
+            slots, generations = descriptors(reply)
+            if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
+                self._client._attachment.publish_filled(
+                    [self._keys[i] for i in self._written], reply)
+                self._client._send_only(Publish(slots, generations))
 
     def abort(self) -> None:
         if self._open:
             self._open = False
-            if self._slots:
-                self._client._call(Abort(self._slots, self._generations), Done)
+            slots, generations = descriptors(self._answer())
+            if slots:
+                self._client._call(Abort(slots, generations), Done)
 
     def __enter__(self) -> PendingPut:
         return self
@@ -96,6 +147,16 @@ class PendingPut:
         # itself when our socket closes.
         with contextlib.suppress(ClientDetachedError):
             self.abort()
+
+
+@dataclass(frozen=True, slots=True)
+class _Claim:
+    """A ``Claim`` sent for granted slots, its reply not read yet."""
+
+    ticket: int
+    todo: list[int]  # key indices, one per slot
+    slots: list[int]
+    generations: list[int]
 
 
 class BlockStoreClient:
@@ -118,6 +179,10 @@ class BlockStoreClient:
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buf = bytearray()
+        self._sent = self._answered = 0  # request tickets sent, replies read
+        self._early: dict[int, Reply] = {}  # replies read before their thread asked
+        self._grants: list[tuple[int, int]] = []  # (slot, generation) granted ahead, unused
+        self._grant_want = 0  # granted slots to keep: the largest put so far
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(str(self.socket_path))
@@ -159,22 +224,25 @@ class BlockStoreClient:
         parent_hashes: Sequence[int | None] | None = None,
         token_ids: Sequence[list[int] | None] | None = None,
     ) -> list[bool]:
-        """Store blocks (one reserve round trip, then a one-way commit); per key, whether copied.
+        """Store blocks; per key, whether this call gave the store its block.
 
         A key the store already holds, or that another client is writing, is skipped
-        (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them.
+        (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them. With
+        slots granted ahead (see ``begin_put``) the copy runs while the owner claims them,
+        and the commit is one-way: one message each way, neither waited for alone.
         """
         checked = self._attachment.check_blocks(arrays, len(keys), out=False)
-        reply = self._call(self._reserve(keys, parent_hashes, token_ids), Slots)
+        pending = self.begin_put(keys, parent_hashes=parent_hashes, token_ids=token_ids)
         try:
-            slots, gens = self._attachment.write_blocks(reply, checked)
+            targets = pending.targets
+            self._attachment.write_to([slot for _, slot in targets],
+                                      [checked[i] for i, _ in targets])
         except BaseException:
-            self._abort_quietly(reply)
+            with contextlib.suppress(ClientDetachedError):  # keep this error in front
+                pending.abort()
             raise
-        if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
-            self._attachment.publish_filled(keys, reply)
-            self._send_only(Publish(slots, gens))
-        return [s is not None for s in reply.slots]
+        pending.commit()
+        return pending.stored
 
     def begin_put(
         self,
@@ -183,9 +251,69 @@ class BlockStoreClient:
         parent_hashes: Sequence[int | None] | None = None,
         token_ids: Sequence[list[int] | None] | None = None,
     ) -> PendingPut:
-        """Reserve slots to fill in place (e.g. a device-to-host copy straight into them)."""
-        reply = self._call(self._reserve(keys, parent_hashes, token_ids), Slots)
-        return PendingPut(self, reply, keys)
+        """Slots to fill in place (e.g. a device-to-host copy straight into them).
+
+        Each put also asks the owner to grant this client as many slots ahead of its next
+        put (within the owner's cap, ``--grant-fraction``); a put that finds enough granted
+        slots returns their views at once and claims them for its keys while the caller
+        writes, instead of waiting for a reserve round trip first. Keys the read index shows
+        held (where this client put or read them) are skipped without asking.
+        """
+        request = self._reserve(keys, parent_hashes, token_ids)
+        claim = self._claim_granted(keys, request)
+        if claim is not None:
+            return PendingPut(self, keys, claim=claim)
+        with self._lock:  # too few to claim with: give them back, they may be needed now
+            back, self._grants = self._grants, []
+        reply = self._call(msgspec.structs.replace(
+            request, grant=self._grant_want, ungrant_slots=[s for s, _ in back],
+            ungrant_generations=[g for _, g in back]), Slots)
+        self._add_grants(reply)
+        return PendingPut(self, keys, reply=reply)
+
+    def _claim_granted(self, keys: Sequence[BlockKey], request: Reserve) -> _Claim | None:
+        """Send a ``Claim`` of granted slots for the keys not known held; ``None`` (nothing
+        sent) when this client holds too few granted slots."""
+        held = self._attachment.known_held(keys)
+        todo = [i for i, known in enumerate(held) if not known]
+        n = len(todo)
+        with self._lock:
+            self._grant_want = max(self._grant_want, n)
+            grants = self._grants
+            if n > len(grants):
+                return None
+            taken = grants[len(grants) - n:]
+            del grants[len(grants) - n:]
+        slots = [s for s, _ in taken]
+        generations = [g for _, g in taken]
+        if not todo:  # every key is held: nothing to write, nothing to ask
+            return _Claim(0, todo, slots, generations)
+        if n == len(keys):
+            claim = Claim(request.namespaces, request.hashes, slots, generations,
+                          request.parents, request.tokens, grant=self._grant_want)
+        else:
+            parents, tokens = request.parents, request.tokens
+            claim = Claim(
+                [request.namespaces[i] for i in todo], [request.hashes[i] for i in todo],
+                slots, generations,
+                None if parents is None else [parents[i] for i in todo],
+                None if tokens is None else [tokens[i] for i in todo],
+                grant=self._grant_want,
+            )
+        return _Claim(self._send_request(claim), todo, slots, generations)
+
+    def _claimed(self, claim: _Claim) -> Slots:
+        """The owner's answer to ``claim``: the slots reserved per claimed key."""
+        if not claim.todo:
+            return Slots([], [])
+        reply = self._await_reply(claim.ticket, Slots)
+        self._add_grants(reply)
+        return reply
+
+    def _add_grants(self, reply: Slots) -> None:
+        if reply.grant_slots:
+            with self._lock:
+                self._grants += zip(reply.grant_slots, reply.grant_generations, strict=True)
 
     @staticmethod
     def _reserve(keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
@@ -197,13 +325,6 @@ class BlockStoreClient:
         return Reserve(namespaces, hashes,
                        None if parents is None else list(parents),
                        None if tokens is None else list(tokens))
-
-    def _abort_quietly(self, reply: Slots) -> None:
-        slots, gens = descriptors(reply)
-        if slots and self._sock is not None:
-            # If the owner is gone it frees the reservation itself when our socket closes.
-            with contextlib.suppress(ClientDetachedError):
-                self._call(Abort(slots, gens), Done)
 
     # -------------------------------------------------------------------- gets
     def get(self, key: BlockKey, out: Any = None) -> Any:
@@ -307,19 +428,42 @@ class BlockStoreClient:
 
     # ---------------------------------------------------------------- transport
     def _call(self, request: Any, kind: type[R]) -> R:
+        return self._await_reply(self._send_request(request), kind)
+
+    def _send_request(self, request: Any) -> int:
+        """Send a request; its ticket, for ``_await_reply``. Replies come back in order, so
+        a thread may send, work, then collect its reply while others make calls."""
         frame = _encode(request)
         with self._lock:
             sock = self._live_socket()
             try:
                 sock.sendall(frame)
-                reply = self._recv(sock)
-            except (OSError, ClientDetachedError) as exc:
+            except OSError as exc:
                 self._detach()
                 raise ClientDetachedError(
                     f"lost the block store owner on {self.socket_path}: {exc}") from exc
-            except BaseException:
-                self._detach()  # interrupted mid round trip: replies would no longer pair
-                raise
+            self._sent += 1
+            return self._sent
+
+    def _await_reply(self, ticket: int, kind: type[R]) -> R:
+        with self._lock:
+            reply = self._early.pop(ticket, None)
+            while reply is None:
+                sock = self._live_socket()
+                try:
+                    got = self._recv(sock)
+                except (OSError, ClientDetachedError) as exc:
+                    self._detach()
+                    raise ClientDetachedError(
+                        f"lost the block store owner on {self.socket_path}: {exc}") from exc
+                except BaseException:
+                    self._detach()  # interrupted mid reply: the stream is out of step
+                    raise
+                self._answered += 1
+                if self._answered == ticket:
+                    reply = got
+                else:  # another thread's: it collects it from here
+                    self._early[self._answered] = got
         return expect(reply, kind)
 
     def _send_only(self, request: Any) -> None:
@@ -360,6 +504,7 @@ class BlockStoreClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._grants.clear()  # the owner frees them with our session
 
     def close(self) -> None:
         """Close the socket (the owner releases what we held) and unmap; idempotent."""

@@ -40,6 +40,7 @@ class OwnerConfig:
     ready_file: Path | None = None
     log_level: str = "info"
     sched_batch: bool = False
+    grant_fraction: float = 0.25
 
     def __post_init__(self) -> None:
         check_owner_id(self.owner_id)
@@ -56,12 +57,19 @@ class OwnerConfig:
                              f"{self.dtype} elements")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
+        if not 0 <= self.grant_fraction <= 1:
+            raise ValueError(f"grant_fraction must be within 0..1, got {self.grant_fraction}")
         if len(str(self.socket_path).encode()) > 107:
             raise ValueError(f"socket path {self.socket_path} is longer than 107 bytes")
 
     @property
     def num_slots(self) -> int:
         return self.capacity_bytes // self.block_bytes
+
+    @property
+    def max_granted_slots(self) -> int:
+        """Slots writers may hold ahead of their puts, all together (see ``BlockStore.grant``)."""
+        return int(self.num_slots * self.grant_fraction)
 
     @property
     def effective_worker_id(self) -> str:
@@ -102,6 +110,12 @@ class OwnerConfig:
                  "(Release, Publish) do not preempt the client when both share a CPU; the "
                  "owner handles them once the client waits for a reply. Off by default: it "
                  "helps single-CPU placements and costs small batches across CPUs")
+        parser.add_argument(
+            "--grant-fraction", type=float, default=0.25, metavar="F",
+            help="share of the slots the owner may grant writers ahead of their puts, so "
+                 "that a put copies while its slots are claimed instead of after a reserve "
+                 "round trip (default 0.25; 0 turns write-ahead grants off; a granted slot "
+                 "holds no block)")
         args = parser.parse_args(argv)
         try:
             return cls(
@@ -115,6 +129,7 @@ class OwnerConfig:
                 ready_file=args.ready_file,
                 log_level=args.log_level,
                 sched_batch=args.sched_batch,
+                grant_fraction=args.grant_fraction,
             )
         except ValueError as exc:
             parser.error(str(exc))

@@ -28,6 +28,7 @@ __all__ = [
     "ONE_WAY_TAGS",
     "PROTOCOL_VERSION",
     "Abort",
+    "Claim",
     "Commit",
     "Contains",
     "Done",
@@ -53,7 +54,7 @@ __all__ = [
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 3  # 2: Publish; 3: the segment's read index and Welcome.hit_cell
+PROTOCOL_VERSION = 4  # 2: Publish; 3: the read index, Welcome.hit_cell; 4: grants, Claim
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 
@@ -75,12 +76,35 @@ class Hello(_Msg, frozen=True, array_like=True, gc=False, tag=1):
 
 
 class Reserve(_Msg, frozen=True, array_like=True, gc=False, tag=2):
-    """Slots to write for these keys; ``parents``/``tokens`` complete the stored event."""
+    """Slots to write for these keys; ``parents``/``tokens`` complete the stored event.
+
+    ``grant``: also top this client's write-ahead grant up to that many slots (see
+    ``Claim``); the reply's ``grant_slots`` lists what was added. ``ungrant_slots``: granted
+    slots the client gives back first (too few for this put, they may be what it needs)."""
 
     namespaces: list[U64]
     hashes: list[U64]
     parents: list[U64 | None] | None = None
     tokens: list[list[U32] | None] | None = None
+    grant: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    ungrant_slots: list[int] = []
+    ungrant_generations: list[int] = []
+
+
+class Claim(_Msg, frozen=True, array_like=True, gc=False, tag=12):
+    """``Reserve`` for slots the owner granted ahead: key ``i`` takes granted slot ``i``.
+
+    A client sends it, then copies into the slots while the owner handles it, then reads
+    the ``Slots`` reply: keys that got no slot (held, or in flight) leave theirs granted,
+    listed again in ``grant_slots`` with the top-up ``grant`` asks for."""
+
+    namespaces: list[U64]
+    hashes: list[U64]
+    slots: list[int]
+    generations: list[int]
+    parents: list[U64 | None] | None = None
+    tokens: list[list[U32] | None] | None = None
+    grant: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
 class Commit(_Msg, frozen=True, array_like=True, gc=False, tag=3):
@@ -131,7 +155,8 @@ class Ping(_Msg, frozen=True, array_like=True, gc=False, tag=10):
 
 
 Request = (
-    Hello | Reserve | Commit | Publish | Abort | Lease | Release | Contains | Remove | Stats | Ping
+    Hello | Reserve | Claim | Commit | Publish | Abort | Lease | Release | Contains | Remove
+    | Stats | Ping
 )
 ONE_WAY_TAGS = frozenset({Release.__struct_config__.tag, Publish.__struct_config__.tag})
 
@@ -153,10 +178,15 @@ class Welcome(_Msg, frozen=True, array_like=True, gc=False, tag=101):
 
 
 class Slots(_Msg, frozen=True, array_like=True, gc=False, tag=102):
-    """One descriptor per key; ``None`` in both lists where the key gets no slot."""
+    """One descriptor per key; ``None`` in both lists where the key gets no slot.
+
+    ``grant_slots``/``grant_generations``: slots newly granted to the client ahead of its
+    next put (replies to ``Reserve`` and ``Claim`` only)."""
 
     slots: list[int | None]
     generations: list[int | None]
+    grant_slots: list[int] = []
+    grant_generations: list[int] = []
 
 
 class Flags(_Msg, frozen=True, array_like=True, gc=False, tag=103):
@@ -179,6 +209,8 @@ class StatsReply(_Msg, frozen=True, array_like=True, gc=False, tag=105):
     num_misses: int
     num_evictions: int
     num_optimistic_hits: int
+    num_granted: int
+    num_claimed: int
 
 
 class ErrorReply(_Msg, frozen=True, array_like=True, gc=False, tag=106):

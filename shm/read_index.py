@@ -147,6 +147,16 @@ class ReadIndex:
         return self._read_ns[slot]
 
     # ----------------------------------------------------------------- reader side
+    def shows(self, keys: Sequence[BlockKey], hints: Mapping[BlockKey, int]) -> list[bool]:
+        """Per key, whether its hinted slot holds it now (a writer skips such keys)."""
+        seq, key_words = self._seq, self._key_words
+        out = []
+        for key in keys:
+            slot = hints.get(key)
+            out.append(slot is not None and not seq[slot] & 1
+                       and key_words[2 * slot] == key[0] and key_words[2 * slot + 1] == key[1])
+        return out
+
     def read(
         self,
         keys: Sequence[BlockKey],

@@ -41,6 +41,7 @@ from shm.protocol import (
     ONE_WAY_TAGS,
     PROTOCOL_VERSION,
     Abort,
+    Claim,
     Commit,
     Contains,
     Done,
@@ -130,6 +131,7 @@ class BlockStoreOwner:
                 epoch=self.epoch,
                 generation_mirror=self.segment.generations,
                 read_index=self.segment.index,
+                max_granted=cfg.max_granted_slots,
             )
             self._welcome = Welcome(
                 protocol_version=PROTOCOL_VERSION,
@@ -251,9 +253,21 @@ class BlockStoreOwner:
 
     def _dispatch(self, store: BlockStore, session: SessionId, msg: Request) -> bytes | None:
         match msg:
-            case Reserve(namespaces, hashes, parents, tokens):
+            case Reserve(namespaces, hashes, parents, tokens, grant, ungrant, ungrant_gens):
                 keys = _keys(namespaces, hashes)
-                return encode(Slots(*store.reserve(session, keys, parents, tokens)))
+                if ungrant:
+                    store.ungrant(session, ungrant, ungrant_gens)
+                slots, gens = store.reserve(session, keys, parents, tokens)
+                return encode(Slots(slots, gens, *store.grant(session, grant)))
+            case Claim(namespaces, hashes, slots, generations, parents, tokens, grant):
+                keys = _keys(namespaces, hashes)
+                got, gens = store.claim(session, keys, slots, generations, parents, tokens)
+                # A slot whose key was held is still granted: list it again for the client.
+                kept = [(s, g) for s, g, taken in zip(slots, generations, got, strict=True)
+                        if taken is None]
+                new_slots, new_gens = store.grant(session, grant)
+                return encode(Slots(got, gens, [s for s, _ in kept] + new_slots,
+                                    [g for _, g in kept] + new_gens))
             case Commit(slots, generations):
                 store.commit(session, slots, generations)
                 return _DONE

@@ -9,14 +9,21 @@ goes away.
 A put is two steps: ``reserve`` hands out slots for the keys not yet held (invisible to
 readers), the client copies its bytes in, then ``commit`` makes them visible and records
 a ``BlockStored`` event. A writer that dies between the two leaves nothing visible: its
-reservations are freed with its session. A get through the owner is ``lease`` (the slot
-cannot be evicted or reused while any lease is held), a copy out, then ``release``; most
-gets never reach the store, they read through the read index.
+reservations are freed with its session. A writer may also hold a *write-ahead grant*:
+free slots ``grant`` gave it before it knew its keys, which it fills first and then
+``claim``s for its keys (each becomes a reservation, or stays granted if its key is held
+or in flight), so its copy need not wait for a reply; grants are capped store-wide
+(``max_granted``) because a granted slot holds no block.
+
+A get through the owner is ``lease`` (the slot cannot be evicted or reused while any lease
+is held), a copy out, then ``release``; most gets never reach the store, they read through
+the read index.
 
 Eviction is least-recently-used over committed blocks, skipping leased ones: ``_lru``
 holds every committed block in order of last use (a commit or a lease moves a block to
-the end), and eviction, done only when a reservation needs slots, takes unleased blocks
-from the front (a lease no longer costs an LRU removal and a release an LRU insertion).
+the end), and eviction, done only when a reservation or a grant needs slots, takes
+unleased blocks from the front (a lease no longer costs an LRU removal and a release an
+LRU insertion).
 With a read index, readers also use blocks without telling the store: eviction then ranks
 the oldest blocks by their last use, the store's or a reader's (``_pick_victims``).
 Every commit, eviction and removal is recorded as a normalized host-tier event
@@ -54,13 +61,15 @@ SessionId = NewType("SessionId", int)
 _EVICTION_WINDOW = 64
 
 # What a slot holds (``_state``).
-_FREE, _RESERVED, _COMMITTED, _DOOMED = 0, 1, 2, 3  # DOOMED: removed while leased
+_FREE, _RESERVED, _COMMITTED, _DOOMED, _GRANTED = 0, 1, 2, 3, 4
+# DOOMED: removed while leased. GRANTED: handed to a writer ahead of its keys (``grant``).
 
 
 @dataclass(slots=True)
 class _Session:
     reserved: set[int] = field(default_factory=set)  # slots
     leases: dict[int, int] = field(default_factory=dict)  # slot → leases held (> 0)
+    granted: set[int] = field(default_factory=set)  # slots granted ahead, not yet claimed
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +87,8 @@ class StoreStats:
     num_misses: int
     num_evictions: int
     num_optimistic_hits: int = 0  # of num_hits, read through the read index (the owner's)
+    num_granted: int = 0  # slots granted to writers ahead of their puts, not yet claimed
+    num_claimed: int = 0  # blocks claimed in granted slots: put with no reserve round trip
 
 
 class BlockStore:
@@ -85,10 +96,15 @@ class BlockStore:
 
     def __init__(
         self, num_slots: int, *, worker_id: str, epoch: int, generation_mirror: Any = None,
-        read_index: ReadIndex | None = None,
+        read_index: ReadIndex | None = None, max_granted: int = 0,
     ) -> None:
-        """``read_index``: the segment's index to keep in step for optimistic readers."""
+        """``read_index``: the segment's index to keep in step for optimistic readers.
+        ``max_granted``: slots all sessions together may hold as write-ahead grants."""
+        if max_granted < 0:
+            raise ValueError(f"max_granted must be >= 0, got {max_granted}")
         self._pool = SlotPool(num_slots, generation_mirror)
+        self.max_granted = min(max_granted, num_slots)
+        self._num_granted = self._num_claimed = 0
         self._index = read_index
         self.worker_id = worker_id
         self.epoch = epoch
@@ -127,6 +143,10 @@ class BlockStore:
         for slot in slots:
             del self._reserved[self._key[slot]]  # type: ignore[arg-type]
             self._vacate(slot)
+        for slot in state.granted:
+            self._vacate(slot)
+        self._num_granted -= len(state.granted)
+        slots += state.granted
         if self._index is not None:  # its writer may have published them before dying
             self._index.unpublish(slots)
         self._pool.free(slots)
@@ -158,20 +178,32 @@ class BlockStore:
         be freed, i.e. when the rest of the store is leased or being written.
         """
         state = self._session(session)
-        for name, extra in (("parent hashes", parent_hashes), ("token id lists", token_ids)):
-            if extra is not None and len(extra) != len(keys):
-                raise ValueError(f"{len(extra)} {name} for {len(keys)} keys")
+        _check_extras(len(keys), parent_hashes, token_ids)
+        fresh = self._fresh(keys)
+        count = len(keys) if fresh is None else len(fresh)
+        self._make_room(count)
+        slots = self._pool.allocate(count)
+        return self._bind(state, keys, fresh, slots, parent_hashes, token_ids)
+
+    def _fresh(self, keys: Sequence[BlockKey]) -> list[int] | None:
+        """Indices of the keys to write (neither held, in flight, nor repeated); None: all."""
         blocks, reserved = self._blocks, self._reserved
-        fresh: list[int] | None = None  # indices of the keys to write; None: all of them
-        if not (blocks.keys().isdisjoint(keys) and reserved.keys().isdisjoint(keys)
+        if (blocks.keys().isdisjoint(keys) and reserved.keys().isdisjoint(keys)
                 and len(set(keys)) == len(keys)):
-            seen: set[BlockKey] = set()
-            fresh = [i for i, key in enumerate(keys) if not (
-                key in blocks or key in reserved or key in seen or seen.add(key))]  # type: ignore[func-returns-value]
+            return None
+        seen: set[BlockKey] = set()
+        return [i for i, key in enumerate(keys) if not (
+            key in blocks or key in reserved or key in seen or seen.add(key))]  # type: ignore[func-returns-value]
+
+    def _bind(
+        self, state: _Session, keys: Sequence[BlockKey], fresh: list[int] | None,
+        slots: Sequence[int], parent_hashes: Sequence[int | None] | None,
+        token_ids: Sequence[list[int] | None] | None,
+    ) -> tuple[list[int | None], list[int | None]]:
+        """Reserve ``slots[j]`` to key ``fresh[j]`` (every key when ``fresh`` is None); the
+        reply's per-key slots and generations."""
         new_keys = list(keys) if fresh is None else [keys[i] for i in fresh]
-        self._make_room(len(new_keys))
-        slots = self._pool.allocate(len(new_keys))
-        reserved.update(zip(new_keys, slots, strict=True))
+        self._reserved.update(zip(new_keys, slots, strict=True))
         key_of, st = self._key, self._state
         for slot, key in zip(slots, new_keys, strict=True):
             key_of[slot] = key
@@ -189,13 +221,84 @@ class BlockStore:
         state.reserved.update(slots)
         new_gens: list[int | None] = list(map(self._pool.generations.__getitem__, slots))
         if fresh is None:
-            return slots, new_gens  # type: ignore[return-value]  # list is invariant
+            return list(slots), new_gens
         out_slots: list[int | None] = [None] * len(keys)
         out_gens: list[int | None] = [None] * len(keys)
         for i, slot, gen in zip(fresh, slots, new_gens, strict=True):
             out_slots[i] = slot
             out_gens[i] = gen
         return out_slots, out_gens
+
+    def grant(self, session: SessionId, want: int) -> tuple[list[int], list[int]]:
+        """Top the session's write-ahead grant up to ``want`` slots, as far as the store-wide
+        cap and the evictable blocks allow (never ``StoreFullError``); the slots and
+        generations newly granted. A grant may evict, as a reservation would."""
+        state = self._session(session)
+        count = min(want - len(state.granted), self.max_granted - self._num_granted,
+                    self._pool.num_free_slots + len(self._lru)
+                    - (self._num_leased - self._num_doomed))
+        if count <= 0:
+            return [], []
+        self._make_room(count)
+        slots = self._pool.allocate(count)
+        st = self._state
+        for slot in slots:
+            st[slot] = _GRANTED
+        state.granted.update(slots)
+        self._num_granted += count
+        return list(slots), list(map(self._pool.generations.__getitem__, slots))
+
+    def ungrant(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
+        """Free granted slots the session gives back (all or nothing)."""
+        state = self._session(session)
+        self._check_granted(state, slots, generations)
+        state.granted.difference_update(slots)
+        self._num_granted -= len(slots)
+        for slot in slots:
+            self._vacate(slot)
+        self._pool.free(list(slots))
+
+    def _check_granted(
+        self, state: _Session, slots: Sequence[int], generations: Sequence[int]
+    ) -> None:
+        if len(slots) != len(generations):
+            raise StaleDescriptorError(f"{len(slots)} slots with {len(generations)} generations")
+        mine, gens = state.granted, self._pool.generations
+        if not mine.issuperset(slots) or list(map(gens.__getitem__, slots)) != list(generations):
+            for slot, generation in zip(slots, generations, strict=True):
+                if slot not in mine or gens[slot] != generation:
+                    raise StaleDescriptorError(
+                        f"slot {slot} generation {generation} is not granted to this client")
+        if len(set(slots)) != len(slots):
+            raise StaleDescriptorError("a request names the same granted slot twice")
+
+    def claim(
+        self,
+        session: SessionId,
+        keys: Sequence[BlockKey],
+        slots: Sequence[int],
+        generations: Sequence[int],
+        parent_hashes: Sequence[int | None] | None = None,
+        token_ids: Sequence[list[int] | None] | None = None,
+    ) -> tuple[list[int | None], list[int | None]]:
+        """Reserve granted ``slots[i]`` (already written, or being written) to ``keys[i]``.
+
+        As ``reserve``'s reply: per key its slot and generation (unchanged), or ``None``
+        where the key is held or in flight; that key's slot stays granted. Raises
+        ``StaleDescriptorError`` (changing nothing) unless every slot is granted to this
+        session with that generation, once.
+        """
+        state = self._session(session)
+        _check_extras(len(keys), parent_hashes, token_ids)
+        if len(keys) != len(slots):
+            raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
+        self._check_granted(state, slots, generations)
+        fresh = self._fresh(keys)
+        taken = list(slots) if fresh is None else [slots[i] for i in fresh]
+        state.granted.difference_update(taken)
+        self._num_granted -= len(taken)
+        self._num_claimed += len(taken)
+        return self._bind(state, keys, fresh, taken, parent_hashes, token_ids)
 
     def _make_room(self, count: int) -> None:
         free = self._pool.num_free_slots
@@ -208,7 +311,7 @@ class BlockStore:
             raise StoreFullError(
                 f"{count} slots needed, {free} free and {evictable} evictable of "
                 f"{self._pool.num_slots} ({self._num_leased} leased, "
-                f"{len(self._reserved)} being written)"
+                f"{len(self._reserved)} being written, {self._num_granted} granted ahead)"
             )
         need = count - free
         evicted = self._pick_victims(need)
@@ -462,6 +565,8 @@ class BlockStore:
             num_hits=self._num_hits,
             num_misses=self._num_misses,
             num_evictions=self._num_evictions,
+            num_granted=self._num_granted,
+            num_claimed=self._num_claimed,
         )
 
     def check_invariants(self) -> None:
@@ -469,3 +574,10 @@ class BlockStore:
         from shm.store_checks import check_store  # noqa: PLC0415 - test support only
 
         check_store(self)
+
+
+def _check_extras(count: int, parent_hashes: Sequence[int | None] | None,
+                  token_ids: Sequence[list[int] | None] | None) -> None:
+    for name, extra in (("parent hashes", parent_hashes), ("token id lists", token_ids)):
+        if extra is not None and len(extra) != count:
+            raise ValueError(f"{len(extra)} {name} for {count} keys")

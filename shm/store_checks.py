@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shm.store import _COMMITTED, _DOOMED, _FREE, _RESERVED
+from shm.store import _COMMITTED, _DOOMED, _FREE, _GRANTED, _RESERVED
 
 if TYPE_CHECKING:
     from shm.store import BlockStore
@@ -31,6 +31,12 @@ def check_store(store: BlockStore) -> None:
         raise AssertionError("the reservations disagree with the reserved slots")
     if store._blocks != dict(store._lru):
         raise AssertionError("the LRU does not hold exactly the committed blocks")
+    granted = sorted(s for state in store._sessions.values() for s in state.granted)
+    if granted != sorted(s for s in used if st[s] == _GRANTED):
+        raise AssertionError("the sessions' grants disagree with the granted slots")
+    if store._num_granted != len(granted) or len(granted) > store.max_granted:
+        raise AssertionError(f"{store._num_granted} granted counted, {len(granted)} held, "
+                             f"cap {store.max_granted}")
     by_sessions: dict[int, int] = {}
     for state in store._sessions.values():
         for slot, count in state.leases.items():
@@ -46,7 +52,8 @@ def check_store(store: BlockStore) -> None:
     if store._index is not None:
         readable = {s for s in range(pool.num_slots) if not store._index.seq[s] & 1}
         committed = set(store._blocks.values())
-        # A reserved slot may be readable too: its writer publishes it before committing.
+        # A reserved slot may be readable too: its writer publishes it before committing;
+        # a granted one may not (its writer publishes only what its claim reserved).
         if not committed <= readable <= committed | set(store._reserved.values()):
             raise AssertionError("the read index shows other slots than the committed")
         for key, slot in store._blocks.items():

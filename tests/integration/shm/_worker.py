@@ -7,6 +7,9 @@
     python _worker.py SOCKET lease NS FIRST COUNT               lease, print "leased", hang
     python _worker.py SOCKET half-write NS FIRST COUNT          reserve, fill half, print
                                                                 "reserved", hang
+    python _worker.py SOCKET granted-half-write NS FIRST COUNT
+        put COUNT other blocks (which gets slots granted ahead), then fill half the granted
+        slots for the range, claimed for it, print "claimed", hang
     python _worker.py SOCKET unsent-put NS FIRST COUNT          reserve, write and publish in
         the read index as put_many does, but never send the commit; print "written SLOTS", hang
 
@@ -77,6 +80,15 @@ def main(argv: list[str]) -> int:
                 if view is not None:
                     view[:] = 0xAB
             print("reserved", flush=True)
+            sys.stdin.read()  # hang until killed
+        elif command == "granted-half-write":
+            others = [(n, h + count) for n, h in keys]
+            client.put_many(others, [np.zeros(client.block_bytes, np.uint8) for _ in others])
+            pending = client.begin_put(keys)  # views at once: a claim is on its way
+            for view in pending.views[: count // 2]:
+                if view is not None:
+                    view[:] = 0xAB
+            print("claimed", flush=True)
             sys.stdin.read()  # hang until killed
         elif command == "unsent-put":  # put_many stopped just before its Publish frame
             from shm.protocol import Slots

@@ -169,7 +169,8 @@ def _pending_put_scenario(path: Path) -> None:
             raise RuntimeError("engine copy failed")
         assert client.contains((0, 3)) is False and client.stats().num_reserved == 0
         with client.begin_put([(0, 4)]) as pending:  # keep a descriptor, then reuse its slot
-            old = (pending._slots[0], pending._generations[0])
+            reply = pending._answer()
+            old = (reply.slots[0], reply.generations[0])
         client.remove_many([(0, 4)])
         client.put((0, 5), block(5))
         with pytest.raises(StaleDescriptorError, match="reused"):
@@ -371,6 +372,47 @@ async def test_rejected_publish_is_counted(sock_dir: Path, owner_id: str) -> Non
     async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
         await asyncio.to_thread(_bad_publish_scenario, owner.config.socket_path)
         assert owner.num_rejected_commits == 1 and owner.stats().num_blocks == 1
+
+
+def _grant_scenario(path: Path) -> None:
+    with BlockStoreClient(path) as writer, BlockStoreClient(path) as other:
+        first = [(3, h) for h in range(4)]
+        assert writer.put_many(first, [block(h) for h in range(4)]) == [True] * 4
+        stats = writer.stats()
+        assert (stats.num_granted, stats.num_claimed) == (4, 0)  # asked for the next put
+        # The second put copies into the granted slots while claiming them: no reserve.
+        second = [(3, h) for h in range(4, 8)]
+        assert writer.put_many(second, [block(h) for h in range(4, 8)],
+                               parent_hashes=[3, 4, 5, 6]) == [True] * 4
+        stats = writer.stats()
+        assert (stats.num_granted, stats.num_claimed, stats.num_puts) == (4, 4, 8)
+        for h in range(8):  # another client reads them byte-exact
+            assert other.get((3, h)).tobytes() == block(h).tobytes()
+        # A key another client wrote meanwhile: our claim of it fails, its bytes stay, and
+        # the slot we filled for nothing is ours again.
+        assert other.put((3, 99), block(99)) is True
+        assert writer.put_many([(3, 99), (3, 100)], [block(0), block(100)]) == [False, True]
+        assert other.get((3, 99)).tobytes() == block(99).tobytes()
+        assert writer.get((3, 100)).tobytes() == block(100).tobytes()
+        assert writer.stats().num_claimed == 5
+        # Keys the writer knows the store holds are not even claimed.
+        assert writer.put_many(second, [block(h) for h in range(4, 8)]) == [False] * 4
+        assert writer.stats().num_claimed == 5
+        # A put larger than the grant gives it back and reserves: the whole store is usable.
+        everything = [(4, h) for h in range(16)]
+        assert writer.put_many(everything, [block(h) for h in range(16)]) == [True] * 16
+        assert all(other.contains_many(everything))
+
+
+async def test_puts_claim_slots_granted_ahead(sock_dir: Path, owner_id: str) -> None:
+    """A writer is granted slots ahead of its next put (a quarter of the store at most, by
+    default), copies into them while claiming them for its keys, and gives them back when
+    a put needs more; claims of keys the store holds fail without harm."""
+    async with BlockStoreOwner(config(sock_dir, owner_id, slots=16)) as owner:
+        await asyncio.to_thread(_grant_scenario, owner.config.socket_path)
+        stats = owner.stats()
+        assert stats.num_granted == 0 and stats.num_blocks == 16  # the writer left
+        owner.store.check_invariants()  # type: ignore[union-attr]
 
 
 def _read_scenario(path: Path) -> None:

@@ -193,6 +193,69 @@ class TestEvents:
         assert store.take_events() == [BlockRemoved("w0", 7, 2, Tier.HOST, [1])]
 
 
+class TestWriteAheadGrants:
+    def test_grant_is_capped_store_wide_and_evicts_like_a_reservation(self) -> None:
+        """Grants top a session up to what it asks, within the store-wide cap; a full store
+        evicts its least recent block for one, and a grant never raises StoreFullError."""
+        store = BlockStore(4, worker_id="w", epoch=1, max_granted=2)
+        a, b = store.open_session(), store.open_session()
+        assert len(store.grant(a, 1)[0]) == 1
+        assert store.grant(a, 1) == ([], [])  # already holds one
+        assert len(store.grant(b, 5)[0]) == 1  # the cap: two in all
+        assert store.stats().num_granted == 2
+        put(store, a, 1, 2)  # the two slots left
+        store.close_session(b)  # gives its grant back
+        assert store.stats().num_granted == 1
+        put(store, a, 3)
+        slots, _ = store.grant(a, 2)  # the store is full: evicts block 1, the oldest
+        assert len(slots) == 1 and store.contains(keys(1, 2, 3)) == [False, True, True]
+        lease_all = store.open_session()
+        store.lease(lease_all, keys(2, 3))
+        assert store.grant(a, 3) == ([], [])  # nothing evictable: no grant, no error
+        store.check_invariants()
+
+    def test_claim_reserves_granted_slots_and_skips_held_keys(self) -> None:
+        """A claim reserves granted slots as given (same generations); a key held or in
+        flight gets none and its slot stays granted; commit then publishes as usual."""
+        store = BlockStore(8, worker_id="w", epoch=1, max_granted=4)
+        a, b = store.open_session(), store.open_session()
+        put(store, b, 1)
+        slots, gens = store.grant(a, 3)
+        got, got_gens = store.claim(a, keys(1, 2, 2), slots, gens, [None, 1, 1])
+        assert got == [None, slots[1], None] and got_gens == [None, gens[1], None]
+        assert store.stats().num_granted == 2 and store.stats().num_reserved == 1
+        assert store.contains(keys(2)) == [False]  # not before commit
+        store.commit(a, [slots[1]], [gens[1]])
+        assert store.contains(keys(2)) == [True]
+        stored = [e for e in store.take_events() if isinstance(e, BlockStored)]
+        assert stored[-1].block_hashes == [2] and stored[-1].parent_hash == 1
+        store.check_invariants()
+
+    def test_claim_and_ungrant_reject_what_was_not_granted(self) -> None:
+        """Slots not granted to the session, stale generations or a slot named twice are
+        refused and change nothing; ungrant frees granted slots."""
+        store = BlockStore(8, worker_id="w", epoch=1, max_granted=4)
+        a, b = store.open_session(), store.open_session()
+        slots, gens = store.grant(a, 2)
+        other, other_gens = store.grant(b, 1)
+        bad = [
+            (slots[:1], [gens[0] + 1]),  # stale generation
+            (other, other_gens),  # another session's
+            ([slots[0], slots[0]], [gens[0], gens[0]]),  # twice
+        ]
+        for bad_slots, bad_gens in bad:
+            with pytest.raises(StaleDescriptorError):
+                store.claim(a, keys(*range(len(bad_slots))), bad_slots, bad_gens)
+            with pytest.raises(StaleDescriptorError):
+                store.ungrant(a, bad_slots, bad_gens)
+        assert store.stats().num_granted == 3 and store.stats().num_reserved == 0
+        store.ungrant(a, slots, gens)
+        assert store.stats().num_granted == 1 and store.stats().num_free_slots == 7
+        with pytest.raises(ValueError, match="keys for"):
+            store.claim(b, keys(1, 2), other, other_gens)
+        store.check_invariants()
+
+
 class StoreMachine(RuleBasedStateMachine):
     """Random puts, leases, releases, removals and disconnects keep the books consistent."""
 
@@ -200,9 +263,11 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         region = np.zeros(ReadIndexLayout(6).nbytes, np.uint8)
         self.index = ReadIndex(region, 6, owner=True)  # kept in step: see check_invariants
-        self.store = BlockStore(6, worker_id="w", epoch=1, read_index=self.index)
+        self.store = BlockStore(6, worker_id="w", epoch=1, read_index=self.index,
+                                max_granted=3)
         self.sessions = [self.store.open_session() for _ in range(3)]
         self.leases: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
+        self.grants: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
         self.stored_seq = 0
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4),
@@ -221,6 +286,42 @@ class StoreMachine(RuleBasedStateMachine):
                     self.index.publish_slot(slot, key)
         if commit:
             self.store.commit(session, [s for s, _ in got], [g for _, g in got])
+
+    @rule(who=st.integers(0, 2), want=st.integers(0, 3))
+    def grant(self, who: int, want: int) -> None:
+        session = self.sessions[who]
+        slots, gens = self.store.grant(session, want)
+        assert len(self.grants[session]) + len(slots) <= max(want, len(self.grants[session]))
+        self.grants[session] += zip(slots, gens, strict=True)
+
+    @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=3),
+          commit=st.booleans())
+    def claim(self, who: int, hashes: list[int], commit: bool) -> None:
+        """A writer fills granted slots, then claims them (bytes written before the owner
+        answers): what it claims for held keys stays granted, the rest commits or aborts."""
+        session = self.sessions[who]
+        held = self.grants[session]
+        if len(held) < len(hashes):
+            return
+        taken, self.grants[session] = held[: len(hashes)], held[len(hashes) :]
+        slots, gens = self.store.claim(session, keys(*hashes), [s for s, _ in taken],
+                                       [g for _, g in taken])
+        self.grants[session] += [t for t, s in zip(taken, slots, strict=True) if s is None]
+        got = [(s, g) for s, g in zip(slots, gens, strict=True) if s is not None]
+        assert got == [t for t, s in zip(taken, slots, strict=True) if s is not None]
+        if commit:
+            for slot, key in zip(slots, keys(*hashes), strict=True):
+                if slot is not None:
+                    self.index.publish_slot(slot, key)
+            self.store.commit(session, [s for s, _ in got], [g for _, g in got])
+        elif got:
+            self.store.abort(session, [s for s, _ in got], [g for _, g in got])
+
+    @rule(who=st.integers(0, 2))
+    def ungrant(self, who: int) -> None:
+        session = self.sessions[who]
+        held, self.grants[session] = self.grants[session], []
+        self.store.ungrant(session, [s for s, _ in held], [g for _, g in held])
 
     @rule(hashes=st.lists(st.integers(0, 12), max_size=4),
           hint_slots=st.lists(st.integers(0, 5), min_size=4, max_size=4))
@@ -259,8 +360,10 @@ class StoreMachine(RuleBasedStateMachine):
         old = self.sessions[who]
         self.store.close_session(old)
         del self.leases[old]
+        del self.grants[old]
         self.sessions[who] = self.store.open_session()
         self.leases[self.sessions[who]] = []
+        self.grants[self.sessions[who]] = []
 
     @invariant()
     def books_balance(self) -> None:
