@@ -77,7 +77,7 @@ uvloop.run(main())
 
 
 ORDERS = (("put", "get", "memcpy"), ("memcpy", "put", "get"), ("put", "memcpy", "get"))
-OWNER_ARGS: list[str] = []  # extra owner options (--owner-sched-batch)
+OWNER_ARGS: list[str] = []  # extra owner options (--owner-sched-batch, --grant-fraction)
 
 
 def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> subprocess.Popen[str]:
@@ -113,11 +113,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
-               budget_s: float) -> dict[str, float]:
+               budget_s: float, store_batches: int = 4) -> dict[str, float]:
     """put, get and memcpy of one block size, interleaved so all three see the same noise."""
-    batch_max = min(64, max_segment // block_bytes // 4)
+    batch_max = min(64, max_segment // block_bytes // store_batches)
     fig: dict[str, float] = {}
-    owner = _start_owner(tmp, label, block_bytes, 4 * batch_max)
+    owner = _start_owner(tmp, label, block_bytes, store_batches * batch_max)
     rng = np.random.default_rng(0)
     try:
         with BlockStoreClient(tmp / f"{label}.sock") as client:
@@ -136,7 +136,7 @@ def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
                 while rep < 9 or time.perf_counter() < deadline:
                     # A batch is one request's chain of blocks: each block's parent is the
                     # previous one, so the owner records one BlockStored event per batch. The
-                    # store holds four batches, so each put evicts the oldest one.
+                    # store holds --store-batches batches: each put evicts the oldest one.
                     hashes = [next(counter) for _ in range(batch)]
                     keys = [(7, h) for h in hashes]
                     parents = [hashes[0] - 1, *hashes[:-1]]
@@ -269,8 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
     parser.add_argument("--max-segment-mib", type=int, default=1024,
-                        help="largest segment to create, four batches (default 1024; caps "
-                             "the 16 MiB batch at 16 blocks)")
+                        help="largest segment to create (default 1024; with four batches "
+                             "per store it caps the 16 MiB batch at 16 blocks)")
+    parser.add_argument("--store-batches", type=int, default=4,
+                        help="batches each store holds (default 4: each put writes slots no "
+                             "copy has touched for rounds, as in a store larger than the "
+                             "cache; 1: every put overwrites the slots of the previous "
+                             "batch, still in cache, and, with no room to grant slots ahead, "
+                             "reserves first)")
+    parser.add_argument("--grant-fraction", type=float, default=None,
+                        help="the owners' --grant-fraction (default: theirs, 0.25)")
     parser.add_argument("--budget-s", type=float, default=0.6,
                         help="seconds of interleaved put/get/memcpy rounds per block size "
                              "and batch (default 0.6)")
@@ -285,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.owner_sched_batch:
         OWNER_ARGS.append("--sched-batch")
+    if args.grant_fraction is not None:
+        OWNER_ARGS.extend(["--grant-fraction", str(args.grant_fraction)])
+    if args.store_batches < 1:
+        parser.error("--store-batches must be at least 1")
     if args.pin_cpu is not None:
         os.sched_setaffinity(0, {args.pin_cpu})  # children inherit it
 
@@ -293,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-shm-") as tmp_name:
         tmp = Path(tmp_name)
         for label, size in SIZES.items():
-            fig |= bench_size(tmp, label, size, args.max_segment_mib << 20, args.budget_s)
+            fig |= bench_size(tmp, label, size, args.max_segment_mib << 20, args.budget_s,
+                              args.store_batches)
         cpus = sorted(os.sched_getaffinity(0))
         if args.pin_cpu is None and len(cpus) >= 2:
             # The scheduler may put a server on our CPU or on another, and in a VM a

@@ -428,43 +428,58 @@ class BlockStoreClient:
 
     # ---------------------------------------------------------------- transport
     def _call(self, request: Any, kind: type[R]) -> R:
-        return self._await_reply(self._send_request(request), kind)
+        frame = _encode(request)
+        with self._lock:
+            reply = self._collect(self._send(frame))
+        return expect(reply, kind)
 
     def _send_request(self, request: Any) -> int:
         """Send a request; its ticket, for ``_await_reply``. Replies come back in order, so
         a thread may send, work, then collect its reply while others make calls."""
         frame = _encode(request)
         with self._lock:
-            sock = self._live_socket()
-            try:
-                sock.sendall(frame)
-            except OSError as exc:
-                self._detach()
-                raise ClientDetachedError(
-                    f"lost the block store owner on {self.socket_path}: {exc}") from exc
-            self._sent += 1
-            return self._sent
+            return self._send(frame)
 
     def _await_reply(self, ticket: int, kind: type[R]) -> R:
         with self._lock:
-            reply = self._early.pop(ticket, None)
-            while reply is None:
-                sock = self._live_socket()
-                try:
-                    got = self._recv(sock)
-                except (OSError, ClientDetachedError) as exc:
-                    self._detach()
-                    raise ClientDetachedError(
-                        f"lost the block store owner on {self.socket_path}: {exc}") from exc
-                except BaseException:
-                    self._detach()  # interrupted mid reply: the stream is out of step
-                    raise
-                self._answered += 1
-                if self._answered == ticket:
-                    reply = got
-                else:  # another thread's: it collects it from here
-                    self._early[self._answered] = got
+            reply = self._collect(ticket)
         return expect(reply, kind)
+
+    def _send(self, frame: bytes) -> int:
+        """(Lock held.) Send a request frame; its ticket."""
+        sock = self._live_socket()
+        try:
+            sock.sendall(frame)
+        except OSError as exc:
+            self._detach()
+            raise ClientDetachedError(
+                f"lost the block store owner on {self.socket_path}: {exc}") from exc
+        except BaseException:
+            self._detach()  # interrupted mid frame: the stream is out of step
+            raise
+        self._sent += 1
+        return self._sent
+
+    def _collect(self, ticket: int) -> Reply:
+        """(Lock held.) The reply to ``ticket``, keeping replies read for other tickets."""
+        reply = self._early.pop(ticket, None) if self._early else None
+        while reply is None:
+            sock = self._live_socket()
+            try:
+                got = self._recv(sock)
+            except (OSError, ClientDetachedError) as exc:
+                self._detach()
+                raise ClientDetachedError(
+                    f"lost the block store owner on {self.socket_path}: {exc}") from exc
+            except BaseException:
+                self._detach()  # interrupted mid reply: the stream is out of step
+                raise
+            self._answered += 1
+            if self._answered == ticket:
+                reply = got
+            else:  # another thread's: it collects it from here
+                self._early[self._answered] = got
+        return reply
 
     def _send_only(self, request: Any) -> None:
         frame = _encode(request)
@@ -484,6 +499,13 @@ class BlockStoreClient:
 
     def _recv(self, sock: socket.socket) -> Reply:
         buf = self._buf
+        if not buf:  # the common case: one recv brings exactly one whole reply
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ClientDetachedError("the owner closed the connection")
+            if len(chunk) >= 4 and len(chunk) == 4 + frame_length(chunk):
+                return decode_reply(memoryview(chunk)[4:])
+            buf += chunk
         while len(buf) < 4:
             self._fill(sock, buf)
         length = frame_length(buf)

@@ -492,3 +492,40 @@ def _threads_scenario(path: Path) -> None:
 async def test_threads_sharing_a_client_read_exact_bytes(sock_dir: Path, owner_id: str) -> None:
     async with BlockStoreOwner(config(sock_dir, owner_id, slots=32)) as owner:
         await asyncio.to_thread(_threads_scenario, owner.config.socket_path)
+
+
+def _writer_threads_scenario(path: Path) -> None:
+    """Four threads put through one client (claims in flight while other threads make calls
+    whose replies arrive behind theirs) and check what another client reads."""
+    errors: list[str] = []
+    with BlockStoreClient(path) as shared, BlockStoreClient(path) as reader:
+        def write_loop(ns: int) -> None:
+            for n in range(40):
+                batch = [(ns, 4 * n + j) for j in range(4)]
+                if shared.put_many(batch, [block(h) for _, h in batch]) != [True] * 4:
+                    errors.append(f"{batch} not stored")
+                shared.contains_many(batch)  # a plain call between the claims
+                if not all(shared.contains_many(batch[:1])):
+                    errors.append(f"{batch[0]} missing right after its put")
+
+        writers = [threading.Thread(target=write_loop, args=(ns,)) for ns in range(4)]
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join()
+        assert not errors, errors[:3]
+        stats = shared.stats()
+        assert stats.num_puts == 640 and stats.num_claimed > 0
+        keys = [(ns, h) for ns in range(4) for h in range(160)]
+        outs = [np.empty(BLOCK // 2, np.float16) for _ in keys]
+        hits = reader.get_many(keys, outs)
+        assert sum(hits) == stats.num_blocks
+        for (_, h), hit, out in zip(keys, hits, outs, strict=True):
+            assert not hit or out.tobytes() == block(h).tobytes()
+
+
+async def test_threads_sharing_a_client_put_through_grants(sock_dir: Path,
+                                                            owner_id: str) -> None:
+    async with BlockStoreOwner(config(sock_dir, owner_id, slots=64)) as owner:
+        await asyncio.to_thread(_writer_threads_scenario, owner.config.socket_path)
+        owner.store.check_invariants()  # type: ignore[union-attr]
