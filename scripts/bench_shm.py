@@ -5,11 +5,8 @@ For each block size (16 KiB, 256 KiB, 2 MiB, 16 MiB) this starts a real owner
 (``python -m shm``) and, from this process, measures:
 
 * put: ``put_many`` of a batch of fresh keys chained parent → child, as one request's
-  blocks are: the client copies into slots the owner granted it ahead while its claim of
-  them for the keys is on the way, then commits one-way (the first put of a run reserves
-  first and asks for the grant; see ``BlockStoreClient.begin_put``). The store holds four
-  batches (the owner grants at most a quarter of its slots ahead), so each put's new grant
-  evicts the oldest batch: one stored and one removed event per put;
+  blocks are (one stored event per batch; each put evicts the oldest batch, one removed
+  event);
 * get: ``get_many`` of that batch into warm arrays (the client knows where it put the
   blocks, so it copies out through the segment's read index without asking the owner; see
   ``shm.read_index``);
@@ -20,16 +17,27 @@ For each block size (16 KiB, 256 KiB, 2 MiB, 16 MiB) this starts a real owner
 the three interleaved round by round, so noise from other work on the host hits all alike,
 in an order that rotates (put get memcpy, memcpy put get, put memcpy get): each copy reads
 one buffer and writes another, and whichever ran just before decides which of them is still
-in the cache (a 16 MiB batch is half the L3), so a fixed order would favour one of them;
+in the cache (a 16 MiB batch is half the L3), so a fixed order would favour one of them.
 
-in batches of 1 and 64 blocks (16 MiB blocks: as many as four batches in ``--max-segment-mib``
-allow), as
-GB/s and blocks/s, per-batch medians. It also measures control round trips (an empty
-``Ping``, a ``Contains`` of 64 keys, a ``Lease`` of 64 keys plus its ``Release``; a second,
-idle client stays attached, as in a deployment) against
-a Unix-socket echo server on uvloop with the same framing, in the same run, with the
-servers on this process's CPU and on another one (a VM pays tens of µs per cross-CPU
-wake-up, so where the scheduler puts a server otherwise decides the figure).
+Each size runs twice, with two store sizes:
+
+* a store of one batch: each put reserves (one round trip), then overwrites the slots of
+  the batch before, which the last round's get read: its copy lands in memory as warm as
+  memcpy's, so the ratio measures what the store adds to the copy (the issue's target);
+* a store of ``--store-batches`` batches (default 4), as a store larger than the cache is:
+  each put copies into slots the owner granted it ahead while its claim of them is on the
+  way (no round trip first; see ``BlockStoreClient.begin_put``), slots no copy has touched
+  for rounds. A fourth copy runs in each round there, ``memcpy_cold``: the same batch into
+  one of as many sets of private arrays as the store has batches, in turn, so its
+  destination is as cold as the put's; put and get are compared with it too.
+
+Batches of 1 and 64 blocks (16 MiB blocks: as many as four batches in ``--max-segment-mib``
+allow), as GB/s and blocks/s, per-batch medians. It also measures control round trips (an
+empty ``Ping``, a ``Contains`` of 64 keys, a ``Lease`` of 64 keys plus its ``Release``; a
+second, idle client stays attached, as in a deployment) against a Unix-socket echo server
+on uvloop with the same framing, in the same run, with the servers on this process's CPU
+and on another one (a VM pays tens of µs per cross-CPU wake-up, so where the scheduler puts
+a server otherwise decides the figure).
 
 Ratios are oriented so that >= 1 means we are as good as the baseline or better.
 With ``--pin-cpu N`` every process of the run shares one CPU (see ``--help``).
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import struct
@@ -76,6 +85,8 @@ uvloop.run(main())
 """
 
 
+# put_256KiB_b64_gbps, memcpy_cold_2MiB_b64_store4_gbps, ...
+_COPY_FIGURE = re.compile(r"^(put|get|memcpy_cold|memcpy)_(\w+?)_b(\d+)(?:_store(\d+))?_gbps$")
 ORDERS = (("put", "get", "memcpy"), ("memcpy", "put", "get"), ("put", "memcpy", "get"))
 OWNER_ARGS: list[str] = []  # extra owner options (--owner-sched-batch, --grant-fraction)
 
@@ -113,30 +124,33 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
-               budget_s: float, store_batches: int = 4) -> dict[str, float]:
+               budget_s: float, store_batches: int) -> dict[str, float]:
     """put, get and memcpy of one block size, interleaved so all three see the same noise."""
-    batch_max = min(64, max_segment // block_bytes // store_batches)
+    batch_max = min(64, max_segment // block_bytes // 4)
+    name = label if store_batches == 1 else f"{label}-store{store_batches}"
     fig: dict[str, float] = {}
-    owner = _start_owner(tmp, label, block_bytes, store_batches * batch_max)
+    owner = _start_owner(tmp, name, block_bytes, store_batches * batch_max)
     rng = np.random.default_rng(0)
     try:
-        with BlockStoreClient(tmp / f"{label}.sock") as client:
+        with BlockStoreClient(tmp / f"{name}.sock") as client:
             srcs = [_aligned(block_bytes) for _ in range(batch_max)]
             for arr in srcs:
                 arr[:] = rng.integers(0, 256, block_bytes, dtype=np.uint8)
             dsts = [_aligned(block_bytes) for _ in range(batch_max)]
-            for arr in dsts:
+            cold_sets = [[_aligned(block_bytes) for _ in range(batch_max)]
+                         for _ in range(store_batches if store_batches > 1 else 0)]
+            for arr in [*dsts, *(a for arrays in cold_sets for a in arrays)]:
                 arr.fill(1)
             counter = iter(range(1, 1 << 62))
             for batch in sorted({1, batch_max}):
                 src, dst = srcs[:batch], dsts[:batch]
-                times: dict[str, list[float]] = {"put": [], "get": [], "memcpy": []}
+                ops = ("put", "get", "memcpy", *(("memcpy_cold",) if cold_sets else ()))
+                times: dict[str, list[float]] = {op: [] for op in ops}
                 deadline = time.perf_counter() + budget_s
                 rep = 0
                 while rep < 9 or time.perf_counter() < deadline:
                     # A batch is one request's chain of blocks: each block's parent is the
-                    # previous one, so the owner records one BlockStored event per batch. The
-                    # store holds --store-batches batches: each put evicts the oldest one.
+                    # previous one, so the owner records one BlockStored event per batch.
                     hashes = [next(counter) for _ in range(batch)]
                     keys = [(7, h) for h in hashes]
                     parents = [hashes[0] - 1, *hashes[:-1]]
@@ -145,14 +159,18 @@ def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
                     if rep == 0:  # so that the byte check below sees what get wrote
                         for d in dst:
                             d.fill(1)
-                    for op in ORDERS[rep % len(ORDERS)]:
+                    order = ORDERS[rep % len(ORDERS)] + ops[3:]  # memcpy_cold: its own set
+                    for op in order:
                         t0 = time.perf_counter()
                         if op == "put":
                             client.put_many(keys, src, parent_hashes=parents)
                         elif op == "get":
                             hits = client.get_many(keys, dst)
-                        else:
+                        elif op == "memcpy":
                             for s, d in zip(src, dst, strict=True):
+                                np.copyto(d, s)
+                        else:
+                            for s, d in zip(src, cold_sets[rep % len(cold_sets)], strict=False):
                                 np.copyto(d, s)
                         took[op] = time.perf_counter() - t0
                         if op == "get" and rep == 0 and not all(  # round 0: get before memcpy
@@ -161,13 +179,14 @@ def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
                             raise RuntimeError("get returned different bytes than were put")
                     if not all(hits):
                         raise RuntimeError("a block just put was missing")
-                    if rep >= len(ORDERS):  # the first rounds warm up
+                    if rep >= len(ORDERS) + store_batches:  # the first rounds warm up
                         for op, seconds in took.items():
                             times[op].append(seconds)
                     rep += 1
                     if rep >= 20_000:
                         break
-                tag = f"{label}_b{batch}"
+                tag = f"{label}_b{batch}" + ("" if store_batches == 1 else
+                                             f"_store{store_batches}")
                 for op, samples in times.items():
                     t = statistics.median(samples)
                     fig[f"{op}_{tag}_gbps"] = batch * block_bytes / t / 1e9
@@ -254,8 +273,10 @@ def ratios(fig: dict[str, float]) -> dict[str, float]:
     for key, value in fig.items():
         for op in ("put", "get"):
             if key.startswith(f"{op}_") and key.endswith("_gbps"):
-                base = fig[key.replace(f"{op}_", "memcpy_", 1)]
-                out[f"{key}_vs_memcpy"] = value / base
+                rest = key.removeprefix(f"{op}_")
+                out[f"{key}_vs_memcpy"] = value / fig[f"memcpy_{rest}"]
+                if f"memcpy_cold_{rest}" in fig:
+                    out[f"{key}_vs_memcpy_cold"] = value / fig[f"memcpy_cold_{rest}"]
     for place in ("same_cpu", "cross_cpu", "pinned"):
         if f"rtt_{place}_echo_us_p50" not in fig:
             continue
@@ -272,11 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="largest segment to create (default 1024; with four batches "
                              "per store it caps the 16 MiB batch at 16 blocks)")
     parser.add_argument("--store-batches", type=int, default=4,
-                        help="batches each store holds (default 4: each put writes slots no "
-                             "copy has touched for rounds, as in a store larger than the "
-                             "cache; 1: every put overwrites the slots of the previous "
-                             "batch, still in cache, and, with no room to grant slots ahead, "
-                             "reserves first)")
+                        help="batches the larger store of each size holds (default 4; 1 "
+                             "skips it): its puts copy into slots granted ahead, which no "
+                             "copy has touched for rounds, and are also compared with a "
+                             "memcpy into as cold memory")
     parser.add_argument("--grant-fraction", type=float, default=None,
                         help="the owners' --grant-fraction (default: theirs, 0.25)")
     parser.add_argument("--budget-s", type=float, default=0.6,
@@ -305,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-shm-") as tmp_name:
         tmp = Path(tmp_name)
         for label, size in SIZES.items():
-            fig |= bench_size(tmp, label, size, args.max_segment_mib << 20, args.budget_s,
-                              args.store_batches)
+            for batches in sorted({1, args.store_batches}):
+                fig |= bench_size(tmp, label, size, args.max_segment_mib << 20,
+                                  args.budget_s, batches)
         cpus = sorted(os.sched_getaffinity(0))
         if args.pin_cpu is None and len(cpus) >= 2:
             # The scheduler may put a server on our CPU or on another, and in a VM a
@@ -322,15 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {os.cpu_count()} CPUs; load average (1 min) {load_start:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end; other work on the host skews every figure")
 
-    print(f"{'block':>7} {'batch':>5} {'op':>6} {'GB/s':>8} {'blocks/s':>11} {'vs memcpy':>9}")
+    print(f"{'block':>7} {'batch':>5} {'store':>6} {'op':>11} {'GB/s':>8} {'blocks/s':>11} "
+          f"{'vs memcpy':>9} {'vs cold':>8}")
     for key in fig:
-        if not key.endswith("_gbps"):
+        parsed = _COPY_FIGURE.match(key)
+        if parsed is None:
             continue
-        op, label, batch = key.removesuffix("_gbps").split("_")
+        op, label, batch, store = parsed.groups()
         vs = rat.get(f"{key}_vs_memcpy")
-        print(f"{label:>7} {batch[1:]:>5} {op:>6} {fig[key]:8.2f} "
+        cold = rat.get(f"{key}_vs_memcpy_cold")
+        print(f"{label:>7} {batch:>5} {store or '1':>6} {op:>11} {fig[key]:8.2f} "
               f"{fig[key.replace('_gbps', '_blocks_per_s')]:11.0f} "
-              f"{'' if vs is None else f'{vs:9.2f}'}")
+              f"{'' if vs is None else f'{vs:9.2f}'} {'' if cold is None else f'{cold:8.2f}'}")
     print()
     print(f"{'placement':>10} {'round trip':>12} {'p50 µs':>8} {'p99 µs':>8} {'echo/ours':>9}")
     for place in ("same_cpu", "cross_cpu", "pinned"):

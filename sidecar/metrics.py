@@ -84,9 +84,12 @@ class _StreamCollector(Collector):
             evictions = CounterMetricFamily("kvsidecar_store_evictions", "Blocks evicted (LRU)")
             evictions.add_metric([], stats.num_evictions)
             blocks = GaugeMetricFamily(
-                "kvsidecar_store_blocks", "Blocks held, and slots in all", labels=["kind"]
+                "kvsidecar_store_blocks",
+                "Blocks held, slots granted to writers ahead of their puts, and slots in all",
+                labels=["kind"],
             )
             blocks.add_metric(["held"], stats.num_blocks)
+            blocks.add_metric(["granted"], stats.num_granted)
             blocks.add_metric(["slots"], stats.num_slots)
             yield from (lookups, evictions, blocks)
 

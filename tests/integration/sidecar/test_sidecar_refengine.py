@@ -334,6 +334,8 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
         async with session.get(f"{sc.url}/metrics") as resp:
             text = await resp.text()
         assert 'kvsidecar_store_lookups_total{result="hit"} 6.0' in text
+        # The writer's slots granted ahead of a next put went back when it disconnected.
+        assert 'kvsidecar_store_blocks{kind="granted"} 0.0' in text
         task.cancel()
     finally:
         assert sc.stop() == 0, sc.log_tail()
