@@ -29,7 +29,7 @@ import msgspec
 import numpy as np
 
 from shm._attachment import Attachment, descriptors, expect, split_keys, stats_from_reply
-from shm.errors import ClientDetachedError, UnknownBlockError
+from shm.errors import ClientDetachedError, ProtocolError, UnknownBlockError
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -181,7 +181,9 @@ class BlockStoreClient:
         self._buf = bytearray()
         self._sent = self._answered = 0  # request tickets sent, replies read
         self._early: dict[int, Reply] = {}  # replies read before their thread asked
-        self._grants: list[tuple[int, int]] = []  # (slot, generation) granted ahead, unused
+        # Slots granted ahead and not used yet, and their generations (parallel lists).
+        self._granted: list[int] = []
+        self._granted_gens: list[int] = []
         self._grant_want = 0  # granted slots to keep: the largest put so far
         try:
             self._sock.settimeout(timeout_s)
@@ -264,10 +266,11 @@ class BlockStoreClient:
         if claim is not None:
             return PendingPut(self, keys, claim=claim)
         with self._lock:  # too few to claim with: give them back, they may be needed now
-            back, self._grants = self._grants, []
+            back, back_gens = self._granted, self._granted_gens
+            self._granted, self._granted_gens = [], []
         reply = self._call(msgspec.structs.replace(
-            request, grant=self._grant_want, ungrant_slots=[s for s, _ in back],
-            ungrant_generations=[g for _, g in back]), Slots)
+            request, grant=self._grant_want, ungrant_slots=back,
+            ungrant_generations=back_gens), Slots)
         self._add_grants(reply)
         return PendingPut(self, keys, reply=reply)
 
@@ -279,13 +282,12 @@ class BlockStoreClient:
         n = len(todo)
         with self._lock:
             self._grant_want = max(self._grant_want, n)
-            grants = self._grants
-            if n > len(grants):
+            granted, gens = self._granted, self._granted_gens
+            if n > len(granted):
                 return None
-            taken = grants[len(grants) - n:]
-            del grants[len(grants) - n:]
-        slots = [s for s, _ in taken]
-        generations = [g for _, g in taken]
+            cut = len(granted) - n
+            slots, generations = granted[cut:], gens[cut:]
+            del granted[cut:], gens[cut:]
         if not todo:  # every key is held: nothing to write, nothing to ask
             return _Claim(0, todo, slots, generations)
         if n == len(keys):
@@ -312,8 +314,11 @@ class BlockStoreClient:
 
     def _add_grants(self, reply: Slots) -> None:
         if reply.grant_slots:
+            if len(reply.grant_slots) != len(reply.grant_generations):
+                raise ProtocolError("a grant of slots without their generations")
             with self._lock:
-                self._grants += zip(reply.grant_slots, reply.grant_generations, strict=True)
+                self._granted += reply.grant_slots
+                self._granted_gens += reply.grant_generations
 
     @staticmethod
     def _reserve(keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
@@ -526,7 +531,7 @@ class BlockStoreClient:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
-        self._grants.clear()  # the owner frees them with our session
+        self._granted, self._granted_gens = [], []  # the owner frees them with our session
 
     def close(self) -> None:
         """Close the socket (the owner releases what we held) and unmap; idempotent."""

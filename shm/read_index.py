@@ -149,6 +149,8 @@ class ReadIndex:
     # ----------------------------------------------------------------- reader side
     def shows(self, keys: Sequence[BlockKey], hints: Mapping[BlockKey, int]) -> list[bool]:
         """Per key, whether its hinted slot holds it now (a writer skips such keys)."""
+        if hints.keys().isdisjoint(keys):  # the common case for a writer: fresh keys
+            return [False] * len(keys)
         seq, key_words = self._seq, self._key_words
         out = []
         for key in keys:
