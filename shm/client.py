@@ -85,6 +85,7 @@ class PendingPut:
         self._written = list(range(len(keys))) if claim is None else claim.todo
         self._views: list[np.ndarray | None] | None = None  # made on first use
         self._open = True
+        self._aborted = False
 
     @property
     def views(self) -> list[np.ndarray | None]:
@@ -106,9 +107,12 @@ class PendingPut:
 
     @property
     def stored(self) -> list[bool]:
-        """Per key, whether this put gives the store its block (waits for a claim's reply)."""
-        reply = self._answer()
+        """Per key, whether this put gives the store its block (waits for a claim's reply);
+        all ``False`` once aborted."""
         out = [False] * len(self._keys)
+        if self._aborted:
+            return out
+        reply = self._answer()
         for i, slot in zip(self._written, reply.slots, strict=True):
             out[i] = slot is not None
         return out
@@ -132,6 +136,7 @@ class PendingPut:
     def abort(self) -> None:
         if self._open:
             self._open = False
+            self._aborted = True
             slots, generations = descriptors(self._answer())
             if slots:
                 self._client._call(Abort(slots, generations), Done)

@@ -165,9 +165,10 @@ def _pending_put_scenario(path: Path) -> None:
                 view[:] = block(i).view(np.uint8)
             assert client.contains_many([(0, 1)]) == [False]  # not before commit
         assert client.get((0, 2)).tobytes() == block(1).tobytes()
-        with pytest.raises(RuntimeError), client.begin_put([(0, 3)]):
+        with pytest.raises(RuntimeError), client.begin_put([(0, 3)]) as failed:
             raise RuntimeError("engine copy failed")
         assert client.contains((0, 3)) is False and client.stats().num_reserved == 0
+        assert failed.stored == [False]
         with client.begin_put([(0, 4)]) as pending:  # keep a descriptor, then reuse its slot
             reply = pending._answer()
             old = (reply.slots[0], reply.generations[0])
