@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
 import numpy as np
 
 from shm._attachment import Attachment, descriptors, expect, split_keys, stats_from_reply
-from shm.errors import ClientDetachedError, ProtocolError, UnknownBlockError
+from shm.errors import BlockStoreError, ClientDetachedError, ProtocolError, UnknownBlockError
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -69,20 +68,18 @@ class PendingPut:
     more. ``commit()`` is one-way, as ``put_many``'s: the blocks are visible to every
     request sent after it returns, without waiting for the owner.
 
-    The slots are either reserved for the keys (the owner answered before ``begin_put``
-    returned) or granted ahead (the client's ``Claim`` of them for these keys is on its way
-    while the caller writes): then a key the owner finds held meanwhile keeps a view that
-    is written for nothing, and ``stored``, read after the writes, says which keys took.
+    A put's keys go in up to two parts: those that fit the slots granted to the client
+    ahead, claimed for them (the ``Claim`` is on its way while the caller writes), and the
+    rest, reserved (the owner answered before the views were handed out). A key the owner
+    finds held while it handles the claim keeps a view that is written for nothing;
+    ``stored``, read after the writes, says which keys took.
     """
 
-    def __init__(self, client: BlockStoreClient, keys: Sequence[BlockKey], *,
-                 reply: Slots | None = None, claim: _Claim | None = None) -> None:
+    def __init__(self, client: BlockStoreClient, keys: Sequence[BlockKey],
+                 parts: list[_Part]) -> None:
         self._client = client
         self._keys = keys
-        self._reply = reply
-        self._claim = claim
-        # Key indices the reply answers: every key's for a reserve, the claimed ones' else.
-        self._written = list(range(len(keys))) if claim is None else claim.todo
+        self.parts = parts  # claimed part first: its slots are known at once
         self._views: list[np.ndarray | None] | None = None  # made on first use
         self._open = True
         self._aborted = False
@@ -92,18 +89,19 @@ class PendingPut:
         if self._views is None:
             views: list[np.ndarray | None] = [None] * len(self._keys)
             rows = self._client._attachment.rows()
-            for i, slot in self.targets:
-                views[i] = rows[slot]
+            for part in self.parts:
+                for i, slot in self.targets(part):
+                    views[i] = rows[slot]
             self._views = views
         return self._views
 
-    @property
-    def targets(self) -> list[tuple[int, int]]:
-        """``(key index, slot)`` of each slot to write."""
-        if self._claim is not None:
-            return list(zip(self._claim.todo, self._claim.slots, strict=True))
-        assert self._reply is not None
-        return [(i, s) for i, s in enumerate(self._reply.slots) if s is not None]
+    def targets(self, part: _Part) -> list[tuple[int, int]]:
+        """``(key index, slot)`` of each slot of ``part`` to write (a reserved part's wait
+        for the owner's reply, which raises ``StoreFullError`` if the store had no room)."""
+        if part.claimed_slots is not None:
+            return list(zip(part.todo, part.claimed_slots, strict=True))
+        reply = self._answer(part)
+        return [(i, s) for i, s in zip(part.todo, reply.slots, strict=True) if s is not None]
 
     @property
     def stored(self) -> list[bool]:
@@ -112,34 +110,60 @@ class PendingPut:
         out = [False] * len(self._keys)
         if self._aborted:
             return out
-        reply = self._answer()
-        for i, slot in zip(self._written, reply.slots, strict=True):
-            out[i] = slot is not None
+        for part in self.parts:
+            for i, slot in zip(part.todo, self._answer(part).slots, strict=True):
+                out[i] = slot is not None
         return out
 
-    def _answer(self) -> Slots:
-        if self._reply is None:
-            assert self._claim is not None
-            self._reply = self._client._claimed(self._claim)
-        return self._reply
+    def _answer(self, part: _Part) -> Slots:
+        if part.error is not None:
+            raise part.error
+        if part.reply is None:
+            try:
+                part.reply = self._client._answered_part(part)
+            except BlockStoreError as exc:  # the reply was read: keep it for later asks
+                part.error = exc
+                raise
+        return part.reply
 
     def commit(self) -> None:
-        if self._open:
-            self._open = False
-            reply = self._answer()
-            slots, generations = descriptors(reply)
-            if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
-                self._client._attachment.publish_filled(
-                    [self._keys[i] for i in self._written], reply)
-                self._client._send_only(Publish(slots, generations))
+        if not self._open:
+            return
+        try:
+            replies = [self._answer(part) for part in self.parts]
+        except BlockStoreError:  # e.g. a claim refused: free what the other part holds
+            with contextlib.suppress(ClientDetachedError):
+                self.abort()
+            raise
+        self._open = False
+        client = self._client
+        slots: list[int] = []
+        generations: list[int] = []
+        for part, reply in zip(self.parts, replies, strict=True):
+            part_slots, part_generations = descriptors(reply)
+            if part_slots:
+                client._attachment.publish_filled([self._keys[i] for i in part.todo], reply)
+                slots += part_slots
+                generations += part_generations
+        if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
+            client._send_only(Publish(slots, generations))
 
     def abort(self) -> None:
-        if self._open:
-            self._open = False
-            self._aborted = True
-            slots, generations = descriptors(self._answer())
-            if slots:
-                self._client._call(Abort(slots, generations), Done)
+        if not self._open:
+            return
+        self._open = False
+        self._aborted = True
+        slots: list[int] = []
+        generations: list[int] = []
+        for part in self.parts:  # collect every reply, even past a failed reserve
+            try:
+                part_slots, part_generations = descriptors(self._answer(part))
+            except BlockStoreError:  # e.g. StoreFullError: that part holds nothing
+                continue
+            slots += part_slots
+            generations += part_generations
+        if slots:
+            self._client._call(Abort(slots, generations), Done)
 
     def __enter__(self) -> PendingPut:
         return self
@@ -154,14 +178,15 @@ class PendingPut:
             self.abort()
 
 
-@dataclass(frozen=True, slots=True)
-class _Claim:
-    """A ``Claim`` sent for granted slots, its reply not read yet."""
+@dataclass(slots=True)
+class _Part:
+    """Some of a put's keys, sent in one request whose reply may not be read yet."""
 
     ticket: int
-    todo: list[int]  # key indices, one per slot
-    slots: list[int]
-    generations: list[int]
+    todo: list[int]  # key indices
+    claimed_slots: list[int] | None  # a claim's granted slots, one per key; None: reserved
+    reply: Slots | None = None
+    error: BlockStoreError | None = None  # the owner's error reply, e.g. StoreFullError
 
 
 class BlockStoreClient:
@@ -234,16 +259,18 @@ class BlockStoreClient:
         """Store blocks; per key, whether this call gave the store its block.
 
         A key the store already holds, or that another client is writing, is skipped
-        (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them. With
-        slots granted ahead (see ``begin_put``) the copy runs while the owner claims them,
-        and the commit is one-way: one message each way, neither waited for alone.
+        (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them. The
+        keys that fit the slots granted ahead (see ``begin_put``) are copied while the owner
+        handles the request, so a put waits for the owner only for what did not fit, and
+        the commit is one-way.
         """
         checked = self._attachment.check_blocks(arrays, len(keys), out=False)
-        pending = self.begin_put(keys, parent_hashes=parent_hashes, token_ids=token_ids)
+        pending = self._start_put(keys, parent_hashes, token_ids)
         try:
-            targets = pending.targets
-            self._attachment.write_to([slot for _, slot in targets],
-                                      [checked[i] for i, _ in targets])
+            for part in pending.parts:  # the claimed part first: no reply to wait for
+                targets = pending.targets(part)
+                self._attachment.write_to([slot for _, slot in targets],
+                                          [checked[i] for i, _ in targets])
         except BaseException:
             with contextlib.suppress(ClientDetachedError):  # keep this error in front
                 pending.abort()
@@ -261,59 +288,56 @@ class BlockStoreClient:
         """Slots to fill in place (e.g. a device-to-host copy straight into them).
 
         Each put also asks the owner to grant this client as many slots ahead of its next
-        put (within the owner's cap, ``--grant-fraction``); a put that finds enough granted
-        slots returns their views at once and claims them for its keys while the caller
-        writes, instead of waiting for a reserve round trip first. Keys the read index shows
-        held (where this client put or read them) are skipped without asking.
+        put as its largest put so far (within the owner's cap, ``--grant-fraction``). The
+        keys that fit the granted slots are claimed for them: their views are ready at once
+        and the claim's reply is read at commit. The rest are reserved, which waits for the
+        owner. Keys the read index shows held (where this client put or read them) are
+        skipped without asking.
         """
-        request = self._reserve(keys, parent_hashes, token_ids)
-        claim = self._claim_granted(keys, request)
-        if claim is not None:
-            return PendingPut(self, keys, claim=claim)
-        with self._lock:  # too few to claim with: give them back, they may be needed now
-            back, back_gens = self._granted, self._granted_gens
-            self._granted, self._granted_gens = [], []
-        reply = self._call(msgspec.structs.replace(
-            request, grant=self._grant_want, ungrant_slots=back,
-            ungrant_generations=back_gens), Slots)
-        self._add_grants(reply)
-        return PendingPut(self, keys, reply=reply)
+        pending = self._start_put(keys, parent_hashes, token_ids)
+        try:
+            pending.views  # noqa: B018 - waits for a reserved part's slots
+        except BaseException:
+            with contextlib.suppress(ClientDetachedError):  # keep this error in front
+                pending.abort()
+            raise
+        return pending
 
-    def _claim_granted(self, keys: Sequence[BlockKey], request: Reserve) -> _Claim | None:
-        """Send a ``Claim`` of granted slots for the keys not known held; ``None`` (nothing
-        sent) when this client holds too few granted slots."""
+    def _start_put(self, keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
+                   tokens: Sequence[list[int] | None] | None) -> PendingPut:
+        """Send the put's requests (a ``Claim`` of granted slots for the keys they fit, a
+        ``Reserve`` for the rest), waiting for no reply."""
+        request = self._reserve(keys, parents, tokens)
         held = self._attachment.known_held(keys)
         todo = [i for i, known in enumerate(held) if not known]
         n = len(todo)
         with self._lock:
-            self._grant_want = max(self._grant_want, n)
+            self._grant_want = want = max(self._grant_want, n)
             granted, gens = self._granted, self._granted_gens
-            if n > len(granted):
-                return None
-            cut = len(granted) - n
+            cut = max(len(granted) - n, 0)
             slots, generations = granted[cut:], gens[cut:]
             del granted[cut:], gens[cut:]
-        if not todo:  # every key is held: nothing to write, nothing to ask
-            return _Claim(0, todo, slots, generations)
-        if n == len(keys):
-            claim = Claim(request.namespaces, request.hashes, slots, generations,
-                          request.parents, request.tokens, grant=self._grant_want)
-        else:
-            parents, tokens = request.parents, request.tokens
-            claim = Claim(
-                [request.namespaces[i] for i in todo], [request.hashes[i] for i in todo],
-                slots, generations,
-                None if parents is None else [parents[i] for i in todo],
-                None if tokens is None else [tokens[i] for i in todo],
-                grant=self._grant_want,
-            )
-        return _Claim(self._send_request(claim), todo, slots, generations)
+        claimed, reserved = todo[: len(slots)], todo[len(slots) :]
+        requests: list[Claim | Reserve] = []
+        if claimed:  # the top-up rides on the reserve, if any: it must not take its room
+            namespaces, hashes, part_parents, part_tokens = _pick(
+                request, claimed, len(claimed) == len(keys))
+            requests.append(Claim(namespaces, hashes, slots, generations, part_parents,
+                                  part_tokens, grant=0 if reserved else want))
+        if reserved:
+            requests.append(Reserve(*_pick(request, reserved, len(reserved) == len(keys)),
+                                    grant=want))
+        tickets = self._send_requests(requests)  # one write for both: one wake-up
+        parts = [_Part(tickets[0], claimed, slots)] if claimed else []
+        if reserved:
+            parts.append(_Part(tickets[-1], reserved, None))
+        return PendingPut(self, keys, parts)
 
-    def _claimed(self, claim: _Claim) -> Slots:
-        """The owner's answer to ``claim``: the slots reserved per claimed key."""
-        if not claim.todo:
-            return Slots([], [])
-        reply = self._await_reply(claim.ticket, Slots)
+    def _answered_part(self, part: _Part) -> Slots:
+        """The owner's answer to a part's request: the slots reserved per key."""
+        reply = self._await_reply(part.ticket, Slots)
+        if len(reply.slots) != len(part.todo):
+            raise ProtocolError(f"{len(reply.slots)} slots for {len(part.todo)} keys")
         self._add_grants(reply)
         return reply
 
@@ -443,20 +467,22 @@ class BlockStoreClient:
             reply = self._collect(self._send(frame))
         return expect(reply, kind)
 
-    def _send_request(self, request: Any) -> int:
-        """Send a request; its ticket, for ``_await_reply``. Replies come back in order, so
-        a thread may send, work, then collect its reply while others make calls."""
-        frame = _encode(request)
+    def _send_requests(self, requests: Sequence[Any]) -> list[int]:
+        """Send requests in one write; their tickets, for ``_await_reply``. Replies come
+        back in order, so a thread may send, work, then collect its replies while others
+        make calls."""
+        frames = b"".join(map(_encode, requests))
         with self._lock:
-            return self._send(frame)
+            last = self._send(frames, len(requests)) if frames else self._sent
+        return list(range(last - len(requests) + 1, last + 1))
 
     def _await_reply(self, ticket: int, kind: type[R]) -> R:
         with self._lock:
             reply = self._collect(ticket)
         return expect(reply, kind)
 
-    def _send(self, frame: bytes) -> int:
-        """(Lock held.) Send a request frame; its ticket."""
+    def _send(self, frame: bytes, count: int = 1) -> int:
+        """(Lock held.) Send ``count`` request frames (joined); the last one's ticket."""
         sock = self._live_socket()
         try:
             sock.sendall(frame)
@@ -467,7 +493,7 @@ class BlockStoreClient:
         except BaseException:
             self._detach()  # interrupted mid frame: the stream is out of step
             raise
-        self._sent += 1
+        self._sent += count
         return self._sent
 
     def _collect(self, ticket: int) -> Reply:
@@ -549,6 +575,18 @@ class BlockStoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _pick(request: Reserve, indices: list[int], everything: bool
+          ) -> tuple[list[int], list[int], list[int | None] | None, list[list[int] | None] | None]:
+    """The namespaces, hashes, parents and tokens of ``request``'s keys at ``indices``
+    (``everything``: all of them, in order, taken as they are)."""
+    if everything:
+        return request.namespaces, request.hashes, request.parents, request.tokens
+    parents, tokens = request.parents, request.tokens
+    return ([request.namespaces[i] for i in indices], [request.hashes[i] for i in indices],
+            None if parents is None else [parents[i] for i in indices],
+            None if tokens is None else [tokens[i] for i in indices])
 
 
 def _encode(request: Any) -> bytes:

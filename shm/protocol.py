@@ -79,16 +79,13 @@ class Reserve(_Msg, frozen=True, array_like=True, gc=False, tag=2):
     """Slots to write for these keys; ``parents``/``tokens`` complete the stored event.
 
     ``grant``: also top this client's write-ahead grant up to that many slots (see
-    ``Claim``); the reply's ``grant_slots`` lists what was added. ``ungrant_slots``: granted
-    slots the client gives back first (too few for this put, they may be what it needs)."""
+    ``Claim``); the reply's ``grant_slots`` lists what was added."""
 
     namespaces: list[U64]
     hashes: list[U64]
     parents: list[U64 | None] | None = None
     tokens: list[list[U32] | None] | None = None
     grant: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
-    ungrant_slots: list[int] = []
-    ungrant_generations: list[int] = []
 
 
 class Claim(_Msg, frozen=True, array_like=True, gc=False, tag=12):

@@ -253,10 +253,8 @@ class BlockStoreOwner:
 
     def _dispatch(self, store: BlockStore, session: SessionId, msg: Request) -> bytes | None:
         match msg:
-            case Reserve(namespaces, hashes, parents, tokens, grant, ungrant, ungrant_gens):
+            case Reserve(namespaces, hashes, parents, tokens, grant):
                 keys = _keys(namespaces, hashes)
-                if ungrant:
-                    store.ungrant(session, ungrant, ungrant_gens)
                 slots, gens = store.reserve(session, keys, parents, tokens)
                 return encode(Slots(slots, gens, *store.grant(session, grant)))
             case Claim(namespaces, hashes, slots, generations, parents, tokens, grant):

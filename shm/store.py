@@ -248,16 +248,6 @@ class BlockStore:
         self._num_granted += count
         return list(slots), list(map(self._pool.generations.__getitem__, slots))
 
-    def ungrant(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
-        """Free granted slots the session gives back (all or nothing)."""
-        state = self._session(session)
-        self._check_granted(state, slots, generations)
-        state.granted.difference_update(slots)
-        self._num_granted -= len(slots)
-        for slot in slots:
-            self._vacate(slot)
-        self._pool.free(list(slots))
-
     def _check_granted(
         self, state: _Session, slots: Sequence[int], generations: Sequence[int]
     ) -> None:

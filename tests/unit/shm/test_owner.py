@@ -170,7 +170,7 @@ def _pending_put_scenario(path: Path) -> None:
         assert client.contains((0, 3)) is False and client.stats().num_reserved == 0
         assert failed.stored == [False]
         with client.begin_put([(0, 4)]) as pending:  # keep a descriptor, then reuse its slot
-            reply = pending._answer()
+            reply = pending._answer(pending.parts[0])
             old = (reply.slots[0], reply.generations[0])
         client.remove_many([(0, 4)])
         client.put((0, 5), block(5))
@@ -399,20 +399,51 @@ def _grant_scenario(path: Path) -> None:
         # Keys the writer knows the store holds are not even claimed.
         assert writer.put_many(second, [block(h) for h in range(4, 8)]) == [False] * 4
         assert writer.stats().num_claimed == 5
-        # A put larger than the grant gives it back and reserves: the whole store is usable.
+        # A put larger than the grant claims what it holds and reserves the rest (sent
+        # together, the claimed blocks copied while the owner answers): the whole store is
+        # usable by one put.
+        claimed = writer.stats().num_claimed
         everything = [(4, h) for h in range(16)]
         assert writer.put_many(everything, [block(h) for h in range(16)]) == [True] * 16
+        assert writer.stats().num_claimed == claimed + 4
         assert all(other.contains_many(everything))
+        for h in range(16):
+            assert other.get((4, h)).tobytes() == block(h).tobytes()
 
 
 async def test_puts_claim_slots_granted_ahead(sock_dir: Path, owner_id: str) -> None:
     """A writer is granted slots ahead of its next put (a quarter of the store at most, by
-    default), copies into them while claiming them for its keys, and gives them back when
-    a put needs more; claims of keys the store holds fail without harm."""
+    default), copies into them while claiming them for its keys, and reserves what a put
+    needs beyond them; claims of keys the store holds fail without harm."""
     async with BlockStoreOwner(config(sock_dir, owner_id, slots=16)) as owner:
         await asyncio.to_thread(_grant_scenario, owner.config.socket_path)
         stats = owner.stats()
         assert stats.num_granted == 0 and stats.num_blocks == 16  # the writer left
+        owner.store.check_invariants()  # type: ignore[union-attr]
+
+
+def _claim_then_full_scenario(path: Path) -> None:
+    with BlockStoreClient(path) as writer, BlockStoreClient(path) as holder:
+        assert writer.put_many([(1, 0), (1, 1)], [block(0), block(1)]) == [True, True]
+        assert writer.stats().num_granted == 2  # the cap: a quarter of 8 slots
+        holder.put_many([(2, h) for h in range(4)], [block(h) for h in range(4)])
+        with holder.leased([(1, 0), (1, 1), *[(2, h) for h in range(4)]]):
+            # Two keys claimed into the granted slots, three to reserve: no room for them.
+            fresh = [(3, h) for h in range(5)]
+            with pytest.raises(StoreFullError):
+                writer.put_many(fresh, [block(h) for h in range(5)])
+            stats = writer.stats()
+            assert (stats.num_reserved, stats.num_granted, stats.num_free_slots) == (0, 0, 2)
+            assert holder.contains_many(fresh) == [False] * 5
+        assert writer.put_many(fresh, [block(h) for h in range(5)]) == [True] * 5
+
+
+async def test_a_claim_sent_with_a_reserve_that_fails_is_undone(sock_dir: Path,
+                                                                  owner_id: str) -> None:
+    """StoreFullError for the reserved part of a put undoes its claimed part: all or
+    nothing, as for a put that reserved everything."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_claim_then_full_scenario, owner.config.socket_path)
         owner.store.check_invariants()  # type: ignore[union-attr]
 
 

@@ -231,9 +231,9 @@ class TestWriteAheadGrants:
         assert stored[-1].block_hashes == [2] and stored[-1].parent_hash == 1
         store.check_invariants()
 
-    def test_claim_and_ungrant_reject_what_was_not_granted(self) -> None:
+    def test_claim_rejects_what_was_not_granted(self) -> None:
         """Slots not granted to the session, stale generations or a slot named twice are
-        refused and change nothing; ungrant frees granted slots."""
+        refused and change nothing; a closed session's grants are freed."""
         store = BlockStore(8, worker_id="w", epoch=1, max_granted=4)
         a, b = store.open_session(), store.open_session()
         slots, gens = store.grant(a, 2)
@@ -246,10 +246,8 @@ class TestWriteAheadGrants:
         for bad_slots, bad_gens in bad:
             with pytest.raises(StaleDescriptorError):
                 store.claim(a, keys(*range(len(bad_slots))), bad_slots, bad_gens)
-            with pytest.raises(StaleDescriptorError):
-                store.ungrant(a, bad_slots, bad_gens)
         assert store.stats().num_granted == 3 and store.stats().num_reserved == 0
-        store.ungrant(a, slots, gens)
+        store.close_session(a)
         assert store.stats().num_granted == 1 and store.stats().num_free_slots == 7
         with pytest.raises(ValueError, match="keys for"):
             store.claim(b, keys(1, 2), other, other_gens)
@@ -315,12 +313,6 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.commit(session, [s for s, _ in got], [g for _, g in got])
         elif got:
             self.store.abort(session, [s for s, _ in got], [g for _, g in got])
-
-    @rule(who=st.integers(0, 2))
-    def ungrant(self, who: int) -> None:
-        session = self.sessions[who]
-        held, self.grants[session] = self.grants[session], []
-        self.store.ungrant(session, [s for s, _ in held], [g for _, g in held])
 
     @rule(hashes=st.lists(st.integers(0, 12), max_size=4),
           hint_slots=st.lists(st.integers(0, 5), min_size=4, max_size=4))
