@@ -156,10 +156,12 @@ class Attachment:
         them as hints."""
         if self._index is None:
             return
-        pairs = [(slot, key) for slot, key in zip(reply.slots, keys, strict=True)
-                 if slot is not None]
-        self._index.publish([slot for slot, _ in pairs], [key for _, key in pairs])
-        self._hint(pairs)
+        self._index.publish(reply.slots, keys)
+        where = self._where
+        for slot, key in zip(reply.slots, keys, strict=True):
+            if slot is not None:
+                where[key] = slot
+        self._trim_hints()
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""
@@ -171,6 +173,10 @@ class Attachment:
         where = self._where
         for slot, key in pairs:
             where[key] = slot
+        self._trim_hints()
+
+    def _trim_hints(self) -> None:
+        where = self._where
         # Hints outlive evictions and cost memory: past the limit, drop the oldest half.
         limit = min(2 * self.welcome.num_slots, _MAX_HINTS)
         if len(where) > limit:

@@ -106,10 +106,19 @@ class ReadIndex:
             self.hit_cells[:] = 0
 
     # ------------------------------------------------------------------ owner side
-    def publish(self, slots: Sequence[int], keys: Sequence[BlockKey]) -> None:
-        """Make complete ``slots`` (distinct) readable as ``keys`` (``publish_slot`` each)."""
+    def publish(self, slots: Sequence[int | None], keys: Sequence[BlockKey]) -> None:
+        """Make complete ``slots`` (distinct; ``None`` entries are skipped) readable as
+        ``keys``, as ``publish_slot`` does for one, inline: this runs once per put, on
+        caches the put's copy has just flushed."""
+        key_words, seq = self._key_words, self._seq
         for slot, key in zip(slots, keys, strict=True):
-            self.publish_slot(slot, key)
+            if slot is None:
+                continue
+            key_words[2 * slot] = key[0]
+            key_words[2 * slot + 1] = key[1]
+            value = seq[slot]
+            if value & 1:
+                seq[slot] = value + 1
 
     def publish_slot(self, slot: int, key: BlockKey) -> None:
         """Make complete ``slot`` readable as ``key``: key first, then seq even (if the writer
