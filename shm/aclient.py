@@ -166,6 +166,8 @@ class AsyncBlockStoreClient:
     ) -> list[bool]:
         """Store blocks (one reserve round trip, then a one-way commit); per key, whether copied.
 
+        Unlike the blocking client's, these puts take no slots granted ahead: each reserves.
+
         A key the store already holds, or that another client is writing, is skipped
         (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them.
         """
