@@ -422,6 +422,36 @@ async def test_puts_claim_slots_granted_ahead(sock_dir: Path, owner_id: str) -> 
         owner.store.check_invariants()  # type: ignore[union-attr]
 
 
+def _bad_claims_scenario(path: Path) -> None:
+    from shm.protocol import Claim, Slots
+
+    with BlockStoreClient(path) as client:
+        client.put((5, 1), block(1))  # asks for a grant: one slot
+        slot, gen = client._granted[0], client._granted_gens[0]
+        bad = [
+            (Claim([5], [2], [slot], [gen + 1]), StaleDescriptorError),  # stale generation
+            (Claim([5], [2], [(slot + 1) % 8], [1]), StaleDescriptorError),  # not granted
+            (Claim([5, 5], [2, 3], [slot], [gen]), ProtocolError),  # 2 keys, 1 slot
+            (Claim([5], [2], [slot], [gen], parents=[1, 2]), ProtocolError),
+        ]
+        for request, error in bad:
+            with pytest.raises(error):
+                client._call(request, Slots)
+        stats = client.stats()
+        assert (stats.num_granted, stats.num_reserved, stats.num_claimed) == (1, 0, 0)
+        assert client.put((5, 2), block(2)) is True  # the grant is still good
+        assert client.stats().num_claimed == 1
+        assert client.get((5, 2)).tobytes() == block(2).tobytes()
+
+
+async def test_bad_claims_are_refused_without_harm(sock_dir: Path, owner_id: str) -> None:
+    """Claims of slots not granted, of stale generations or with lists that disagree get
+    a specific error and change nothing."""
+    async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
+        await asyncio.to_thread(_bad_claims_scenario, owner.config.socket_path)
+        owner.store.check_invariants()  # type: ignore[union-attr]
+
+
 def _claim_then_full_scenario(path: Path) -> None:
     with BlockStoreClient(path) as writer, BlockStoreClient(path) as holder:
         assert writer.put_many([(1, 0), (1, 1)], [block(0), block(1)]) == [True, True]
