@@ -248,20 +248,6 @@ class BlockStore:
         self._num_granted += count
         return list(slots), list(map(self._pool.generations.__getitem__, slots))
 
-    def _check_granted(
-        self, state: _Session, slots: Sequence[int], generations: Sequence[int]
-    ) -> None:
-        if len(slots) != len(generations):
-            raise StaleDescriptorError(f"{len(slots)} slots with {len(generations)} generations")
-        mine, gens = state.granted, self._pool.generations
-        if not mine.issuperset(slots) or list(map(gens.__getitem__, slots)) != list(generations):
-            for slot, generation in zip(slots, generations, strict=True):
-                if slot not in mine or gens[slot] != generation:
-                    raise StaleDescriptorError(
-                        f"slot {slot} generation {generation} is not granted to this client")
-        if len(set(slots)) != len(slots):
-            raise StaleDescriptorError("a request names the same granted slot twice")
-
     def claim(
         self,
         session: SessionId,
@@ -282,7 +268,7 @@ class BlockStore:
         _check_extras(len(keys), parent_hashes, token_ids)
         if len(keys) != len(slots):
             raise ValueError(f"{len(keys)} keys for {len(slots)} slots")
-        self._check_granted(state, slots, generations)
+        self._check_descriptors(state.granted, slots, generations, "granted to")
         fresh = self._fresh(keys)
         taken = list(slots) if fresh is None else [slots[i] for i in fresh]
         state.granted.difference_update(taken)
@@ -354,17 +340,20 @@ class BlockStore:
             del lru[key]
         return victims
 
-    def _check_reserved(
-        self, state: _Session, slots: Sequence[int], generations: Sequence[int]
+    def _check_descriptors(
+        self, mine: set[int], slots: Sequence[int], generations: Sequence[int], held: str,
     ) -> None:
+        """Raise ``StaleDescriptorError`` unless every slot is in ``mine`` (the session's
+        reserved or granted slots: ``held`` says which, for the message) with that
+        generation, once."""
         if len(slots) != len(generations):
             raise StaleDescriptorError(f"{len(slots)} slots with {len(generations)} generations")
-        mine, gens = state.reserved, self._pool.generations
+        gens = self._pool.generations
         if not mine.issuperset(slots) or list(map(gens.__getitem__, slots)) != list(generations):
             for slot, generation in zip(slots, generations, strict=True):
                 if slot not in mine or gens[slot] != generation:
                     raise StaleDescriptorError(
-                        f"slot {slot} generation {generation} is not reserved by this client"
+                        f"slot {slot} generation {generation} is not {held} this client"
                     )
         if len(slots) > 1 and len(set(slots)) != len(slots):
             raise StaleDescriptorError("a request names the same slot twice")
@@ -372,7 +361,7 @@ class BlockStore:
     def commit(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
         """Make reserved blocks visible (all or nothing) and record ``BlockStored``."""
         state = self._session(session)
-        self._check_reserved(state, slots, generations)
+        self._check_descriptors(state.reserved, slots, generations, "reserved by")
         reserved, blocks, lru, key_of, st = (
             self._reserved, self._blocks, self._lru, self._key, self._state)
         index, now, used = self._index, time.monotonic_ns(), self._used_ns
@@ -392,7 +381,7 @@ class BlockStore:
     def abort(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
         """Drop reservations without making anything visible."""
         state = self._session(session)
-        self._check_reserved(state, slots, generations)
+        self._check_descriptors(state.reserved, slots, generations, "reserved by")
         for slot in slots:
             del self._reserved[self._key[slot]]  # type: ignore[arg-type]
             self._vacate(slot)

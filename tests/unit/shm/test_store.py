@@ -239,12 +239,12 @@ class TestWriteAheadGrants:
         slots, gens = store.grant(a, 2)
         other, other_gens = store.grant(b, 1)
         bad = [
-            (slots[:1], [gens[0] + 1]),  # stale generation
-            (other, other_gens),  # another session's
-            ([slots[0], slots[0]], [gens[0], gens[0]]),  # twice
+            (slots[:1], [gens[0] + 1], "not granted to this client"),  # stale generation
+            (other, other_gens, "not granted to this client"),  # another session's
+            ([slots[0], slots[0]], [gens[0], gens[0]], "same slot twice"),
         ]
-        for bad_slots, bad_gens in bad:
-            with pytest.raises(StaleDescriptorError):
+        for bad_slots, bad_gens, message in bad:
+            with pytest.raises(StaleDescriptorError, match=message):
                 store.claim(a, keys(*range(len(bad_slots))), bad_slots, bad_gens)
         assert store.stats().num_granted == 3 and store.stats().num_reserved == 0
         store.close_session(a)
