@@ -380,17 +380,21 @@ class BlockStoreClient:
         if not attachment.reads_optimistically:
             return self._get_leased(keys, checked)
         hits = attachment.read_optimistic(keys, checked)
-        found = hits.count(True)
-        if found:
-            with self._lock:
-                attachment.count_hits(found)
-        if found == len(hits):
+        if self._count_hits(hits) == len(hits):
             return hits
         rest = [i for i, hit in enumerate(hits) if not hit]
         for i, hit in zip(rest, self._get_leased([keys[i] for i in rest],
                                                  [checked[i] for i in rest]), strict=True):
             hits[i] = hit
         return hits
+
+    def _count_hits(self, hits: list[bool]) -> int:
+        """Count a read's optimistic hits in our cell (one writer at a time); how many."""
+        found = hits.count(True)
+        if found:
+            with self._lock:
+                self._attachment.count_hits(found)
+        return found
 
     def _get_leased(self, keys: Sequence[BlockKey], checked: list[Any]) -> list[bool]:
         reply = self._call(Lease(*split_keys(keys)), Slots)
@@ -430,11 +434,7 @@ class BlockStoreClient:
         hits = [False] * len(keys)
         if attachment.reads_optimistically:
             hits = attachment.read_views_optimistic(keys, copy)
-            found = hits.count(True)
-            if found:
-                with self._lock:
-                    attachment.count_hits(found)
-            if found == len(keys):
+            if self._count_hits(hits) == len(keys):
                 return hits
         rest = [i for i, hit in enumerate(hits) if not hit]
         with self.leased([keys[i] for i in rest]) as views:
