@@ -157,22 +157,18 @@ class Attachment:
         if self._index is None:
             return
         self._index.publish(reply.slots, keys)
-        where = self._where
-        for slot, key in zip(reply.slots, keys, strict=True):
-            if slot is not None:
-                where[key] = slot
-        self._trim_hints()
+        self._hint(keys, reply.slots)
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""
         if self._index is not None:
-            self._hint([(slot, key) for slot, key in zip(reply.slots, keys, strict=True)
-                        if slot is not None])
+            self._hint(keys, reply.slots)
 
-    def _hint(self, pairs: list[tuple[int, BlockKey]]) -> None:
+    def _hint(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> None:
         where = self._where
-        for slot, key in pairs:
-            where[key] = slot
+        for slot, key in zip(slots, keys, strict=True):
+            if slot is not None:
+                where[key] = slot
         self._trim_hints()
 
     def _trim_hints(self) -> None:
@@ -226,16 +222,9 @@ class Attachment:
 
     def write_blocks(self, reply: Slots, arrays: list[Any]) -> tuple[list[int], list[int]]:
         """Copy the arrays whose keys got a slot; return the descriptors written."""
-        rows = self.rows()
-        write = self.format.write
-        slots: list[int] = []
-        gens: list[int] = []
-        self._cuda.prepare(arrays)
-        for i, slot in enumerate(reply.slots):
-            if slot is not None:
-                write(rows, slot, arrays[i])
-                slots.append(slot)
-                gens.append(reply.generations[i])  # type: ignore[arg-type]
+        slots, gens = descriptors(reply)
+        self.write_to(slots, [a for a, s in zip(arrays, reply.slots, strict=True)
+                              if s is not None])
         return slots, gens
 
     def read_blocks(self, reply: Slots, outs: list[Any]) -> tuple[list[int], list[int]]:

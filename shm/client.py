@@ -483,6 +483,12 @@ class BlockStoreClient:
 
     def _send(self, frame: bytes, count: int = 1) -> int:
         """(Lock held.) Send ``count`` request frames (joined); the last one's ticket."""
+        self._write(frame)
+        self._sent += count
+        return self._sent
+
+    def _write(self, frame: bytes) -> None:
+        """(Lock held.) Write frames whole, or detach: a partial frame breaks the stream."""
         sock = self._live_socket()
         try:
             sock.sendall(frame)
@@ -493,8 +499,6 @@ class BlockStoreClient:
         except BaseException:
             self._detach()  # interrupted mid frame: the stream is out of step
             raise
-        self._sent += count
-        return self._sent
 
     def _collect(self, ticket: int) -> Reply:
         """(Lock held.) The reply to ``ticket``, keeping replies read for other tickets."""
@@ -518,15 +522,10 @@ class BlockStoreClient:
         return reply
 
     def _send_only(self, request: Any) -> None:
+        """Send a one-way frame (``Publish``, ``Release``): no ticket, no reply."""
         frame = _encode(request)
         with self._lock:
-            sock = self._live_socket()
-            try:
-                sock.sendall(frame)
-            except OSError as exc:
-                self._detach()
-                raise ClientDetachedError(
-                    f"lost the block store owner on {self.socket_path}: {exc}") from exc
+            self._write(frame)
 
     def _live_socket(self) -> socket.socket:
         if self._sock is None:
