@@ -92,6 +92,7 @@ class Attachment:
             self._index = self.segment.index
         self._hits = 0  # optimistic hits so far, mirrored into our hit cell
         self._where: dict[BlockKey, int] = {}  # key → slot last seen holding it (a hint)
+        self._hint_limit = min(2 * welcome.num_slots, _MAX_HINTS)
 
     @property
     def reads_optimistically(self) -> bool:
@@ -133,11 +134,12 @@ class Attachment:
         except (TypeError, IndexError) as exc:
             raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
 
-    def known_held(self, keys: Sequence[BlockKey]) -> list[bool]:
+    def known_held(self, keys: Sequence[BlockKey]) -> list[bool] | None:
         """Per key, whether the read index shows it where we last saw it, i.e. the store
-        held it as we looked (all False when the client does not read optimistically)."""
+        held it as we looked; ``None`` when it shows none of them (the common case for a
+        writer: fresh keys; always when the client does not read optimistically)."""
         if self._index is None:
-            return [False] * len(keys)
+            return None
         try:
             return self._index.shows(keys, self._where)
         except (TypeError, IndexError) as exc:
@@ -150,14 +152,14 @@ class Attachment:
         for slot, array in zip(slots, arrays, strict=True):
             write(rows, slot, array)
 
-    def publish_filled(self, keys: Sequence[BlockKey], reply: Slots) -> None:
-        """``reply``'s slots now hold ``keys``' bytes (copied in, or filled in place): make
-        them readable at once, before the one-way commit (see ``shm.read_index``), and keep
-        them as hints."""
+    def publish_filled(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> None:
+        """``slots`` (one per key; ``None``: none) now hold ``keys``' bytes (copied in, or
+        filled in place): make them readable at once, before the one-way commit (see
+        ``shm.read_index``), and keep them as hints."""
         if self._index is None:
             return
-        self._index.publish(reply.slots, keys)
-        self._hint(keys, reply.slots)
+        self._index.publish(slots, keys)
+        self._hint(keys, slots)
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""
@@ -166,15 +168,18 @@ class Attachment:
 
     def _hint(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> None:
         where = self._where
-        for slot, key in zip(slots, keys, strict=True):
-            if slot is not None:
-                where[key] = slot
-        self._trim_hints()
+        if None in slots:
+            for slot, key in zip(slots, keys, strict=True):
+                if slot is not None:
+                    where[key] = slot
+        else:
+            where.update(zip(keys, slots, strict=True))  # type: ignore[arg-type]
+        if len(where) > self._hint_limit:
+            self._trim_hints()
 
     def _trim_hints(self) -> None:
-        where = self._where
-        # Hints outlive evictions and cost memory: past the limit, drop the oldest half.
-        limit = min(2 * self.welcome.num_slots, _MAX_HINTS)
+        """Hints outlive evictions and cost memory: past the limit, drop the oldest half."""
+        where, limit = self._where, self._hint_limit
         if len(where) > limit:
             # list() copies the keys at once (other threads may add hints meanwhile).
             for key in list(where)[: len(where) - limit // 2]:
@@ -265,5 +270,7 @@ class Attachment:
 
 def descriptors(reply: Slots) -> tuple[list[int], list[int]]:
     """The (slots, generations) of the keys that got one."""
+    if None not in reply.slots:  # the common case: every key got one
+        return reply.slots, reply.generations  # type: ignore[return-value]
     pairs = [(s, g) for s, g in zip(reply.slots, reply.generations, strict=True) if s is not None]
     return [s for s, _ in pairs], [g for _, g in pairs]  # type: ignore[misc]

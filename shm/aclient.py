@@ -187,7 +187,7 @@ class AsyncBlockStoreClient:
                 await self._call(Abort(slots, gens), Done)
             raise
         if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
-            self._attachment.publish_filled(keys, reply)
+            self._attachment.publish_filled(keys, reply.slots)
             await self._send_only(Publish(slots, gens))
         return [s is not None for s in reply.slots]
 

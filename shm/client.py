@@ -98,10 +98,17 @@ class PendingPut:
     def targets(self, part: _Part) -> list[tuple[int, int]]:
         """``(key index, slot)`` of each slot of ``part`` to write (a reserved part's wait
         for the owner's reply, which raises ``StoreFullError`` if the store had no room)."""
+        return list(zip(*self.write_plan(part), strict=True))
+
+    def write_plan(self, part: _Part) -> tuple[Sequence[int], Sequence[int]]:
+        """``targets`` as two parallel sequences: key indices, and the slots to write."""
         if part.claimed_slots is not None:
-            return list(zip(part.todo, part.claimed_slots, strict=True))
-        reply = self._answer(part)
-        return [(i, s) for i, s in zip(part.todo, reply.slots, strict=True) if s is not None]
+            return part.todo, part.claimed_slots
+        slots = self._answer(part).slots
+        if None not in slots:
+            return part.todo, slots  # type: ignore[return-value]
+        pairs = [(i, s) for i, s in zip(part.todo, slots, strict=True) if s is not None]
+        return [i for i, _ in pairs], [s for _, s in pairs]
 
     @property
     def stored(self) -> list[bool]:
@@ -111,7 +118,10 @@ class PendingPut:
         if self._aborted:
             return out
         for part in self.parts:
-            for i, slot in zip(part.todo, self._answer(part).slots, strict=True):
+            slots = self._answer(part).slots
+            if part.whole and None not in slots:
+                return [True] * len(self._keys)
+            for i, slot in zip(part.todo, slots, strict=True):
                 out[i] = slot is not None
         return out
 
@@ -142,7 +152,8 @@ class PendingPut:
         for part, reply in zip(self.parts, replies, strict=True):
             part_slots, part_generations = descriptors(reply)
             if part_slots:
-                client._attachment.publish_filled([self._keys[i] for i in part.todo], reply)
+                keys = self._keys if part.whole else [self._keys[i] for i in part.todo]
+                client._attachment.publish_filled(keys, reply.slots)
                 slots += part_slots
                 generations += part_generations
         if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
@@ -183,8 +194,9 @@ class _Part:
     """Some of a put's keys, sent in one request whose reply may not be read yet."""
 
     ticket: int
-    todo: list[int]  # key indices
+    todo: Sequence[int]  # key indices
     claimed_slots: list[int] | None  # a claim's granted slots, one per key; None: reserved
+    whole: bool = False  # todo is every key of the put, in order
     reply: Slots | None = None
     error: BlockStoreError | None = None  # the owner's error reply, e.g. StoreFullError
 
@@ -268,9 +280,10 @@ class BlockStoreClient:
         pending = self._start_put(keys, parent_hashes, token_ids)
         try:
             for part in pending.parts:  # the claimed part first: no reply to wait for
-                targets = pending.targets(part)
-                self._attachment.write_to([slot for _, slot in targets],
-                                          [checked[i] for i, _ in targets])
+                todo, slots = pending.write_plan(part)
+                self._attachment.write_to(
+                    slots, checked if part.whole and len(slots) == len(checked)
+                    else [checked[i] for i in todo])
         except BaseException:
             with contextlib.suppress(ClientDetachedError):  # keep this error in front
                 pending.abort()
@@ -307,9 +320,16 @@ class BlockStoreClient:
                    tokens: Sequence[list[int] | None] | None) -> PendingPut:
         """Send the put's requests (a ``Claim`` of granted slots for the keys they fit, a
         ``Reserve`` for the rest), waiting for no reply."""
-        request = self._reserve(keys, parents, tokens)
+        namespaces, hashes = split_keys(keys)
+        for name, extra in (("parent_hashes", parents), ("token_ids", tokens)):
+            if extra is not None and len(extra) != len(keys):
+                raise ValueError(f"{len(extra)} {name} for {len(keys)} keys")
+        fields = (namespaces, hashes, None if parents is None else list(parents),
+                  None if tokens is None else list(tokens))
         held = self._attachment.known_held(keys)
-        todo = [i for i, known in enumerate(held) if not known]
+        whole = held is None or not any(held)
+        todo: Sequence[int] = range(len(keys)) if whole else [
+            i for i, known in enumerate(held) if not known]  # type: ignore[arg-type]
         n = len(todo)
         with self._lock:
             self._grant_want = want = max(self._grant_want, n)
@@ -317,20 +337,22 @@ class BlockStoreClient:
             cut = max(len(granted) - n, 0)
             slots, generations = granted[cut:], gens[cut:]
             del granted[cut:], gens[cut:]
-        claimed, reserved = todo[: len(slots)], todo[len(slots) :]
-        requests: list[Claim | Reserve] = []
-        if claimed:  # the top-up rides on the reserve, if any: it must not take its room
-            namespaces, hashes, part_parents, part_tokens = _pick(
-                request, claimed, len(claimed) == len(keys))
-            requests.append(Claim(namespaces, hashes, slots, generations, part_parents,
-                                  part_tokens, grant=0 if reserved else want))
-        if reserved:
-            requests.append(Reserve(*_pick(request, reserved, len(reserved) == len(keys)),
-                                    grant=want))
+        if not slots:  # the common case where the store is full: reserve everything
+            requests: list[Claim | Reserve] = [Reserve(*_pick(fields, todo, whole), grant=want)]
+            parts = [_Part(0, todo, None, whole)]
+        else:
+            claimed, reserved = todo[: len(slots)], todo[len(slots) :]
+            ns, hs, ps, ts = _pick(fields, claimed, whole and not reserved)
+            # The top-up rides on the reserve, if any: it must not take its room.
+            requests = [Claim(ns, hs, slots, generations, ps, ts,
+                              grant=0 if reserved else want)]
+            parts = [_Part(0, claimed, slots, whole and not reserved)]
+            if reserved:
+                requests.append(Reserve(*_pick(fields, reserved, False), grant=want))
+                parts.append(_Part(0, reserved, None))
         tickets = self._send_requests(requests)  # one write for both: one wake-up
-        parts = [_Part(tickets[0], claimed, slots)] if claimed else []
-        if reserved:
-            parts.append(_Part(tickets[-1], reserved, None))
+        for part, ticket in zip(parts, tickets, strict=True):
+            part.ticket = ticket
         return PendingPut(self, keys, parts)
 
     def _answered_part(self, part: _Part) -> Slots:
@@ -348,17 +370,6 @@ class BlockStoreClient:
             with self._lock:
                 self._granted += reply.grant_slots
                 self._granted_gens += reply.grant_generations
-
-    @staticmethod
-    def _reserve(keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
-                 tokens: Sequence[list[int] | None] | None) -> Reserve:
-        namespaces, hashes = split_keys(keys)
-        for name, extra in (("parent_hashes", parents), ("token_ids", tokens)):
-            if extra is not None and len(extra) != len(keys):
-                raise ValueError(f"{len(extra)} {name} for {len(keys)} keys")
-        return Reserve(namespaces, hashes,
-                       None if parents is None else list(parents),
-                       None if tokens is None else list(tokens))
 
     # -------------------------------------------------------------------- gets
     def get(self, key: BlockKey, out: Any = None) -> Any:
@@ -576,16 +587,15 @@ class BlockStoreClient:
         self.close()
 
 
-def _pick(request: Reserve, indices: list[int], everything: bool
+def _pick(fields: tuple[list[int], list[int], list[int | None] | None,
+                        list[list[int] | None] | None], indices: Sequence[int], whole: bool,
           ) -> tuple[list[int], list[int], list[int | None] | None, list[list[int] | None] | None]:
-    """The namespaces, hashes, parents and tokens of ``request``'s keys at ``indices``
-    (``everything``: all of them, in order, taken as they are)."""
-    if everything:
-        return request.namespaces, request.hashes, request.parents, request.tokens
-    parents, tokens = request.parents, request.tokens
-    return ([request.namespaces[i] for i in indices], [request.hashes[i] for i in indices],
-            None if parents is None else [parents[i] for i in indices],
-            None if tokens is None else [tokens[i] for i in indices])
+    """The namespaces, hashes, parents and tokens of the keys at ``indices`` (``whole``:
+    every key, in order: taken as they are)."""
+    if whole:
+        return fields
+    return tuple(  # type: ignore[return-value]
+        None if values is None else [values[i] for i in indices] for values in fields)
 
 
 def _encode(request: Any) -> bytes:

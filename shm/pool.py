@@ -73,6 +73,17 @@ class SlotPool:
                 mirror[slot] = gen
         return taken  # type: ignore[return-value]  # SlotId is an int
 
+    def renew(self, slots: list[int]) -> None:
+        """Hand allocated ``slots`` (distinct) to a new holder, each with a new generation:
+        what freeing and allocating them again would do, for slots the caller evicts to
+        reuse at once (it knows they are allocated: no checks)."""
+        gens, mirror = self.generations, self._mirror
+        for slot in slots:
+            gen = gens[slot] + 1
+            gens[slot] = gen
+            if mirror is not None:
+                mirror[slot] = gen
+
     def free(self, slots: list[SlotId] | list[int]) -> None:
         """Return allocated slots; freeing a free or unknown slot is a bug (``ValueError``)."""
         is_free = self._is_free

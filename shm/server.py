@@ -221,8 +221,9 @@ class BlockStoreOwner:
     def handle(self, session: SessionId, body: bytes, *, drain: bool = True) -> bytes | None:
         """One request frame body → one reply frame (``None`` for one-way frames).
 
-        ``drain=False`` leaves the store's events for ``drain_events``: a connection sends
-        the reply first, so the listener's work is not on the client's round trip.
+        ``drain=False`` leaves the store's events, and the books a reservation's reply does
+        not need, for ``drain_events``: a connection sends the reply first, so neither the
+        listener's work nor the bookkeeping is on the client's round trip.
         """
         if self.store is None:
             return encode(ErrorReply("client_detached", "the owner is shutting down"))
@@ -324,9 +325,11 @@ class BlockStoreOwner:
             conn.run_queued()
 
     def drain_events(self) -> None:
+        """Settle the store's books (see ``BlockStore.reserve``) and hand its events to the
+        listener: after a reply is sent, so neither is on the client's round trip."""
         if self.store is None:
             return
-        events = self.store.take_events()
+        events = self.store.take_events()  # settles first
         if not events or self._listener is None:
             return
         for event in events:

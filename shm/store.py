@@ -72,6 +72,13 @@ class _Session:
     granted: set[int] = field(default_factory=set)  # slots granted ahead, not yet claimed
 
 
+# A reservation's books left for ``BlockStore.settle``: session, keys, fresh key indices,
+# slots, evicted blocks, parent hashes, token ids.
+_Unsettled = tuple[_Session, Sequence[BlockKey], list[int] | None, Sequence[int],
+                   list[tuple[BlockKey, int]], Sequence[int | None] | None,
+                   Sequence[list[int] | None] | None]
+
+
 @dataclass(frozen=True, slots=True)
 class StoreStats:
     """A point-in-time view of the store, for tests, health and metrics."""
@@ -123,6 +130,7 @@ class BlockStore:
         self._num_leased = 0  # slots with a lease
         self._num_doomed = 0  # removed while leased: leased, no longer in _blocks or _lru
         self._sessions: dict[SessionId, _Session] = {}
+        self._later: _Unsettled | None = None  # what the last reserve left for ``settle``
         self._next_session = 1
         self._log = HostEventLog(worker_id, epoch)
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
@@ -136,6 +144,7 @@ class BlockStore:
 
     def close_session(self, session: SessionId) -> None:
         """Free the session's reservations and release its leases."""
+        self.settle()
         state = self._sessions.pop(session, None)
         if state is None:
             return
@@ -176,14 +185,29 @@ class BlockStore:
 
         All or nothing: raises ``StoreFullError`` (changing nothing) when too few slots can
         be freed, i.e. when the rest of the store is leased or being written.
+
+        A writer waits for this reply, so the books no reply depends on (the evicted blocks'
+        entries and event, the reservations' records) are left for ``settle``, which every
+        other call runs first: the owner answers, then settles.
         """
+        self.settle()
         state = self._session(session)
         _check_extras(len(keys), parent_hashes, token_ids)
         fresh = self._fresh(keys)
         count = len(keys) if fresh is None else len(fresh)
-        self._make_room(count)
-        slots = self._pool.allocate(count)
-        return self._bind(state, keys, fresh, slots, parent_hashes, token_ids)
+        slots, evicted = self._take(count)
+        self._later = (state, keys, fresh, slots, evicted, parent_hashes, token_ids)
+        return self._per_key(keys, fresh, slots)
+
+    def settle(self) -> None:
+        """Finish the books the last ``reserve`` left for after its reply (see there)."""
+        later = self._later
+        if later is None:
+            return
+        self._later = None
+        state, keys, fresh, slots, evicted, parent_hashes, token_ids = later
+        self._drop_evicted(evicted)
+        self._bind(state, keys, fresh, slots, parent_hashes, token_ids)
 
     def _fresh(self, keys: Sequence[BlockKey]) -> list[int] | None:
         """Indices of the keys to write (neither held, in flight, nor repeated); None: all."""
@@ -195,13 +219,27 @@ class BlockStore:
         return [i for i, key in enumerate(keys) if not (
             key in blocks or key in reserved or key in seen or seen.add(key))]  # type: ignore[func-returns-value]
 
+    def _per_key(self, keys: Sequence[BlockKey], fresh: list[int] | None,
+                 slots: Sequence[int]) -> tuple[list[int | None], list[int | None]]:
+        """The reply to a reservation of ``slots[j]`` for key ``fresh[j]`` (every key when
+        ``fresh`` is None): per key, its slot and generation, or ``None``."""
+        new_gens: list[int | None] = list(map(self._pool.generations.__getitem__, slots))
+        if fresh is None:
+            return list(slots), new_gens
+        out_slots: list[int | None] = [None] * len(keys)
+        out_gens: list[int | None] = [None] * len(keys)
+        for i, slot, gen in zip(fresh, slots, new_gens, strict=True):
+            out_slots[i] = slot
+            out_gens[i] = gen
+        return out_slots, out_gens
+
     def _bind(
         self, state: _Session, keys: Sequence[BlockKey], fresh: list[int] | None,
         slots: Sequence[int], parent_hashes: Sequence[int | None] | None,
         token_ids: Sequence[list[int] | None] | None,
-    ) -> tuple[list[int | None], list[int | None]]:
-        """Reserve ``slots[j]`` to key ``fresh[j]`` (every key when ``fresh`` is None); the
-        reply's per-key slots and generations."""
+    ) -> None:
+        """Record ``slots[j]`` as reserved to key ``fresh[j]`` (every key when ``fresh`` is
+        None), with its parent and tokens for the stored event."""
         new_keys = list(keys) if fresh is None else [keys[i] for i in fresh]
         self._reserved.update(zip(new_keys, slots, strict=True))
         key_of, st = self._key, self._state
@@ -219,28 +257,22 @@ class BlockStore:
                                else [token_ids[i] for i in fresh], strict=True):
                 tokens[slot] = t
         state.reserved.update(slots)
-        new_gens: list[int | None] = list(map(self._pool.generations.__getitem__, slots))
-        if fresh is None:
-            return list(slots), new_gens
-        out_slots: list[int | None] = [None] * len(keys)
-        out_gens: list[int | None] = [None] * len(keys)
-        for i, slot, gen in zip(fresh, slots, new_gens, strict=True):
-            out_slots[i] = slot
-            out_gens[i] = gen
-        return out_slots, out_gens
 
     def grant(self, session: SessionId, want: int) -> tuple[list[int], list[int]]:
         """Top the session's write-ahead grant up to ``want`` slots, as far as the store-wide
         cap and the evictable blocks allow (never ``StoreFullError``); the slots and
         generations newly granted. A grant may evict, as a reservation would."""
         state = self._session(session)
+        # (What ``settle`` would change leaves these counts as they are: on the owner's
+        # usual path, a reserve's reply that asks for no grant, nothing is settled here.)
         count = min(want - len(state.granted), self.max_granted - self._num_granted,
                     self._pool.num_free_slots + len(self._lru)
                     - (self._num_leased - self._num_doomed))
         if count <= 0:
             return [], []
-        self._make_room(count)
-        slots = self._pool.allocate(count)
+        self.settle()
+        slots, evicted = self._take(count)
+        self._drop_evicted(evicted)
         st = self._state
         for slot in slots:
             st[slot] = _GRANTED
@@ -264,6 +296,7 @@ class BlockStore:
         ``StaleDescriptorError`` (changing nothing) unless every slot is granted to this
         session with that generation, once.
         """
+        self.settle()
         state = self._session(session)
         _check_extras(len(keys), parent_hashes, token_ids)
         if len(keys) != len(slots):
@@ -274,33 +307,43 @@ class BlockStore:
         state.granted.difference_update(taken)
         self._num_granted -= len(taken)
         self._num_claimed += len(taken)
-        return self._bind(state, keys, fresh, taken, parent_hashes, token_ids)
+        self._bind(state, keys, fresh, taken, parent_hashes, token_ids)
+        return self._per_key(keys, fresh, taken)
 
-    def _make_room(self, count: int) -> None:
-        free = self._pool.num_free_slots
+    def _take(self, count: int) -> tuple[Sequence[int], list[tuple[BlockKey, int]]]:
+        """``count`` slots for a new holder, each with a new generation: the free ones, then
+        those of the least recently used blocks, evicted (retracted from the read index at
+        once; their entries stay until ``_drop_evicted``). Also the evicted blocks.
+
+        Raises ``StoreFullError`` (changing nothing) if too few blocks can be evicted.
+        """
+        pool = self._pool
+        free = pool.num_free_slots
         if count <= free:
-            return
-        lru = self._lru
+            return pool.allocate(count), []
         leased_in_lru = self._num_leased - self._num_doomed
-        evictable = len(lru) - leased_in_lru
+        evictable = len(self._lru) - leased_in_lru
         if count > free + evictable:
             raise StoreFullError(
                 f"{count} slots needed, {free} free and {evictable} evictable of "
-                f"{self._pool.num_slots} ({self._num_leased} leased, "
+                f"{pool.num_slots} ({self._num_leased} leased, "
                 f"{len(self._reserved)} being written, {self._num_granted} granted ahead)"
             )
-        need = count - free
-        evicted = self._pick_victims(need)
-        blocks, key_of, st = self._blocks, self._key, self._state
-        for key, slot in evicted:  # committed slots keep no parent or tokens (see commit)
-            del blocks[key]
-            key_of[slot] = None
-            st[slot] = _FREE
+        evicted = self._pick_victims(count - free)
+        reused = [slot for _, slot in evicted]
         if self._index is not None:
-            self._index.retract([slot for _, slot in evicted])
-        self._pool.free([slot for _, slot in evicted])
-        self._num_evictions += len(evicted)
-        self._log.removed([key[1] for key, _ in evicted])
+            self._index.retract(reused)
+        pool.renew(reused)
+        return [*pool.allocate(free), *reused], evicted
+
+    def _drop_evicted(self, evicted: list[tuple[BlockKey, int]]) -> None:
+        """Forget blocks ``_take`` evicted (their slots have new holders) and record it."""
+        if evicted:
+            blocks = self._blocks
+            for key, _ in evicted:
+                del blocks[key]
+            self._num_evictions += len(evicted)
+            self._log.removed([key[1] for key, _ in evicted])
 
     def _pick_victims(self, need: int) -> list[tuple[BlockKey, int]]:
         """The ``need`` least recently used unleased blocks, taken out of the LRU.
@@ -360,6 +403,7 @@ class BlockStore:
 
     def commit(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
         """Make reserved blocks visible (all or nothing) and record ``BlockStored``."""
+        self.settle()
         state = self._session(session)
         self._check_descriptors(state.reserved, slots, generations, "reserved by")
         reserved, blocks, lru, key_of, st = (
@@ -380,6 +424,7 @@ class BlockStore:
 
     def abort(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
         """Drop reservations without making anything visible."""
+        self.settle()
         state = self._session(session)
         self._check_descriptors(state.reserved, slots, generations, "reserved by")
         for slot in slots:
@@ -392,6 +437,7 @@ class BlockStore:
 
     # ---------------------------------------------------------------------- get
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self.settle()
         blocks = self._blocks
         return [key in blocks for key in keys]
 
@@ -399,6 +445,7 @@ class BlockStore:
         self, session: SessionId, keys: Sequence[BlockKey]
     ) -> tuple[list[int | None], list[int | None]]:
         """Pin each held key's slot for reading; ``None`` for keys not held."""
+        self.settle()
         state = self._session(session)
         out_slots: list[int | None] = list(map(self._blocks.get, keys))
         misses = out_slots.count(None)
@@ -430,6 +477,7 @@ class BlockStore:
         self, session: SessionId, slots: Sequence[int], generations: Sequence[int]
     ) -> None:
         """Give leases back (all or nothing); a block whose last lease goes becomes MRU."""
+        self.settle()
         state = self._session(session)
         if len(slots) != len(generations):
             raise StaleDescriptorError(f"{len(slots)} slots with {len(generations)} generations")
@@ -475,6 +523,7 @@ class BlockStore:
     # ------------------------------------------------------------------- remove
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Drop held keys now (a leased one's slot is freed on its last release)."""
+        self.settle()
         removed: list[bool] = []
         hashes: list[int] = []
         free: list[int] = []
@@ -501,6 +550,7 @@ class BlockStore:
 
     def clear(self) -> None:
         """Drop every block (leased ones when released) and record ``AllBlocksCleared``."""
+        self.settle()
         if not self._blocks:
             return
         if self._index is not None:
@@ -519,6 +569,7 @@ class BlockStore:
     # ------------------------------------------------------------------- events
     def take_events(self) -> list[KVEvent]:
         """Events recorded since the last call, in sequence order."""
+        self.settle()
         return self._log.take()
 
     def _emit_stored(self, slots: Sequence[int]) -> None:
@@ -533,6 +584,7 @@ class BlockStore:
 
     # -------------------------------------------------------------------- stats
     def stats(self) -> StoreStats:
+        self.settle()
         return StoreStats(
             num_slots=self._pool.num_slots,
             num_free_slots=self._pool.num_free_slots,
@@ -550,6 +602,7 @@ class BlockStore:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping disagrees with itself (for tests)."""
+        self.settle()
         from shm.store_checks import check_store  # noqa: PLC0415 - test support only
 
         check_store(self)

@@ -91,12 +91,12 @@ def main(argv: list[str]) -> int:
             print("claimed", flush=True)
             sys.stdin.read()  # hang until killed
         elif command == "unsent-put":  # put_many stopped just before its Publish frame
-            from shm.protocol import Slots
+            from shm.protocol import Reserve, Slots
 
-            reply = client._call(client._reserve(keys, None, None), Slots)
+            reply = client._call(Reserve([n for n, _ in keys], [h for _, h in keys]), Slots)
             arrays = [np.full(client.block_bytes, 0xCD, np.uint8) for _ in keys]
             slots, _ = client._attachment.write_blocks(reply, arrays)
-            client._attachment.publish_filled(keys, reply)
+            client._attachment.publish_filled(keys, reply.slots)
             print("written", *slots, flush=True)
             sys.stdin.read()  # hang until killed
         else:

@@ -332,7 +332,7 @@ def test_put_is_visible_to_requests_queued_behind_other_frames(
     procs: Processes, owner_id: str
 ) -> None:
     """A block whose put returned is seen by a later request on another socket, always."""
-    from shm.protocol import Publish, Slots
+    from shm.protocol import Publish, Reserve, Slots
 
     owner = procs.owner(owner_id, slots=8, block_bytes=4096, extra=("--sched-batch",))
     # One CPU for the test and a SCHED_BATCH owner: the owner then runs only when a client
@@ -348,7 +348,7 @@ def test_put_is_visible_to_requests_queued_behind_other_frames(
             out = np.empty(4096, np.uint8)
             for i in range(1, 51):
                 # put_many's frames, split so the reader can act between them.
-                reply = writer._call(writer._reserve([(1, i)], None, None), Slots)
+                reply = writer._call(Reserve([1], [i]), Slots)
                 slots, gens = writer._attachment.write_blocks(reply, [content(1, i, 4096)])
                 assert reader.get_many([(1, 0)], [out]) == [True]  # leaves a Release queued
                 writer._send_only(Publish(slots, gens))  # put_many returns here
