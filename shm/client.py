@@ -19,6 +19,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -204,6 +205,8 @@ class _Part:
 class BlockStoreClient:
     """Connects to an owner's socket and attaches its segment."""
 
+    spin_s = 0.0
+
     def __init__(
         self,
         socket_path: str | os.PathLike[str],
@@ -276,9 +279,11 @@ class BlockStoreClient:
         handles the request, so a put waits for the owner only for what did not fit, and
         the commit is one-way.
         """
-        checked = self._attachment.check_blocks(arrays, len(keys), out=False)
+        if len(arrays) != len(keys):
+            raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
         pending = self._start_put(keys, parent_hashes, token_ids)
-        try:
+        try:  # the arrays are checked while the owner handles the request
+            checked = self._attachment.check_blocks(arrays, len(keys), out=False)
             for part in pending.parts:  # the claimed part first: no reply to wait for
                 todo, slots = pending.write_plan(part)
                 self._attachment.write_to(
@@ -304,8 +309,8 @@ class BlockStoreClient:
         put as its largest put so far (within the owner's cap, ``--grant-fraction``). The
         keys that fit the granted slots are claimed for them: their views are ready at once
         and the claim's reply is read at commit. The rest are reserved, which waits for the
-        owner. Keys the read index shows held (where this client put or read them) are
-        skipped without asking.
+        owner. When the client holds a grant, keys the read index shows held (where this
+        client put or read them) are skipped without asking, so they take no granted slot.
         """
         pending = self._start_put(keys, parent_hashes, token_ids)
         try:
@@ -326,7 +331,8 @@ class BlockStoreClient:
                 raise ValueError(f"{len(extra)} {name} for {len(keys)} keys")
         fields = (namespaces, hashes, None if parents is None else list(parents),
                   None if tokens is None else list(tokens))
-        held = self._attachment.known_held(keys)
+        # Without a grant, the owner's reply skips held keys: no need to look first.
+        held = self._attachment.known_held(keys) if self._granted else None
         whole = held is None or not any(held)
         todo: Sequence[int] = range(len(keys)) if whole else [
             i for i, known in enumerate(held) if not known]  # type: ignore[arg-type]
@@ -546,7 +552,18 @@ class BlockStoreClient:
     def _recv(self, sock: socket.socket) -> Reply:
         buf = self._buf
         if not buf:  # the common case: one recv brings exactly one whole reply
-            chunk = sock.recv(1 << 16)
+            chunk = None
+            if self.spin_s:
+                deadline = time.perf_counter() + self.spin_s
+                while True:
+                    try:
+                        chunk = sock.recv(1 << 16, socket.MSG_DONTWAIT)
+                        break
+                    except BlockingIOError:
+                        if time.perf_counter() > deadline:
+                            break
+            if chunk is None:
+                chunk = sock.recv(1 << 16)
             if not chunk:
                 raise ClientDetachedError("the owner closed the connection")
             if len(chunk) >= 4 and len(chunk) == 4 + frame_length(chunk):
