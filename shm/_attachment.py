@@ -152,14 +152,16 @@ class Attachment:
         for slot, array in zip(slots, arrays, strict=True):
             write(rows, slot, array)
 
-    def publish_filled(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> None:
-        """``slots`` (one per key; ``None``: none) now hold ``keys``' bytes (copied in, or
-        filled in place): make them readable at once, before the one-way commit (see
-        ``shm.read_index``), and keep them as hints."""
+    def publish_filled(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> bool:
+        """``slots`` (one per key; ``None``: none), reserved to us, now hold ``keys``' bytes
+        (copied in, or filled in place): publish them in the read index, which commits them
+        (see ``shm.read_index``), and keep them as hints. ``False`` when the client does not
+        read optimistically: it must send ``Publish`` instead."""
         if self._index is None:
-            return
+            return False
         self._index.publish(slots, keys)
         self._hint(keys, slots)
+        return True
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""

@@ -186,8 +186,9 @@ class AsyncBlockStoreClient:
             if slots and self._writer is not None:
                 await self._call(Abort(slots, gens), Done)
             raise
-        if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
-            self._attachment.publish_filled(keys, reply.slots)
+        # Publishing in the read index commits; else one-way: see Publish in shm.protocol
+        # for why the blocks are visible once this returns.
+        if slots and not self._attachment.publish_filled(keys, reply.slots):
             await self._send_only(Publish(slots, gens))
         return [s is not None for s in reply.slots]
 

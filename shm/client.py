@@ -2,7 +2,8 @@
 
     with BlockStoreClient("/run/kv/store.sock") as store:
         store.put_many(keys, arrays)       # copy into slots granted ahead while claiming
-                                           # them (or reserve first), then commit one-way
+                                           # them (or reserve first), then publish them in
+                                           # the read index: that commits, no message
         hits = store.get_many(keys, outs)  # through the read index, or lease → copy → release
 
 Keys are ``(namespace_seed, block_hash)`` pairs. Arrays are numpy arrays or torch tensors
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -66,8 +68,9 @@ class PendingPut:
     ``views[i]`` is a writable uint8 view of the slot for key ``i``, or ``None`` when the
     store already holds (or is being given) that key. Nothing is visible to readers until
     commit; after ``commit()`` or ``abort()`` the views must not be written (or kept) any
-    more. ``commit()`` is one-way, as ``put_many``'s: the blocks are visible to every
-    request sent after it returns, without waiting for the owner.
+    more. ``commit()`` waits for no owner, as ``put_many``'s: it publishes the slots in the
+    read index, which commits them (or, if the client does not read optimistically, sends
+    a one-way ``Publish``); the blocks are visible to every request sent after it returns.
 
     A put's keys go in up to two parts: those that fit the slots granted to the client
     ahead, claimed for them (the ``Claim`` is on its way while the caller writes), and the
@@ -151,10 +154,9 @@ class PendingPut:
         slots: list[int] = []
         generations: list[int] = []
         for part, reply in zip(self.parts, replies, strict=True):
-            part_slots, part_generations = descriptors(reply)
-            if part_slots:
-                keys = self._keys if part.whole else [self._keys[i] for i in part.todo]
-                client._attachment.publish_filled(keys, reply.slots)
+            keys = self._keys if part.whole else [self._keys[i] for i in part.todo]
+            if not client._attachment.publish_filled(keys, reply.slots):
+                part_slots, part_generations = descriptors(reply)
                 slots += part_slots
                 generations += part_generations
         if slots:  # one-way: see Publish in shm.protocol for why it is visible on return
@@ -205,7 +207,6 @@ class _Part:
 class BlockStoreClient:
     """Connects to an owner's socket and attaches its segment."""
 
-    spin_s = 0.0
 
     def __init__(
         self,
@@ -215,11 +216,14 @@ class BlockStoreClient:
         timeout_s: float = 10.0,
         optimistic_reads: bool = True,
         register_cuda: bool = True,
+        spin_us: float = 200.0,
     ) -> None:
         """``optimistic_reads``: gets read through the segment's read index, asking the
         owner only for what it does not show (see ``shm.read_index``); False: every get
         leases through the owner. ``register_cuda``: the first copy of a CUDA tensor pins
-        the mapping for CUDA, so GPU copies DMA straight to it (see ``shm._cuda``)."""
+        the mapping for CUDA, so GPU copies DMA straight to it (see ``shm._cuda``).
+        ``spin_us``: how long a call busy-waits for its reply before it sleeps (0: never);
+        ``timeout_s`` bounds each send and each wait for a reply."""
         self.socket_path = Path(socket_path)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -230,9 +234,16 @@ class BlockStoreClient:
         self._granted: list[int] = []
         self._granted_gens: list[int] = []
         self._grant_want = 0  # granted slots to keep: the largest put so far
+        self._spin_s = spin_us / 1e6
         try:
             self._sock.settimeout(timeout_s)
             self._sock.connect(str(self.socket_path))
+            # Then a blocking socket with kernel timeouts, so that ``_recv_spinning`` can
+            # poll it with MSG_DONTWAIT (Python's own timeout polls before every recv).
+            self._sock.settimeout(None)
+            limit = struct.pack("@ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
             welcome = self._call(Hello(PROTOCOL_VERSION, os.getpid()), Welcome)
             self._attachment = Attachment(welcome, expected_owner_id,
                                           optimistic_reads=optimistic_reads,
@@ -277,7 +288,7 @@ class BlockStoreClient:
         (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them. The
         keys that fit the slots granted ahead (see ``begin_put``) are copied while the owner
         handles the request, so a put waits for the owner only for what did not fit, and
-        the commit is one-way.
+        the commit sends nothing (see ``PendingPut``).
         """
         if len(arrays) != len(keys):
             raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
@@ -512,7 +523,7 @@ class BlockStoreClient:
         except OSError as exc:
             self._detach()
             raise ClientDetachedError(
-                f"lost the block store owner on {self.socket_path}: {exc}") from exc
+                f"lost the block store owner on {self.socket_path}: {_why(exc)}") from exc
         except BaseException:
             self._detach()  # interrupted mid frame: the stream is out of step
             raise
@@ -527,7 +538,7 @@ class BlockStoreClient:
             except (OSError, ClientDetachedError) as exc:
                 self._detach()
                 raise ClientDetachedError(
-                    f"lost the block store owner on {self.socket_path}: {exc}") from exc
+                    f"lost the block store owner on {self.socket_path}: {_why(exc)}") from exc
             except BaseException:
                 self._detach()  # interrupted mid reply: the stream is out of step
                 raise
@@ -552,18 +563,7 @@ class BlockStoreClient:
     def _recv(self, sock: socket.socket) -> Reply:
         buf = self._buf
         if not buf:  # the common case: one recv brings exactly one whole reply
-            chunk = None
-            if self.spin_s:
-                deadline = time.perf_counter() + self.spin_s
-                while True:
-                    try:
-                        chunk = sock.recv(1 << 16, socket.MSG_DONTWAIT)
-                        break
-                    except BlockingIOError:
-                        if time.perf_counter() > deadline:
-                            break
-            if chunk is None:
-                chunk = sock.recv(1 << 16)
+            chunk = self._recv_spinning(sock) if self._spin_s else sock.recv(1 << 16)
             if not chunk:
                 raise ClientDetachedError("the owner closed the connection")
             if len(chunk) >= 4 and len(chunk) == 4 + frame_length(chunk):
@@ -577,6 +577,18 @@ class BlockStoreClient:
         body = bytes(buf[4 : 4 + length])
         del buf[: 4 + length]
         return decode_reply(body)
+
+    def _recv_spinning(self, sock: socket.socket) -> bytes:
+        """``recv``, busy-waiting up to ``spin_us`` before sleeping: a reply comes within
+        about a hundred µs, and a thread woken from sleep on another CPU than the owner's
+        pays tens of µs more in a VM (the socket blocks, with kernel timeouts)."""
+        deadline = time.perf_counter() + self._spin_s
+        while True:
+            try:
+                return sock.recv(1 << 16, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                if time.perf_counter() > deadline:
+                    return sock.recv(1 << 16)
 
     @staticmethod
     def _fill(sock: socket.socket, buf: bytearray) -> None:
@@ -613,6 +625,13 @@ def _pick(fields: tuple[list[int], list[int], list[int | None] | None,
         return fields
     return tuple(  # type: ignore[return-value]
         None if values is None else [values[i] for i in indices] for values in fields)
+
+
+def _why(exc: BaseException) -> str:
+    """An OS error from the socket, in words (a kernel timeout reads as EAGAIN)."""
+    if isinstance(exc, BlockingIOError):
+        return "no answer within the client's timeout_s"
+    return str(exc)
 
 
 def _encode(request: Any) -> bytes:

@@ -54,7 +54,9 @@ __all__ = [
     "frame_length",
 ]
 
-PROTOCOL_VERSION = 4  # 2: Publish; 3: the read index, Welcome.hit_cell; 4: grants, Claim
+# 2: Publish; 3: the read index, Welcome.hit_cell; 4: grants, Claim; 5: a writer's
+# publication of its reserved slots in the read index commits them.
+PROTOCOL_VERSION = 5
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 
@@ -110,7 +112,9 @@ class Commit(_Msg, frozen=True, array_like=True, gc=False, tag=3):
 
 
 class Publish(_Msg, frozen=True, array_like=True, gc=False, tag=11):
-    """``Commit`` without a reply: what ``put_many`` sends once its copy is done."""
+    """``Commit`` without a reply: what ``put_many`` sends once its copy is done if the
+    client does not read optimistically (one that does commits by publishing its slots in
+    the read index instead: see ``shm.read_index``)."""
 
     slots: list[int]
     generations: list[int]

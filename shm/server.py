@@ -10,8 +10,11 @@ pure and fast), in this order: a connection's one-way frames (``Release``, ``Pub
 soon as they are read, and a request that needs a reply once every connection that was
 readable in the same wake-up has been read (one ``call_soon`` hop, skipped when only one
 client is connected). So whatever one-way frame reached the owner before a request was
-sent, on any connection, is applied before that request: a block whose ``put_many`` has
-returned is visible to every later request, and a lease given back is evictable.
+sent, on any connection, is applied before that request, and so is every commit a writer
+made by publishing its slots in the read index (see ``shm.read_index``; while reservations
+are open the owner also polls for those, every millisecond or so, for their events): a
+block whose ``put_many`` has returned is visible to every later request, and a lease given
+back is evictable.
 When a connection closes, however the client died, the frames it had sent are applied,
 then its reservations are freed and its leases released. After each request the store's
 events go to ``listener``, a plain callable that must not block (the sidecar's puts them
@@ -73,6 +76,10 @@ log = structlog.get_logger(component="shm")
 
 EventListener = Callable[[KVEvent], None]
 _DONE = encode(Done())
+# While reservations are open, the owner polls for writers' commits every _POLL_S, backing
+# off to _POLL_MAX_S while none come (an event loop's timers tick in milliseconds).
+_POLL_S = 0.001
+_POLL_MAX_S = 0.064
 
 
 class BlockStoreOwner:
@@ -98,6 +105,8 @@ class BlockStoreOwner:
         self.num_rejected_releases = 0
         self.num_rejected_commits = 0  # one-way ``Publish`` frames that failed
         self._waiting: list[_Connection] = []  # with a request queued for ``_run_waiting``
+        self._poll: asyncio.TimerHandle | None = None  # see ``_poll_published``
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one we serve in
         self.num_internal_errors = 0
 
     # ---------------------------------------------------------------- lifecycle
@@ -113,6 +122,7 @@ class BlockStoreOwner:
 
     async def start(self) -> None:
         cfg = self.config
+        self._loop = asyncio.get_running_loop()
         self._claim_socket_path()
         unlink_stale_segments(cfg.owner_id)
         # Pre-faulting a large segment takes a while: keep it off the loop.
@@ -195,6 +205,9 @@ class BlockStoreOwner:
             self.store.clear()
             self.drain_events()
             self.store = None  # it holds a view of the segment's generation table
+        if self._poll is not None:
+            self._poll.cancel()
+            self._poll = None
         self._release_segment()
         if self._bound:  # never remove a socket file we did not create
             self._bound = False
@@ -212,6 +225,7 @@ class BlockStoreOwner:
         """The store's statistics, hits counting the clients' optimistic reads too."""
         if self.store is None or self.segment is None:
             raise RuntimeError("the owner is not started")
+        self.store.commit_published()
         stats = self.store.stats()
         cells = self.segment.index.hit_cells
         optimistic = self._retired_hits + sum(int(cells[c]) for c in self._cell_of.values())
@@ -234,6 +248,9 @@ class BlockStoreOwner:
                 self._reject_one_way(session, body[1], exc)
                 return None
             return encode(ErrorReply(exc.code, str(exc)))
+        if not isinstance(msg, Release | Publish):
+            # What writers committed by publishing is visible to every request that follows.
+            self.store.commit_published()
         try:
             reply = self._dispatch(self.store, session, msg)
         except (BlockStoreError, ValueError) as exc:
@@ -326,10 +343,13 @@ class BlockStoreOwner:
 
     def drain_events(self) -> None:
         """Settle the store's books (see ``BlockStore.reserve``) and hand its events to the
-        listener: after a reply is sent, so neither is on the client's round trip."""
+        listener: after a reply is sent, so neither is on the client's round trip. While
+        reservations are open, poll for their writers' commits."""
         if self.store is None:
             return
         events = self.store.take_events()  # settles first
+        if self._poll is None and self._loop is not None and self.store.num_reserved:
+            self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
         if not events or self._listener is None:
             return
         for event in events:
@@ -338,6 +358,20 @@ class BlockStoreOwner:
             except Exception:
                 self.num_listener_errors += 1
                 log.exception("shm_event_listener_failed", seq=event.seq)
+
+    def _poll_published(self, delay: float) -> None:
+        """Record the commits writers made by publishing (``BlockStore.commit_published``)
+        and send their events, though no request came; again while reservations stay open,
+        backing off while nothing is published (a slow writer, e.g. a device copy)."""
+        self._poll = None
+        store = self.store
+        if store is None:
+            return
+        delay = _POLL_S if store.commit_published() else min(2 * delay, _POLL_MAX_S)
+        self.drain_events()  # arms a poll at _POLL_S if reservations are open: take it over
+        if self._poll is not None and self._loop is not None:
+            self._poll.cancel()
+            self._poll = self._loop.call_later(delay, self._poll_published, delay)
 
     def session_opened(self, conn: _Connection) -> SessionId:
         if self.store is None:

@@ -8,12 +8,13 @@ goes away.
 
 A put is two steps: ``reserve`` hands out slots for the keys not yet held (invisible to
 readers), the client copies its bytes in, then ``commit`` makes them visible and records
-a ``BlockStored`` event. A writer that dies between the two leaves nothing visible: its
-reservations are freed with its session. A writer may also hold a *write-ahead grant*:
-free slots ``grant`` gave it before it knew its keys, which it fills first and then
-``claim``s for its keys (each becomes a reservation, or stays granted if its key is held
-or in flight), so its copy need not wait for a reply; grants are capped store-wide
-(``max_granted``) because a granted slot holds no block.
+a ``BlockStored`` event (or the client publishes the slots in the read index, which
+commits them: ``commit_published`` records it). A writer that dies between the two leaves
+nothing visible: its reservations are freed with its session. A writer may also hold a
+*write-ahead grant*: free slots ``grant`` gave it before it knew its keys, which it fills
+first and then ``claim``s for its keys (each becomes a reservation, or stays granted if its
+key is held or in flight), so its copy need not wait for a reply; grants are capped
+store-wide (``max_granted``) because a granted slot holds no block.
 
 A get through the owner is ``lease`` (the slot cannot be evicted or reused while any lease
 is held), a copy out, then ``release``; most gets never reach the store, they read through
@@ -143,11 +144,18 @@ class BlockStore:
         return session
 
     def close_session(self, session: SessionId) -> None:
-        """Free the session's reservations and release its leases."""
+        """Free the session's reservations (those its writer published are committed: see
+        ``commit_published``) and release its leases."""
         self.settle()
-        state = self._sessions.pop(session, None)
+        state = self._sessions.get(session)
         if state is None:
             return
+        if state.reserved and self._index is not None:
+            published = self._index.published(self._reserved.items())
+            mine = [slot for slot in published if slot in state.reserved]
+            if mine:
+                self._commit(state, mine)
+        del self._sessions[session]
         slots = list(state.reserved)
         for slot in slots:
             del self._reserved[self._key[slot]]  # type: ignore[arg-type]
@@ -406,6 +414,33 @@ class BlockStore:
         self.settle()
         state = self._session(session)
         self._check_descriptors(state.reserved, slots, generations, "reserved by")
+        self._commit(state, slots)
+
+    def commit_published(self) -> int:
+        """Commit the reservations whose writers have published them in the read index.
+
+        A writer that reads optimistically commits that way, with no message (see
+        ``shm.read_index``): the owner calls this before every request, so a block whose
+        put has returned is visible to any request sent after it, and on a short poll, so
+        its event goes out though no request comes. Per session, in the order the keys
+        were reserved (one request's chain of blocks stays one ``BlockStored``); how many.
+        """
+        self.settle()
+        index = self._index
+        if index is None or not self._reserved:
+            return 0
+        done = index.published(self._reserved.items())
+        if done:
+            for state in self._sessions.values():
+                if state.reserved.issuperset(done):  # the common case: one writer
+                    self._commit(state, done)
+                    break
+                mine = [slot for slot in done if slot in state.reserved]
+                if mine:
+                    self._commit(state, mine)
+        return len(done)
+
+    def _commit(self, state: _Session, slots: Sequence[int]) -> None:
         reserved, blocks, lru, key_of, st = (
             self._reserved, self._blocks, self._lru, self._key, self._state)
         index, now, used = self._index, time.monotonic_ns(), self._used_ns
@@ -549,8 +584,9 @@ class BlockStore:
         return removed
 
     def clear(self) -> None:
-        """Drop every block (leased ones when released) and record ``AllBlocksCleared``."""
-        self.settle()
+        """Drop every block (leased ones when released) and record ``AllBlocksCleared``;
+        what writers published first (see ``commit_published``)."""
+        self.commit_published()
         if not self._blocks:
             return
         if self._index is not None:
@@ -583,6 +619,12 @@ class BlockStore:
         self._log.stored(hashes, parents, token_lists)
 
     # -------------------------------------------------------------------- stats
+    @property
+    def num_reserved(self) -> int:
+        """Slots reserved to writers and not committed or aborted yet."""
+        self.settle()
+        return len(self._reserved)
+
     def stats(self) -> StoreStats:
         self.settle()
         return StoreStats(

@@ -10,8 +10,9 @@
     python _worker.py SOCKET granted-half-write NS FIRST COUNT
         put COUNT other blocks (which gets slots granted ahead), then fill half the granted
         slots for the range, claimed for it, print "claimed", hang
-    python _worker.py SOCKET unsent-put NS FIRST COUNT          reserve, write and publish in
-        the read index as put_many does, but never send the commit; print "written SLOTS", hang
+    python _worker.py SOCKET published-put NS FIRST COUNT       reserve, write 0xCD and publish
+        in the read index as put_many does (its commit), send nothing more; print
+        "written SLOTS", hang
 
 Block contents are a pure function of the key, so any process can check any block.
 """
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
                     view[:] = 0xAB
             print("claimed", flush=True)
             sys.stdin.read()  # hang until killed
-        elif command == "unsent-put":  # put_many stopped just before its Publish frame
+        elif command == "published-put":
             from shm.protocol import Reserve, Slots
 
             reply = client._call(Reserve([n for n, _ in keys], [h for _, h in keys]), Slots)

@@ -240,25 +240,47 @@ def test_reads_skip_the_owner_once_a_client_knows_where_blocks_are(
 
 
 def test_writer_killed_after_publishing_its_slots(procs: Processes, owner_id: str) -> None:
-    """A writer that made its slots readable but died before committing leaves nothing
-    readable: the owner makes those slots odd again before it frees them."""
+    """A writer that published its reserved slots in the read index has committed them,
+    with no message: another client sees the blocks at once, byte for byte, and they stay
+    after the writer is SIGKILLed."""
     owner = procs.owner(owner_id, slots=8, block_bytes=4096)
-    writer = procs.worker(owner.socket, "unsent-put", 6, 0, 4)
+    writer = procs.worker(owner.socket, "published-put", 6, 0, 4)
     line = read_line(writer)
     assert line.startswith("written ")
     slots = [int(s) for s in line.split()[1:]]
-    segment = Segment.attach(owner.segment)
-    try:
-        assert [int(segment.index.seq[s]) % 2 for s in slots] == [0, 0, 0, 0]  # readable
-        with BlockStoreClient(owner.socket) as client:
-            assert client.contains_many([(6, h) for h in range(4)]) == [False] * 4
-            writer.send_signal(signal.SIGKILL)
-            writer.wait(timeout=DEADLINE_S)
-            wait_until(lambda: client.stats().num_reserved == 0, "reservations to be freed")
-            assert [int(segment.index.seq[s]) % 2 for s in slots] == [1, 1, 1, 1]
-            assert client.contains_many([(6, h) for h in range(4)]) == [False] * 4
-    finally:
-        segment.close()
+    keys = [(6, h) for h in range(4)]
+    with BlockStoreClient(owner.socket) as client:
+        assert client.contains_many(keys) == [True] * 4
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=DEADLINE_S)
+        wait_until(lambda: client.stats().num_sessions == 1, "the writer's session to close")
+        stats = client.stats()
+        assert (stats.num_reserved, stats.num_blocks) == (0, 4)
+        with client.leased(keys) as views:
+            assert [v is not None and bool((v == 0xCD).all()) for v in views] == [True] * 4
+        segment = Segment.attach(owner.segment)
+        try:
+            assert [int(segment.index.seq[s]) % 2 for s in slots] == [0, 0, 0, 0]
+        finally:
+            segment.close()
+
+
+def test_a_stopped_owner_fails_a_call_after_the_timeout(procs: Processes,
+                                                          owner_id: str) -> None:
+    """An owner that stops answering (SIGSTOP) fails a call once the client's ``timeout_s``
+    has passed, saying so, whether the client spins for its reply first or not."""
+    owner = procs.owner(owner_id, slots=4, block_bytes=4096)
+    for spin_us in (200.0, 0.0):
+        with BlockStoreClient(owner.socket, timeout_s=0.3, spin_us=spin_us) as client:
+            assert client.put((1, 1), content(1, 1, 4096)) in (True, False)
+            owner.proc.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(ClientDetachedError, match="timeout_s"):
+                    client.contains((1, 1))
+            finally:
+                owner.proc.send_signal(signal.SIGCONT)
+            with pytest.raises(ClientDetachedError):  # detached: the stream is out of step
+                client.contains((1, 1))
 
 
 def test_owner_restart_unlinks_stale_segments(procs: Processes, owner_id: str) -> None:

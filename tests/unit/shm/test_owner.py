@@ -30,6 +30,7 @@ from shm import (
     UnknownBlockError,
 )
 from shm.protocol import decode_reply, encode
+from tests.polling import wait_for
 
 BLOCK = 256  # bytes: 128 float16 elements
 
@@ -107,6 +108,26 @@ async def test_host_tier_events(sock_dir: Path, owner_id: str) -> None:
         BlockStored("worker-7", epoch, 3, Tier.HOST, [102], 101, None),
         AllBlocksCleared("worker-7", epoch, 4, Tier.HOST),
     ]
+
+
+async def test_published_puts_reach_the_listener_without_another_request(
+        sock_dir: Path, owner_id: str) -> None:
+    """A put commits by publishing in the read index, with no message: the owner's poll
+    records it and sends its event though the client sends nothing more."""
+    events: list[KVEvent] = []
+    cfg = config(sock_dir, owner_id, slots=4)
+    async with BlockStoreOwner(cfg, listener=events.append) as owner:
+        client = await AsyncBlockStoreClient.connect(cfg.socket_path)
+        try:
+            assert client._attachment.reads_optimistically  # else it sends Publish
+            assert await client.put_many([(1, 1), (1, 2)], [block(1), block(2)],
+                                         parent_hashes=[None, 1]) == [True, True]
+            await wait_for(lambda: bool(events), "the stored event")
+            assert events == [BlockStored(cfg.effective_worker_id, owner.epoch, 1, Tier.HOST,
+                                          [1, 2], None, None)]
+            assert owner.stats().num_reserved == 0
+        finally:
+            await client.aclose()
 
 
 async def test_failing_listener_loses_nothing(sock_dir: Path, owner_id: str) -> None:

@@ -116,10 +116,52 @@ class TestStoreKeepsTheIndex:
         put(store, s, 1)
         store.remove([(NS, 1)])
         slots, gens = store.reserve(s, [(NS, 2), (NS, 3)])  # type: ignore[arg-type]
-        index.publish(slots, [(NS, 2), (NS, 3)])  # type: ignore[arg-type]  # the writer did
         store.abort(s, slots[:1], gens[:1])  # type: ignore[arg-type]
-        store.close_session(s)
+        store.close_session(s)  # slot of key 3 reserved, never published
         assert all(int(v) % 2 == 1 for v in index.seq)
+        assert store.contains([(NS, 2), (NS, 3)]) == [False, False]
+        store.check_invariants()
+
+    def test_a_writers_publication_commits(self) -> None:
+        """A writer commits by publishing its reserved slots; the store records it when
+        asked (the owner asks before every request), one chain as one event, in the order
+        the keys were reserved."""
+        store, index = store_with_index(8)
+        s = store.open_session()
+        keys = [(NS, 5), (NS, 6), (NS, 7)]
+        slots, _ = store.reserve(s, keys, [4, 5, 6])  # type: ignore[arg-type]
+        index.publish(list(reversed(slots)), list(reversed(keys)))
+        store.take_events()
+        assert store.contains(keys) == [False] * 3  # not recorded yet
+        assert store.commit_published() == 3
+        assert store.contains(keys) == [True] * 3
+        (event,) = store.take_events()
+        assert event.block_hashes == [5, 6, 7] and event.parent_hash == 4  # type: ignore[attr-defined]
+        assert store.commit_published() == 0
+        store.check_invariants()
+
+    def test_publication_under_another_key_commits_nothing(self) -> None:
+        store, index = store_with_index(4)
+        s = store.open_session()
+        slots, gens = store.reserve(s, [(NS, 1)])
+        index.publish(slots, [(NS, 2)])  # a confused writer
+        assert store.commit_published() == 0
+        assert store.contains([(NS, 1), (NS, 2)]) == [False, False]
+        store.abort(s, slots, gens)  # type: ignore[arg-type]
+        assert int(index.seq[slots[0]]) % 2 == 1
+        store.check_invariants()
+
+    def test_a_closed_session_keeps_what_its_writer_published(self) -> None:
+        """Its writer died after publishing some slots: those are committed, the rest freed."""
+        store, index = store_with_index(4)
+        s, other = store.open_session(), store.open_session()
+        slots, _ = store.reserve(s, [(NS, 1), (NS, 2)])
+        index.publish(slots[:1], [(NS, 1)])
+        store.close_session(s)
+        assert store.contains([(NS, 1), (NS, 2)]) == [True, False]
+        assert int(index.seq[slots[1]]) % 2 == 1  # type: ignore[index]
+        got, _ = store.lease(other, [(NS, 1)])
+        assert got == slots[:1]
         store.check_invariants()
 
     def test_eviction_weighs_readers_uses(self) -> None:

@@ -278,12 +278,19 @@ class StoreMachine(RuleBasedStateMachine):
             return
         got = [(s, g) for s, g in zip(slots, gens, strict=True) if s is not None]
         assert len({s for s, _ in got}) == len(got)
-        if writer_publishes:  # as a client does once its bytes are in, before committing
+        if writer_publishes:  # as a client does once its bytes are in: that commits too
             for slot, key in zip(slots, keys(*hashes), strict=True):
                 if slot is not None:
                     self.index.publish_slot(slot, key)
         if commit:
             self.store.commit(session, [s for s, _ in got], [g for _, g in got])
+
+    @rule()
+    def record_published(self) -> None:
+        """What the owner does before every request: writers' publications commit."""
+        published = set(self.index.published(self.store._reserved.items()))
+        assert self.store.commit_published() == len(published)
+        assert published <= set(self.store._blocks.values())
 
     @rule(who=st.integers(0, 2), want=st.integers(1, 3))
     def grant(self, who: int, want: int) -> None:
