@@ -91,7 +91,9 @@ class Attachment:
         if optimistic_reads and OPTIMISTIC_READS_SUPPORTED and welcome.hit_cell >= 0:
             self._index = self.segment.index
         self._hits = 0  # optimistic hits so far, mirrored into our hit cell
-        self._where: dict[BlockKey, int] = {}  # key → slot last seen holding it (a hint)
+        # Block hash → slot last seen holding it (a hint; the read index holds the namespace
+        # too, so hints need not: an int key is cheaper to hash than a tuple).
+        self._where: dict[int, int] = {}
         self._hint_limit = min(2 * welcome.num_slots, _MAX_HINTS)
 
     @property
@@ -173,9 +175,9 @@ class Attachment:
         if None in slots:
             for slot, key in zip(slots, keys, strict=True):
                 if slot is not None:
-                    where[key] = slot
+                    where[key[1]] = slot
         else:
-            where.update(zip(keys, slots, strict=True))  # type: ignore[arg-type]
+            where.update(zip([key[1] for key in keys], slots, strict=True))  # type: ignore[arg-type]
         if len(where) > self._hint_limit:
             self._trim_hints()
 

@@ -116,11 +116,12 @@ class ReadIndex:
         ``keys``, as ``publish_slot`` does for one, inline: this runs once per put, on
         caches the put's copy has just flushed."""
         key_words, seq = self._key_words, self._seq
-        for slot, key in zip(slots, keys, strict=True):
+        for slot, (namespace, block_hash) in zip(slots, keys, strict=True):
             if slot is None:
                 continue
-            key_words[2 * slot] = key[0]
-            key_words[2 * slot + 1] = key[1]
+            word = 2 * slot
+            key_words[word] = namespace
+            key_words[word + 1] = block_hash
             value = seq[slot]
             if value & 1:
                 seq[slot] = value + 1
@@ -170,14 +171,15 @@ class ReadIndex:
         return self._read_ns[slot]
 
     # ----------------------------------------------------------------- reader side
-    def shows(self, keys: Sequence[BlockKey], hints: Mapping[BlockKey, int]) -> list[bool]:
-        """Per key, whether its hinted slot holds it now (a writer skips such keys)."""
-        if hints.keys().isdisjoint(keys):  # the common case for a writer: fresh keys
+    def shows(self, keys: Sequence[BlockKey], hints: Mapping[int, int]) -> list[bool]:
+        """Per key, whether its hinted slot holds it now (a writer skips such keys).
+        ``hints`` maps a block hash to the slot last seen holding it."""
+        if hints.keys().isdisjoint([key[1] for key in keys]):  # a writer's fresh keys
             return [False] * len(keys)
         seq, key_words = self._seq, self._key_words
         out = []
         for key in keys:
-            slot = hints.get(key)
+            slot = hints.get(key[1])
             out.append(slot is not None and not seq[slot] & 1
                        and key_words[2 * slot] == key[0] and key_words[2 * slot + 1] == key[1])
         return out
@@ -185,10 +187,11 @@ class ReadIndex:
     def read(
         self,
         keys: Sequence[BlockKey],
-        hints: Mapping[BlockKey, int],
+        hints: Mapping[int, int],
         copy: Callable[[int, int], None],
     ) -> list[bool]:
-        """Copy every key whose hinted slot holds it: ``copy(i, slot)`` for key ``i``.
+        """Copy every key whose hinted slot holds it: ``copy(i, slot)`` for key ``i``
+        (``hints``: block hash → slot; the slot's key words settle the namespace).
 
         Per key, whether it was copied and still valid after the copy. Per slot: load
         ``seq`` (even), compare the key, copy, and once every copy is done load ``seq`` again
@@ -198,7 +201,7 @@ class ReadIndex:
         seq, key_words = self._seq, self._key_words
         copied: list[tuple[int, int, int]] = []  # (key index, slot, seq)
         for i, key in enumerate(keys):
-            slot = hints.get(key)
+            slot = hints.get(key[1])
             if slot is None:
                 continue
             before = seq[slot]

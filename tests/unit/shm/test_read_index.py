@@ -20,6 +20,7 @@ def make_index(num_slots: int = 8) -> ReadIndex:
 
 def copied_by(index: ReadIndex, keys: list[tuple[int, int]], hints: dict[tuple[int, int], int],
               during: object = None) -> tuple[list[bool], list[tuple[int, int]]]:
+    """``index.read`` with ``hints`` given per key (readers keep them per block hash)."""
     calls: list[tuple[int, int]] = []
 
     def copy(i: int, slot: int) -> None:
@@ -27,7 +28,7 @@ def copied_by(index: ReadIndex, keys: list[tuple[int, int]], hints: dict[tuple[i
         if callable(during):
             during(slot)
 
-    return index.read(keys, hints, copy), calls
+    return index.read(keys, {key[1]: slot for key, slot in hints.items()}, copy), calls
 
 
 class TestSeqlock:

@@ -327,11 +327,11 @@ class StoreMachine(RuleBasedStateMachine):
         """A reader with arbitrary (often stale) hints copies only a block whose bytes are
         complete: committed, or reserved and published by its writer (about to commit)."""
         wanted = keys(*hashes)
-        hints = dict(zip(wanted, hint_slots, strict=False))
+        hints = {key[1]: slot for key, slot in zip(wanted, hint_slots, strict=False)}
         hits = self.index.read(wanted, hints, lambda i, slot: None)
         blocks, reserved = self.store._blocks, self.store._reserved  # the store's truth
         for key, hit in zip(wanted, hits, strict=True):
-            assert not hit or hints[key] in (blocks.get(key), reserved.get(key))
+            assert not hit or hints[key[1]] in (blocks.get(key), reserved.get(key))
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4))
     def lease(self, who: int, hashes: list[int]) -> None:
