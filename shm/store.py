@@ -220,8 +220,9 @@ class BlockStore:
     def _fresh(self, keys: Sequence[BlockKey]) -> list[int] | None:
         """Indices of the keys to write (neither held, in flight, nor repeated); None: all."""
         blocks, reserved = self._blocks, self._reserved
-        if (blocks.keys().isdisjoint(keys) and reserved.keys().isdisjoint(keys)
-                and len(set(keys)) == len(keys)):
+        distinct = set(keys)  # each check hashes every key tuple again: skip empty books
+        if (len(distinct) == len(keys) and (not blocks or blocks.keys().isdisjoint(distinct))
+                and (not reserved or reserved.keys().isdisjoint(distinct))):
             return None
         seen: set[BlockKey] = set()
         return [i for i, key in enumerate(keys) if not (
