@@ -7,6 +7,7 @@ the right exception) lives here once.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -32,6 +33,7 @@ __all__ = ["Attachment", "BlockKey", "expect", "split_keys", "stats_from_reply"]
 R = TypeVar("R")
 _U8 = np.dtype(np.uint8)
 _MAX_HINTS = 1 << 16  # per client: about 10 MB of Python objects at most
+_MIN_HINTS = 1 << 12
 
 
 def expect(reply: Reply, kind: type[R]) -> R:
@@ -94,7 +96,8 @@ class Attachment:
         # Block hash → slot last seen holding it (a hint; the read index holds the namespace
         # too, so hints need not: an int key is cheaper to hash than a tuple).
         self._where: dict[int, int] = {}
-        self._hint_limit = min(2 * welcome.num_slots, _MAX_HINTS)
+        # Trimmed in halves: at least a few thousand, so small stores trim seldom too.
+        self._hint_limit = min(max(2 * welcome.num_slots, _MIN_HINTS), _MAX_HINTS)
 
     @property
     def reads_optimistically(self) -> bool:
@@ -182,12 +185,13 @@ class Attachment:
             self._trim_hints()
 
     def _trim_hints(self) -> None:
-        """Hints outlive evictions and cost memory: past the limit, drop the oldest half."""
+        """Hints outlive evictions and cost memory: past the limit, keep the newest half, in
+        a new dict (cheaper than popping the oldest one by one; one C call, so no other
+        thread changes the old one meanwhile, though one may add a hint to it just after,
+        which is lost: that costs a lease at most)."""
         where, limit = self._where, self._hint_limit
         if len(where) > limit:
-            # list() copies the keys at once (other threads may add hints meanwhile).
-            for key in list(where)[: len(where) - limit // 2]:
-                where.pop(key, None)
+            self._where = dict(itertools.islice(where.items(), len(where) - limit // 2, None))
 
     def count_hits(self, count: int) -> None:
         """Add optimistic hits to our cell (the caller serializes calls: one writer)."""

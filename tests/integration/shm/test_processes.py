@@ -239,6 +239,22 @@ def test_reads_skip_the_owner_once_a_client_knows_where_blocks_are(
         assert (writer.stats().num_hits, writer.stats().num_optimistic_hits) == (40, 16)
 
 
+def test_hints_stay_bounded_and_keep_the_newest(procs: Processes, owner_id: str) -> None:
+    """A writer's hints (where its blocks are) stay within their limit however much it puts,
+    and the newest survive a trim: it still reads its last puts without the owner."""
+    owner = procs.owner(owner_id, slots=64, block_bytes=4096)
+    block = np.zeros(4096, np.uint8)
+    with BlockStoreClient(owner.socket) as writer:
+        limit = writer._attachment._hint_limit
+        for first in range(0, limit + 3 * 64, 64):
+            writer.put_many([(3, h) for h in range(first, first + 64)], [block] * 64)
+            assert len(writer._attachment._where) <= limit
+        last = [(3, h) for h in range(first, first + 64)]
+        before = writer.stats().num_optimistic_hits
+        assert writer.get_many(last, [np.empty(4096, np.uint8) for _ in last]) == [True] * 64
+        assert writer.stats().num_optimistic_hits == before + 64
+
+
 def test_writer_killed_after_publishing_its_slots(procs: Processes, owner_id: str) -> None:
     """A writer that published its reserved slots in the read index has committed them,
     with no message: another client sees the blocks at once, byte for byte, and they stay
