@@ -589,6 +589,7 @@ class BlockStoreClient:
             except BlockingIOError:
                 if time.perf_counter() > deadline:
                     return sock.recv(1 << 16)
+                os.sched_yield()  # the owner may be waiting for this very CPU
 
     @staticmethod
     def _fill(sock: socket.socket, buf: bytearray) -> None:
