@@ -164,7 +164,8 @@ class AsyncBlockStoreClient:
         parent_hashes: Sequence[int | None] | None = None,
         token_ids: Sequence[list[int] | None] | None = None,
     ) -> list[bool]:
-        """Store blocks (one reserve round trip, then a one-way commit); per key, whether copied.
+        """Store blocks (one reserve round trip, then a commit that waits for nothing); per
+        key, whether copied.
 
         Unlike the blocking client's, these puts take no slots granted ahead: each reserves.
 

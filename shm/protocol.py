@@ -7,11 +7,13 @@ block hashes), slot descriptors as two flat lists (slots and generations), so a 
 
 Every request gets exactly one reply, in order, except the one-way messages ``Release``
 and ``Publish`` (a commit without a reply), which get none: a reader gives its leases back,
-and ``put_many`` makes its blocks visible, without waiting. A connection's replies
-therefore pair with its requests first-in first-out, with no request ids. The owner
-handles every one-way frame that has reached it before any request it reads in the same
-wake-up (see ``shm.server``), so a block ``put_many`` has returned is visible to any
-request sent after that, on any connection.
+and a writer that does not read optimistically makes its blocks visible, without waiting (one
+that does commits with no message at all, by publishing its slots in the read index: see
+``shm.read_index``). A connection's replies therefore pair with its requests first-in
+first-out, with no request ids. The owner records what writers have published, and handles
+every one-way frame that has reached it, before any request it reads in the same wake-up
+(see ``shm.server``), so a block ``put_many`` has returned is visible to any request sent
+after that, on any connection.
 """
 
 from __future__ import annotations
