@@ -8,6 +8,7 @@ the right exception) lives here once.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -93,6 +94,8 @@ class Attachment:
         if optimistic_reads and OPTIMISTIC_READS_SUPPORTED and welcome.hit_cell >= 0:
             self._index = self.segment.index
         self._hits = 0  # optimistic hits so far, mirrored into our hit cell
+        self._publications = 0  # puts published so far, mirrored into our publish cell
+        self._publish_lock = threading.Lock()
         # Block hash → slot last seen holding it (a hint; the read index holds the namespace
         # too, so hints need not: an int key is cheaper to hash than a tuple).
         self._where: dict[int, int] = {}
@@ -162,9 +165,13 @@ class Attachment:
         (copied in, or filled in place): publish them in the read index, which commits them
         (see ``shm.read_index``), and keep them as hints. ``False`` when the client does not
         read optimistically: it must send ``Publish`` instead."""
-        if self._index is None:
+        index = self._index
+        if index is None:
             return False
-        self._index.publish(slots, keys)
+        index.publish(slots, keys)
+        with self._publish_lock:  # the owner looks for commits when the count moves
+            self._publications += 1
+            index.count_publication(self.welcome.hit_cell, self._publications)
         self._hint(keys, slots)
         return True
 

@@ -30,7 +30,9 @@ optimistically, validating with a per-slot sequence number (a seqlock):
   own record of the block's last use when it picks what to evict, so optimistic reads still
   keep blocks recent.
 * ``hit_cells[cell]`` counts one client's optimistic hits (each client writes only the cell
-  the owner gave it), for the owner's statistics.
+  the owner gave it), for the owner's statistics; ``publish_cells[cell]`` counts its
+  publications (each raised after the slots it published), so that before a request the
+  owner looks for commits only among the reservations of clients whose count moved.
 
 The index keeps no key → slot map: hints cost the owner nothing and the common reader, an
 engine reading back what it offloaded, always has one.
@@ -82,8 +84,12 @@ class ReadIndexLayout:
         return 32 * self.num_slots
 
     @property
-    def nbytes(self) -> int:
+    def publish_cells_offset(self) -> int:
         return self.cells_offset + 8 * MAX_HIT_CELLS
+
+    @property
+    def nbytes(self) -> int:
+        return self.publish_cells_offset + 8 * MAX_HIT_CELLS
 
 
 class ReadIndex:
@@ -99,16 +105,19 @@ class ReadIndex:
         # (namespace seed, block hash) per slot
         self.keys = region[lay.keys_offset : lay.keys_offset + 16 * n].view("<u8").reshape(n, 2)
         self.read_ns = region[lay.read_ns_offset : lay.read_ns_offset + 8 * n].view("<u8")
-        self.hit_cells = region[lay.cells_offset : lay.nbytes].view("<u8")
+        self.hit_cells = region[lay.cells_offset : lay.publish_cells_offset].view("<u8")
+        self.publish_cells = region[lay.publish_cells_offset : lay.nbytes].view("<u8")
         # Per-slot access through a memoryview costs far less than numpy scalar indexing.
         self._read_ns = self.read_ns.data.cast("B").cast("Q")
         self._seq = self.seq.data.cast("B").cast("Q")
         self._key_words = self.keys.reshape(-1).data.cast("B").cast("Q")
+        self._publish_counts = self.publish_cells.data.cast("B").cast("Q")
         if owner:
             self.seq[:] = 1  # odd: no slot holds a committed block yet
             self.keys[:] = 0
             self.read_ns[:] = 0
             self.hit_cells[:] = 0
+            self.publish_cells[:] = 0
 
     # ------------------------------------------------------------------ owner side
     def publish(self, slots: Sequence[int | None], keys: Sequence[BlockKey]) -> None:
@@ -134,6 +143,15 @@ class ReadIndex:
         return [slot for (namespace, block_hash), slot in reserved
                 if not seq[slot] & 1 and key_words[2 * slot] == namespace
                 and key_words[2 * slot + 1] == block_hash]
+
+    def publications(self, cell: int) -> int:
+        """How many times the client of ``cell`` has published (``count_publication``)."""
+        return self._publish_counts[cell]
+
+    def count_publication(self, cell: int, count: int) -> None:
+        """A client's count of its publications, stored after the slots it published (the
+        client serializes its calls: one writer per cell)."""
+        self._publish_counts[cell] = count
 
     def publish_slot(self, slot: int, key: BlockKey) -> None:
         """Make complete ``slot`` readable as ``key``: key first, then seq even (if the writer

@@ -58,7 +58,7 @@ log = structlog.get_logger(component="shm")
 SEGMENT_PREFIX = "kvsidecar-"
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVSHMSEG"
-HEADER_VERSION = 2  # 2: the read index
+HEADER_VERSION = 3  # 2: the read index; 3: its publication counters
 HEADER_BYTES = 4096
 SLOT_ALIGN_BYTES = 512
 PAGE_BYTES = 4096

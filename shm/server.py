@@ -99,6 +99,7 @@ class BlockStoreOwner:
         # until it notices, so a freed cell goes to the back of the line.
         self._free_cells = collections.deque(range(MAX_HIT_CELLS))
         self._cell_of: dict[SessionId, int] = {}
+        self._publications_seen: dict[SessionId, int] = {}  # per session, its cell's count
         self._retired_hits = 0  # counted in the cells of clients now gone
         self._bound = False
         self.num_listener_errors = 0
@@ -250,7 +251,7 @@ class BlockStoreOwner:
             return encode(ErrorReply(exc.code, str(exc)))
         if not isinstance(msg, Release | Publish):
             # What writers committed by publishing is visible to every request that follows.
-            self.store.commit_published()
+            self._record_publications()
         try:
             reply = self._dispatch(self.store, session, msg)
         except (BlockStoreError, ValueError) as exc:
@@ -359,6 +360,22 @@ class BlockStoreOwner:
                 self.num_listener_errors += 1
                 log.exception("shm_event_listener_failed", seq=event.seq)
 
+    def _record_publications(self) -> None:
+        """Commit what writers have published since we last looked: the reservations of
+        the clients whose publication count moved (``shm.read_index``), a few integer
+        compares when none did."""
+        if self.store is None or self.segment is None:
+            return
+        index, seen = self.segment.index, self._publications_seen
+        moved = []
+        for session, cell in self._cell_of.items():
+            count = index.publications(cell)  # read before the slots: a later one moves it
+            if count != seen.get(session, 0):
+                seen[session] = count
+                moved.append(session)
+        if moved:
+            self.store.commit_published(moved)
+
     def _poll_published(self, delay: float) -> None:
         """Record the commits writers made by publishing (``BlockStore.commit_published``)
         and send their events, though no request came; again while reservations stay open,
@@ -385,10 +402,12 @@ class BlockStoreOwner:
     def session_closed(self, conn: _Connection, session: SessionId) -> None:
         self._connections.discard(conn)
         cell = self._cell_of.pop(session, None)
+        self._publications_seen.pop(session, None)
         if cell is not None and self.segment is not None:
-            cells = self.segment.index.hit_cells
-            self._retired_hits += int(cells[cell])
-            cells[cell] = 0
+            index = self.segment.index
+            self._retired_hits += int(index.hit_cells[cell])
+            index.hit_cells[cell] = 0
+            index.count_publication(cell, 0)
             self._free_cells.append(cell)
         if self.store is not None:
             self.store.close_session(session)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -132,6 +132,9 @@ class BlockStore:
         self._num_doomed = 0  # removed while leased: leased, no longer in _blocks or _lru
         self._sessions: dict[SessionId, _Session] = {}
         self._later: _Unsettled | None = None  # what the last reserve left for ``settle``
+        # Per slot, the order it was reserved in (``commit_published`` commits in that order).
+        self._reserved_at = [0] * num_slots
+        self._num_reservations = 0
         self._next_session = 1
         self._log = HostEventLog(worker_id, epoch)
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
@@ -150,11 +153,7 @@ class BlockStore:
         state = self._sessions.get(session)
         if state is None:
             return
-        if state.reserved and self._index is not None:
-            published = self._index.published(self._reserved.items())
-            mine = [slot for slot in published if slot in state.reserved]
-            if mine:
-                self._commit(state, mine)
+        self._commit_published_by(state)
         del self._sessions[session]
         slots = list(state.reserved)
         for slot in slots:
@@ -251,10 +250,14 @@ class BlockStore:
         None), with its parent and tokens for the stored event."""
         new_keys = list(keys) if fresh is None else [keys[i] for i in fresh]
         self._reserved.update(zip(new_keys, slots, strict=True))
-        key_of, st = self._key, self._state
+        key_of, st, at = self._key, self._state, self._reserved_at
+        order = self._num_reservations
         for slot, key in zip(slots, new_keys, strict=True):
             key_of[slot] = key
             st[slot] = _RESERVED
+            at[slot] = order
+            order += 1
+        self._num_reservations = order
         if parent_hashes is not None:
             parent = self._parent
             for slot, p in zip(slots, parent_hashes if fresh is None
@@ -417,28 +420,32 @@ class BlockStore:
         self._check_descriptors(state.reserved, slots, generations, "reserved by")
         self._commit(state, slots)
 
-    def commit_published(self) -> int:
+    def commit_published(self, sessions: Iterable[SessionId] | None = None) -> int:
         """Commit the reservations whose writers have published them in the read index.
 
         A writer that reads optimistically commits that way, with no message (see
-        ``shm.read_index``): the owner calls this before every request, so a block whose
-        put has returned is visible to any request sent after it, and on a short poll, so
-        its event goes out though no request comes. Per session, in the order the keys
-        were reserved (one request's chain of blocks stays one ``BlockStored``); how many.
+        ``shm.read_index``): the owner calls this before every request, for the sessions
+        whose publication count moved, so a block whose put has returned is visible to any
+        request sent after it, and on a short poll for all of them, so the event goes out
+        though no request comes. ``sessions``: those to look at (default: all). In the order
+        the keys were reserved (one request's chain of blocks stays one ``BlockStored``);
+        how many blocks.
         """
         self.settle()
-        index = self._index
-        if index is None or not self._reserved:
+        if self._index is None or not self._reserved:
             return 0
-        done = index.published(self._reserved.items())
+        states = (self._sessions.values() if sessions is None
+                  else [self._sessions[s] for s in sessions if s in self._sessions])
+        return sum(self._commit_published_by(state) for state in states)
+
+    def _commit_published_by(self, state: _Session) -> int:
+        if not state.reserved or self._index is None:
+            return 0
+        key_of = self._key
+        done = self._index.published((key_of[slot], slot) for slot in state.reserved)  # type: ignore[misc]
         if done:
-            for state in self._sessions.values():
-                if state.reserved.issuperset(done):  # the common case: one writer
-                    self._commit(state, done)
-                    break
-                mine = [slot for slot in done if slot in state.reserved]
-                if mine:
-                    self._commit(state, mine)
+            done.sort(key=self._reserved_at.__getitem__)
+            self._commit(state, done)
         return len(done)
 
     def _commit(self, state: _Session, slots: Sequence[int]) -> None:

@@ -285,11 +285,16 @@ class StoreMachine(RuleBasedStateMachine):
         if commit:
             self.store.commit(session, [s for s, _ in got], [g for _, g in got])
 
-    @rule()
-    def record_published(self) -> None:
-        """What the owner does before every request: writers' publications commit."""
-        published = set(self.index.published(self.store._reserved.items()))
-        assert self.store.commit_published() == len(published)
+    @rule(who=st.sets(st.integers(0, 2)), everyone=st.booleans())
+    def record_published(self, who: set[int], everyone: bool) -> None:
+        """What the owner does before every request (for the sessions whose publication
+        count moved) and on its poll (for all): writers' publications commit."""
+        sessions = None if everyone else [self.sessions[w] for w in who]
+        self.store.settle()  # the books the last reserve left for after its reply
+        mine = set().union(*(self.store._sessions[s].reserved for s in (
+            self.sessions if sessions is None else sessions)))
+        published = {s for s in self.index.published(self.store._reserved.items()) if s in mine}
+        assert self.store.commit_published(sessions) == len(published)
         assert published <= set(self.store._blocks.values())
 
     @rule(who=st.integers(0, 2), want=st.integers(1, 3))
