@@ -292,6 +292,8 @@ class BlockStoreClient:
         """
         if len(arrays) != len(keys):
             raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
+        if not self._granted:
+            return self._put_reserved(keys, arrays, parent_hashes, token_ids)
         pending = self._start_put(keys, parent_hashes, token_ids)
         try:  # the arrays are checked while the owner handles the request
             checked = self._attachment.check_blocks(arrays, len(keys), out=False)
@@ -306,6 +308,45 @@ class BlockStoreClient:
             raise
         pending.commit()
         return pending.stored
+
+    def _put_reserved(self, keys: Sequence[BlockKey], arrays: Sequence[Any],
+                      parents: Sequence[int | None] | None,
+                      tokens: Sequence[list[int] | None] | None) -> list[bool]:
+        """``put_many`` without a grant (the common case once the store is full): reserve,
+        copy, publish, in a straight line. What ``PendingPut`` does with parts, but a put is
+        short enough next to its copy that a few calls per step show (measured)."""
+        request = Reserve(*self._put_fields(keys, parents, tokens),
+                          grant=self._want_grant(len(keys)))
+        frame = _encode(request)
+        with self._lock:
+            ticket = self._send(frame)
+        attachment = self._attachment
+        try:  # the arrays are checked while the owner handles the request
+            checked = attachment.check_blocks(arrays, len(keys), out=False)
+        except BaseException:
+            with contextlib.suppress(BlockStoreError):  # keep this error in front
+                self._abort_reserved(self._slots_reply(ticket, len(keys)))
+            raise
+        reply = self._slots_reply(ticket, len(keys))
+        slots = reply.slots
+        try:
+            if None in slots:
+                pairs = [(s, a) for s, a in zip(slots, checked, strict=True) if s is not None]
+                attachment.write_to([s for s, _ in pairs], [a for _, a in pairs])
+            else:
+                attachment.write_to(slots, checked)  # type: ignore[arg-type]
+        except BaseException:
+            with contextlib.suppress(BlockStoreError):
+                self._abort_reserved(reply)
+            raise
+        if not attachment.publish_filled(keys, slots):
+            self._send_only(Publish(*descriptors(reply)))
+        return [True] * len(slots) if None not in slots else [s is not None for s in slots]
+
+    def _abort_reserved(self, reply: Slots) -> None:
+        slots, generations = descriptors(reply)
+        if slots:
+            self._call(Abort(slots, generations), Done)
 
     def begin_put(
         self,
@@ -336,20 +377,15 @@ class BlockStoreClient:
                    tokens: Sequence[list[int] | None] | None) -> PendingPut:
         """Send the put's requests (a ``Claim`` of granted slots for the keys they fit, a
         ``Reserve`` for the rest), waiting for no reply."""
-        namespaces, hashes = split_keys(keys)
-        for name, extra in (("parent_hashes", parents), ("token_ids", tokens)):
-            if extra is not None and len(extra) != len(keys):
-                raise ValueError(f"{len(extra)} {name} for {len(keys)} keys")
-        fields = (namespaces, hashes, None if parents is None else list(parents),
-                  None if tokens is None else list(tokens))
+        fields = self._put_fields(keys, parents, tokens)
         # Without a grant, the owner's reply skips held keys: no need to look first.
         held = self._attachment.known_held(keys) if self._granted else None
         whole = held is None or not any(held)
         todo: Sequence[int] = range(len(keys)) if whole else [
             i for i, known in enumerate(held) if not known]  # type: ignore[arg-type]
         n = len(todo)
+        want = self._want_grant(n)
         with self._lock:
-            self._grant_want = want = max(self._grant_want, n)
             granted, gens = self._granted, self._granted_gens
             cut = max(len(granted) - n, 0)
             slots, generations = granted[cut:], gens[cut:]
@@ -372,11 +408,34 @@ class BlockStoreClient:
             part.ticket = ticket
         return PendingPut(self, keys, parts)
 
+    @staticmethod
+    def _put_fields(keys: Sequence[BlockKey], parents: Sequence[int | None] | None,
+                    tokens: Sequence[list[int] | None] | None) -> _Fields:
+        """A put's namespaces, hashes, parents and tokens, as the wire carries them."""
+        namespaces, hashes = split_keys(keys)
+        if parents is not None and len(parents) != len(keys):
+            raise ValueError(f"{len(parents)} parent_hashes for {len(keys)} keys")
+        if tokens is not None and len(tokens) != len(keys):
+            raise ValueError(f"{len(tokens)} token_ids for {len(keys)} keys")
+        return (namespaces, hashes, None if parents is None else list(parents),
+                None if tokens is None else list(tokens))
+
+    def _want_grant(self, count: int) -> int:
+        """The grant to ask with a put of ``count`` keys: as many slots as the largest put."""
+        with self._lock:
+            want = self._grant_want = max(self._grant_want, count)
+        return want
+
     def _answered_part(self, part: _Part) -> Slots:
         """The owner's answer to a part's request: the slots reserved per key."""
-        reply = self._await_reply(part.ticket, Slots)
-        if len(reply.slots) != len(part.todo):
-            raise ProtocolError(f"{len(reply.slots)} slots for {len(part.todo)} keys")
+        return self._slots_reply(part.ticket, len(part.todo))
+
+    def _slots_reply(self, ticket: int, count: int) -> Slots:
+        """The owner's ``Slots`` for a reserve or claim of ``count`` keys (taking the
+        slots it granted ahead with it)."""
+        reply = self._await_reply(ticket, Slots)
+        if len(reply.slots) != count:
+            raise ProtocolError(f"{len(reply.slots)} slots for {count} keys")
         self._add_grants(reply)
         return reply
 
@@ -617,9 +676,11 @@ class BlockStoreClient:
         self.close()
 
 
-def _pick(fields: tuple[list[int], list[int], list[int | None] | None,
-                        list[list[int] | None] | None], indices: Sequence[int], whole: bool,
-          ) -> tuple[list[int], list[int], list[int | None] | None, list[list[int] | None] | None]:
+_Fields = tuple[list[int], list[int], list[int | None] | None, list[list[int] | None] | None]
+"""A put's namespaces, hashes, parents and tokens (``BlockStoreClient._put_fields``)."""
+
+
+def _pick(fields: _Fields, indices: Sequence[int], whole: bool) -> _Fields:
     """The namespaces, hashes, parents and tokens of the keys at ``indices`` (``whole``:
     every key, in order: taken as they are)."""
     if whole:

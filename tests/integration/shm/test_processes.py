@@ -18,7 +18,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shm import BlockStoreClient, ClientDetachedError, StoreFullError, segments_of
+from shm import (
+    BlockSizeError,
+    BlockStoreClient,
+    ClientDetachedError,
+    StoreFullError,
+    segments_of,
+)
 from shm.segment import Segment, unlink_stale_segments
 from tests.polling import wait_until
 
@@ -237,6 +243,25 @@ def test_reads_skip_the_owner_once_a_client_knows_where_blocks_are(
             read_all(leasing)
             read_all(leasing)
         assert (writer.stats().num_hits, writer.stats().num_optimistic_hits) == (40, 16)
+
+
+def test_a_bad_block_fails_a_put_and_leaves_nothing_reserved(procs: Processes,
+                                                               owner_id: str) -> None:
+    """The blocking client checks a put's arrays while the owner handles its request: a
+    wrong-sized one fails the put with BlockSizeError and its reservation (or claim) is
+    given back, whether the client held a grant or not."""
+    owner = procs.owner(owner_id, slots=32, block_bytes=4096)
+    with BlockStoreClient(owner.socket) as client:
+        for first in (0, 10):  # no grant yet; then slots granted ahead by the first put
+            keys = [(4, h) for h in range(first, first + 4)]
+            arrays = [content(*k, 4096) for k in keys]
+            with pytest.raises(BlockSizeError, match="block 2 is 4095 bytes"):
+                client.put_many(keys, [*arrays[:2], np.zeros(4095, np.uint8), arrays[3]])
+            stats = client.stats()
+            assert (stats.num_reserved, stats.num_blocks) == (0, 4 if first else 0)
+            assert client.put_many(keys, arrays) == [True] * 4
+            assert client.get(keys[2]).tobytes() == arrays[2].tobytes()
+        assert client.stats().num_granted > 0  # the second round took the grant path
 
 
 def test_hints_stay_bounded_and_keep_the_newest(procs: Processes, owner_id: str) -> None:
