@@ -224,6 +224,9 @@ class BlockStoreClient:
         the mapping for CUDA, so GPU copies DMA straight to it (see ``shm._cuda``).
         ``spin_us``: how long a call busy-waits for its reply before it sleeps (0: never);
         ``timeout_s`` bounds each send and each wait for a reply."""
+        if not timeout_s > 0 or spin_us < 0:
+            raise ValueError(f"timeout_s must be > 0 and spin_us >= 0, got {timeout_s}, "
+                             f"{spin_us}")
         self.socket_path = Path(socket_path)
         self._lock = threading.Lock()
         self._sock: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -322,6 +322,9 @@ def test_a_stopped_owner_fails_a_call_after_the_timeout(procs: Processes,
                 owner.proc.send_signal(signal.SIGCONT)
             with pytest.raises(ClientDetachedError):  # detached: the stream is out of step
                 client.contains((1, 1))
+    for bad in ({"timeout_s": 0.0}, {"spin_us": -1.0}):
+        with pytest.raises(ValueError, match="timeout_s must be > 0"):
+            BlockStoreClient(owner.socket, **bad)  # type: ignore[arg-type]
 
 
 def test_owner_restart_unlinks_stale_segments(procs: Processes, owner_id: str) -> None:
