@@ -94,18 +94,14 @@ class PendingPut:
             views: list[np.ndarray | None] = [None] * len(self._keys)
             rows = self._client._attachment.rows()
             for part in self.parts:
-                for i, slot in self.targets(part):
+                for i, slot in zip(*self.write_plan(part), strict=True):
                     views[i] = rows[slot]
             self._views = views
         return self._views
 
-    def targets(self, part: _Part) -> list[tuple[int, int]]:
-        """``(key index, slot)`` of each slot of ``part`` to write (a reserved part's wait
-        for the owner's reply, which raises ``StoreFullError`` if the store had no room)."""
-        return list(zip(*self.write_plan(part), strict=True))
-
     def write_plan(self, part: _Part) -> tuple[Sequence[int], Sequence[int]]:
-        """``targets`` as two parallel sequences: key indices, and the slots to write."""
+        """The key indices and slots (parallel) of ``part`` to write: a reserved part's wait
+        for the owner's reply, which raises ``StoreFullError`` if the store had no room."""
         if part.claimed_slots is not None:
             return part.todo, part.claimed_slots
         slots = self._answer(part).slots
@@ -134,7 +130,7 @@ class PendingPut:
             raise part.error
         if part.reply is None:
             try:
-                part.reply = self._client._answered_part(part)
+                part.reply = self._client._slots_reply(part.ticket, len(part.todo))
             except BlockStoreError as exc:  # the reply was read: keep it for later asks
                 part.error = exc
                 raise
@@ -206,7 +202,6 @@ class _Part:
 
 class BlockStoreClient:
     """Connects to an owner's socket and attaches its segment."""
-
 
     def __init__(
         self,
@@ -429,10 +424,6 @@ class BlockStoreClient:
             want = self._grant_want = max(self._grant_want, count)
         return want
 
-    def _answered_part(self, part: _Part) -> Slots:
-        """The owner's answer to a part's request: the slots reserved per key."""
-        return self._slots_reply(part.ticket, len(part.todo))
-
     def _slots_reply(self, ticket: int, count: int) -> Slots:
         """The owner's ``Slots`` for a reserve or claim of ``count`` keys (taking the
         slots it granted ahead with it)."""
@@ -583,9 +574,7 @@ class BlockStoreClient:
         try:
             sock.sendall(frame)
         except OSError as exc:
-            self._detach()
-            raise ClientDetachedError(
-                f"lost the block store owner on {self.socket_path}: {_why(exc)}") from exc
+            raise self._lost(exc) from exc
         except BaseException:
             self._detach()  # interrupted mid frame: the stream is out of step
             raise
@@ -598,9 +587,7 @@ class BlockStoreClient:
             try:
                 got = self._recv(sock)
             except (OSError, ClientDetachedError) as exc:
-                self._detach()
-                raise ClientDetachedError(
-                    f"lost the block store owner on {self.socket_path}: {_why(exc)}") from exc
+                raise self._lost(exc) from exc
             except BaseException:
                 self._detach()  # interrupted mid reply: the stream is out of step
                 raise
@@ -610,6 +597,14 @@ class BlockStoreClient:
             else:  # another thread's: it collects it from here
                 self._early[self._answered] = got
         return reply
+
+    def _lost(self, exc: BaseException) -> ClientDetachedError:
+        """(Lock held.) Detach after the socket failed; the error to raise, saying why (a
+        kernel timeout reads as EAGAIN)."""
+        self._detach()
+        why = ("no answer within the client's timeout_s" if isinstance(exc, BlockingIOError)
+               else str(exc))
+        return ClientDetachedError(f"lost the block store owner on {self.socket_path}: {why}")
 
     def _send_only(self, request: Any) -> None:
         """Send a one-way frame (``Publish``, ``Release``): no ticket, no reply."""
@@ -690,13 +685,6 @@ def _pick(fields: _Fields, indices: Sequence[int], whole: bool) -> _Fields:
         return fields
     return tuple(  # type: ignore[return-value]
         None if values is None else [values[i] for i in indices] for values in fields)
-
-
-def _why(exc: BaseException) -> str:
-    """An OS error from the socket, in words (a kernel timeout reads as EAGAIN)."""
-    if isinstance(exc, BlockingIOError):
-        return "no answer within the client's timeout_s"
-    return str(exc)
 
 
 def _encode(request: Any) -> bytes:

@@ -382,13 +382,12 @@ class BlockStoreOwner:
         backing off while nothing is published (a slow writer, e.g. a device copy)."""
         self._poll = None
         store = self.store
-        if store is None:
+        if store is None or self._loop is None:
             return
         delay = _POLL_S if store.commit_published() else min(2 * delay, _POLL_MAX_S)
-        self.drain_events()  # arms a poll at _POLL_S if reservations are open: take it over
-        if self._poll is not None and self._loop is not None:
-            self._poll.cancel()
+        if store.num_reserved:  # armed before draining, which then leaves it as it is
             self._poll = self._loop.call_later(delay, self._poll_published, delay)
+        self.drain_events()
 
     def session_opened(self, conn: _Connection) -> SessionId:
         if self.store is None:

@@ -52,8 +52,9 @@ def check_store(store: BlockStore) -> None:
     if store._index is not None:
         readable = {s for s in range(pool.num_slots) if not store._index.seq[s] & 1}
         committed = set(store._blocks.values())
-        # A reserved slot may be readable too: its writer publishes it before committing;
-        # a granted one may not (its writer publishes only what its claim reserved).
+        # A reserved slot may be readable too: its writer's publication commits it, which
+        # the store records later (``commit_published``); a granted one may not (its writer
+        # publishes only what its claim reserved).
         if not committed <= readable <= committed | set(store._reserved.values()):
             raise AssertionError("the read index shows other slots than the committed")
         for key, slot in store._blocks.items():
