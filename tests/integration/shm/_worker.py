@@ -75,21 +75,15 @@ def main(argv: list[str]) -> int:
             with client.leased(keys) as views:
                 print("leased", sum(v is not None for v in views), flush=True)
                 sys.stdin.read()  # hang until killed
-        elif command == "half-write":
-            pending = client.begin_put(keys)
+        elif command in ("half-write", "granted-half-write"):
+            if command == "granted-half-write":  # this put gets slots granted ahead
+                others = [(n, h + count) for n, h in keys]
+                client.put_many(others, [np.zeros(client.block_bytes, np.uint8) for _ in others])
+            pending = client.begin_put(keys)  # granted: views at once, a claim on its way
             for view in pending.views[: count // 2]:
                 if view is not None:
                     view[:] = 0xAB
-            print("reserved", flush=True)
-            sys.stdin.read()  # hang until killed
-        elif command == "granted-half-write":
-            others = [(n, h + count) for n, h in keys]
-            client.put_many(others, [np.zeros(client.block_bytes, np.uint8) for _ in others])
-            pending = client.begin_put(keys)  # views at once: a claim is on its way
-            for view in pending.views[: count // 2]:
-                if view is not None:
-                    view[:] = 0xAB
-            print("claimed", flush=True)
+            print("claimed" if command == "granted-half-write" else "reserved", flush=True)
             sys.stdin.read()  # hang until killed
         elif command == "published-put":
             from shm.protocol import Reserve, Slots

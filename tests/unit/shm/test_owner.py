@@ -130,6 +130,33 @@ async def test_published_puts_reach_the_listener_without_another_request(
             await client.aclose()
 
 
+async def test_the_poll_backs_off_and_still_finds_a_late_publication(
+        sock_dir: Path, owner_id: str) -> None:
+    """A writer that holds its reservation a while (a slow device copy) is polled less and
+    less often, and its publication, when it comes, still reaches the listener with no
+    request."""
+    events: list[KVEvent] = []
+    cfg = config(sock_dir, owner_id, slots=4)
+    async with BlockStoreOwner(cfg, listener=events.append) as owner:
+        client = await asyncio.to_thread(BlockStoreClient, cfg.socket_path)
+        try:
+            pending = await asyncio.to_thread(client.begin_put, [(2, 1)])
+            loop = asyncio.get_running_loop()
+            await wait_for(lambda: owner._poll is not None
+                           and owner._poll.when() - loop.time() > 0.0015,
+                           "a poll that found nothing to back off")
+            assert events == []
+            view = pending.views[0]
+            assert view is not None
+            view[:] = block(3).view(np.uint8)
+            await asyncio.to_thread(pending.commit)  # publishes: no message
+            await wait_for(lambda: bool(events), "the stored event")
+            assert [e.block_hashes for e in events] == [[1]]  # type: ignore[attr-defined]
+            await wait_for(lambda: owner._poll is None, "the poll to stop")
+        finally:
+            await asyncio.to_thread(client.close)
+
+
 async def test_failing_listener_loses_nothing(sock_dir: Path, owner_id: str) -> None:
     """A listener that raises is counted; the put still succeeds and the store works."""
     def explode(event: KVEvent) -> None:
