@@ -171,11 +171,13 @@ class Attachment:
             else:
                 write(rows, slot, array)
 
-    def publish_filled(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> bool:
+    def publish_filled(self, keys: Sequence[BlockKey], slots: Sequence[int | None],
+                       hashes: Sequence[int] | None = None) -> bool:
         """``slots`` (one per key; ``None``: none), reserved to us, now hold ``keys``' bytes
         (copied in, or filled in place): publish them in the read index, which commits them
-        (see ``shm.read_index``), and keep them as hints. ``False`` when the client does not
-        read optimistically: it must send ``Publish`` instead."""
+        (see ``shm.read_index``), and keep them as hints (``hashes``: the keys' block
+        hashes, if the caller has them at hand). ``False`` when the client does not read
+        optimistically: it must send ``Publish`` instead."""
         index = self._index
         if index is None:
             return False
@@ -183,7 +185,7 @@ class Attachment:
         with self._publish_lock:  # the owner looks for commits when the count moves
             self._publications += 1
             index.count_publication(self.welcome.hit_cell, self._publications)
-        self._hint(keys, slots)
+        self._hint(keys, slots, hashes)
         return True
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
@@ -191,14 +193,16 @@ class Attachment:
         if self._index is not None:
             self._hint(keys, reply.slots)
 
-    def _hint(self, keys: Sequence[BlockKey], slots: Sequence[int | None]) -> None:
+    def _hint(self, keys: Sequence[BlockKey], slots: Sequence[int | None],
+              hashes: Sequence[int] | None = None) -> None:
         where = self._where
         if None in slots:
             for slot, key in zip(slots, keys, strict=True):
                 if slot is not None:
                     where[key[1]] = slot
         else:
-            where.update(zip([key[1] for key in keys], slots, strict=True))  # type: ignore[arg-type]
+            where.update(zip(hashes if hashes is not None else [key[1] for key in keys],
+                             slots, strict=True))  # type: ignore[arg-type]
         if len(where) > self._hint_limit:
             self._trim_hints()
 

@@ -313,9 +313,8 @@ class BlockStoreClient:
         """``put_many`` without a grant (the common case once the store is full): reserve,
         copy, publish, in a straight line. What ``PendingPut`` does with parts, but a put is
         short enough next to its copy that a few calls per step show (measured)."""
-        request = Reserve(*self._put_fields(keys, parents, tokens),
-                          grant=self._want_grant(len(keys)))
-        frame = _encode(request)
+        fields = self._put_fields(keys, parents, tokens)
+        frame = _encode(Reserve(*fields, grant=self._want_grant(len(keys))))
         with self._lock:
             ticket = self._send(frame)
         attachment = self._attachment
@@ -337,7 +336,7 @@ class BlockStoreClient:
             with contextlib.suppress(BlockStoreError):
                 self._abort_reserved(reply)
             raise
-        if not attachment.publish_filled(keys, slots):
+        if not attachment.publish_filled(keys, slots, fields[1]):
             self._send_only(Publish(*descriptors(reply)))
         return [True] * len(slots) if None not in slots else [s is not None for s in slots]
 
@@ -415,11 +414,16 @@ class BlockStoreClient:
             raise ValueError(f"{len(parents)} parent_hashes for {len(keys)} keys")
         if tokens is not None and len(tokens) != len(keys):
             raise ValueError(f"{len(tokens)} token_ids for {len(keys)} keys")
-        return (namespaces, hashes, None if parents is None else list(parents),
-                None if tokens is None else list(tokens))
+        # Lists go as they are (encoded at once, never kept); other sequences are copied.
+        return (namespaces, hashes,
+                parents if parents is None or type(parents) is list else list(parents),
+                tokens if tokens is None or type(tokens) is list else list(tokens))
 
     def _want_grant(self, count: int) -> int:
         """The grant to ask with a put of ``count`` keys: as many slots as the largest put."""
+        want = self._grant_want
+        if count <= want:  # the common case: no larger put than before (an int read is atomic)
+            return want
         with self._lock:
             want = self._grant_want = max(self._grant_want, count)
         return want
