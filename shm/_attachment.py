@@ -152,8 +152,8 @@ class Attachment:
 
     def known_held(self, keys: Sequence[BlockKey]) -> list[bool] | None:
         """Per key, whether the read index shows it where we last saw it, i.e. the store
-        held it as we looked; ``None`` when it shows none of them (the common case for a
-        writer: fresh keys; always when the client does not read optimistically)."""
+        held it as we looked (all ``False`` at once for a writer's fresh keys); ``None`` when
+        the client does not read optimistically."""
         if self._index is None:
             return None
         try:
@@ -258,8 +258,8 @@ class Attachment:
     def write_blocks(self, reply: Slots, arrays: list[Any]) -> tuple[list[int], list[int]]:
         """Copy the arrays whose keys got a slot; return the descriptors written."""
         slots, gens = descriptors(reply)
-        self.write_to(slots, [a for a, s in zip(arrays, reply.slots, strict=True)
-                              if s is not None])
+        self.write_to(slots, arrays if len(slots) == len(arrays) else
+                      [a for a, s in zip(arrays, reply.slots, strict=True) if s is not None])
         return slots, gens
 
     def read_blocks(self, reply: Slots, outs: list[Any]) -> tuple[list[int], list[int]]:

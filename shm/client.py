@@ -327,11 +327,7 @@ class BlockStoreClient:
         reply = self._slots_reply(ticket, len(keys))
         slots = reply.slots
         try:
-            if None in slots:
-                pairs = [(s, a) for s, a in zip(slots, checked, strict=True) if s is not None]
-                attachment.write_to([s for s, _ in pairs], [a for _, a in pairs])
-            else:
-                attachment.write_to(slots, checked)  # type: ignore[arg-type]
+            attachment.write_blocks(reply, checked)
         except BaseException:
             with contextlib.suppress(BlockStoreError):
                 self._abort_reserved(reply)
