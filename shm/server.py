@@ -226,7 +226,7 @@ class BlockStoreOwner:
         """The store's statistics, hits counting the clients' optimistic reads too."""
         if self.store is None or self.segment is None:
             raise RuntimeError("the owner is not started")
-        self.store.commit_published()
+        self._record_publications()
         stats = self.store.stats()
         cells = self.segment.index.hit_cells
         optimistic = self._retired_hits + sum(int(cells[c]) for c in self._cell_of.values())
@@ -360,12 +360,12 @@ class BlockStoreOwner:
                 self.num_listener_errors += 1
                 log.exception("shm_event_listener_failed", seq=event.seq)
 
-    def _record_publications(self) -> None:
+    def _record_publications(self) -> int:
         """Commit what writers have published since we last looked: the reservations of
         the clients whose publication count moved (``shm.read_index``), a few integer
-        compares when none did."""
+        compares when none did. How many blocks."""
         if self.store is None or self.segment is None:
-            return
+            return 0
         index, seen = self.segment.index, self._publications_seen
         moved = []
         for session, cell in self._cell_of.items():
@@ -373,8 +373,7 @@ class BlockStoreOwner:
             if count != seen.get(session, 0):
                 seen[session] = count
                 moved.append(session)
-        if moved:
-            self.store.commit_published(moved)
+        return self.store.commit_published(moved) if moved else 0
 
     def _poll_published(self, delay: float) -> None:
         """Record the commits writers made by publishing (``BlockStore.commit_published``)
@@ -384,7 +383,7 @@ class BlockStoreOwner:
         store = self.store
         if store is None or self._loop is None:
             return
-        delay = _POLL_S if store.commit_published() else min(2 * delay, _POLL_MAX_S)
+        delay = _POLL_S if self._record_publications() else min(2 * delay, _POLL_MAX_S)
         if store.num_reserved:  # armed before draining, which then leaves it as it is
             self._poll = self._loop.call_later(delay, self._poll_published, delay)
         self.drain_events()

@@ -424,10 +424,10 @@ class BlockStore:
         """Commit the reservations whose writers have published them in the read index.
 
         A writer that reads optimistically commits that way, with no message (see
-        ``shm.read_index``): the owner calls this before every request, for the sessions
-        whose publication count moved, so a block whose put has returned is visible to any
-        request sent after it, and on a short poll for all of them, so the event goes out
-        though no request comes. ``sessions``: those to look at (default: all). In the order
+        ``shm.read_index``): the owner calls this for the sessions whose publication count
+        moved, before every request, so a block whose put has returned is visible to any
+        request sent after it, and on a short poll, so the event goes out though no request
+        comes. ``sessions``: those to look at (default: all). In the order
         the keys were reserved (one request's chain of blocks stays one ``BlockStored``);
         how many blocks.
         """
