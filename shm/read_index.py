@@ -93,7 +93,8 @@ class ReadIndexLayout:
 
 
 class ReadIndex:
-    """Views of the index region; the owner writes it, clients validate and copy."""
+    """Views of the index region: the owner and, for slots reserved to them, writers publish;
+    readers validate and copy."""
 
     def __init__(self, region: np.ndarray, num_slots: int, *, owner: bool) -> None:
         lay = ReadIndexLayout(num_slots)

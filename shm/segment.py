@@ -8,10 +8,11 @@ One segment holds one block store's memory, laid out as::
                               key buckets, reader marks
     [data_offset, size)       ``num_slots`` slots of ``slot_bytes`` each (512-byte aligned)
 
-The owner is the only writer of the header, the generation table and the read index's keys,
-seqs and buckets; clients only read them (they set the index's touched marks and their own
-hit cell). The header is written *after* the memory is allocated and pre-faulted, and
-carries a CRC-32, so a segment left half-made by a crash never validates.
+The owner is the only writer of the header and the generation table. Clients write the read
+index's keys and seqs only of the slots reserved to them, when they publish them (see
+``shm.read_index``), and their read times and their own counter cells. The header is
+written *after* the memory is allocated and pre-faulted, and carries a CRC-32, so a segment
+left half-made by a crash never validates.
 
 Names are ``/kvsidecar-<owner_id>-<purpose>-<uuid8>``. The owner holds an exclusive
 ``flock`` on its segment's descriptor for its whole life: the kernel drops it when the
