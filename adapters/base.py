@@ -1,9 +1,10 @@
 """The one interface the sidecar uses for every engine: ``EngineAdapter``.
 
 An adapter turns one engine replica's native KV interfaces into the canonical model
-(``adapters.canonical``): a single stream of ``BlockStored`` / ``BlockRemoved`` /
-``AllBlocksCleared`` events, each naming its worker (one per data-parallel rank), the
-worker's epoch and a per-worker sequence number; and it translates the gateway's already
+(``kvcore``): a single stream of ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared`` events, each naming its worker (one per data-parallel rank), in order
+per worker and unstamped (the sidecar's relay numbers them); when it no longer knows what a
+worker holds it says so with ``AllBlocksCleared``. It also translates the gateway's already
 tokenized OpenAI requests into the engine's native request and the answers back.
 
 Nothing here knows SGLang or TensorRT-LLM. Engines register a factory in ``ADAPTERS`` by
@@ -24,10 +25,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
-import msgspec
-
-from adapters.canonical.events import KVEvent, WorkerSnapshot
-from adapters.canonical.layout import BlockLayout
+from kvcore.errors import OpenAIError
+from kvcore.events import KVEvent
+from kvcore.layout import BlockLayout
+from kvcore.requests import TokenizedRequest
 
 __all__ = [
     "ADAPTERS",
@@ -39,10 +40,7 @@ __all__ = [
     "EngineKind",
     "EngineRequest",
     "EventEndpoint",
-    "OpenAIError",
-    "RequestKind",
     "ResponseTranslator",
-    "TokenizedRequest",
     "create_adapter",
     "worker_id_for",
 ]
@@ -107,7 +105,6 @@ class AdapterConfig:
     block_size: int | None = None
     endpoints: tuple[EventEndpoint, ...] = ()
     model_path: str | None = None
-    first_epoch: int | None = None
     lora_names: Mapping[int, str] = field(default_factory=dict)
     request_timeout_s: float = 5.0
     replay_timeout_s: float = 2.0
@@ -147,50 +144,6 @@ class EngineInfo:
 # --- request translation ------------------------------------------------------------------
 
 
-class RequestKind(enum.Enum):
-    COMPLETION = "completion"
-    CHAT = "chat"
-
-
-class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """An OpenAI completions/chat request after the gateway tokenized it (chat template
-    applied): what every adapter translates into its engine's native request."""
-
-    request_id: str
-    model: str
-    kind: RequestKind
-    prompt_token_ids: list[int]
-    stream: bool = False
-    include_usage: bool = False
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    ignore_eos: bool = False
-    n: int = 1
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    priority: int | None = None
-    dp_rank: int | None = None
-    # Engine-specific fields passed through verbatim (PD bootstrap_*, disaggregated_params).
-    extra: dict[str, Any] = msgspec.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
-        if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported; send n separate requests")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
-
-
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
     """A native request: POST ``body`` (JSON) to ``path`` on the engine."""
@@ -198,33 +151,6 @@ class EngineRequest:
     path: str
     body: dict[str, Any]
     stream: bool
-
-
-class OpenAIError(Exception):
-    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: str | int | None = None,
-    ) -> None:
-        super().__init__(f"{status} {type}: {message}")
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": None,
-                "code": self.code if self.code is not None else self.status,
-            }
-        }
 
 
 class ResponseTranslator(Protocol):
@@ -271,12 +197,6 @@ class EngineAdapter(Protocol):
 
     def events(self) -> AsyncIterator[KVEvent]:
         """Normalized events; ends after ``aclose()``."""
-        ...
-
-    def snapshot(self, worker_id: str) -> WorkerSnapshot:
-        """The worker's normalized cache now, stamped with the (epoch, seq) of the last event
-        produced for it; events with a higher seq are still on their way through
-        ``events()``, so a consumer resumes from the snapshot and skips seq <= its seq."""
         ...
 
     def block_layout(self) -> BlockLayout:

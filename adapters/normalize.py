@@ -7,11 +7,11 @@ hands them to a ``WorkerNormalizer``, which owns everything both engines share:
   namespace (model id, LoRA name, cache salt), chained to the canonical hash of the engine
   parent; the engine's own block hashes stay the keys of a per-tier map
   ``engine hash → (canonical hash, canonical parent, chain state)``, so removals (which carry
-  only engine hashes) resolve, a snapshot can be cut at any point, and a child continues a
+  only engine hashes) resolve, and a child continues a
   batched chain from its kept state without inverting the parent's hash;
-* **epochs and sequence numbers**: each emitted event gets the next ``seq`` (from 1) of the
-  current ``epoch``; ``new_epoch()`` (engine restart, lost events) forgets everything and
-  emits ``AllBlocksCleared`` so consumers drop the worker's old blocks;
+* **resyncs, signalled explicitly**: ``resync()`` (engine restart, lost events) forgets
+  everything and emits ``AllBlocksCleared`` so consumers drop the worker's old blocks. Events
+  leave unstamped (epoch and seq 0): the sidecar's relay is the one place that numbers them;
 * **conservative gaps**: a stored chain whose engine parent is unknown (it was stored
   before we joined, or lost) is *orphaned* — counted, not published — because its canonical
   hashes cannot be computed; a partial block (and every block after it) is skipped. The
@@ -25,23 +25,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from adapters.canonical.events import (
+from adapters.normalize_hashing import block_locals, chain_states
+from adapters.normalize_metrics import AdapterMetrics
+from kvcore.events import (
+    UNSTAMPED,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     Tier,
-    TierBlocks,
-    WorkerSnapshot,
 )
-from adapters.canonical.hashing import CHAIN_MUL, BlockHasher, TokenIdError, fmix64, fmix64_inverse
-from adapters.canonical.namespace import Namespace
-from adapters.normalize_hashing import block_locals, chain_states
-from adapters.normalize_metrics import AdapterMetrics
+from kvcore.hashing import CHAIN_MUL, BlockHasher, TokenIdError, fmix64, fmix64_inverse
+from kvcore.namespace import namespace_seed
 
 __all__ = ["MalformedEventError", "WorkerNormalizer"]
 
-_MAX_COUNTER = (1 << 63) - 1
 _MASK = (1 << 64) - 1
 
 _Held = tuple[int, int | None, int | None]
@@ -57,16 +55,12 @@ class WorkerNormalizer:
     __slots__ = (
         "_block_counters",
         "_blocks",
-        "_default_seed",
         "_hasher",
         "_metrics",
         "_pending",
-        "_seeds",
         "_stored_blocks",
         "block_size",
-        "epoch",
         "model_id",
-        "seq",
         "worker_id",
     )
 
@@ -75,24 +69,17 @@ class WorkerNormalizer:
         worker_id: str,
         model_id: str,
         hasher: BlockHasher,
-        epoch: int,
         metrics: AdapterMetrics | None = None,
     ) -> None:
-        if not 0 <= epoch <= _MAX_COUNTER:
-            raise ValueError(f"epoch must be in [0, 2**63), got {epoch}")
         self.worker_id = worker_id
         self.model_id = model_id
         self._hasher = hasher
         self.block_size = hasher.block_size
-        self.epoch = epoch
-        self.seq = 0
         # tier → engine hash → (canonical hash, canonical parent or None, chain state or None);
         # the chain state (fmix64⁻¹ of the canonical hash) is kept where it was computed
         # anyway (the last block of a batched chain): a child stored later continues from it
         # instead of inverting the hash.
         self._blocks: dict[Tier, dict[int, _Held]] = {t: {} for t in Tier}
-        self._seeds: dict[tuple[str | None, str | None], int] = {}
-        self._default_seed = Namespace(model_id).seed
         self._metrics = metrics
         self._block_counters: dict[str, Any] = {}
         self._pending: dict[str, int] = {}
@@ -138,10 +125,7 @@ class WorkerNormalizer:
             self.count("skipped", n - full)
             if full == 0:
                 return
-        if lora_name is None and cache_salt is None:
-            seed = self._default_seed
-        else:
-            seed = self._seed(lora_name, cache_salt)
+        seed = namespace_seed(self.model_id, lora_name, cache_salt)
         tokens = token_ids if full * bs == count else token_ids[: full * bs]
         if locals_ is not None and len(locals_) >= full:
             if parent is None:
@@ -173,8 +157,7 @@ class WorkerNormalizer:
             if state is not None:
                 held[engine_hashes[full - 1]] = (hashes[-1], hashes[-2], state)
         self._stored_blocks += full
-        self.seq += 1
-        out.append(BlockStored(self.worker_id, self.epoch, self.seq, tier, hashes, parent, tokens))
+        out.append(BlockStored(self.worker_id, UNSTAMPED, UNSTAMPED, tier, hashes, parent, tokens))
 
     def short_chain_locals(
         self, chains: Sequence[tuple[int, Sequence[int]]]
@@ -238,8 +221,7 @@ class WorkerNormalizer:
             self.count("unknown_removed", asked - len(gone))
         if gone:
             self.count("removed", len(gone))
-            self.seq += 1
-            out.append(BlockRemoved(self.worker_id, self.epoch, self.seq, tier, gone))
+            out.append(BlockRemoved(self.worker_id, UNSTAMPED, UNSTAMPED, tier, gone))
 
     def moved(self, engine_hash: int, src: Tier, dst: Tier, out: list[KVEvent]) -> None:
         """One block moved from ``src`` to ``dst`` (TensorRT-LLM's offload/onboard update)."""
@@ -248,38 +230,24 @@ class WorkerNormalizer:
             self.count("unknown_removed", 1)
             return
         canonical, parent = entry[0], entry[1]
-        self.seq += 1
-        out.append(BlockRemoved(self.worker_id, self.epoch, self.seq, src, [canonical]))
+        out.append(BlockRemoved(self.worker_id, UNSTAMPED, UNSTAMPED, src, [canonical]))
         self._blocks[dst][engine_hash] = entry
-        self.seq += 1
-        out.append(BlockStored(self.worker_id, self.epoch, self.seq, dst, [canonical], parent))
+        out.append(BlockStored(self.worker_id, UNSTAMPED, UNSTAMPED, dst, [canonical], parent))
 
     def cleared(self, tier: Tier | None, out: list[KVEvent]) -> None:
         """Every block in ``tier`` is gone (None: in every tier)."""
-        for t in self._clear_tiers(tier):
-            self.seq += 1
-            out.append(AllBlocksCleared(self.worker_id, self.epoch, self.seq, t))
+        out.extend(
+            AllBlocksCleared(self.worker_id, UNSTAMPED, UNSTAMPED, t)
+            for t in self._clear_tiers(tier)
+        )
 
-    def new_epoch(self, out: list[KVEvent]) -> None:
-        """Forget everything and start the next epoch with ``AllBlocksCleared`` events."""
-        tiers = self._clear_tiers(None)
-        self.epoch = min(self.epoch + 1, _MAX_COUNTER)
-        self.seq = 0
-        for t in tiers:
-            self.seq += 1
-            out.append(AllBlocksCleared(self.worker_id, self.epoch, self.seq, t))
+    def resync(self, out: list[KVEvent]) -> None:
+        """What the engine holds is unknown (it restarted, or events were lost for good):
+        forget everything and say so with ``AllBlocksCleared`` (the GPU tier always), so
+        every consumer drops the worker's old blocks; what follows rebuilds them."""
+        self.cleared(None, out)
 
     # --- state --------------------------------------------------------------------------
-
-    def snapshot(self) -> WorkerSnapshot:
-        """Every block held now, per tier, as of event ``seq`` of ``epoch``."""
-        self.flush_metrics()
-        tiers = []
-        for tier, held in self._blocks.items():
-            if held:
-                values = list(held.values())
-                tiers.append(TierBlocks(tier, [v[0] for v in values], [v[1] for v in values]))
-        return WorkerSnapshot(self.worker_id, self.epoch, self.seq, tiers)
 
     def num_blocks(self, tier: Tier | None = None) -> int:
         if tier is not None:
@@ -296,13 +264,6 @@ class WorkerNormalizer:
                 if other is not tier and (entry := self._blocks[other].get(engine_hash)):
                     break
         return entry
-
-    def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
-        key = (lora_name or None, cache_salt or None)
-        seed = self._seeds.get(key)
-        if seed is None:
-            seed = self._seeds[key] = Namespace(self.model_id, key[0], key[1]).seed
-        return seed
 
     def _clear_tiers(self, tier: Tier | None) -> list[Tier]:
         """Empty ``tier`` (or all); the tiers to announce: GPU always, others if they held any."""

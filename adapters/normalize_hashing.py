@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from adapters.canonical.hashing import CHAIN_MUL, BlockHasher, fmix64, fmix64_inverse
+from kvcore.hashing import CHAIN_MUL, BlockHasher, fmix64, fmix64_inverse
 
 __all__ = ["SHORT_CHAIN_BLOCKS", "block_locals", "chain_from_locals", "chain_states"]
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from adapters.base import OpenAIError, RequestKind, TokenizedRequest
+from kvcore.errors import OpenAIError
+from kvcore.requests import RequestKind, TokenizedRequest
 
 __all__ = ["OpenAIBuilder", "Usage", "error_from_engine", "error_type_for"]
 
@@ -150,7 +151,7 @@ def error_from_engine(engine: str, status: int, body: bytes | str | dict[str, An
         message = raw[:_HEAD] or f"empty error reply with status {status}"
     if status >= 500:
         message = f"{engine} engine error: {message}"
-    return OpenAIError(status, message, error_type_for(status), code)
+    return OpenAIError(status, message, error_type_for(status), code=code)
 
 
 def _text(value: Any) -> str:

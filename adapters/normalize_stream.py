@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
-from adapters.canonical.events import KVEvent
+from kvcore.events import KVEvent
 
 __all__ = ["EventStream"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from adapters.canonical.layout import DTYPE_BYTES, BlockLayout
+from kvcore.layout import DTYPE_BYTES, BlockLayout
 
 _GIB = 1 << 30
 

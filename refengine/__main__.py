@@ -13,7 +13,7 @@ import sys
 
 import uvloop
 
-from kvsidecar.logs import configure_logging
+from kvcore.logs import configure_logging
 from refengine.config import EngineConfig
 
 __all__ = ["main"]

@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from adapters.canonical.events import BlockRemoved, BlockStored, Tier
+from kvcore.events import BlockRemoved, BlockStored, Tier
 from refengine.timing import TimingModel
 from replay.replica import NoteKind, ReplicaSim, SimRequest
 from replay.summary import RequestOutcome

@@ -11,7 +11,7 @@ import orjson
 import structlog
 import uvloop
 
-from kvsidecar.logs import configure_logging
+from kvcore.logs import configure_logging
 from routing.app import Gateway, load_config_summary
 from routing.config import RouterConfig
 

@@ -18,8 +18,9 @@ import aiohttp
 import orjson
 import structlog
 
-from adapters.canonical import BlockHasher
-from adapters.canonical.events import Tier
+from kvcore import BlockHasher
+from kvcore.errors import OpenAIError
+from kvcore.events import Tier
 from routing.chat_template import ChatTemplate
 from routing.config import LogLevel, RouterConfig, WorkerAddress
 from routing.disagg import PdCoordinator
@@ -27,7 +28,7 @@ from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.kv_router import KvRouter
 from routing.metrics import GatewayMetrics
-from routing.openai_api import ApiError, Endpoint, OpenAIRequest, error_body, parse_request
+from routing.openai_api import Endpoint, OpenAIRequest, parse_request
 from routing.policies import make_policy
 from routing.prompt import PromptPreparer
 from routing.proxy import Exchange
@@ -232,7 +233,7 @@ class Gateway:
             parsed = parse_request(endpoint, request.body)
             self._check_model(parsed)
             prepared = self.prompts.prepare(parsed)
-        except ApiError as exc:
+        except OpenAIError as exc:
             self.metrics.count_response(label, exc.status)
             conn.respond(exc.status, exc.body(), extra_headers=b"x-request-id: %s\r\n" % request_id)
             return
@@ -270,7 +271,7 @@ class Gateway:
     def _check_model(self, parsed: OpenAIRequest) -> None:
         names = self.cfg.model_names or self.workers.models()
         if names and parsed.model not in names:
-            raise ApiError(
+            raise OpenAIError(
                 404,
                 f"the model {parsed.model!r} does not exist; this gateway serves {list(names)}",
                 type_="NotFoundError",
@@ -291,7 +292,8 @@ class Gateway:
         self, conn: ServerConnection, request: HttpRequest, status: int, message: str
     ) -> None:
         type_ = "NotFoundError" if status == 404 else "invalid_request_error"
-        conn.respond(status, error_body(message, type_), extra_headers=self._id_header(request))
+        body = OpenAIError(status, message, type_).body()
+        conn.respond(status, body, extra_headers=self._id_header(request))
 
     # --- state views ---------------------------------------------------------------------
 

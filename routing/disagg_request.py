@@ -25,7 +25,7 @@ import aiohttp
 import orjson
 import structlog
 
-from routing.openai_api import ApiError, error_body
+from kvcore.errors import OpenAIError
 from routing.scorer import Pool
 from routing.sidecar_request import tokenized_body
 
@@ -252,7 +252,7 @@ class PdRequest:
         try:
             raw = tokenized_body(self.parsed, self.prepared.token_ids or [],
                                  self.request_id.decode(), worker.dp_rank)
-        except ApiError as exc:
+        except OpenAIError as exc:
             raise _Reply(exc.status, exc.message, exc.type) from exc
         if extra is None and stream is None:
             return raw
@@ -313,7 +313,7 @@ class PdRequest:
             return
         self._finish(status)
         extra = b"x-request-id: %s\r\n%s" % (self.request_id, headers)
-        self.client.respond(status, error_body(message, type_), extra_headers=extra)
+        self.client.respond(status, OpenAIError(status, message, type_).body(), extra_headers=extra)
 
     # --- load bookkeeping -----------------------------------------------------------------------
 

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 
-from adapters.canonical.events import (
+from kvcore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     WorkerSnapshot,
 )
-from adapters.canonical.stream import LoadReport, ResyncRequired, StreamStart
-from adapters.canonical.wire import WireError, decode
+from kvcore.stream import LoadReport, ResyncRequired, StreamStart
+from kvcore.wire import WireError, decode
 from routing.kv_router import KvRouter
 from routing.prefix_index import ApplyOutcome
 

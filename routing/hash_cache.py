@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from adapters.canonical import BlockHasher
+from kvcore import BlockHasher
 
 __all__ = ["PrefixHashCache"]
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
-from adapters.canonical.events import BlockStored, KVEvent, Tier
+from kvcore.events import BlockStored, KVEvent, Tier
 from routing.active_load import ActiveLoad
 from routing.pending import PendingPrefixes
 from routing.prefix_index import ApplyOutcome, PrefixIndex

@@ -14,7 +14,9 @@ from typing import Any
 
 import orjson
 
-__all__ = ["ApiError", "Endpoint", "OpenAIRequest", "error_body", "parse_request"]
+from kvcore.errors import OpenAIError
+
+__all__ = ["Endpoint", "OpenAIRequest", "parse_request"]
 
 
 class Endpoint(enum.Enum):
@@ -22,39 +24,8 @@ class Endpoint(enum.Enum):
     CHAT = "/v1/chat/completions"
 
 
-class ApiError(Exception):
-    """A request the gateway answers itself, with an OpenAI-shaped error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type_
-        self.param = param
-        self.code = code
-
-    def body(self) -> bytes:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(
-    message: str, type_: str, param: str | None = None, code: str | None = None
-) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    )
-
-
-def _bad(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
+def _bad(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +53,7 @@ _NUMBER_RANGES: dict[str, tuple[float, float]] = {
 
 
 def parse_request(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
-    """Parse and validate a request body; raises ``ApiError`` (400) on anything malformed."""
+    """Parse and validate a request body; raises ``OpenAIError`` (400) on anything malformed."""
     if not raw:
         raise _bad("the request body is empty; expected a JSON object")
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from adapters.canonical.events import BlockRemoved, BlockStored, Tier
+from kvcore.events import BlockRemoved, BlockStored, Tier
 from routing.prefix_index import PrefixIndex
 
 __all__ = ["PendingPrefixes"]

@@ -1,6 +1,6 @@
 """The prefix index: which worker holds how many leading blocks of a request, per tier.
 
-Built from the normalized events of many workers (``adapters.canonical.events``). It is a
+Built from the normalized events of many workers (``kvcore.events``). It is a
 pure, synchronous core: no I/O, no asyncio; the gateway feeds it and asks it.
 
 Data layout, per tier: ``holders`` maps a canonical block hash to a bitmask of the workers
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from adapters.canonical.events import (
+from kvcore.events import (
     BlockRemoved,
     BlockStored,
     IndexSnapshot,
@@ -35,7 +35,7 @@ from adapters.canonical.events import (
     TierBlocks,
     WorkerSnapshot,
 )
-from adapters.canonical.wire import WireError, decode, encode
+from kvcore.wire import WireError, decode, encode
 
 __all__ = ["ApplyOutcome", "IndexStats", "PrefixIndex"]
 
@@ -264,7 +264,7 @@ class PrefixIndex:
         )
 
     def to_bytes(self) -> bytes:
-        """The whole index as one wire frame (``adapters.canonical.wire``)."""
+        """The whole index as one wire frame (``kvcore.wire``)."""
         return encode(self.snapshot())
 
     @classmethod

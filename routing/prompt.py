@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 import orjson
 
-from adapters.canonical import BlockHasher, Namespace, TokenIdError
+from kvcore import BlockHasher, TokenIdError, namespace_seed
+from kvcore.errors import OpenAIError
 from routing.chat_template import ChatTemplate, ChatTemplateError
 from routing.hash_cache import PrefixHashCache
-from routing.openai_api import ApiError, Endpoint, OpenAIRequest, message_text
+from routing.openai_api import Endpoint, OpenAIRequest, message_text
 from routing.tokenizer import PromptTokenizer
 
 __all__ = ["PreparedPrompt", "PromptPreparer"]
 
-_MAX_NAMESPACES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,17 +60,7 @@ class PromptPreparer:
         self.hasher = hasher
         self.hash_prompts = hash_prompts
         self.max_model_len = max_model_len
-        self._seeds: dict[tuple[str, str | None], int] = {}
         self.hash_cache = PrefixHashCache(hasher)
-
-    def seed(self, model: str, cache_salt: str | None) -> int:
-        key = (model, cache_salt)
-        seed = self._seeds.get(key)
-        if seed is None:
-            if len(self._seeds) >= _MAX_NAMESPACES:
-                self._seeds.clear()
-            seed = self._seeds[key] = Namespace(model, None, cache_salt).seed
-        return seed
 
     def prepare(self, req: OpenAIRequest) -> PreparedPrompt:
         bounds: list[tuple[int, int]] = []
@@ -81,10 +71,10 @@ class PromptPreparer:
             self._check_length(req, tokens)
         try:
             hashes = self.hash_cache.hash_tokens(
-                tokens, bounds, self.seed(req.model, req.cache_salt)
+                tokens, bounds, namespace_seed(req.model, None, req.cache_salt)
             )
         except TokenIdError as exc:
-            raise ApiError(400, f"bad token id in 'prompt': {exc}", param="prompt") from exc
+            raise OpenAIError(400, f"bad token id in 'prompt': {exc}", param="prompt") from exc
         real = tokens if (tokenized or req.prompt_ids is not None) else None
         return PreparedPrompt(hashes, len(tokens), body, True, tokenized, hits, real)
 
@@ -122,7 +112,7 @@ class PromptPreparer:
 
     def render(self, req: OpenAIRequest) -> str:
         if self.template is None:
-            raise ApiError(400, "this model has no chat template; use /v1/completions")
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions")
         extra = req.body.get("chat_template_kwargs")
         tools = req.body.get("tools")
         try:
@@ -133,7 +123,7 @@ class PromptPreparer:
                 extra=extra if type(extra) is dict else None,
             )
         except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from exc
+            raise OpenAIError(400, str(exc), param="messages") from exc
 
     def _check_length(self, req: OpenAIRequest, tokens: Sequence[int]) -> None:
         limit = self.max_model_len
@@ -142,7 +132,7 @@ class PromptPreparer:
         n = len(tokens)
         wanted = n + (req.max_tokens or 0)
         if n >= limit or wanted > limit:
-            raise ApiError(
+            raise OpenAIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{wanted} tokens ({n} in the prompt, {req.max_tokens or 0} in the completion). "

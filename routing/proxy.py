@@ -19,9 +19,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvcore.errors import OpenAIError
 from routing.http.client import UpstreamConnection
 from routing.http.server import ServerConnection, reason
-from routing.openai_api import ApiError, OpenAIRequest, error_body
+from routing.openai_api import OpenAIRequest
 from routing.scorer import Placement
 from routing.sidecar_request import tokenized_body
 from routing.usage import count_usage_in_body, count_usage_in_sse
@@ -204,7 +205,7 @@ class Exchange:
         if worker.kind != "sidecar":
             return self.path, self.body
         if self.token_ids is None:
-            raise ApiError(400, "sidecar workers need a single prompt the gateway can tokenize "
+            raise OpenAIError(400, "sidecar workers need a single prompt the gateway can tokenize "
                            "(batched prompts are not supported)", param="prompt")
         body = tokenized_body(self.request, self.token_ids, self.request_id.decode(),
                               worker.dp_rank)
@@ -215,7 +216,7 @@ class Exchange:
         assert worker is not None  # set by _dispatch
         try:
             path, body = self._wire(worker)
-        except ApiError as exc:
+        except OpenAIError as exc:
             self.gw.pool.release(conn)
             self._reply_error(exc.status, exc.message, exc.type)
             return
@@ -423,4 +424,5 @@ class Exchange:
     def _reply_error(self, status: int, message: str, type_: str) -> None:
         self._finish(status)
         headers = b"x-request-id: %s\r\n" % self.request_id
-        self.client.respond(status, error_body(message, type_), extra_headers=headers)
+        body = OpenAIError(status, message, type_).body()
+        self.client.respond(status, body, extra_headers=headers)

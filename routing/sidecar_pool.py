@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 import structlog
 
-from adapters.canonical.stream import LoadReport
+from kvcore.stream import LoadReport
 from routing.event_feed import SidecarFeed
 from routing.kv_router import KvRouter
 

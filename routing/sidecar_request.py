@@ -11,8 +11,9 @@ from typing import Any
 
 import msgspec
 
-from adapters.base import RequestKind, TokenizedRequest
-from routing.openai_api import ApiError, Endpoint, OpenAIRequest
+from kvcore.errors import OpenAIError
+from kvcore.requests import RequestKind, TokenizedRequest
+from routing.openai_api import Endpoint, OpenAIRequest
 
 __all__ = ["tokenized_body"]
 
@@ -49,7 +50,7 @@ def tokenized_body(
         fields["stop_token_ids"] = stop_ids
     n = body.get("n", 1)
     if n not in (1, None):
-        raise ApiError(400, f"n={n} is not supported by sidecar workers; send n requests",
+        raise OpenAIError(400, f"n={n} is not supported by sidecar workers; send n requests",
                        param="n")
     try:
         request = TokenizedRequest(
@@ -66,5 +67,5 @@ def tokenized_body(
             **fields,
         )
     except (ValueError, TypeError) as exc:
-        raise ApiError(400, f"cannot forward this request to a sidecar: {exc}") from exc
+        raise OpenAIError(400, f"cannot forward this request to a sidecar: {exc}") from exc
     return _encoder.encode(request)

@@ -34,12 +34,12 @@ import msgspec
 import numpy as np
 import orjson
 
-from adapters.canonical.events import KVEvent
-from adapters.canonical.hashing import BlockHasher
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
 from adapters.trtllm.adapter import TrtllmNormalizer
+from kvcore.events import KVEvent
+from kvcore.hashing import BlockHasher
 
 BLOCKS = 64
 SHAPES = {"chain64": (1, 64), "8x8": (8, 8), "64x1": (64, 1)}
@@ -134,7 +134,7 @@ def bench(batches: int, repeats: int, bs: int) -> tuple[dict[str, float], dict[s
 
         def sglang_run(payloads: list = payloads) -> None:
             metrics = AdapterMetrics("sglang")
-            norm = WorkerNormalizer("w", "m", BlockHasher(bs), 1, metrics)
+            norm = WorkerNormalizer("w", "m", BlockHasher(bs), metrics)
             core = RankNormalizer(norm, metrics)
             out: list[KVEvent] = []
             for seq, payload in enumerate(payloads):
@@ -155,7 +155,7 @@ def bench(batches: int, repeats: int, bs: int) -> tuple[dict[str, float], dict[s
         tpayloads = trtllm_payloads(batches, shape, bs, rng)
 
         def trt_run(payloads: list = tpayloads) -> None:
-            norm = TrtllmNormalizer("w", "m", bs, 1, AdapterMetrics("trtllm"), first_epoch=1)
+            norm = TrtllmNormalizer("w", "m", bs, 1, AdapterMetrics("trtllm"))
             for payload in payloads:
                 norm.apply_payload(payload)
 

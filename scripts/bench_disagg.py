@@ -51,8 +51,8 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
+from kvcore.logs import configure_logging  # noqa: E402
 from kvsidecar.launch import ManagedProcess  # noqa: E402
-from kvsidecar.logs import configure_logging  # noqa: E402
 
 VOCAB = (10, 1000)  # the tiny model has 1,024 token ids
 

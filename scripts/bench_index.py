@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xxhash
 
-from adapters.canonical import BlockHasher, Namespace
-from adapters.canonical.events import BlockRemoved, BlockStored, KVEvent, Tier
-from adapters.canonical.wire import decode, encode
+from kvcore import BlockHasher, Namespace
+from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.wire import decode, encode
 from routing.prefix_index import PrefixIndex
 
 BLOCK_SIZE = 16

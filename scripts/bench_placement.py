@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from adapters.canonical import BlockHasher, Namespace  # noqa: E402
-from adapters.canonical.events import BlockStored, Tier  # noqa: E402
+from kvcore import BlockHasher, Namespace  # noqa: E402
+from kvcore.events import BlockStored, Tier  # noqa: E402
 from routing.chat_template import ChatTemplate  # noqa: E402
 from routing.hash_cache import PrefixHashCache  # noqa: E402
 from routing.kv_router import KvRouter  # noqa: E402

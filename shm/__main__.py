@@ -16,7 +16,7 @@ import orjson
 import structlog
 import uvloop
 
-from kvsidecar.logs import configure_logging
+from kvcore.logs import configure_logging
 from shm.config import OwnerConfig
 from shm.errors import OwnerConflictError
 from shm.server import BlockStoreOwner

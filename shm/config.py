@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.canonical.layout import DTYPE_BYTES
+from kvcore.layout import DTYPE_BYTES
 from shm.segment import check_owner_id
 
 __all__ = ["OwnerConfig"]

@@ -1,15 +1,22 @@
 """The host tier's event log: what the block store records for the router.
 
 Every commit, eviction, removal and clear of the store becomes a normalized event with tier
-``host`` (the canonical model of ``adapters.canonical.events``), numbered in one sequence per
-store; the owner drains them after each request and hands them to its listener. A batch of
+``host`` (the canonical model of ``kvcore.events``), unstamped: the sidecar's relay numbers
+it. The owner drains them after each request and hands them to its listener. A batch of
 committed blocks that chain parent → child (one request's blocks, the common case) becomes
 one ``BlockStored``.
 """
 
 from __future__ import annotations
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.events import (
+    UNSTAMPED,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Tier,
+)
 
 __all__ = ["HostEventLog"]
 
@@ -24,10 +31,8 @@ def _uniform_tokens(token_lists: list[list[int] | None]) -> bool:
 class HostEventLog:
     """Events recorded since the last ``take``, in sequence order."""
 
-    def __init__(self, worker_id: str, epoch: int) -> None:
+    def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
-        self.epoch = epoch
-        self._seq = 0
         self._events: list[KVEvent] = []
 
     def take(self) -> list[KVEvent]:
@@ -36,13 +41,11 @@ class HostEventLog:
 
     def removed(self, hashes: list[int]) -> None:
         if hashes:
-            self._seq += 1
             self._events.append(
-                BlockRemoved(self.worker_id, self.epoch, self._seq, Tier.HOST, hashes))
+                BlockRemoved(self.worker_id, UNSTAMPED, UNSTAMPED, Tier.HOST, hashes))
 
     def cleared(self) -> None:
-        self._seq += 1
-        self._events.append(AllBlocksCleared(self.worker_id, self.epoch, self._seq, Tier.HOST))
+        self._events.append(AllBlocksCleared(self.worker_id, UNSTAMPED, UNSTAMPED, Tier.HOST))
 
     def stored(
         self, hashes: list[int], parents: list[int | None], token_lists: list[list[int] | None]
@@ -64,6 +67,5 @@ class HostEventLog:
         run_tokens = None
         if token_lists[0] is not None:
             run_tokens = [t for block in token_lists for t in block]  # type: ignore[union-attr]
-        self._seq += 1
         self._events.append(BlockStored(
-            self.worker_id, self.epoch, self._seq, Tier.HOST, hashes, parent_hash, run_tokens))
+            self.worker_id, UNSTAMPED, UNSTAMPED, Tier.HOST, hashes, parent_hash, run_tokens))

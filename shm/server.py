@@ -37,7 +37,7 @@ from typing import assert_never, cast
 import msgspec
 import structlog
 
-from adapters.canonical.events import KVEvent
+from kvcore.events import KVEvent
 from shm.config import OwnerConfig
 from shm.errors import BlockStoreError, OwnerConflictError, ProtocolError
 from shm.protocol import (
@@ -139,7 +139,6 @@ class BlockStoreOwner:
             self.store = BlockStore(
                 cfg.num_slots,
                 worker_id=cfg.effective_worker_id,
-                epoch=self.epoch,
                 generation_mirror=self.segment.generations,
                 read_index=self.segment.index,
                 max_granted=cfg.max_granted_slots,

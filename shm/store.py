@@ -46,7 +46,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
-from adapters.canonical.events import KVEvent
+from kvcore.events import KVEvent
 from shm.errors import StaleDescriptorError, StoreFullError
 from shm.host_events import HostEventLog
 from shm.pool import SlotPool
@@ -103,7 +103,7 @@ class BlockStore:
     """Fixed-size blocks under an LRU byte budget (``num_slots × block_bytes``)."""
 
     def __init__(
-        self, num_slots: int, *, worker_id: str, epoch: int, generation_mirror: Any = None,
+        self, num_slots: int, *, worker_id: str, generation_mirror: Any = None,
         read_index: ReadIndex | None = None, max_granted: int = 0,
     ) -> None:
         """``read_index``: the segment's index to keep in step for optimistic readers.
@@ -115,7 +115,6 @@ class BlockStore:
         self._num_granted = self._num_claimed = 0
         self._index = read_index
         self.worker_id = worker_id
-        self.epoch = epoch
         self._blocks: dict[BlockKey, int] = {}  # committed, visible: key → slot
         self._reserved: dict[BlockKey, int] = {}  # being written, invisible
         self._lru: OrderedDict[BlockKey, int] = OrderedDict()  # committed, by last use
@@ -136,7 +135,7 @@ class BlockStore:
         self._reserved_at = [0] * num_slots
         self._num_reservations = 0
         self._next_session = 1
-        self._log = HostEventLog(worker_id, epoch)
+        self._log = HostEventLog(worker_id)
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
 
     # ----------------------------------------------------------------- sessions

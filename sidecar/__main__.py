@@ -13,7 +13,7 @@ import sys
 import orjson
 import uvloop
 
-from kvsidecar.logs import configure_logging
+from kvcore.logs import configure_logging
 from sidecar.app import EngineUnavailableError, Sidecar
 from sidecar.config import SidecarConfig
 

@@ -34,10 +34,10 @@ from adapters.base import (
     EventEndpoint,
     create_adapter,
 )
-from adapters.canonical.events import AllBlocksCleared, KVEvent, Tier
-from adapters.canonical.layout import BlockLayout
-from adapters.canonical.stream import LoadReport
 from adapters.normalize_metrics import AdapterMetrics
+from kvcore.events import KVEvent
+from kvcore.layout import BlockLayout
+from kvcore.stream import LoadReport
 from shm.config import OwnerConfig
 from shm.server import BlockStoreOwner
 from sidecar.config import SidecarConfig
@@ -92,7 +92,6 @@ class Sidecar:
         self._runner: web.AppRunner | None = None
         self._proxy: RequestProxy | None = None
         self._silence = SilenceDetector(cfg.silent_after_s)
-        self._adapter_epochs: dict[str, int] = {}
         self._tasks: list[asyncio.Task[None]] = []
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -399,12 +398,6 @@ class Sidecar:
             if stream is None:
                 log.warning("event_for_unknown_worker", worker_id=event.worker_id)
                 continue
-            last_epoch = self._adapter_epochs.get(event.worker_id)
-            if last_epoch is not None and event.epoch > last_epoch:
-                # The adapter resynced (engine restart or unrecoverable gap): what the
-                # engine held before is unknown, so the GPU tier starts over.
-                stream.publish(AllBlocksCleared(event.worker_id, 0, 0, Tier.GPU))
-            self._adapter_epochs[event.worker_id] = event.epoch
             self._publish(stream, event)
 
     def _publish(self, stream: EventStream, event: KVEvent) -> None:

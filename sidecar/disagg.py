@@ -38,7 +38,9 @@ import orjson
 import structlog
 from aiohttp import web
 
-from adapters.base import EngineAdapter, OpenAIError, TokenizedRequest
+from adapters.base import EngineAdapter
+from kvcore.errors import OpenAIError
+from kvcore.requests import TokenizedRequest
 from sidecar.load import LoadTracker
 from sidecar.pd_handoff import HandoffError, KvHandoff
 from sidecar.pd_stitch import (
@@ -73,7 +75,7 @@ class _PdSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def _error(status: int, message: str, type_: str, code: str | None, rid: str) -> web.Response:
-    return openai_error_response(OpenAIError(status, message, type_, code), rid)
+    return openai_error_response(OpenAIError(status, message, type_, code=code), rid)
 
 
 class PdRoutes:

@@ -1,7 +1,7 @@
 """Serving the relay over HTTP: ``GET /v1/kv-events?epoch=E&seq=S``.
 
 The response body is a sequence of frames, each a 4-byte big-endian length followed by one
-wire frame (``adapters.canonical.wire``). Every subscriber has a bounded queue; the relay
+wire frame (``kvcore.wire``). Every subscriber has a bounded queue; the relay
 never waits for a subscriber. One that falls ``queue_frames`` behind is dropped with a
 ``ResyncRequired`` frame, counted, and reconnects on its own from its last position — the
 replay buffer usually still covers it, otherwise it gets a snapshot. Other subscribers and
@@ -16,9 +16,9 @@ import struct
 import structlog
 from aiohttp import web
 
-from adapters.canonical.events import KVEvent
-from adapters.canonical.stream import ResyncRequired
-from adapters.canonical.wire import Message, encode
+from kvcore.events import KVEvent
+from kvcore.stream import ResyncRequired
+from kvcore.wire import Message, encode
 from sidecar.relay import EventRelay
 
 __all__ = ["FRAME_HEADER", "STREAM_CONTENT_TYPE", "EventStream"]

@@ -6,7 +6,7 @@ The relay needs it to hand a late subscriber a snapshot; it trusts its input to 
 
 from __future__ import annotations
 
-from adapters.canonical.events import (
+from kvcore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import orjson
 
-from adapters.base import TokenizedRequest
+from kvcore.requests import TokenizedRequest
 
 __all__ = ["EngineRefusedError", "PrefillResult", "message_of", "meta_info", "sse", "stitched"]
 

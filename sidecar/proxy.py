@@ -20,8 +20,10 @@ import orjson
 import structlog
 from aiohttp import web
 
-from adapters.base import EngineAdapter, OpenAIError, TokenizedRequest
-from adapters.canonical import BlockHasher, Namespace
+from adapters.base import EngineAdapter
+from kvcore import BlockHasher, namespace_seed
+from kvcore.errors import OpenAIError
+from kvcore.requests import TokenizedRequest
 from sidecar.health import SilenceDetector
 from sidecar.load import LoadTracker
 
@@ -34,7 +36,8 @@ _SSE_DONE = b"data: [DONE]\n\n"
 def openai_error_response(error: OpenAIError, request_id: str | None = None) -> web.Response:
     headers = {"x-request-id": request_id} if request_id else None
     return web.json_response(
-        error.body(), status=error.status, headers=headers, dumps=lambda o: orjson.dumps(o).decode()
+        error.to_dict(), status=error.status, headers=headers,
+        dumps=lambda o: orjson.dumps(o).decode(),
     )
 
 
@@ -62,7 +65,6 @@ class RequestProxy:
         self._worker_ids = worker_ids
         self._model_id = model_id
         self._hasher = BlockHasher(load.block_size)
-        self._seeds: dict[tuple[str | None, str | None], int] = {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=upstream_timeout_s)
         self._observe = observe_latency
         self.accepting = True
@@ -188,10 +190,7 @@ class RequestProxy:
         tokens = tokenized.prompt_token_ids
         if len(tokens) < self._hasher.block_size:
             return None
-        key = (tokenized.lora_name, tokenized.cache_salt)
-        seed = self._seeds.get(key)
-        if seed is None:
-            seed = self._seeds[key] = Namespace(self._model_id, *key).seed
+        seed = namespace_seed(self._model_id, tokenized.lora_name, tokenized.cache_salt)
         return self._hasher.hash_tokens(tokens[: self._hasher.block_size], seed)[0]
 
 

@@ -17,9 +17,9 @@ from collections import deque
 
 import msgspec
 
-from adapters.canonical.events import KVEvent
-from adapters.canonical.stream import StreamStart
-from adapters.canonical.wire import encode
+from kvcore.events import KVEvent
+from kvcore.stream import StreamStart
+from kvcore.wire import encode
 from sidecar.mirror import BlockMirror
 
 __all__ = ["EventRelay", "StreamPlan"]

@@ -30,13 +30,13 @@ def test_gateway_core_imports_no_torch_or_engine() -> None:
 
 def test_canonical_model_is_light() -> None:
     """The canonical model (shared by everyone) loads neither torch nor any engine."""
-    loaded = _loaded_after_import("adapters.canonical.wire")
+    loaded = _loaded_after_import("kvcore.wire")
     assert not loaded & set(FORBIDDEN_IN_GATEWAY)
 
 
 def _our_modules() -> list[str]:
     names = []
-    for package in ("adapters", "routing", "kvsidecar"):
+    for package in ("kvcore", "adapters", "routing", "kvsidecar"):
         path = ROOT / package
         names.append(package)
         names.extend(

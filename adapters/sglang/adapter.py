@@ -8,7 +8,6 @@ worker (``worker_id_for``) consumed by a ``RankSubscriber``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -26,18 +25,18 @@ from adapters.base import (
     EngineKind,
     EngineRequest,
     EventEndpoint,
-    TokenizedRequest,
     worker_id_for,
 )
-from adapters.canonical.events import KVEvent, WorkerSnapshot
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.layout import BlockLayout, LayoutKind
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.normalize_stream import EventStream
 from adapters.sglang.core import RankNormalizer
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.sglang.subscriber import RankSubscriber
+from kvcore.events import KVEvent
+from kvcore.hashing import BlockHasher
+from kvcore.layout import BlockLayout, LayoutKind
+from kvcore.requests import TokenizedRequest
 
 __all__ = ["SGLangAdapter", "endpoints_from_server_info"]
 
@@ -126,7 +125,6 @@ class SGLangAdapter:
         else:
             block_size, endpoints = cfg.block_size, cfg.endpoints
         dp_size = len(endpoints)
-        first_epoch = cfg.first_epoch if cfg.first_epoch is not None else time.time_ns() // 1000
         hasher = BlockHasher(block_size)
         self._ctx = zmq.asyncio.Context()
         worker_ids = []
@@ -134,7 +132,7 @@ class SGLangAdapter:
         for ep in endpoints:
             worker = worker_id_for(cfg.worker_id, ep.dp_rank, dp_size)
             worker_ids.append(worker)
-            norm = WorkerNormalizer(worker, cfg.model_id, hasher, first_epoch, self.metrics)
+            norm = WorkerNormalizer(worker, cfg.model_id, hasher, self.metrics)
             self._normalizers[worker] = norm
             sub = RankSubscriber(
                 ep,
@@ -193,14 +191,6 @@ class SGLangAdapter:
 
     def events(self) -> AsyncIterator[KVEvent]:
         return aiter(self._stream)
-
-    def snapshot(self, worker_id: str) -> WorkerSnapshot:
-        try:
-            return self._normalizers[worker_id].snapshot()
-        except KeyError:
-            raise AdapterError(
-                f"unknown worker {worker_id!r}; known: {sorted(self._normalizers)}"
-            ) from None
 
     def block_layout(self) -> BlockLayout:
         info = self.info

@@ -21,7 +21,6 @@ import enum
 import msgspec
 import structlog
 
-from adapters.canonical.events import KVEvent, Tier
 from adapters.normalize import MalformedEventError, WorkerNormalizer
 from adapters.normalize_hashing import SHORT_CHAIN_BLOCKS
 from adapters.normalize_metrics import AdapterMetrics
@@ -36,6 +35,7 @@ from adapters.sglang.wire import (
     decode_batch_lenient,
     tier_of,
 )
+from kvcore.events import KVEvent, Tier
 
 __all__ = ["BlockSizeMismatchError", "RankNormalizer", "RankSequencer", "SeqAction"]
 

@@ -5,7 +5,7 @@ the previous page (``get_hash_str``), or, under other key schemes, a longer stri
 mapping is deterministic, so any process that sees the same key finds the same block:
 
 * ``namespace_seed``: ``Namespace(model_id).seed`` (the canonical model namespace,
-  ``adapters.canonical.namespace``) when the engine runs one shard (TP = PP = CP = 1, or a
+  ``kvcore.namespace``) when the engine runs one shard (TP = PP = CP = 1, or a
   rank-replicated MLA cache); otherwise ``xxh3_64`` of that seed and the shard coordinates
   ``(tp_rank, tp_size, pp_rank, pp_size, cp_rank, cp_size)``, little-endian, so ranks that
   hold different heads or layers of the same page never share a block.
@@ -28,7 +28,7 @@ from typing import Any
 
 import xxhash
 
-from adapters.canonical.namespace import Namespace
+from kvcore.namespace import namespace_seed
 
 __all__ = ["HiCacheKeyMap", "ShardCoordinates"]
 
@@ -78,7 +78,7 @@ class HiCacheKeyMap:
     namespace_seed: int = field(init=False)
 
     def __post_init__(self) -> None:
-        seed = Namespace(self.model_id).seed
+        seed = namespace_seed(self.model_id)
         if not self.shard.whole:
             s = self.shard
             seed = xxhash.xxh3_64_intdigest(

@@ -1,7 +1,7 @@
 """Pages of an SGLang host KV pool as strided views in the block store's byte order.
 
 A store block is one page. Its bytes follow the store's declared layout
-(``adapters.canonical.layout``), whatever layout the engine's host pool uses:
+(``kvcore.layout``), whatever layout the engine's host pool uses:
 
 * ``layer_first``: ``[layer][k|v][token][kv_head][head_dim]``;
 * ``page_first``: ``[token][layer][k|v][kv_head][head_dim]``;

@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.base import EngineRequest, OpenAIError, TokenizedRequest
+from adapters.base import EngineRequest
 from adapters.normalize_openai import OpenAIBuilder, Usage, error_from_engine
+from kvcore.errors import OpenAIError
+from kvcore.requests import TokenizedRequest
 
 __all__ = ["SGLangResponseTranslator", "to_generate_request"]
 

@@ -32,10 +32,10 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from adapters.base import EventEndpoint
-from adapters.canonical.events import KVEvent
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer, RankSequencer, SeqAction
 from adapters.sglang.wire import END_SEQ, FrameError, parse_seq
+from kvcore.events import KVEvent
 
 __all__ = ["RankSubscriber"]
 
@@ -179,13 +179,11 @@ class RankSubscriber:
     async def _resync(self, reason: str) -> None:
         self._metrics.resyncs.labels(self._metrics.engine, self._worker, reason).inc()
         norm = self._core.normalizer
-        log.warning(
-            "kv_worker_resynced", worker_id=self._worker, reason=reason, epoch=norm.epoch + 1
-        )
+        log.warning("kv_worker_resynced", worker_id=self._worker, reason=reason)
         if reason in ("sequence_reset", "publisher_reconnected"):
             self._core.publisher_restarted()
         out: list[KVEvent] = []
-        norm.new_epoch(out)
+        norm.resync(out)
         await self._emit(out)
         self._seq.reset()
         if self.endpoint.replay_endpoint is not None:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from adapters.canonical.events import Tier
+from kvcore.events import Tier
 
 __all__ = [
     "END_SEQ",

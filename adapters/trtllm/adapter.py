@@ -10,7 +10,6 @@ endpoints, or 1; an envelope from a rank beyond it is a malformed event.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
@@ -26,12 +25,8 @@ from adapters.base import (
     EngineKind,
     EngineRequest,
     EventEndpoint,
-    TokenizedRequest,
     worker_id_for,
 )
-from adapters.canonical.events import KVEvent, WorkerSnapshot
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.layout import BlockLayout
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_hashing import SHORT_CHAIN_BLOCKS
 from adapters.normalize_metrics import AdapterMetrics
@@ -47,6 +42,10 @@ from adapters.trtllm.wire import (
     decode_envelopes,
     envelopes_from_objects,
 )
+from kvcore.events import KVEvent
+from kvcore.hashing import BlockHasher
+from kvcore.layout import BlockLayout
+from kvcore.requests import TokenizedRequest
 
 __all__ = ["TrtllmAdapter", "TrtllmNormalizer"]
 
@@ -65,7 +64,6 @@ class TrtllmNormalizer:
         dp_size: int,
         metrics: AdapterMetrics,
         *,
-        first_epoch: int,
         lora_names: dict[int, str] | None = None,
     ) -> None:
         hasher = BlockHasher(block_size)
@@ -73,7 +71,7 @@ class TrtllmNormalizer:
         self.cores: list[TrtRankCore] = [
             TrtRankCore(
                 WorkerNormalizer(
-                    worker_id_for(worker_id, r, dp_size), model_id, hasher, first_epoch, metrics
+                    worker_id_for(worker_id, r, dp_size), model_id, hasher, metrics
                 ),
                 metrics,
                 lora_names,
@@ -184,14 +182,12 @@ class TrtllmAdapter:
             )
         endpoints = cfg.endpoints or (EventEndpoint(0, cfg.engine_url),)
         dp_size = len(endpoints)
-        first_epoch = cfg.first_epoch if cfg.first_epoch is not None else time.time_ns() // 1000
         norm = TrtllmNormalizer(
             cfg.worker_id,
             cfg.model_id,
             cfg.block_size,
             dp_size,
             self.metrics,
-            first_epoch=first_epoch,
             lora_names=dict(cfg.lora_names),
         )
         self.normalizer = norm
@@ -254,13 +250,6 @@ class TrtllmAdapter:
 
     def events(self) -> AsyncIterator[KVEvent]:
         return aiter(self._stream)
-
-    def snapshot(self, worker_id: str) -> WorkerSnapshot:
-        if self.normalizer is not None:
-            for core in self.normalizer.cores:
-                if core.normalizer.worker_id == worker_id:
-                    return core.normalizer.snapshot()
-        raise AdapterError(f"unknown worker {worker_id!r}")
 
     def block_layout(self) -> BlockLayout:
         info = self.info

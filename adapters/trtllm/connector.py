@@ -34,13 +34,13 @@ from typing import Any, TypeVar
 import structlog
 
 from adapters.base import EngineExtraMissingError
-from adapters.canonical.namespace import Namespace
 from adapters.trtllm.connector_core import (
     ConnectorMetadata,
     ConnectorSettings,
     SchedulerCore,
     WorkerCore,
 )
+from kvcore.namespace import namespace_seed
 
 __all__ = [
     "TRTLLM_AVAILABLE",
@@ -137,18 +137,16 @@ class KvSidecarConnectorScheduler(_SchedulerBase):  # type: ignore[misc,valid-ty
         self.settings = ConnectorSettings.from_llm_args(
             llm_args, os.environ if environ is None else environ)
         self.core = SchedulerCore(self.settings, self.settings.link("trtllm_scheduler"))
-        self._namespaces: dict[tuple[str | None, str | None], int] = {}
 
     def namespace_seed(self, request: Any) -> int:
         """The request's namespace: the model, its LoRA adapter and its cache salt."""
         lora = getattr(request, "lora_task_id", None)
         salt = getattr(request, "cache_salt", None)
-        key = (None if lora is None else str(lora), None if salt is None else str(salt))
-        seed = self._namespaces.get(key)
-        if seed is None:
-            seed = Namespace(self.settings.model_id, key[0], key[1]).seed
-            self._namespaces[key] = seed
-        return seed
+        return namespace_seed(
+            self.settings.model_id,
+            None if lora is None else str(lora),
+            None if salt is None else str(salt),
+        )
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:

@@ -38,8 +38,8 @@ import structlog
 import torch
 import xxhash
 
-from adapters.canonical.hashing import BlockHasher
 from adapters.storage.link import StoreLink, StoreMismatchError
+from kvcore.hashing import BlockHasher
 from shm import BlockStoreClient
 
 __all__ = [

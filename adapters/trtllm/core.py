@@ -24,7 +24,6 @@ from collections.abc import Mapping
 import msgspec
 import structlog
 
-from adapters.canonical.events import KVEvent, Tier
 from adapters.normalize import MalformedEventError, WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.trtllm.wire import (
@@ -35,6 +34,7 @@ from adapters.trtllm.wire import (
     Removed,
     Stored,
 )
+from kvcore.events import KVEvent, Tier
 
 __all__ = ["Prepared", "TrtRankCore", "tier_of_level"]
 
@@ -224,15 +224,10 @@ class TrtRankCore:
             flush()
 
     def resync(self, reason: str, out: list[KVEvent]) -> None:
-        """Start a new epoch: ``AllBlocksCleared`` now, rebuild from what follows."""
+        """Start over: ``AllBlocksCleared`` now, rebuild from what follows."""
         self.metrics.resyncs.labels(self.metrics.engine, self._worker, reason).inc()
-        log.warning(
-            "kv_worker_resynced",
-            worker_id=self._worker,
-            reason=reason,
-            epoch=self.normalizer.epoch + 1,
-        )
-        self.normalizer.new_epoch(out)
+        log.warning("kv_worker_resynced", worker_id=self._worker, reason=reason)
+        self.normalizer.resync(out)
         self._non_created_seen = False
         if reason in ("event_id_reset", "engine_recreated"):
             self._max_window = None

@@ -24,7 +24,7 @@ import orjson
 import uvloop
 from aiohttp import web
 
-from kvsidecar.logs import configure_logging
+from kvcore.logs import configure_logging
 from shm.config import OwnerConfig, parse_bytes
 from shm.errors import OwnerConflictError
 from shm.server import BlockStoreOwner

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from adapters.canonical.events import BlockRemoved, BlockStored, Tier
-from adapters.canonical.stream import LoadReport
+from kvcore.events import BlockRemoved, BlockStored, Tier
+from kvcore.stream import LoadReport
 from routing.event_feed import SidecarFeed
 from routing.kv_router import KvRouter
 from sidecar.event_stream import EventStream

@@ -21,8 +21,8 @@ import pytest
 
 kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
 
-from adapters.canonical import BlockHasher, Namespace  # noqa: E402
-from adapters.canonical.events import Tier  # noqa: E402
+from kvcore import BlockHasher, Namespace  # noqa: E402
+from kvcore.events import Tier  # noqa: E402
 from kvsidecar.launch import ManagedProcess  # noqa: E402
 from routing.event_feed import SidecarFeed  # noqa: E402
 from routing.kv_router import KvRouter  # noqa: E402

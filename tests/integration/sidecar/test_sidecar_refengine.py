@@ -12,8 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from adapters.canonical import BlockHasher, Namespace
-from adapters.canonical.events import Tier
+from kvcore import BlockHasher, Namespace
+from kvcore.events import Tier
 from kvsidecar.launch import ManagedProcess
 from routing.event_feed import SidecarFeed
 from routing.kv_router import KvRouter

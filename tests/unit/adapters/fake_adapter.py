@@ -13,21 +13,15 @@ from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, Self
 
-from adapters.base import (
-    AdapterError,
-    EngineInfo,
-    EngineKind,
-    EngineRequest,
-    EventEndpoint,
-    OpenAIError,
-    TokenizedRequest,
-)
-from adapters.canonical.events import KVEvent, Tier, WorkerSnapshot
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.layout import BlockLayout
+from adapters.base import AdapterError, EngineInfo, EngineKind, EngineRequest, EventEndpoint
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.normalize_openai import OpenAIBuilder, Usage
+from kvcore.errors import OpenAIError
+from kvcore.events import KVEvent, Tier
+from kvcore.hashing import BlockHasher
+from kvcore.layout import BlockLayout
+from kvcore.requests import TokenizedRequest
 from tests.unit.adapters.fake_engines import Truth
 
 
@@ -57,7 +51,7 @@ class FakeAdapter:
         self.metrics = AdapterMetrics("fake")
         self.block_size = block_size
         self.truth = Truth()
-        self._norm = WorkerNormalizer(worker_id, model_id, BlockHasher(block_size), 1, self.metrics)
+        self._norm = WorkerNormalizer(worker_id, model_id, BlockHasher(block_size), self.metrics)
         self._queue: asyncio.Queue[KVEvent | None] = asyncio.Queue()
         self._info: EngineInfo | None = None
 
@@ -92,7 +86,7 @@ class FakeAdapter:
     async def restart(self) -> None:
         self.truth = Truth()
         out: list[KVEvent] = []
-        self._norm.new_epoch(out)
+        self._norm.resync(out)
         self._put(out)
 
     def gap(self, n: int = 1) -> None:
@@ -101,7 +95,7 @@ class FakeAdapter:
     async def garbage(self) -> None:
         self.metrics.decode_errors.labels("fake", self._norm.worker_id, "event").inc()
         out: list[KVEvent] = []
-        self._norm.new_epoch(out)
+        self._norm.resync(out)
         self._put(out)
         self.truth = Truth()  # the fake forgets too, so truth and view agree
 
@@ -129,11 +123,6 @@ class FakeAdapter:
 
     def events(self) -> AsyncIterator[KVEvent]:
         return self._iter()
-
-    def snapshot(self, worker_id: str) -> WorkerSnapshot:
-        if worker_id != self._norm.worker_id:
-            raise AdapterError(f"unknown worker {worker_id!r}")
-        return self._norm.snapshot()
 
     def block_layout(self) -> BlockLayout:
         return BlockLayout(2, 2, 8, self.block_size, "float32")

@@ -2,9 +2,11 @@
 
 One suite, parametrized over [fake, sglang, trtllm]. The engines are fakes at the engine
 boundary speaking the real wire formats on real loopback sockets (ephemeral ports); the
-adapters are the real ones. A consumer applies the canonical stream with the checks every
-index does (seq contiguous from 1 per epoch, epochs only grow) and compares what it ends up
-with against what the engine really holds.
+adapters are the real ones. Their unstamped events go through the sidecar's real relay (the
+one place that stamps them) and its wire codec; a consumer applies the stamped stream with
+the checks every index does (seq contiguous from 1, one epoch) and compares what it ends up
+with against what the engine really holds. A resync is the adapter's explicit
+``AllBlocksCleared`` of the GPU tier.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ from typing import Any
 import pytest
 
 from adapters.base import AdapterConfig, EngineAdapter, EngineKind, EventEndpoint
-from adapters.canonical.events import (
+from adapters.normalize_metrics import AdapterMetrics
+from adapters.sglang.adapter import SGLangAdapter
+from adapters.trtllm.adapter import TrtllmAdapter
+from kvcore.events import (
+    UNSTAMPED,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     Tier,
+    WorkerSnapshot,
 )
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.namespace import Namespace
-from adapters.normalize_metrics import AdapterMetrics
-from adapters.sglang.adapter import SGLangAdapter
-from adapters.trtllm.adapter import TrtllmAdapter
+from kvcore.hashing import BlockHasher
+from kvcore.namespace import Namespace
+from kvcore.wire import decode
+from sidecar.relay import EventRelay
 from tests.unit.adapters.fake_adapter import FakeAdapter
 from tests.unit.adapters.fake_engines import FakeSGLangPublisher, FakeTrtllmServer, Truth
 
@@ -37,24 +43,25 @@ DEADLINE_S = 10.0
 
 
 class Consumer:
-    """Applies a canonical stream the way an index does, checking its invariants."""
+    """Stamps adapter events through the relay and applies them the way an index does,
+    checking its invariants."""
 
     def __init__(self) -> None:
-        self.epoch: int | None = None
+        self.relay = EventRelay("w", block_size=BS, model_id="m", epoch=1)
         self.seq = 0
+        self.resyncs = 0  # the adapter's AllBlocksCleared of the GPU tier
         self.blocks: dict[Tier, dict[int, int | None]] = {t: {} for t in Tier}
         self.events: list[KVEvent] = []
 
-    def apply(self, event: KVEvent) -> None:
+    def apply(self, unstamped: KVEvent) -> None:
+        assert (unstamped.epoch, unstamped.seq) == (UNSTAMPED, UNSTAMPED), "the relay stamps"
+        event = decode(self.relay.publish(unstamped))
+        assert isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared)
         self.events.append(event)
-        if event.epoch != self.epoch:
-            assert self.epoch is None or event.epoch > self.epoch, "epochs only grow"
-            assert event.seq == 1, f"a new epoch starts at seq 1, got {event.seq}"
-            self.epoch = event.epoch
-            self.blocks = {t: {} for t in Tier}
-        else:
-            assert event.seq == self.seq + 1, f"seq {event.seq} after {self.seq}"
+        assert event.epoch == 1 and event.seq == self.seq + 1, f"seq {event.seq} after {self.seq}"
         self.seq = event.seq
+        if isinstance(event, AllBlocksCleared) and event.tier is Tier.GPU:
+            self.resyncs += 1
         held = self.blocks[event.tier]
         if isinstance(event, BlockStored):
             prev = event.parent_hash
@@ -117,7 +124,6 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
             "m",
             block_size=BS,
             endpoints=(EventEndpoint(0, engine.endpoint, engine.replay_endpoint),),
-            first_epoch=1,
             replay_timeout_s=2.0,
         )
         adapter = SGLangAdapter(cfg, metrics=metrics, idle_probe_s=0.05)
@@ -131,7 +137,6 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
             "w",
             "m",
             block_size=BS,
-            first_epoch=1,
             poll_interval_s=0.01,
         )
         adapter = TrtllmAdapter(cfg, metrics=metrics)
@@ -201,26 +206,26 @@ async def test_gap_is_filled_or_resynced(harness: Harness) -> None:
     got = harness.consumer.gpu()
     assert got.items() <= want.items(), "only blocks the engine holds"
     if harness.replays:
-        assert got == want and harness.consumer.epoch == 1
+        assert got == want and harness.consumer.resyncs == 0
         assert harness.metrics.value("sequence_gaps", worker="w") == 1
         assert harness.metrics.value("replays", worker="w", outcome="ok") >= 1
     elif harness.name == "trtllm":
-        assert harness.consumer.epoch == 2
+        assert harness.consumer.resyncs == 1
         assert harness.metrics.value("resyncs", worker="w", reason="event_gap") == 1
 
 
-async def test_engine_restart_starts_a_new_epoch(harness: Harness) -> None:
-    """A restarted engine's worker starts over: new epoch from seq 1, old blocks gone."""
+async def test_engine_restart_signals_a_resync(harness: Harness) -> None:
+    """A restarted engine's worker starts over: the adapter clears it, old blocks gone."""
     eng = harness.engine
     await eng.store([1, 2], None, list(range(8)))
     await harness.until(lambda c: len(c.gpu()) == 2)
     await eng.restart()
     await eng.store([5], None, [4, 4, 4, 4])
     await harness.until(lambda c: c.gpu() == {h([4, 4, 4, 4])[0]: None})
-    assert harness.consumer.epoch is not None and harness.consumer.epoch >= 2
+    assert harness.consumer.resyncs >= 1
     assert harness.consumer.gpu() == expected(eng.truth)
-    cleared = [e for e in harness.consumer.events if isinstance(e, AllBlocksCleared)]
-    assert cleared and cleared[0].seq == 1
+    kinds = [type(e) for e in harness.consumer.events]
+    assert AllBlocksCleared in kinds[kinds.index(BlockStored) + 1 :], "cleared after the store"
     reasons = {"sglang": ("publisher_reconnected", "sequence_reset"), "trtllm": ("event_id_reset",)}
     if harness.name in reasons:
         assert (
@@ -240,7 +245,7 @@ async def test_malformed_event_is_counted_and_loses_nothing_else(harness: Harnes
     await eng.garbage()
     await eng.store([2], None, [5, 6, 7, 8])
     second = h([5, 6, 7, 8])[0]
-    await harness.until(lambda c: second in c.gpu() and c.epoch is not None and c.epoch >= 2)
+    await harness.until(lambda c: second in c.gpu() and c.resyncs >= 1)
     assert (
         harness.metrics.value("decode_errors", worker="w", kind="event")
         + harness.metrics.value("decode_errors", worker="w", kind="envelope")
@@ -252,15 +257,17 @@ async def test_malformed_event_is_counted_and_loses_nothing_else(harness: Harnes
         await harness.until(lambda c: len(c.gpu()) == 2)
 
 
-async def test_snapshot_matches_the_consumed_stream(harness: Harness) -> None:
-    """A snapshot at (epoch, seq) equals the state a consumer reaches at that seq."""
+async def test_relay_snapshot_matches_the_consumed_stream(harness: Harness) -> None:
+    """The relay's snapshot at (epoch, seq) equals the state a consumer reaches at that seq."""
     eng = harness.engine
     await eng.store([1, 2, 3], None, list(range(12)))
     await eng.remove([3])
     await eng.store([4], 2, [7, 7, 7, 7])
     await harness.until(lambda c: c.seq >= 3)
-    snap = harness.adapter.snapshot("w")
-    assert (snap.epoch, snap.seq) == (harness.consumer.epoch, harness.consumer.seq)
+    plan = harness.consumer.relay.plan(None, None)
+    snap = decode(plan.backlog[0])
+    assert isinstance(snap, WorkerSnapshot)
+    assert (snap.epoch, snap.seq) == (1, harness.consumer.seq)
     (gpu,) = [t for t in snap.tiers if t.tier is Tier.GPU]
     assert dict(zip(gpu.block_hashes, gpu.parent_hashes, strict=True)) == harness.consumer.gpu()
     assert harness.adapter.info.worker_ids == ("w",)

@@ -19,17 +19,16 @@ from adapters.base import (
     EngineExtraMissingError,
     EngineKind,
     EventEndpoint,
-    RequestKind,
-    TokenizedRequest,
     create_adapter,
     worker_id_for,
 )
-from adapters.canonical.events import AllBlocksCleared, BlockStored
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.adapter import SGLangAdapter, endpoints_from_server_info
 from adapters.sglang.core import BlockSizeMismatchError
 from adapters.trtllm.adapter import TrtllmAdapter
 from adapters.trtllm.sources import LlmApiEventSource, require_tensorrt_llm
+from kvcore.events import AllBlocksCleared, BlockStored, Tier
+from kvcore.requests import RequestKind, TokenizedRequest
 from tests.unit.adapters import trtllm_fixtures as trt
 from tests.unit.adapters.fake_engines import FakeSGLangPublisher, FakeTrtllmServer
 
@@ -87,7 +86,7 @@ async def test_sglang_adapter_discovers_through_server_info() -> None:
     """start() reads /server_info: block size, one worker per DP rank, endpoints."""
     runner, url = await serve_info({"kv_events": KV_EVENTS, "model_path": "/nonexistent"})
     try:
-        cfg = AdapterConfig(EngineKind.SGLANG, url, "r0", "m", first_epoch=1, replay_timeout_s=0.1)
+        cfg = AdapterConfig(EngineKind.SGLANG, url, "r0", "m", replay_timeout_s=0.1)
         async with SGLangAdapter(cfg) as adapter:
             info = adapter.info
             assert info.block_size == 16 and info.dp_size == 2
@@ -203,7 +202,7 @@ class FakeLlm:
 async def test_llm_api_source_feeds_the_same_normalizer() -> None:
     """In-process events (get_kv_cache_events_async) normalize like the HTTP ones."""
     llm = FakeLlm()
-    cfg = AdapterConfig(EngineKind.TRTLLM, "inproc", "w", "m", block_size=4, first_epoch=1)
+    cfg = AdapterConfig(EngineKind.TRTLLM, "inproc", "w", "m", block_size=4)
     async with TrtllmAdapter(cfg, llm=llm) as adapter:
         async with asyncio.timeout(10):
             event = await anext(aiter(adapter.events()))
@@ -214,7 +213,7 @@ async def test_llm_api_source_feeds_the_same_normalizer() -> None:
 
 
 async def test_replay_that_never_answers_ends_in_a_resync() -> None:
-    """A silent replay socket times out: the gap becomes a new epoch, live events go on."""
+    """A silent replay socket times out: the gap becomes a resync, live events go on."""
     engine = FakeSGLangPublisher(block_size=4)
     engine._server.cancel()  # the ROUTER stays bound but nobody answers it
     metrics = AdapterMetrics("sglang")
@@ -225,7 +224,6 @@ async def test_replay_that_never_answers_ends_in_a_resync() -> None:
             "w",
             "m",
             block_size=4,
-            first_epoch=1,
             endpoints=(EventEndpoint(0, engine.endpoint, engine.replay_endpoint),),
             replay_timeout_s=0.2,
         )
@@ -241,8 +239,8 @@ async def test_replay_that_never_answers_ends_in_a_resync() -> None:
             await engine.store([3], None, [9, 9, 9, 9])
             async with asyncio.timeout(10):
                 rest = [await anext(stream), await anext(stream)]
-        assert first.epoch == 1
-        assert isinstance(rest[0], AllBlocksCleared) and rest[0].epoch == 2
+        assert isinstance(first, BlockStored) and first.token_ids == [1, 2, 3, 4]
+        assert isinstance(rest[0], AllBlocksCleared) and rest[0].tier is Tier.GPU
         assert isinstance(rest[1], BlockStored) and rest[1].token_ids == [9, 9, 9, 9]
         assert metrics.value("replays", worker="w", outcome="timeout") >= 1
         assert metrics.value("resyncs", worker="w", reason="gap_unfillable") == 1
@@ -256,7 +254,7 @@ async def test_trtllm_poller_survives_engine_errors_and_drains_once() -> None:
     await engine.start()
     engine.fail_polls = 3
     cfg = AdapterConfig(
-        EngineKind.TRTLLM, engine.url, "w", "m", block_size=4, first_epoch=1, poll_interval_s=0.01
+        EngineKind.TRTLLM, engine.url, "w", "m", block_size=4, poll_interval_s=0.01
     )
     try:
         with capture_logs() as logs:
@@ -269,7 +267,7 @@ async def test_trtllm_poller_survives_engine_errors_and_drains_once() -> None:
                 await engine.store([3], 2, [9, 9, 9, 9])
                 async with asyncio.timeout(10):
                     got.append(await anext(stream))
-        assert [e.seq for e in got] == [1, 2, 3]
+        assert [e.token_ids for e in got] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9, 9, 9]]
         assert engine.fail_polls == 0 and engine.queue == []
         failures = [entry for entry in logs if entry["event"] == "kv_event_poll_failed"]
         assert len(failures) == 1

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from adapters.canonical.namespace import Namespace
 from adapters.sglang.hicache_config import HiCacheBackendConfig
 from adapters.sglang.hicache_keys import HiCacheKeyMap, ShardCoordinates
+from kvcore.namespace import Namespace
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The shared normalizer: canonical re-hashing, engine-hash keys, epochs, subsets, snapshots."""
+"""The shared normalizer: canonical re-hashing, engine-hash keys, resyncs, subsets."""
 
 from __future__ import annotations
 
@@ -6,19 +6,33 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.namespace import Namespace
 from adapters.normalize import MalformedEventError, WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
+from kvcore.events import UNSTAMPED, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.hashing import BlockHasher
+from kvcore.namespace import Namespace
+from sidecar.mirror import BlockMirror
 
 BS = 4
 MODEL = "m"
 
 
-def make(epoch: int = 7) -> tuple[WorkerNormalizer, AdapterMetrics]:
+def make() -> tuple[WorkerNormalizer, AdapterMetrics]:
     metrics = AdapterMetrics("test")
-    return WorkerNormalizer("w", MODEL, BlockHasher(BS), epoch, metrics), metrics
+    return WorkerNormalizer("w", MODEL, BlockHasher(BS), metrics), metrics
+
+
+def held(out: list[KVEvent]) -> dict[int, int | None]:
+    """Every block the events leave held (any tier) → its canonical parent, as the relay's
+    mirror sees them."""
+    mirror = BlockMirror()
+    for event in out:
+        mirror.apply(event)
+    return {
+        h: p
+        for tier in mirror.snapshot("w", 0, 0).tiers
+        for h, p in zip(tier.block_hashes, tier.parent_hashes, strict=True)
+    }
 
 
 def canon(tokens: list[int], lora: str | None = None, salt: str | None = None) -> list[int]:
@@ -36,7 +50,7 @@ def test_stored_chain_gets_canonical_hashes_of_the_whole_prefix() -> None:
     assert out[0].block_hashes == full[:2] and out[0].parent_hash is None
     assert out[1].block_hashes == full[2:] and out[1].parent_hash == full[1]
     assert out[1].token_ids == [8, 9, 10, 11]
-    assert [(e.epoch, e.seq) for e in out] == [(7, 1), (7, 2)]
+    assert [(e.epoch, e.seq) for e in out] == [(UNSTAMPED, UNSTAMPED)] * 2  # the relay stamps
 
 
 def test_namespaces_separate_salt_and_lora() -> None:
@@ -133,12 +147,12 @@ def test_moved_block_leaves_one_tier_for_another() -> None:
     norm.stored([1, 2], None, list(range(8)), Tier.GPU, out)
     norm.moved(2, Tier.GPU, Tier.HOST, out)
     h = canon(list(range(8)))
-    assert out[1] == BlockRemoved("w", 7, 2, Tier.GPU, [h[1]])
-    assert out[2] == BlockStored("w", 7, 3, Tier.HOST, [h[1]], h[0])
+    assert out[1] == BlockRemoved("w", UNSTAMPED, UNSTAMPED, Tier.GPU, [h[1]])
+    assert out[2] == BlockStored("w", UNSTAMPED, UNSTAMPED, Tier.HOST, [h[1]], h[0])
 
 
-def test_cleared_and_new_epoch() -> None:
-    """Cleared empties tiers; a new epoch restarts seq at 1 with AllBlocksCleared per tier."""
+def test_cleared_and_resync() -> None:
+    """Cleared empties tiers; a resync forgets everything and says so for the GPU tier."""
     norm, _ = make()
     out: list[KVEvent] = []
     norm.stored([1], None, [1, 2, 3, 4], Tier.HOST, out)
@@ -147,23 +161,20 @@ def test_cleared_and_new_epoch() -> None:
     assert norm.num_blocks() == 0
     norm.stored([1], None, [1, 2, 3, 4], Tier.GPU, out)
     out.clear()
-    norm.new_epoch(out)
-    assert out == [AllBlocksCleared("w", 8, 1, Tier.GPU)]
-    assert norm.snapshot().tiers == [] and norm.snapshot().epoch == 8
+    norm.resync(out)
+    assert out == [AllBlocksCleared("w", UNSTAMPED, UNSTAMPED, Tier.GPU)]
+    assert norm.num_blocks() == 0
 
 
-def test_snapshot_matches_the_events() -> None:
-    """A snapshot lists every held block with its canonical parent, stamped with epoch/seq."""
+def test_events_leave_every_held_block_with_its_parent() -> None:
+    """The events name every held block with its canonical parent, and nothing removed."""
     norm, _ = make()
     out: list[KVEvent] = []
     norm.stored([1, 2, 3], None, list(range(12)), Tier.GPU, out)
     norm.removed([3], Tier.GPU, out)
-    snap = norm.snapshot()
     h = canon(list(range(12)))
-    assert (snap.epoch, snap.seq) == (7, 2)
-    assert len(snap.tiers) == 1
-    assert snap.tiers[0].block_hashes == h[:2]
-    assert snap.tiers[0].parent_hashes == [None, h[0]]
+    assert held(out) == {h[0]: None, h[1]: h[0]}
+    assert norm.num_blocks(Tier.GPU) == 2
 
 
 @st.composite
@@ -195,7 +206,7 @@ def histories(draw: st.DrawFn) -> list[tuple]:
 @settings(max_examples=150, deadline=None)
 @given(histories())
 def test_normalized_state_equals_the_engine_state(ops: list[tuple]) -> None:
-    """Whatever the history, the snapshot is exactly the engine's blocks, hashed canonically."""
+    """Whatever the history, the events leave exactly the engine's blocks, hashed canonically."""
     norm, _ = make()
     out: list[KVEvent] = []
     tokens_of: dict[int, tuple[int | None, list[int]]] = {}  # every block ever stored
@@ -227,9 +238,4 @@ def test_normalized_state_equals_the_engine_state(ops: list[tuple]) -> None:
     for h in live:
         chain = canon(path(h))
         want[chain[-1]] = chain[-2] if len(chain) > 1 else None
-    snap = norm.snapshot()
-    got = {}
-    for tier in snap.tiers:
-        got.update(zip(tier.block_hashes, tier.parent_hashes, strict=True))
-    assert got == want
-    assert [e.seq for e in out] == list(range(1, len(out) + 1))
+    assert held(out) == want

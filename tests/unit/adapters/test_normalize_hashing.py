@@ -8,14 +8,14 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.canonical.events import BlockStored, KVEvent, Tier
-from adapters.canonical.hashing import BlockHasher, fmix64_inverse
-from adapters.canonical.namespace import Namespace
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_hashing import _np_fmix64_inverse, block_locals, chain_from_locals
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
 from adapters.trtllm.adapter import TrtllmNormalizer
+from kvcore.events import BlockStored, KVEvent, Tier
+from kvcore.hashing import BlockHasher, fmix64_inverse
+from kvcore.namespace import Namespace
 from tests.unit.adapters import trtllm_fixtures as trt
 
 u64 = st.integers(0, 2**64 - 1)
@@ -63,7 +63,7 @@ def sg_stored(h: int | list[int], parent: int | None, tokens: list[int]) -> dict
 
 def sg_events(batches: list[list[dict]]) -> list[KVEvent]:
     metrics = AdapterMetrics("sglang")
-    core = RankNormalizer(WorkerNormalizer("w", "m", BlockHasher(4), 1, metrics), metrics)
+    core = RankNormalizer(WorkerNormalizer("w", "m", BlockHasher(4), metrics), metrics)
     out: list[KVEvent] = []
     for seq, events in enumerate(batches):
         core.apply(seq, msgspec.msgpack.encode([0.0, events, 0]), out)
@@ -78,7 +78,7 @@ def test_sglang_batch_of_short_chains_matches_one_event_per_batch() -> None:
     events += [sg_stored(70, 5, [9, 9, 9, 9])]
     assert sg_events([events]) == sg_events([[e] for e in events])
     assert len(sg_events([events])) == 13
-    norm = WorkerNormalizer("w", "m", BlockHasher(4), 1)
+    norm = WorkerNormalizer("w", "m", BlockHasher(4))
     chains = [(len(e["block_hashes"]), e["token_ids"]) for e in events]
     assert norm.short_chain_locals(chains) is not None  # the batched path was taken
     # An invalid token id makes the batch fall back to per-event hashing: only it is lost.
@@ -101,7 +101,7 @@ def test_trtllm_answer_of_short_chains_matches_one_envelope_per_answer() -> None
     ]
 
     def run(answers: list[list[dict]]) -> list[KVEvent]:
-        norm = TrtllmNormalizer("w", "m", 4, 1, AdapterMetrics("trtllm"), first_epoch=1)
+        norm = TrtllmNormalizer("w", "m", 4, 1, AdapterMetrics("trtllm"))
         out: list[KVEvent] = []
         for answer in answers:
             out += norm.apply_payload(orjson.dumps(answer))
@@ -116,7 +116,7 @@ def test_children_continue_from_kept_chain_states_or_invert_the_parent() -> None
     """A child of a batched block reuses its chain state; other parents are inverted."""
     hasher = BlockHasher(4)
     seed = Namespace("m").seed
-    norm = WorkerNormalizer("w", "m", hasher, 1)
+    norm = WorkerNormalizer("w", "m", hasher)
     out: list[KVEvent] = []
     tokens = [[i, i + 1, i + 2, i + 3] for i in range(0, 40, 4)]
     norm.stored([1, 2], None, tokens[0] + tokens[1], Tier.GPU, out)  # per-event hashing
@@ -133,4 +133,10 @@ def test_children_continue_from_kept_chain_states_or_invert_the_parent() -> None
     expected = hasher.hash_tokens([tok for t in tokens for tok in t] + [7, 7, 7, 7], seed)
     got = [h for e in out if isinstance(e, BlockStored) for h in e.block_hashes]
     assert got == expected
-    assert norm.snapshot().tiers[0].parent_hashes == [None, *expected[:7], expected[9]]
+    gpu_parents = [
+        parent
+        for e in out
+        if isinstance(e, BlockStored) and e.tier is Tier.GPU
+        for parent in [e.parent_hash, *e.block_hashes[:-1]]
+    ]
+    assert gpu_parents == [None, *expected[:7], expected[9]]

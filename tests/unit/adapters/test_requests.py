@@ -7,10 +7,11 @@ from typing import Any
 import orjson
 import pytest
 
-from adapters.base import OpenAIError, RequestKind, TokenizedRequest
 from adapters.normalize_openai import error_from_engine
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
+from kvcore.errors import OpenAIError
+from kvcore.requests import RequestKind, TokenizedRequest
 
 
 def request(**kw: Any) -> TokenizedRequest:
@@ -143,8 +144,8 @@ def test_engine_error_bodies_become_openai_errors(
     raw = body if isinstance(body, bytes) else orjson.dumps(body)
     err = SGLangResponseTranslator(request()).error(status, raw)
     assert err.status == status
-    assert err.body()["error"]["message"] == message
-    assert err.body()["error"]["type"] == kind
+    assert err.to_dict()["error"]["message"] == message
+    assert err.to_dict()["error"]["type"] == kind
 
 
 def test_streamed_error_and_abort_raise_openai_errors() -> None:

@@ -8,9 +8,6 @@ import msgspec
 import pytest
 from structlog.testing import capture_logs
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.namespace import Namespace
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import BlockSizeMismatchError, RankNormalizer, RankSequencer, SeqAction
@@ -23,6 +20,9 @@ from adapters.sglang.wire import (
     parse_seq,
     tier_of,
 )
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.hashing import BlockHasher
+from kvcore.namespace import Namespace
 
 BS = 4
 
@@ -48,7 +48,7 @@ def payload(*events: dict, rank: int = 0) -> bytes:
 
 def make_core() -> tuple[RankNormalizer, AdapterMetrics]:
     metrics = AdapterMetrics("sglang")
-    norm = WorkerNormalizer("w", "m", BlockHasher(BS), 1, metrics)
+    norm = WorkerNormalizer("w", "m", BlockHasher(BS), metrics)
     return RankNormalizer(norm, metrics), metrics
 
 
@@ -151,7 +151,7 @@ def test_normalizes_a_batch_with_canonical_hashes() -> None:
     expect = BlockHasher(BS).hash_tokens(list(range(12)), Namespace("m").seed)
     assert out[0].block_hashes == expect[:2]
     assert out[1].block_hashes == expect[2:]
-    assert out[2] == BlockRemoved("w", 1, 3, Tier.GPU, [expect[2]])
+    assert out[2] == BlockRemoved("w", 0, 0, Tier.GPU, [expect[2]])
     assert metrics.value("engine_events", worker="w", type="BlockStored") == 2
     core.apply(1, payload({"type": "AllBlocksCleared"}), out)
     assert isinstance(out[-1], AllBlocksCleared)

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from adapters.base import EngineExtraMissingError
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.namespace import Namespace
 from adapters.storage.link import StoreMismatchError
 from adapters.trtllm import connector as trt
 from adapters.trtllm.connector_core import ConnectorMetadata, ConnectorSettings, rank_namespace
+from kvcore.hashing import BlockHasher
+from kvcore.namespace import Namespace
 from shm import BlockStoreClient
 from tests.unit.adapters.store_owner import OwnerThread, owner_config
 

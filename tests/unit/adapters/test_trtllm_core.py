@@ -6,12 +6,12 @@ import orjson
 import pytest
 from structlog.testing import capture_logs
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
-from adapters.canonical.hashing import BlockHasher
-from adapters.canonical.namespace import Namespace
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.trtllm.adapter import TrtllmNormalizer
 from adapters.trtllm.wire import BadEnvelope, Envelope, PlainStored, Stored, decode_envelopes
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.hashing import BlockHasher
+from kvcore.namespace import Namespace
 from tests.unit.adapters.trtllm_fixtures import (
     block,
     created,
@@ -31,7 +31,7 @@ def canon(tokens: list[int], salt: str | None = None, lora: str | None = None) -
 
 def make(dp_size: int = 1) -> tuple[TrtllmNormalizer, AdapterMetrics]:
     metrics = AdapterMetrics("trtllm")
-    return TrtllmNormalizer("w", "m", BS, dp_size, metrics, first_epoch=1), metrics
+    return TrtllmNormalizer("w", "m", BS, dp_size, metrics), metrics
 
 
 def run(norm: TrtllmNormalizer, *envelopes: dict) -> list[KVEvent]:
@@ -64,9 +64,9 @@ def test_stored_chain_removed_and_parent_links() -> None:
         envelope(3, removed([8, 999])),
     )
     h = canon(list(range(1, 13)))
-    assert out[0] == BlockStored("w", 1, 1, Tier.GPU, h[:2], None, list(range(1, 9)))
-    assert out[1] == BlockStored("w", 1, 2, Tier.GPU, h[2:], h[1], [9, 10, 11, 12])
-    assert out[2] == BlockRemoved("w", 1, 3, Tier.GPU, [h[2]])
+    assert out[0] == BlockStored("w", 0, 0, Tier.GPU, h[:2], None, list(range(1, 9)))
+    assert out[1] == BlockStored("w", 0, 0, Tier.GPU, h[2:], h[1], [9, 10, 11, 12])
+    assert out[2] == BlockRemoved("w", 0, 0, Tier.GPU, [h[2]])
     assert metrics.value("engine_events", worker="w", type="stored") == 2
     assert metrics.value("blocks", worker="w", outcome="unknown_removed") == 1
 
@@ -128,13 +128,13 @@ def test_multimodal_partial_and_extra_id_blocks_are_skipped() -> None:
     assert metrics.value("blocks", worker="w", outcome="skipped") == 2 + 2 + 1
 
 
-def test_event_ids_going_back_start_a_new_epoch() -> None:
-    """An engine restart (ids from 0 again, a created event) clears the worker: new epoch."""
+def test_event_ids_going_back_resync() -> None:
+    """An engine restart (ids from 0 again, a created event) clears the worker: a resync."""
     norm, metrics = make()
     run(norm, envelope(0, created()), envelope(1, stored(None, [block(1, [1, 2, 3, 4])])))
     out = run(norm, envelope(0, created()), envelope(1, stored(None, [block(1, [1, 2, 3, 4])])))
-    assert out[0] == AllBlocksCleared("w", 2, 1, Tier.GPU)
-    assert out[1] == BlockStored("w", 2, 2, Tier.GPU, canon([1, 2, 3, 4]), None, [1, 2, 3, 4])
+    assert out[0] == AllBlocksCleared("w", 0, 0, Tier.GPU)
+    assert out[1] == BlockStored("w", 0, 0, Tier.GPU, canon([1, 2, 3, 4]), None, [1, 2, 3, 4])
     assert metrics.value("resyncs", worker="w", reason="event_id_reset") == 1
 
 
@@ -143,18 +143,18 @@ def test_created_after_events_is_a_restart_even_without_id_reset() -> None:
     norm, metrics = make()
     run(norm, envelope(5, stored(None, [block(1, [1, 2, 3, 4])])))
     out = run(norm, envelope(6, created()))
-    assert out == [AllBlocksCleared("w", 2, 1, Tier.GPU)]
+    assert out == [AllBlocksCleared("w", 0, 0, Tier.GPU)]
     assert metrics.value("resyncs", worker="w", reason="engine_recreated") == 1
 
 
 def test_gap_resyncs_and_keeps_what_follows() -> None:
-    """Lost events (ids jump) cannot be replayed: new epoch, then the later events apply."""
+    """Lost events (ids jump) cannot be replayed: a resync, then the later events apply."""
     norm, metrics = make()
     run(norm, envelope(1, stored(None, [block(1, [1, 2, 3, 4])])))
     with capture_logs() as logs:
         out = run(norm, envelope(5, stored(None, [block(2, [5, 6, 7, 8])])))
     assert [type(e) for e in out] == [AllBlocksCleared, BlockStored]
-    assert out[1].epoch == 2 and out[1].seq == 2
+    assert out[1].token_ids == [5, 6, 7, 8]
     assert metrics.value("sequence_gaps", worker="w") == 1
     assert any(entry["event"] == "kv_event_gap_detected" for entry in logs)
 

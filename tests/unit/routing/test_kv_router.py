@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from adapters.canonical import BlockHasher, Namespace
-from adapters.canonical.events import BlockRemoved, BlockStored, Tier
+from kvcore import BlockHasher, Namespace
+from kvcore.events import BlockRemoved, BlockStored, Tier
 from routing.kv_router import KvRouter
 from routing.pending import PendingPrefixes
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.canonical import BlockHasher, Namespace
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
-from adapters.canonical.wire import WireError, encode
+from kvcore import BlockHasher, Namespace
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from kvcore.wire import WireError, encode
 from routing.prefix_index import ApplyOutcome, PrefixIndex
 
 HASHER = BlockHasher(16)

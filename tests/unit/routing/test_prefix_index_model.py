@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from adapters.canonical.events import (
+from kvcore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

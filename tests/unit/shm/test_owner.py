@@ -13,7 +13,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from shm import (
     AsyncBlockStoreClient,
     BlockSizeError,
@@ -101,12 +101,11 @@ async def test_host_tier_events(sock_dir: Path, owner_id: str) -> None:
                               parent_hashes=[None, 100], token_ids=[[1, 2], [3, 4]])
         await client.put((1, 102), block(2), parent_hash=101)
         await client.aclose()
-        epoch = owner.epoch
     assert events == [
-        BlockStored("worker-7", epoch, 1, Tier.HOST, [100, 101], None, [1, 2, 3, 4]),
-        BlockRemoved("worker-7", epoch, 2, Tier.HOST, [100]),
-        BlockStored("worker-7", epoch, 3, Tier.HOST, [102], 101, None),
-        AllBlocksCleared("worker-7", epoch, 4, Tier.HOST),
+        BlockStored("worker-7", 0, 0, Tier.HOST, [100, 101], None, [1, 2, 3, 4]),
+        BlockRemoved("worker-7", 0, 0, Tier.HOST, [100]),
+        BlockStored("worker-7", 0, 0, Tier.HOST, [102], 101, None),
+        AllBlocksCleared("worker-7", 0, 0, Tier.HOST),
     ]
 
 
@@ -123,7 +122,7 @@ async def test_published_puts_reach_the_listener_without_another_request(
             assert await client.put_many([(1, 1), (1, 2)], [block(1), block(2)],
                                          parent_hashes=[None, 1]) == [True, True]
             await wait_for(lambda: bool(events), "the stored event")
-            assert events == [BlockStored(cfg.effective_worker_id, owner.epoch, 1, Tier.HOST,
+            assert events == [BlockStored(cfg.effective_worker_id, 0, 0, Tier.HOST,
                                           [1, 2], None, None)]
             assert owner.stats().num_reserved == 0
         finally:

@@ -90,7 +90,7 @@ class TestSeqlock:
 
 def store_with_index(num_slots: int = 4) -> tuple[BlockStore, ReadIndex]:
     index = make_index(num_slots)
-    return BlockStore(num_slots, worker_id="w", epoch=1, read_index=index), index
+    return BlockStore(num_slots, worker_id="w", read_index=index), index
 
 
 def put(store: BlockStore, session: int, *hashes: int) -> list[int]:

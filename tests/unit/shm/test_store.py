@@ -7,7 +7,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from adapters.canonical.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from shm.errors import StaleDescriptorError, StoreFullError
 from shm.read_index import ReadIndex, ReadIndexLayout
 from shm.store import BlockStore
@@ -27,7 +27,7 @@ def put(store: BlockStore, session: int, *hashes: int) -> None:
 
 @pytest.fixture
 def store() -> BlockStore:
-    return BlockStore(4, worker_id="w0", epoch=7)
+    return BlockStore(4, worker_id="w0")
 
 
 class TestPuts:
@@ -161,17 +161,17 @@ class TestLeasesAndSessions:
 class TestEvents:
     def test_stored_chain_removed_and_cleared(self) -> None:
         """Commits, evictions and clears become host-tier events with seq 1, 2, 3, ..."""
-        store = BlockStore(2, worker_id="w0", epoch=7)
+        store = BlockStore(2, worker_id="w0")
         s = store.open_session()
         slots, gens = store.reserve(s, keys(10, 11), [None, 10], [[1, 2], [3, 4]])
         store.commit(s, slots, gens)  # type: ignore[arg-type]
         put(store, s, 12)
         store.clear()
         assert store.take_events() == [
-            BlockStored("w0", 7, 1, Tier.HOST, [10, 11], None, [1, 2, 3, 4]),
-            BlockRemoved("w0", 7, 2, Tier.HOST, [10]),
-            BlockStored("w0", 7, 3, Tier.HOST, [12], None, None),
-            AllBlocksCleared("w0", 7, 4, Tier.HOST),
+            BlockStored("w0", 0, 0, Tier.HOST, [10, 11], None, [1, 2, 3, 4]),
+            BlockRemoved("w0", 0, 0, Tier.HOST, [10]),
+            BlockStored("w0", 0, 0, Tier.HOST, [12], None, None),
+            AllBlocksCleared("w0", 0, 0, Tier.HOST),
         ]
         assert store.take_events() == []
 
@@ -190,14 +190,14 @@ class TestEvents:
         put(store, s, 1)
         store.take_events()
         store.remove(keys(1, 2))
-        assert store.take_events() == [BlockRemoved("w0", 7, 2, Tier.HOST, [1])]
+        assert store.take_events() == [BlockRemoved("w0", 0, 0, Tier.HOST, [1])]
 
 
 class TestWriteAheadGrants:
     def test_grant_is_capped_store_wide_and_evicts_like_a_reservation(self) -> None:
         """Grants top a session up to what it asks, within the store-wide cap; a full store
         evicts its least recent block for one, and a grant never raises StoreFullError."""
-        store = BlockStore(4, worker_id="w", epoch=1, max_granted=2)
+        store = BlockStore(4, worker_id="w", max_granted=2)
         a, b = store.open_session(), store.open_session()
         assert len(store.grant(a, 1)[0]) == 1
         assert store.grant(a, 1) == ([], [])  # already holds one
@@ -217,7 +217,7 @@ class TestWriteAheadGrants:
     def test_claim_reserves_granted_slots_and_skips_held_keys(self) -> None:
         """A claim reserves granted slots as given (same generations); a key held or in
         flight gets none and its slot stays granted; commit then publishes as usual."""
-        store = BlockStore(8, worker_id="w", epoch=1, max_granted=4)
+        store = BlockStore(8, worker_id="w", max_granted=4)
         a, b = store.open_session(), store.open_session()
         put(store, b, 1)
         slots, gens = store.grant(a, 3)
@@ -234,7 +234,7 @@ class TestWriteAheadGrants:
     def test_claim_rejects_what_was_not_granted(self) -> None:
         """Slots not granted to the session, stale generations or a slot named twice are
         refused and change nothing; a closed session's grants are freed."""
-        store = BlockStore(8, worker_id="w", epoch=1, max_granted=4)
+        store = BlockStore(8, worker_id="w", max_granted=4)
         a, b = store.open_session(), store.open_session()
         slots, gens = store.grant(a, 2)
         other, other_gens = store.grant(b, 1)
@@ -261,12 +261,11 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         region = np.zeros(ReadIndexLayout(6).nbytes, np.uint8)
         self.index = ReadIndex(region, 6, owner=True)  # kept in step: see check_invariants
-        self.store = BlockStore(6, worker_id="w", epoch=1, read_index=self.index,
+        self.store = BlockStore(6, worker_id="w", read_index=self.index,
                                 max_granted=3)
         self.sessions = [self.store.open_session() for _ in range(3)]
         self.leases: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
         self.grants: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
-        self.stored_seq = 0
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4),
           commit=st.booleans(), writer_publishes=st.booleans())
@@ -373,10 +372,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.check_invariants()
 
     @invariant()
-    def events_are_sequenced(self) -> None:
-        for event in self.store.take_events():
-            self.stored_seq += 1
-            assert event.seq == self.stored_seq and event.tier is Tier.HOST
+    def events_are_unstamped_host_events(self) -> None:
+        for event in self.store.take_events():  # the sidecar's relay numbers them
+            assert (event.epoch, event.seq) == (0, 0) and event.tier is Tier.HOST
+            assert event.worker_id == "w"
 
 
 TestStoreProperties = StoreMachine.TestCase

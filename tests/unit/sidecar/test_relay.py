@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from adapters.canonical.events import BlockRemoved, BlockStored, Tier, WorkerSnapshot
-from adapters.canonical.wire import decode
+from kvcore.events import BlockRemoved, BlockStored, Tier, WorkerSnapshot
+from kvcore.wire import decode
 from routing.prefix_index import PrefixIndex
 from sidecar.relay import EventRelay
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from routing.openai_api import ApiError, Endpoint, parse_request
+from kvcore.errors import OpenAIError
+from routing.openai_api import Endpoint, parse_request
 
 CHAT = Endpoint.CHAT
 CMPL = Endpoint.COMPLETIONS
@@ -77,7 +78,7 @@ BAD = [
 @pytest.mark.parametrize(("endpoint", "raw", "fragment"), BAD)
 def test_malformed_bodies_are_400(endpoint: Endpoint, raw: bytes, fragment: str) -> None:
     """Each malformed body is a 400 whose message says what was wrong."""
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(OpenAIError) as info:
         parse_request(endpoint, raw)
     assert info.value.status == 400
     assert fragment in info.value.message

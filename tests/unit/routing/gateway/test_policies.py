@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from adapters.canonical import BlockHasher, Namespace
+from kvcore import BlockHasher, Namespace
 from routing.config import RouterMode
 from routing.kv_router import KvRouter
 from routing.policies import make_policy

@@ -7,9 +7,10 @@ from pathlib import Path
 import orjson
 import pytest
 
-from adapters.canonical import BlockHasher, Namespace
+from kvcore import BlockHasher, Namespace
+from kvcore.errors import OpenAIError
 from routing.chat_template import ChatTemplate
-from routing.openai_api import ApiError, Endpoint, parse_request
+from routing.openai_api import Endpoint, parse_request
 from routing.prompt import PromptPreparer
 from routing.tokenizer import PromptTokenizer
 
@@ -58,7 +59,7 @@ def test_prompt_over_the_context_limit(tiny_model_dir: Path) -> None:
     """Prompt plus max_tokens over the limit is a 400 context_length_exceeded."""
     prep = _preparer(tiny_model_dir, limit=64)
     raw = orjson.dumps({"model": "m", "prompt": "hello world " * 10, "max_tokens": 60})
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(OpenAIError) as info:
         prep.prepare(parse_request(Endpoint.COMPLETIONS, raw))
     assert info.value.status == 400 and info.value.code == "context_length_exceeded"
     assert "maximum context length is 64 tokens" in info.value.message
@@ -69,7 +70,7 @@ def test_template_rejection_is_400(tiny_model_dir: Path) -> None:
     prep = _preparer(tiny_model_dir)
     prep.template = ChatTemplate("{{ raise_exception('roles must alternate') }}", {})
     raw = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}]})
-    with pytest.raises(ApiError, match="roles must alternate"):
+    with pytest.raises(OpenAIError, match="roles must alternate"):
         prep.prepare(parse_request(Endpoint.CHAT, raw))
 
 

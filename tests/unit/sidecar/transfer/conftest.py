@@ -16,7 +16,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from adapters.canonical.events import KVEvent
+from kvcore.events import KVEvent
 from shm import BlockStoreOwner, OwnerConfig
 from shm.local import LocalSession
 from sidecar.transfer import BlockTransferService, TransferConfig

@@ -10,7 +10,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from adapters.canonical.events import BlockStored
+from kvcore.events import BlockStored
 from sidecar.transfer import (
     BadTransferRequestError,
     BlockFormatMismatchError,

@@ -6,6 +6,11 @@ per-worker *sequence number* that grows by one per event inside an epoch, starti
 A consumer that sees a gap (or a new epoch mid-stream) resyncs from a ``WorkerSnapshot``
 taken at some sequence number ``seq``: the state after applying events ``1..seq``.
 
+Producers (the engine adapters, the block store) emit events *unstamped*: epoch and seq are
+``UNSTAMPED`` (0). The sidecar's event relay is the one place that stamps them, with its
+epoch and the next sequence number, before they leave the process. A producer that no
+longer knows what its worker holds says so explicitly with ``AllBlocksCleared``.
+
 Block hashes are canonical (``hashing.py``): chained, so holding block ``i`` of a request
 means the worker once stored blocks ``0..i-1`` under the same namespace. ``token_ids`` of a
 stored event are optional (a relay may strip them); when present there are exactly
@@ -22,6 +27,7 @@ from msgspec import Meta
 
 __all__ = [
     "U64",
+    "UNSTAMPED",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -39,6 +45,7 @@ U64 = Annotated[int, Meta(ge=0)]
 U32 = Annotated[int, Meta(ge=0, le=(1 << 32) - 1)]
 Counter = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 WorkerId = Annotated[str, Meta(min_length=1, max_length=256)]
+UNSTAMPED = 0  # the epoch and seq of an event no relay has stamped yet
 
 
 class Tier(enum.IntEnum):

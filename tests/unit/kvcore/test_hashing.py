@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.canonical import BlockHasher, Namespace, TokenIdError
-from adapters.canonical.hashing import fmix64, fmix64_inverse
+from kvcore import BlockHasher, Namespace, TokenIdError
+from kvcore.hashing import fmix64, fmix64_inverse
 
 MASK = (1 << 64) - 1
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"

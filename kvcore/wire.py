@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import msgspec
 
-from adapters.canonical.events import (
+from kvcore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     IndexSnapshot,
     WorkerSnapshot,
 )
-from adapters.canonical.stream import LoadReport, ResyncRequired, StreamStart
+from kvcore.stream import LoadReport, ResyncRequired, StreamStart
 
 __all__ = ["WIRE_VERSION", "Message", "WireError", "decode", "encode"]
 

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from adapters.canonical.events import Counter, WorkerId
+from kvcore.events import Counter, WorkerId
 
 __all__ = ["LoadReport", "ResyncRequired", "StreamStart"]
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adapters.canonical.events import (
+from kvcore.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -16,8 +16,8 @@ from adapters.canonical.events import (
     TierBlocks,
     WorkerSnapshot,
 )
-from adapters.canonical.stream import LoadReport, ResyncRequired, StreamStart
-from adapters.canonical.wire import WIRE_VERSION, WireError, decode, encode
+from kvcore.stream import LoadReport, ResyncRequired, StreamStart
+from kvcore.wire import WIRE_VERSION, WireError, decode, encode
 
 u64 = st.integers(0, 2**64 - 1)
 counters = st.integers(0, 2**63 - 1)

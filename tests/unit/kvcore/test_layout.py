@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adapters.canonical.layout import BlockLayout, LayoutKind
+from kvcore.layout import BlockLayout, LayoutKind
 
 
 def test_bytes_per_block_formula() -> None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import xxhash
 
-__all__ = ["Namespace"]
+__all__ = ["Namespace", "namespace_seed"]
 
 _SEED_DOMAIN = b"kvsidecar.namespace.v1"
 
@@ -40,3 +41,13 @@ class Namespace:
             _SEED_DOMAIN + _field(self.model_id) + _field(self.lora_name) + _field(self.cache_salt)
         )
         object.__setattr__(self, "seed", xxhash.xxh3_64_intdigest(encoded))
+
+
+@lru_cache(maxsize=4096)
+def namespace_seed(
+    model_id: str, lora_name: str | None = None, cache_salt: str | None = None
+) -> int:
+    """``Namespace(model_id, lora_name, cache_salt).seed``, memoised: every process hashes
+    under the same few namespaces again and again (bounded: a tenant salt per request
+    cannot grow it without limit)."""
+    return Namespace(model_id, lora_name or None, cache_salt or None).seed

@@ -1,0 +1,6 @@
+"""The canonical KV model shared by every kvsidecar process (DESIGN.md, "Canonical KV model")."""
+
+from kvcore.hashing import BlockHasher, TokenIdError
+from kvcore.namespace import Namespace, namespace_seed
+
+__all__ = ["BlockHasher", "Namespace", "TokenIdError", "namespace_seed"]
