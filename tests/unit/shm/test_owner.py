@@ -92,10 +92,10 @@ async def test_large_copies_off_the_loop(sock_dir: Path, owner_id: str) -> None:
 
 
 async def test_host_tier_events(sock_dir: Path, owner_id: str) -> None:
-    """Puts, evictions and shutdown reach the listener as sequenced host-tier events."""
+    """Puts, evictions and shutdown reach the listener as unstamped host-tier events."""
     events: list[KVEvent] = []
     cfg = config(sock_dir, owner_id, slots=2, worker_id="worker-7")
-    async with BlockStoreOwner(cfg, listener=events.append) as owner:
+    async with BlockStoreOwner(cfg, listener=events.append):
         client = await AsyncBlockStoreClient.connect(cfg.socket_path)
         await client.put_many([(1, 100), (1, 101)], [block(0), block(1)],
                               parent_hashes=[None, 100], token_ids=[[1, 2], [3, 4]])
