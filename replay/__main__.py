@@ -25,7 +25,7 @@ from replay.oracle import pooled_belady, pooled_lru
 from replay.report import PolicyResult, TraceReport, markdown_table, write_report
 from replay.summary import summarize
 from replay.traces import TRACE_BLOCK_TOKENS, TraceError, TraceRecord, load_for_replay
-from routing.scorer import ScoringWeights
+from routing.placement.scorer import ScoringWeights
 
 __all__ = ["build_parser", "main", "run_offline"]
 

@@ -4,7 +4,7 @@ The fleet driver walks the trace in arrival order. Before each arrival every rep
 to that moment (``ReplicaSim.advance``); whatever the replicas published meanwhile (stored and
 removed blocks, first tokens, finishes) reaches the router in time order, as the gateway would
 hear it; then the policy places the request and the replica queues it. Policies are the
-gateway's own (``routing.policies``) over one ``routing.kv_router.KvRouter`` per run:
+gateway's own (``routing.placement.policies``) over one ``KvRouter`` per run:
 
 * ``kv``: overlap from the replicas' stored/removed events plus speculative prefixes, and load;
 * ``approx``: no events, speculative prefixes only (kept ``approx_ttl_s``), and load;
@@ -28,9 +28,9 @@ from replay.replica import NoteKind, ReplicaSim, SimRequest
 from replay.summary import RequestOutcome
 from replay.traces import TRACE_BLOCK_TOKENS, TraceRecord
 from routing.config import RouterMode
-from routing.kv_router import KvRouter
-from routing.policies import make_policy
-from routing.scorer import ScoringWeights
+from routing.placement.kv_router import KvRouter
+from routing.placement.policies import make_policy
+from routing.placement.scorer import ScoringWeights
 
 __all__ = ["FleetConfig", "Policy", "SimRun", "outcomes", "simulate"]
 

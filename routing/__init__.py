@@ -1,35 +1,9 @@
-"""The gateway side of kvsidecar: prefix index, placement scorer, load accounting.
+"""The gateway: the OpenAI-compatible entry that places each request where its prefix is cached.
 
-Never imports torch, posix_ipc, shm or an engine package (DESIGN.md, package boundaries).
+Subpackages, lowest first: ``placement`` (the pure core: prefix index, load, scorer),
+``prompt`` (parse, template, tokens, hashes), ``workers`` (the registry, probes, the sidecars'
+event feeds), ``pd`` (prefill/decode pairs), ``pipeline`` (one request, stage by stage) and
+``serve`` (the process: HTTP server, upstream client, metrics).
+
+Imports only ``kvcore`` of ours: never torch, posix_ipc, shm or an engine package.
 """
-
-from routing.active_load import ActiveLoad, UnknownRequestError
-from routing.kv_router import KvRouter
-from routing.pending import PendingPrefixes
-from routing.prefix_index import ApplyOutcome, IndexStats, PrefixIndex
-from routing.scorer import (
-    Candidate,
-    Placement,
-    Pool,
-    Scorer,
-    ScoringWeights,
-    TierOverlap,
-    WorkerLoad,
-)
-
-__all__ = [
-    "ActiveLoad",
-    "ApplyOutcome",
-    "Candidate",
-    "IndexStats",
-    "KvRouter",
-    "PendingPrefixes",
-    "Placement",
-    "Pool",
-    "PrefixIndex",
-    "Scorer",
-    "ScoringWeights",
-    "TierOverlap",
-    "UnknownRequestError",
-    "WorkerLoad",
-]

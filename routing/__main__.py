@@ -12,8 +12,8 @@ import structlog
 import uvloop
 
 from kvcore.logs import configure_logging
-from routing.app import Gateway, load_config_summary
 from routing.config import RouterConfig
+from routing.serve.gateway import Gateway, load_config_summary
 
 __all__ = ["main"]
 

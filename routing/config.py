@@ -89,7 +89,7 @@ class RouterConfig:
     max_body_bytes: int = 32 << 20
     max_idle_connections_per_worker: int = 256
     seed: int | None = None
-    # Prefill/decode disaggregation (routing/disagg.py); values are PdMode / FailurePolicy.
+    # Prefill/decode disaggregation (routing/pd/coordinator.py); values are PdMode / FailurePolicy.
     pd_mode: str = "auto"
     kv_load_failure_policy: str = "fallback"
     kv_transfer_timeout_s: float = 10.0

@@ -43,7 +43,7 @@ import xxhash
 from kvcore import BlockHasher, Namespace
 from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
 from kvcore.wire import decode, encode
-from routing.prefix_index import PrefixIndex
+from routing.placement.prefix_index import PrefixIndex
 
 BLOCK_SIZE = 16
 WORKERS = 8

@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 from kvcore import BlockHasher, Namespace  # noqa: E402
 from kvcore.events import BlockStored, Tier  # noqa: E402
-from routing.chat_template import ChatTemplate  # noqa: E402
-from routing.hash_cache import PrefixHashCache  # noqa: E402
-from routing.kv_router import KvRouter  # noqa: E402
-from routing.tokenizer import PromptTokenizer  # noqa: E402
+from routing.placement.kv_router import KvRouter  # noqa: E402
+from routing.prompt.chat_template import ChatTemplate  # noqa: E402
+from routing.prompt.hash_cache import PrefixHashCache  # noqa: E402
+from routing.prompt.tokenizer import PromptTokenizer  # noqa: E402
 
 BLOCK_SIZE = 16
 WORKERS = [f"worker-{i}" for i in range(8)]

@@ -32,7 +32,7 @@ from replay.__main__ import run_offline
 from replay.offline import FleetConfig, Policy, simulate
 from replay.report import markdown_table
 from replay.traces import TRACE_BLOCK_TOKENS, load_trace
-from routing.scorer import ScoringWeights
+from routing.placement.scorer import ScoringWeights
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"

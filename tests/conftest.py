@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import tiny_model
+
 _SHM_DIR = Path("/dev/shm")
 _SHM_PREFIX = "kvsidecar-"
 _SHM_GRACE_S = 5.0
@@ -33,3 +35,9 @@ def no_leaked_shm_segments() -> Iterator[None]:
     while (leaked := _our_segments() - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-3-style model directory with a small trained BPE tokenizer."""
+    return tiny_model.write_model_dir(tmp_path_factory.mktemp("tiny-model"))

@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestServer
 
 from kvcore.events import BlockRemoved, BlockStored, Tier
 from kvcore.stream import LoadReport
-from routing.event_feed import SidecarFeed
-from routing.kv_router import KvRouter
+from routing.placement.kv_router import KvRouter
+from routing.workers.event_feed import SidecarFeed
 from sidecar.event_stream import EventStream
 from sidecar.relay import EventRelay
 

@@ -24,8 +24,8 @@ kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
 from kvcore import BlockHasher, Namespace  # noqa: E402
 from kvcore.events import Tier  # noqa: E402
 from kvsidecar.launch import ManagedProcess  # noqa: E402
-from routing.event_feed import SidecarFeed  # noqa: E402
-from routing.kv_router import KvRouter  # noqa: E402
+from routing.placement.kv_router import KvRouter  # noqa: E402
+from routing.workers.event_feed import SidecarFeed  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 PAGE = 16

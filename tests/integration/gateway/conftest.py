@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import select
 import subprocess
@@ -17,15 +16,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 FAKE = Path(__file__).with_name("fake_openai.py")
 STARTUP_S = 20.0
-
-
-def _load_tiny_model():  # type: ignore[no-untyped-def]
-    path = ROOT / "tests" / "unit" / "routing" / "gateway" / "tiny_model.py"
-    spec = importlib.util.spec_from_file_location("_gateway_tiny_model_it", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -120,9 +110,3 @@ def module_spawn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawner]:
     spawner = Spawner(tmp_path_factory.mktemp("gateway"))
     yield spawner
     spawner.stop_all()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Llama-3-style model directory with a small trained BPE tokenizer."""
-    return _load_tiny_model().write_model_dir(tmp_path_factory.mktemp("tiny-model"))

@@ -26,7 +26,7 @@ from shm import (
     segments_of,
 )
 from shm.segment import Segment, unlink_stale_segments
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("_worker.py")

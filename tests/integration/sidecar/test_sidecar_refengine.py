@@ -15,8 +15,8 @@ import pytest
 from kvcore import BlockHasher, Namespace
 from kvcore.events import Tier
 from kvsidecar.launch import ManagedProcess
-from routing.event_feed import SidecarFeed
-from routing.kv_router import KvRouter
+from routing.placement.kv_router import KvRouter
+from routing.workers.event_feed import SidecarFeed
 
 EVENTS = json.dumps(
     {

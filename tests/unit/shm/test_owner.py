@@ -30,7 +30,7 @@ from shm import (
     UnknownBlockError,
 )
 from shm.protocol import decode_reply, encode
-from tests.polling import wait_for
+from tests.support.polling import wait_for
 
 BLOCK = 256  # bytes: 128 float16 elements
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvcore.events import BlockRemoved, BlockStored, Tier, WorkerSnapshot
 from kvcore.wire import decode
-from routing.prefix_index import PrefixIndex
+from routing.placement.prefix_index import PrefixIndex
 from sidecar.relay import EventRelay
 
 

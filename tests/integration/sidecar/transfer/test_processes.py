@@ -15,7 +15,7 @@ import pytest
 from shm.local import LocalSession
 from sidecar.transfer import PeerUnavailableError, TransferTimeoutError, Transport
 from tests.integration.sidecar.transfer._procs import ENV, PeerProcess, content
-from tests.polling import wait_for, wait_until
+from tests.support.polling import wait_for, wait_until
 from tests.unit.sidecar.transfer.conftest import Peer, PeerFactory
 
 KEYS = [(11, i) for i in range(16)]

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation in the gateway: the pools, pair placement and backpressure."""

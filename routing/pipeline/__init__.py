@@ -1,0 +1,2 @@
+"""One request's way through the gateway: parse → prepare → place → execute → relay →
+finish, one record per request."""

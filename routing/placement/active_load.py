@@ -1,0 +1,192 @@
+"""Active-load bookkeeping: what the gateway has in flight on each worker.
+
+Per worker: prefill tokens not yet prefilled, KV blocks held by active requests, and the
+request count. The lifecycle of a request, as the gateway sees it::
+
+    add (on dispatch) → first_token (prefill done) → tokens_generated* → finish (or abort)
+
+Prefill tokens are the request's *uncached* prompt tokens; they count until its first token.
+Prompt blocks of requests on the same worker that share a prefix count once (refcounted, as an
+engine's prefix cache shares them); generated tokens add a block each time they cross a block
+boundary. Everything is released on finish.
+
+To tell a candidate how many of a new request's blocks it already holds actively, the
+refcounts themselves are searched: every active request holds a whole prefix of its chain
+and hashes are chained, so a worker's active set is prefix-closed and "block i is active"
+is monotone in i — a binary search over the request's blocks finds the depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from routing.placement.scorer import WorkerLoad
+
+__all__ = ["ActiveLoad", "UnknownRequestError"]
+
+
+class UnknownRequestError(KeyError):
+    """A lifecycle call for a request id that is not in flight."""
+
+
+@dataclass(slots=True)
+class _Request:
+    worker_id: str
+    block_hashes: Sequence[int]
+    prompt_tokens: int
+    prefill_tokens: int  # uncached prompt tokens, until the first token
+    output_tokens: int = 0
+    output_blocks: int = 0
+
+
+@dataclass(slots=True)
+class _WorkerTotals:
+    prefill_tokens: int = 0
+    output_blocks: int = 0
+    in_flight: int = 0
+    capacity_blocks: int | None = None
+
+
+class ActiveLoad:
+    """In-flight requests per worker and the load figures the scorer needs."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._requests: dict[str, _Request] = {}
+        self._workers: dict[str, _WorkerTotals] = {}
+        self._refs: dict[str, dict[int, int]] = {}  # worker → active prompt block → refcount
+
+    # --- lifecycle ----------------------------------------------------------------------
+
+    def add(
+        self,
+        request_id: str,
+        worker_id: str,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        cached_tokens: int = 0,
+    ) -> None:
+        """A request was dispatched to ``worker_id`` with ``cached_tokens`` predicted cached."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        prefill = max(0, prompt_tokens - cached_tokens)
+        self._requests[request_id] = _Request(worker_id, block_hashes, prompt_tokens, prefill)
+        totals = self._totals(worker_id)
+        totals.prefill_tokens += prefill
+        totals.in_flight += 1
+        refs = self._refs.setdefault(worker_id, {})
+        for block in block_hashes:
+            refs[block] = refs.get(block, 0) + 1
+
+    def first_token(self, request_id: str) -> None:
+        """The request's prefill is done: its prefill tokens no longer load the worker."""
+        request = self._get(request_id)
+        self._workers[request.worker_id].prefill_tokens -= request.prefill_tokens
+        request.prefill_tokens = 0
+
+    def tokens_generated(self, request_id: str, count: int = 1) -> None:
+        """The request produced ``count`` more tokens (its KV grows by whole blocks)."""
+        request = self._get(request_id)
+        if request.prefill_tokens:
+            self.first_token(request_id)
+        request.output_tokens += count
+        total = request.prompt_tokens + request.output_tokens
+        blocks = total // self.block_size - request.prompt_tokens // self.block_size
+        self._workers[request.worker_id].output_blocks += blocks - request.output_blocks
+        request.output_blocks = blocks
+
+    def finish(self, request_id: str) -> None:
+        """The request ended (finished, failed or aborted): release everything it held."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        totals = self._workers[request.worker_id]
+        totals.prefill_tokens -= request.prefill_tokens
+        totals.output_blocks -= request.output_blocks
+        totals.in_flight -= 1
+        refs = self._refs[request.worker_id]
+        for block in request.block_hashes:
+            count = refs[block] - 1
+            if count:
+                refs[block] = count
+            else:
+                del refs[block]
+
+    # --- queries ------------------------------------------------------------------------
+
+    def set_capacity(self, worker_id: str, capacity_blocks: int | None) -> None:
+        self._totals(worker_id).capacity_blocks = capacity_blocks
+
+    def load(self, worker_id: str, block_hashes: Sequence[int] = ()) -> WorkerLoad:
+        """The worker's load, with ``block_hashes`` (a new request) counted as if added."""
+        return self.loads([worker_id], block_hashes)[0]
+
+    def loads(self, worker_ids: Sequence[str], block_hashes: Sequence[int]) -> list[WorkerLoad]:
+        """``load`` for each worker, with ``block_hashes`` counted as if added there."""
+        out = []
+        for worker_id in worker_ids:
+            totals = self._workers.get(worker_id)
+            if totals is None:
+                out.append(WorkerLoad(decode_blocks=len(block_hashes)))
+                continue
+            refs = self._refs.get(worker_id, {})
+            out.append(
+                WorkerLoad(
+                    active_prefill_tokens=totals.prefill_tokens,
+                    decode_blocks=len(refs)
+                    + totals.output_blocks
+                    + len(block_hashes)
+                    - _active_depth(refs, block_hashes),
+                    in_flight=totals.in_flight,
+                    capacity_blocks=totals.capacity_blocks,
+                )
+            )
+        return out
+
+    def worker_of(self, request_id: str) -> str | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.worker_id
+
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def forget_worker(self, worker_id: str) -> list[str]:
+        """Drop a dead worker's accounting; returns the request ids that were on it."""
+        lost = [rid for rid, r in self._requests.items() if r.worker_id == worker_id]
+        for rid in lost:
+            del self._requests[rid]
+        self._workers.pop(worker_id, None)
+        self._refs.pop(worker_id, None)
+        return lost
+
+    # --- internals ----------------------------------------------------------------------
+
+    def _get(self, request_id: str) -> _Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise UnknownRequestError(request_id)
+        return request
+
+    def _totals(self, worker_id: str) -> _WorkerTotals:
+        totals = self._workers.get(worker_id)
+        if totals is None:
+            totals = self._workers[worker_id] = _WorkerTotals()
+        return totals
+
+
+def _active_depth(refs: dict[int, int], block_hashes: Sequence[int]) -> int:
+    """How many leading blocks of the request are active (prefix-closed: binary search)."""
+    n = len(block_hashes)
+    if not n or not refs or block_hashes[0] not in refs:
+        return 0
+    if block_hashes[n - 1] in refs:
+        return n
+    lo, hi = 1, n - 1  # block lo-1 is active, block hi is not
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if block_hashes[mid] in refs:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

@@ -1,0 +1,110 @@
+"""The routing core assembled: prefix index + speculative prefixes + active load + scorer.
+
+Pure and synchronous like its parts; the gateway drives it from its event loop::
+
+    router.apply(event)                               # every sidecar event
+    placement = router.place(block_hashes, prompt_tokens, workers)   # choose
+    router.dispatch(request_id, placement, block_hashes, prompt_tokens)  # commit
+    router.load.first_token(request_id) ... router.load.finish(request_id)
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
+
+from kvcore.events import BlockStored, KVEvent, Tier
+from routing.placement.active_load import ActiveLoad
+from routing.placement.pending import PendingPrefixes
+from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
+from routing.placement.scorer import Candidate, Placement, Pool, Scorer, ScoringWeights, TierOverlap
+
+__all__ = ["KvRouter"]
+
+
+class KvRouter:
+    """KV-aware placement over a set of workers."""
+
+    def __init__(
+        self,
+        *,
+        block_size: int = 16,
+        weights: ScoringWeights | None = None,
+        speculative_ttl_s: float = 2.0,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.index = PrefixIndex()
+        self.pending = PendingPrefixes(speculative_ttl_s)
+        self.load = ActiveLoad(block_size)
+        self.scorer = Scorer(weights or ScoringWeights(), block_size, rng)
+        self._clock = clock
+
+    def apply(self, event: KVEvent) -> ApplyOutcome:
+        """Feed one normalized event; a GPU store confirms speculative blocks."""
+        outcome = self.index.apply(event)
+        if type(event) is BlockStored and event.tier is Tier.GPU:
+            self.pending.confirm(event.worker_id, event.block_hashes)
+        return outcome
+
+    def remove_worker(self, worker_id: str) -> list[str]:
+        """A worker is gone: its blocks leave the index; returns its in-flight request ids."""
+        self.index.remove_worker(worker_id)
+        self.pending.forget_worker(worker_id)
+        return self.load.forget_worker(worker_id)
+
+    def candidates(self, block_hashes: Sequence[int], workers: Sequence[str]) -> list[Candidate]:
+        """Every worker's overlap (real or speculative) and load for this request."""
+        tiers = self.index.match_tiers(block_hashes) if block_hashes else {}
+        gpu = tiers.get(Tier.GPU, {})
+        host = tiers.get(Tier.HOST, {})
+        disk = tiers.get(Tier.DISK, {})
+        remote = tiers.get(Tier.REMOTE, {})
+        pending = self.pending.match(block_hashes, self._clock()) if block_hashes else {}
+        loads = self.load.loads(workers, block_hashes)
+        out = []
+        for worker_id, worker_load in zip(workers, loads, strict=True):
+            load = worker_load
+            real = gpu.get(worker_id, 0)
+            speculative = pending.get(worker_id, 0)
+            if speculative > real and load.active_prefill_tokens:
+                # The blocks only speculated on this worker are being prefilled right now by
+                # requests in flight there; this request rides on that prefill instead of
+                # queueing the same work again, so it does not count against the worker.
+                shared = min(load.active_prefill_tokens, (speculative - real) * self.block_size)
+                load = replace(load, active_prefill_tokens=load.active_prefill_tokens - shared)
+            overlap = TierOverlap(
+                max(real, speculative),
+                host.get(worker_id, 0),
+                disk.get(worker_id, 0),
+                remote.get(worker_id, 0),
+            )
+            out.append(Candidate(worker_id, overlap, load))
+        return out
+
+    def place(
+        self,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        workers: Sequence[str],
+        pool: Pool = Pool.AGGREGATED,
+        exclude: Collection[str] = (),
+    ) -> Placement | None:
+        """Choose a worker (None: no eligible worker). Does not record anything."""
+        eligible = [w for w in workers if w not in exclude] if exclude else list(workers)
+        return self.scorer.place(self.candidates(block_hashes, eligible), prompt_tokens, pool)
+
+    def dispatch(
+        self,
+        request_id: str,
+        placement: Placement,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+    ) -> None:
+        """Commit a placement: count its load and speculate its prefix onto the worker."""
+        cached_tokens = min(prompt_tokens, placement.overlap.longest * self.block_size)
+        self.load.add(request_id, placement.worker_id, block_hashes, prompt_tokens, cached_tokens)
+        self.pending.record(placement.worker_id, block_hashes, self._clock())

@@ -1,0 +1,139 @@
+"""Placement policies: which worker a request goes to, one class per ``--router-mode``.
+
+Every policy returns a ``Placement`` (worker, cost, predicted overlap) so the gateway commits
+every request through ``KvRouter.dispatch`` and releases it through ``router.load``, whatever
+the mode: least-loaded reads the same in-flight figures the KV cost uses.
+
+``kv`` and ``approx`` both score with ``KvRouter``: prefix overlap (real from sidecar events,
+speculative from recent placements) plus active load. Plain workers publish no events, so for
+them the speculative prefixes (kept ``--approx-ttl-s``) are all there is and ``kv`` behaves
+like ``approx``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection, Sequence
+from typing import Protocol, assert_never
+
+from routing.config import RouterMode
+from routing.placement.kv_router import KvRouter
+from routing.placement.scorer import Placement, TierOverlap
+
+__all__ = ["LeastLoaded", "Policy", "PrefixAware", "RandomChoice", "RoundRobin", "make_policy"]
+
+_NO_OVERLAP = TierOverlap()
+
+
+class Policy(Protocol):
+    uses_prefix: bool  # does the policy look at block hashes?
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        workers: Sequence[str],
+        exclude: Collection[str],
+    ) -> Placement | None: ...
+
+
+def _eligible(workers: Sequence[str], exclude: Collection[str]) -> Sequence[str]:
+    return [w for w in workers if w not in exclude] if exclude else workers
+
+
+class RoundRobin:
+    uses_prefix = False
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        workers: Sequence[str],
+        exclude: Collection[str],
+    ) -> Placement | None:
+        eligible = _eligible(workers, exclude)
+        if not eligible:
+            return None
+        i = self._next
+        self._next = i + 1
+        return Placement(eligible[i % len(eligible)], 0.0, _NO_OVERLAP)
+
+
+class RandomChoice:
+    uses_prefix = False
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        workers: Sequence[str],
+        exclude: Collection[str],
+    ) -> Placement | None:
+        eligible = _eligible(workers, exclude)
+        if not eligible:
+            return None
+        return Placement(self._rng.choice(eligible), 0.0, _NO_OVERLAP)
+
+
+class LeastLoaded:
+    """Fewest requests in flight; ties rotate so equal load spreads evenly."""
+
+    uses_prefix = False
+
+    def __init__(self, router: KvRouter) -> None:
+        self._router = router
+        self._turn = 0
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        workers: Sequence[str],
+        exclude: Collection[str],
+    ) -> Placement | None:
+        eligible = _eligible(workers, exclude)
+        if not eligible:
+            return None
+        loads = self._router.load.loads(eligible, ())
+        low = min(load.in_flight for load in loads)
+        tied = [w for w, load in zip(eligible, loads, strict=True) if load.in_flight == low]
+        self._turn += 1
+        return Placement(tied[self._turn % len(tied)], float(low), _NO_OVERLAP)
+
+
+class PrefixAware:
+    """``kv`` and ``approx``: Dynamo's cost over real and speculative overlap plus load."""
+
+    uses_prefix = True
+
+    def __init__(self, router: KvRouter) -> None:
+        self._router = router
+
+    def choose(
+        self,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        workers: Sequence[str],
+        exclude: Collection[str],
+    ) -> Placement | None:
+        return self._router.place(block_hashes, prompt_tokens, workers, exclude=exclude)
+
+
+def make_policy(mode: RouterMode, router: KvRouter, rng: random.Random) -> Policy:
+    match mode:
+        case RouterMode.ROUND_ROBIN:
+            return RoundRobin()
+        case RouterMode.RANDOM:
+            return RandomChoice(rng)
+        case RouterMode.LEAST_LOADED:
+            return LeastLoaded(router)
+        case RouterMode.KV | RouterMode.APPROX:
+            return PrefixAware(router)
+        case _:
+            assert_never(mode)

@@ -1,0 +1,2 @@
+"""The workers requests go to: one registry (kind, role, health, capacity), the probes, the
+sidecars' discovery and their event feeds."""

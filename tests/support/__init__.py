@@ -1,0 +1,1 @@
+"""Helpers shared by the suites, imported as ``tests.support.*`` (fixtures: conftest.py)."""

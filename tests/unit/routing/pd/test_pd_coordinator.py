@@ -1,0 +1,103 @@
+"""The gateway's disaggregation settings, pool filter, decode reservations and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from routing.config import RouterConfig
+from routing.pd.coordinator import DEFAULT_RESERVE_TOKENS, FailurePolicy, PdMode
+from routing.pd.pd_request import _error_code, _error_message
+from routing.serve.gateway import Gateway
+
+MODEL = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
+SIDECAR = "http://127.0.0.1:9"
+
+
+def _config(*flags: str) -> RouterConfig:
+    return RouterConfig.from_args(["--sidecar", SIDECAR, "--model-path", str(MODEL), *flags])
+
+
+class TestConfig:
+    def test_defaults_are_auto_and_fallback(self) -> None:
+        """Without flags the gateway pairs prefill/decode workers and falls back on failure."""
+        cfg = _config()
+        assert PdMode(cfg.pd_mode) is PdMode.AUTO
+        assert FailurePolicy(cfg.kv_load_failure_policy) is FailurePolicy.FALLBACK
+        assert (cfg.kv_transfer_timeout_s, cfg.pd_queue_timeout_s) == (10.0, 30.0)
+
+    def test_flags_map_to_fields(self) -> None:
+        """Each disaggregation flag lands in its field."""
+        cfg = _config("--pd-mode", "sglang", "--kv-load-failure-policy", "fail",
+                      "--kv-transfer-timeout-s", "2.5", "--pd-queue-timeout-s", "0")
+        assert (cfg.pd_mode, cfg.kv_load_failure_policy) == ("sglang", "fail")
+        assert (cfg.kv_transfer_timeout_s, cfg.pd_queue_timeout_s) == (2.5, 0.0)
+
+    @pytest.mark.parametrize(
+        ("field", "value", "message"),
+        [
+            ("pd_mode", "both", "pd_mode must be auto, sglang or off"),
+            ("kv_load_failure_policy", "retry", "kv_load_failure_policy must be fail or fallback"),
+            ("kv_transfer_timeout_s", -1.0, "kv_transfer_timeout_s must be a finite number"),
+            ("pd_queue_timeout_s", float("nan"), "pd_queue_timeout_s must be a finite number"),
+        ],
+    )
+    def test_bad_values_are_refused(self, field: str, value: object, message: str) -> None:
+        """A bad disaggregation setting fails at construction with a message naming it."""
+        from routing.config import WorkerAddress
+
+        with pytest.raises(ValueError, match=message):
+            RouterConfig(workers=(), sidecars=(WorkerAddress.parse(SIDECAR),), model_path=MODEL,
+                         **{field: value})  # type: ignore[arg-type]
+
+
+class TestCoordinator:
+    async def test_reservation_covers_prompt_and_output(self) -> None:
+        """A decode reservation is the prompt plus max_tokens (a default without), in blocks."""
+        gw = Gateway(_config())
+        assert gw.pd is not None
+        assert gw.pd.reserve_blocks(100, 60) == 10  # ceil(160 / 16)
+        assert gw.pd.reserve_blocks(16, 0) == 1
+        assert gw.pd.reserve_blocks(0, None) == DEFAULT_RESERVE_TOKENS // 16
+
+    async def test_no_roles_means_every_worker_is_aggregated(self) -> None:
+        """Before any sidecar declares a role, aggregated placement sees every worker."""
+        gw = Gateway(_config())
+        assert gw.pd is not None
+        workers = list(gw.workers)
+        assert not gw.pd.has_roles()
+        assert gw.pd.agg_only(workers) == workers
+        assert gw.pd.pool("prefill") == [] and gw.pd.pool("decode") == []
+
+    async def test_metrics_are_exported_with_the_gateways(self) -> None:
+        """The disaggregation counters render on the gateway's /metrics, with their labels."""
+        gw = Gateway(_config())
+        assert gw.pd is not None
+        gw.pd.metrics.transfer_failures["fail"] += 2
+        gw.pd.metrics.fallbacks["rerun"] += 1
+        text = gw.metrics.render().decode()
+        assert 'kvsidecar_gateway_kv_transfer_failures_total{policy="fail"} 2.0' in text
+        assert 'kvsidecar_gateway_pd_fallbacks_total{outcome="rerun"} 1.0' in text
+        assert "kvsidecar_gateway_pd_waiting 0.0" in text
+        await asyncio.sleep(0)
+
+    def test_gateway_without_sidecars_has_no_coordinator(self) -> None:
+        """Plain workers only: nothing of disaggregation is set up."""
+        cfg = RouterConfig.from_args(["--worker", "http://127.0.0.1:9"])
+        assert Gateway(cfg).pd is None
+
+
+class TestSidecarErrors:
+    def test_transfer_failure_code_and_message_are_read(self) -> None:
+        """The sidecar's OpenAI-shaped error yields its code and message."""
+        raw = b'{"error":{"message":"KV transfer failed: x","type":"bad_gateway",' \
+              b'"param":null,"code":"kv_transfer_failed"}}'
+        assert _error_code(raw) == "kv_transfer_failed"
+        assert _error_message(raw) == "KV transfer failed: x"
+
+    def test_non_json_error_is_reported_verbatim(self) -> None:
+        """A non-JSON error body has no code; its head is the message."""
+        assert _error_code(b"<html>oops</html>") is None
+        assert _error_message(b"<html>oops</html>") == "<html>oops</html>"

@@ -1,0 +1,137 @@
+"""Prompt tokenization: the segment cache always equals whole-text tokenization."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from routing.prompt.chat_template import ChatTemplate
+from routing.prompt.tokenizer import PromptTokenizer
+
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "you",
+    "are",
+    "helpful",
+    "hello",
+    "world",
+    "",
+    "tabs\tand\nnewlines,",
+    "KV",
+    "cache",
+    "ü",
+    "日本",
+]
+
+
+def _conversation(rng: random.Random, turns: int) -> list[dict[str, str]]:
+    messages = [{"role": "system", "content": " ".join(rng.choices(WORDS, k=30))}]
+    for t in range(turns):
+        role = "user" if t % 2 == 0 else "assistant"
+        messages.append(
+            {"role": role, "content": " ".join(rng.choices(WORDS, k=rng.randrange(1, 40)))}
+        )
+    return messages
+
+
+def test_multi_turn_cache_equals_full_tokenization(tiny_model_dir: Path) -> None:
+    """Every turn of random chats tokenizes to exactly the uncached ids, from the cache."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None and tok.segmented
+    rng = random.Random(7)
+    for _ in range(20):
+        messages = _conversation(rng, 9)
+        for turn in range(2, len(messages) + 1):
+            text = template.render(messages[:turn])
+            assert tok.encode_chat(text) == tok.encode_full(text, add_special_tokens=False)
+
+
+def test_edited_history_and_special_text_in_content(tiny_model_dir: Path) -> None:
+    """An edited earlier message, or special-token text inside content, stays exact."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None
+    rng = random.Random(11)
+    for _ in range(10):
+        messages = _conversation(rng, 6)
+        tok.encode_chat(template.render(messages))
+        messages[2] = {
+            "role": "assistant",
+            "content": "edited <|eot_id|> inside<|start_header_id|>",
+        }
+        text = template.render(messages)
+        assert tok.encode_chat(text) == tok.encode_full(text, add_special_tokens=False)
+        assert tok.encode_chat(text) == tok.encode_full(text, add_special_tokens=False)
+
+
+def test_next_turn_reuses_the_history(tiny_model_dir: Path) -> None:
+    """Turn N+1 takes turn N's tokens from the cache; only its new message is tokenized."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None
+    messages = _conversation(random.Random(1), 6)
+    tok.encode_chat(template.render(messages))
+    history = template.render(messages, add_generation_prompt=False)
+    before = tok.hit_tokens
+    messages.append({"role": "user", "content": "one more question"})
+    total = len(tok.encode_chat(template.render(messages)))
+    hits = tok.hit_tokens - before
+    assert hits >= len(tok.encode_full(history, False))
+    assert total - hits <= len(
+        tok.encode_full(
+            "user<|end_header_id|>\n\none more question<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            False,
+        )
+    )
+
+
+def test_completion_prompts_get_bos_and_are_cached(tiny_model_dir: Path) -> None:
+    """Completion prompts carry the tokenizer's special tokens; a repeat is a cache hit."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    ids = tok.encode_completion("hello world")
+    assert ids == tok.encode_full("hello world", True) and ids[0] == 0
+    before = tok.hit_tokens
+    assert tok.encode_completion("hello world") == ids
+    assert tok.hit_tokens - before == len(ids)
+
+
+def test_cache_is_bounded(tiny_model_dir: Path) -> None:
+    """The cache holds at most max_cached_tokens tokens."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    tok.max_cached_tokens = 400
+    for i in range(100):
+        tok.encode_completion(f"prompt number {i} " * 3)
+    assert tok._cached_tokens <= 400
+
+
+def test_first_piece_only_normalizer_disables_segmenting() -> None:
+    """A tokenizer whose pieces do not tokenize independently is detected and tokenized whole."""
+    vocab = {"[UNK]": 0, "<sep>": 1, "▁a": 2, "a": 3, "▁b": 4, "b": 5, "▁": 6}
+    inner = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+    inner.normalizer = normalizers.Sequence([])
+    inner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    inner.add_special_tokens(["<sep>"])
+    tok = PromptTokenizer(inner)
+    assert not tok.segmented
+    text = "a b<sep>a b<sep>b"
+    assert tok.encode_chat(text) == tok.encode_full(text, False)
+
+
+def test_reference_engine_model_if_present() -> None:
+    """The reference engine's tiny model (when built) segments correctly too."""
+    path = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
+    if not (path / "tokenizer.json").is_file():
+        return  # the reference engine's model is not built in this checkout
+    tok = PromptTokenizer.from_model_dir(path)
+    template = ChatTemplate.from_model_dir(path)
+    assert template is not None
+    messages = _conversation(random.Random(3), 5)
+    text = template.render(messages)
+    assert tok.encode_chat(text) == tok.encode_full(text, False)
