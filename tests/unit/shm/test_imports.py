@@ -25,7 +25,7 @@ def test_shm_loads_no_torch_or_higher_layer() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["shm", *(f"shm.{info.name}" for info in pkgutil.iter_modules([str(ROOT / "shm")]))],
+    ["shm", *(info.name for info in pkgutil.walk_packages([str(ROOT / "shm")], prefix="shm."))],
 )
 def test_each_module_imports_on_its_own(module: str) -> None:
     """Every shm module imports in a fresh interpreter."""

@@ -31,6 +31,7 @@ from shm import (
 )
 from shm.protocol import decode_reply, encode
 from tests.support.polling import wait_for
+from tests.unit.shm.store_checks import check_store
 
 BLOCK = 256  # bytes: 128 float16 elements
 
@@ -466,7 +467,7 @@ async def test_puts_claim_slots_granted_ahead(sock_dir: Path, owner_id: str) -> 
         await asyncio.to_thread(_grant_scenario, owner.config.socket_path)
         stats = owner.stats()
         assert stats.num_granted == 0 and stats.num_blocks == 16  # the writer left
-        owner.store.check_invariants()  # type: ignore[union-attr]
+        check_store(owner.store)  # type: ignore[arg-type]
 
 
 def _bad_claims_scenario(path: Path) -> None:
@@ -496,7 +497,7 @@ async def test_bad_claims_are_refused_without_harm(sock_dir: Path, owner_id: str
     a specific error and change nothing."""
     async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
         await asyncio.to_thread(_bad_claims_scenario, owner.config.socket_path)
-        owner.store.check_invariants()  # type: ignore[union-attr]
+        check_store(owner.store)  # type: ignore[arg-type]
 
 
 def _claim_then_full_scenario(path: Path) -> None:
@@ -521,7 +522,7 @@ async def test_a_claim_sent_with_a_reserve_that_fails_is_undone(sock_dir: Path,
     nothing, as for a put that reserved everything."""
     async with BlockStoreOwner(config(sock_dir, owner_id)) as owner:
         await asyncio.to_thread(_claim_then_full_scenario, owner.config.socket_path)
-        owner.store.check_invariants()  # type: ignore[union-attr]
+        check_store(owner.store)  # type: ignore[arg-type]
 
 
 def _read_scenario(path: Path) -> None:
@@ -637,4 +638,4 @@ async def test_threads_sharing_a_client_put_through_grants(sock_dir: Path,
                                                             owner_id: str) -> None:
     async with BlockStoreOwner(config(sock_dir, owner_id, slots=64)) as owner:
         await asyncio.to_thread(_writer_threads_scenario, owner.config.socket_path)
-        owner.store.check_invariants()  # type: ignore[union-attr]
+        check_store(owner.store)  # type: ignore[arg-type]

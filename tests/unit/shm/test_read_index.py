@@ -9,6 +9,7 @@ import pytest
 
 from shm.read_index import ReadIndex, ReadIndexLayout
 from shm.store import BlockStore
+from tests.unit.shm.store_checks import check_store
 
 NS = 7
 
@@ -109,7 +110,7 @@ class TestStoreKeepsTheIndex:
         reserved, _ = store.reserve(s, [(NS, 3)])  # type: ignore[arg-type]
         assert reserved == [slots[0]]  # block 1 evicted, its slot handed out
         assert int(index.seq[slots[0]]) % 2 == 1
-        store.check_invariants()
+        check_store(store)
 
     def test_remove_abort_and_closed_sessions_leave_nothing_readable(self) -> None:
         store, index = store_with_index(4)
@@ -121,7 +122,7 @@ class TestStoreKeepsTheIndex:
         store.close_session(s)  # slot of key 3 reserved, never published
         assert all(int(v) % 2 == 1 for v in index.seq)
         assert store.contains([(NS, 2), (NS, 3)]) == [False, False]
-        store.check_invariants()
+        check_store(store)
 
     def test_a_writers_publication_commits(self) -> None:
         """A writer commits by publishing its reserved slots; the store records it when
@@ -139,7 +140,7 @@ class TestStoreKeepsTheIndex:
         (event,) = store.take_events()
         assert event.block_hashes == [5, 6, 7] and event.parent_hash == 4  # type: ignore[attr-defined]
         assert store.commit_published() == 0
-        store.check_invariants()
+        check_store(store)
 
     def test_publication_under_another_key_commits_nothing(self) -> None:
         store, index = store_with_index(4)
@@ -150,7 +151,7 @@ class TestStoreKeepsTheIndex:
         assert store.contains([(NS, 1), (NS, 2)]) == [False, False]
         store.abort(s, slots, gens)  # type: ignore[arg-type]
         assert int(index.seq[slots[0]]) % 2 == 1
-        store.check_invariants()
+        check_store(store)
 
     def test_a_closed_session_keeps_what_its_writer_published(self) -> None:
         """Its writer died after publishing some slots: those are committed, the rest freed."""
@@ -163,7 +164,7 @@ class TestStoreKeepsTheIndex:
         assert int(index.seq[slots[1]]) % 2 == 1  # type: ignore[index]
         got, _ = store.lease(other, [(NS, 1)])
         assert got == slots[:1]
-        store.check_invariants()
+        check_store(store)
 
     def test_eviction_weighs_readers_uses(self) -> None:
         """A block readers used since its commit outlives an older-used one."""
@@ -173,7 +174,7 @@ class TestStoreKeepsTheIndex:
         copied_by(index, [(NS, 1)], {(NS, 1): first})  # block 1 read: now the most recent
         assert store.reserve(s, [(NS, 4)])[0] == [second]  # block 2 goes, not block 1
         assert store.contains([(NS, 1), (NS, 2)]) == [True, False]
-        store.check_invariants()
+        check_store(store)
 
     def test_a_leased_block_ranks_by_its_place_in_the_lru(self) -> None:
         """A lease moves a block behind newer commits without stamping it: when readers'
@@ -187,4 +188,4 @@ class TestStoreKeepsTheIndex:
         put(store, s, 4)  # fills the last free slot
         assert store.reserve(s, [(NS, 5)])[0] != [first]  # not block 1: block 2 is older
         assert store.contains([(NS, 1), (NS, 2)]) == [True, False]
-        store.check_invariants()
+        check_store(store)

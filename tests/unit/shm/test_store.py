@@ -11,6 +11,7 @@ from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from shm.errors import StaleDescriptorError, StoreFullError
 from shm.read_index import ReadIndex, ReadIndexLayout
 from shm.store import BlockStore
+from tests.unit.shm.store_checks import check_store
 
 NS = 42
 
@@ -39,7 +40,7 @@ class TestPuts:
         assert store.lease(s, keys(1)) == ([None], [None])
         store.commit(s, slots, gens)  # type: ignore[arg-type]
         assert store.contains(keys(1)) == [True]
-        store.check_invariants()
+        check_store(store)
 
     def test_held_and_in_flight_keys_get_no_slot(self, store: BlockStore) -> None:
         """A key already held, being written, or repeated in the batch gets no second slot."""
@@ -48,7 +49,7 @@ class TestPuts:
         store.reserve(a, keys(2))
         slots, _ = store.reserve(b, keys(1, 2, 3, 3))
         assert slots[:2] == [None, None] and slots[2] is not None and slots[3] is None
-        store.check_invariants()
+        check_store(store)
 
     def test_namespace_is_part_of_the_key(self, store: BlockStore) -> None:
         """The same block hash under two namespaces is two blocks."""
@@ -65,7 +66,7 @@ class TestPuts:
         with pytest.raises(StaleDescriptorError):
             store.commit(a, slots, [gens[0] + 1])  # type: ignore[arg-type, operator]
         store.commit(a, slots, gens)  # type: ignore[arg-type]
-        store.check_invariants()
+        check_store(store)
 
     def test_abort_frees_the_reservation(self, store: BlockStore) -> None:
         """An aborted put leaves nothing and returns its slot."""
@@ -73,7 +74,7 @@ class TestPuts:
         slots, gens = store.reserve(s, keys(1, 2))
         store.abort(s, slots, gens)  # type: ignore[arg-type]
         assert store.stats().num_free_slots == 4 and store.contains(keys(1)) == [False]
-        store.check_invariants()
+        check_store(store)
 
 
 class TestEviction:
@@ -85,7 +86,7 @@ class TestEviction:
         store.release(s, slots, gens)  # type: ignore[arg-type]
         put(store, s, 5, 6)
         assert store.contains(keys(1, 2, 3, 4, 5, 6)) == [True, False, False, True, True, True]
-        store.check_invariants()
+        check_store(store)
 
     def test_leased_blocks_are_never_evicted(self, store: BlockStore) -> None:
         """Eviction skips leased blocks; with everything leased a put raises StoreFullError."""
@@ -97,7 +98,7 @@ class TestEviction:
         store.lease(s, keys(5))
         with pytest.raises(StoreFullError, match="1 slots needed, 0 free and 0 evictable"):
             store.reserve(s, keys(6))
-        store.check_invariants()
+        check_store(store)
 
     def test_store_full_changes_nothing(self, store: BlockStore) -> None:
         """A batch that cannot fit is refused whole: no eviction, no reservation."""
@@ -108,7 +109,7 @@ class TestEviction:
             store.reserve(s, keys(10, 11, 12, 13))
         assert store.contains(keys(1, 2)) == [True, True]
         assert store.stats().num_reserved == 0
-        store.check_invariants()
+        check_store(store)
 
 
 class TestLeasesAndSessions:
@@ -122,7 +123,7 @@ class TestLeasesAndSessions:
         with pytest.raises(StaleDescriptorError):
             store.release(a, slots * 2, gens * 2)  # type: ignore[arg-type]
         store.release(a, slots, gens)  # type: ignore[arg-type]
-        store.check_invariants()
+        check_store(store)
 
     def test_closing_a_session_frees_everything_it_held(self, store: BlockStore) -> None:
         """A dead client's reservations vanish and its leases are released."""
@@ -136,7 +137,7 @@ class TestLeasesAndSessions:
         assert (stats.num_leased_blocks, stats.num_reserved, stats.num_free_slots) == (0, 0, 2)
         assert store.contains(keys(3, 4)) == [False, False]
         put(store, a, 5, 6, 7, 8)  # the released blocks are evictable again
-        store.check_invariants()
+        check_store(store)
 
     def test_removed_leased_block_keeps_its_slot_until_released(self, store: BlockStore) -> None:
         """remove() hides a leased block at once but frees its slot only on the last release."""
@@ -148,7 +149,7 @@ class TestLeasesAndSessions:
         assert store.stats().num_free_slots == 3
         store.release(s, slots, gens)  # type: ignore[arg-type]
         assert store.stats().num_free_slots == 4
-        store.check_invariants()
+        check_store(store)
 
     def test_closed_session_is_refused(self, store: BlockStore) -> None:
         """A request on a closed session raises instead of touching the store."""
@@ -212,7 +213,7 @@ class TestWriteAheadGrants:
         lease_all = store.open_session()
         store.lease(lease_all, keys(2, 3))
         assert store.grant(a, 3) == ([], [])  # nothing evictable: no grant, no error
-        store.check_invariants()
+        check_store(store)
 
     def test_claim_reserves_granted_slots_and_skips_held_keys(self) -> None:
         """A claim reserves granted slots as given (same generations); a key held or in
@@ -229,7 +230,7 @@ class TestWriteAheadGrants:
         assert store.contains(keys(2)) == [True]
         stored = [e for e in store.take_events() if isinstance(e, BlockStored)]
         assert stored[-1].block_hashes == [2] and stored[-1].parent_hash == 1
-        store.check_invariants()
+        check_store(store)
 
     def test_claim_rejects_what_was_not_granted(self) -> None:
         """Slots not granted to the session, stale generations or a slot named twice are
@@ -251,7 +252,7 @@ class TestWriteAheadGrants:
         assert store.stats().num_granted == 1 and store.stats().num_free_slots == 7
         with pytest.raises(ValueError, match="keys for"):
             store.claim(b, keys(1, 2), other, other_gens)
-        store.check_invariants()
+        check_store(store)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -260,7 +261,7 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         region = np.zeros(ReadIndexLayout(6).nbytes, np.uint8)
-        self.index = ReadIndex(region, 6, owner=True)  # kept in step: see check_invariants
+        self.index = ReadIndex(region, 6, owner=True)  # kept in step: see check_store
         self.store = BlockStore(6, worker_id="w", read_index=self.index,
                                 max_granted=3)
         self.sessions = [self.store.open_session() for _ in range(3)]
@@ -369,7 +370,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def books_balance(self) -> None:
-        self.store.check_invariants()
+        check_store(self.store)
 
     @invariant()
     def events_are_unstamped_host_events(self) -> None:

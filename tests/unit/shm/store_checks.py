@@ -1,4 +1,4 @@
-"""The block store's consistency checks, for tests (``BlockStore.check_invariants``).
+"""The block store's consistency checks, for tests: ``check_store(store)``.
 
 They read the store's private books on purpose: the point is to check them against each
 other and against the slot pool and the read index.
@@ -6,33 +6,31 @@ other and against the slot pool and the read index.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from shm.store import _COMMITTED, _DOOMED, _FREE, _GRANTED, _RESERVED
-
-if TYPE_CHECKING:
-    from shm.store import BlockStore
+from shm.store import BlockStore
+from shm.store.books import COMMITTED, DOOMED, FREE, GRANTED, RESERVED
 
 __all__ = ["check_store"]
 
 
 def check_store(store: BlockStore) -> None:
-    """Raise ``AssertionError`` if the store's bookkeeping disagrees with itself."""
+    """Raise ``AssertionError`` if the store's bookkeeping disagrees with itself (after
+    settling the books the last reservation left for after its reply)."""
+    store.settle()
     pool, st = store._pool, store._state
-    used = [s for s in range(pool.num_slots) if st[s] != _FREE]
+    used = [s for s in range(pool.num_slots) if st[s] != FREE]
     if len(used) + pool.num_free_slots != pool.num_slots:
         raise AssertionError(f"{len(used)} used + {pool.num_free_slots} free slots != "
                              f"{pool.num_slots}")
     if any(pool.is_free(s) for s in used):
         raise AssertionError("a used slot is also on the free list")
-    if sorted(store._blocks.values()) != sorted(s for s in used if st[s] == _COMMITTED):
+    if sorted(store._blocks.values()) != sorted(s for s in used if st[s] == COMMITTED):
         raise AssertionError("the index disagrees with the committed slots")
-    if sorted(store._reserved.values()) != sorted(s for s in used if st[s] == _RESERVED):
+    if sorted(store._reserved.values()) != sorted(s for s in used if st[s] == RESERVED):
         raise AssertionError("the reservations disagree with the reserved slots")
     if store._blocks != dict(store._lru):
         raise AssertionError("the LRU does not hold exactly the committed blocks")
     granted = sorted(s for state in store._sessions.values() for s in state.granted)
-    if granted != sorted(s for s in used if st[s] == _GRANTED):
+    if granted != sorted(s for s in used if st[s] == GRANTED):
         raise AssertionError("the sessions' grants disagree with the granted slots")
     if store._num_granted != len(granted) or len(granted) > store.max_granted:
         raise AssertionError(f"{store._num_granted} granted counted, {len(granted)} held, "
@@ -45,9 +43,9 @@ def check_store(store: BlockStore) -> None:
         raise AssertionError("lease counts disagree with the sessions holding them")
     if store._num_leased != len(by_sessions):
         raise AssertionError("the leased-block count is off")
-    if store._num_doomed != sum(st[s] == _DOOMED for s in used):
+    if store._num_doomed != sum(st[s] == DOOMED for s in used):
         raise AssertionError("the removed-while-leased count is off")
-    if any(st[s] == _DOOMED and not store._leases[s] for s in used):
+    if any(st[s] == DOOMED and not store._leases[s] for s in used):
         raise AssertionError("a removed block kept its slot with no lease left")
     if store._index is not None:
         readable = {s for s in range(pool.num_slots) if not store._index.seq[s] & 1}

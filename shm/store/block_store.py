@@ -1,0 +1,145 @@
+"""``BlockStore``: the parts of the store core assembled, with sessions, removal and stats.
+
+See the package docstring (``shm.store``) for the whole; this module adds what spans the
+parts: closing a session (its reservations, grants and leases go together), ``contains``,
+``remove`` and ``clear``, the host-tier events and the statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvcore.events import KVEvent
+from shm.store.books import DOOMED, BlockKey, SessionId
+from shm.store.grants import Grants
+from shm.store.leases import Leases
+
+__all__ = ["BlockStore", "StoreStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """A point-in-time view of the store, for tests, health and metrics."""
+
+    num_slots: int
+    num_free_slots: int
+    num_blocks: int
+    num_reserved: int
+    num_leased_blocks: int
+    num_sessions: int
+    num_puts: int
+    num_hits: int
+    num_misses: int
+    num_evictions: int
+    num_optimistic_hits: int = 0  # of num_hits, read through the read index (the owner's)
+    num_granted: int = 0  # slots granted to writers ahead of their puts, not yet claimed
+    num_claimed: int = 0  # blocks claimed in granted slots: put with no reserve round trip
+
+
+class BlockStore(Grants, Leases):
+    """Fixed-size blocks under an LRU byte budget (``num_slots × block_bytes``).
+
+    ``BlockStore(num_slots, worker_id=..., generation_mirror=..., read_index=...,
+    max_granted=...)``: the arguments are ``StoreBooks``'s."""
+
+    def close_session(self, session: SessionId) -> None:
+        """Free the session's reservations (those its writer published are committed: see
+        ``commit_published``) and release its leases."""
+        self.settle()
+        state = self._sessions.get(session)
+        if state is None:
+            return
+        self._commit_published_by(state)
+        del self._sessions[session]
+        slots = list(state.reserved)
+        for slot in slots:
+            del self._reserved[self._key[slot]]  # type: ignore[arg-type]
+            self._vacate(slot)
+        for slot in state.granted:
+            self._vacate(slot)
+        self._num_granted -= len(state.granted)
+        slots += state.granted
+        if self._index is not None:  # its writer may have published them before dying
+            self._index.unpublish(slots)
+        self._pool.free(slots)
+        self._drop_leases(state.leases)
+
+    def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self.settle()
+        blocks = self._blocks
+        return [key in blocks for key in keys]
+
+    def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Drop held keys now (a leased one's slot is freed on its last release)."""
+        self.settle()
+        removed: list[bool] = []
+        hashes: list[int] = []
+        free: list[int] = []
+        gone: list[tuple[BlockKey, int]] = []
+        for key in keys:
+            slot = self._blocks.pop(key, None)
+            removed.append(slot is not None)
+            if slot is None:
+                continue
+            hashes.append(key[1])
+            gone.append((key, slot))
+            del self._lru[key]
+            if self._leases[slot]:
+                self._state[slot] = DOOMED
+                self._num_doomed += 1
+            else:
+                self._vacate(slot)
+                free.append(slot)
+        if self._index is not None and gone:
+            self._index.retract([slot for _, slot in gone])
+        self._pool.free(free)
+        self._log.removed(hashes)
+        return removed
+
+    def clear(self) -> None:
+        """Drop every block (leased ones when released) and record ``AllBlocksCleared``;
+        what writers published first (see ``commit_published``)."""
+        self.commit_published()
+        if not self._blocks:
+            return
+        if self._index is not None:
+            self._index.retract_all()
+        for slot in self._blocks.values():
+            if self._leases[slot]:
+                self._state[slot] = DOOMED
+                self._num_doomed += 1
+            else:
+                self._vacate(slot)
+                self._pool.free([slot])
+        self._blocks.clear()
+        self._lru.clear()
+        self._log.cleared()
+
+    def take_events(self) -> list[KVEvent]:
+        """Events recorded since the last call, in sequence order."""
+        self.settle()
+        return self._log.take()
+
+    @property
+    def num_reserved(self) -> int:
+        """Slots reserved to writers and not committed or aborted yet."""
+        self.settle()
+        return len(self._reserved)
+
+    def stats(self) -> StoreStats:
+        self.settle()
+        return StoreStats(
+            num_slots=self._pool.num_slots,
+            num_free_slots=self._pool.num_free_slots,
+            num_blocks=len(self._blocks),
+            num_reserved=len(self._reserved),
+            num_leased_blocks=self._num_leased,
+            num_sessions=len(self._sessions),
+            num_puts=self._num_puts,
+            num_hits=self._num_hits,
+            num_misses=self._num_misses,
+            num_evictions=self._num_evictions,
+            num_granted=self._num_granted,
+            num_claimed=self._num_claimed,
+        )
