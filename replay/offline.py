@@ -21,10 +21,12 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import assert_never
 
 from kvcore.events import BlockRemoved, BlockStored, Tier
 from refengine.timing import TimingModel
-from replay.replica import NoteKind, ReplicaSim, SimRequest
+from replay.notes import FirstToken, KvNote, Removed, RequestFinished, Stored, TokensGenerated
+from replay.replica import ReplicaSim, SimRequest
 from replay.summary import RequestOutcome
 from replay.traces import TRACE_BLOCK_TOKENS, TraceRecord
 from routing.config import RouterMode
@@ -108,6 +110,17 @@ def _router(cfg: FleetConfig, rng: random.Random, clock: list[float]) -> KvRoute
     )
 
 
+def _kv_event(worker: str, seq: int, note: KvNote) -> BlockStored | BlockRemoved:
+    """``note`` as the KV event the replica's sidecar would publish (epoch 0, GPU tier)."""
+    match note:
+        case Stored(ids=ids, parent=parent):
+            return BlockStored(worker, 0, seq, Tier.GPU, ids, parent)
+        case Removed(ids=ids):
+            return BlockRemoved(worker, 0, seq, Tier.GPU, ids)
+        case unknown:
+            assert_never(unknown)
+
+
 def simulate(
     records: Sequence[TraceRecord],
     policy: Policy,
@@ -142,29 +155,25 @@ def simulate(
         """Hand the router every note published up to ``now`` (events after their delay)."""
         for worker, replica in replicas.items():
             box = replica.outbox
-            while box and box[0][0] + cfg.event_delay_s <= now:
-                _, kind, payload = box.popleft()
+            while box and box[0].at + cfg.event_delay_s <= now:
+                note = box.popleft()
                 if not feed_events:
                     continue
                 seqs[worker] += 1
-                if kind is NoteKind.STORED:
-                    ids, parent = payload  # type: ignore[misc]
-                    event = BlockStored(worker, 0, seqs[worker], Tier.GPU, ids, parent)
-                else:
-                    event = BlockRemoved(worker, 0, seqs[worker], Tier.GPU, payload)  # type: ignore[arg-type]
-                router.apply(event)
+                router.apply(_kv_event(worker, seqs[worker], note))
             notes = replica.lifecycle
-            while notes and notes[0][0] <= now:
-                _, kind, payload = notes.popleft()
-                if kind is NoteKind.TOKENS:
-                    index, total = payload  # type: ignore[misc]
-                    router.load.tokens_generated(live[index], total - reported.get(index, 0))
-                    reported[index] = total
-                elif kind is NoteKind.FIRST_TOKEN:
-                    router.load.first_token(live[payload])  # type: ignore[index]
-                else:
-                    router.load.finish(live.pop(payload))  # type: ignore[arg-type]
-                    reported.pop(payload, None)  # type: ignore[arg-type]
+            while notes and notes[0].at <= now:
+                match notes.popleft():
+                    case TokensGenerated(index=index, total=total):
+                        router.load.tokens_generated(live[index], total - reported.get(index, 0))
+                        reported[index] = total
+                    case FirstToken(index=index):
+                        router.load.first_token(live[index])
+                    case RequestFinished(index=index):
+                        router.load.finish(live.pop(index))
+                        reported.pop(index, None)
+                    case unknown:
+                        assert_never(unknown)
 
     requests: list[SimRequest] = []
     load_times: list[float] = []

@@ -16,7 +16,7 @@ Speed comes from two coarse-grainings that do not change the answer much:
   durations form an arithmetic series, so K cycles advance in O(1) (``_bulk``). Steps near
   changes (a prompt completing, a chunk spanning two requests) run one by one (``_step``).
 
-What the gateway would hear goes to two queues of ``(time, kind, payload)`` in time order:
+What the gateway would hear goes to two queues of notes (``replay.notes``) in time order:
 ``outbox`` for KV events (stored/removed blocks, which may reach the router late) and
 ``lifecycle`` for what the gateway sees on the request's own stream (first token, output
 crossing a trace block, finish). The fleet driver feeds both to the router when the simulated
@@ -32,17 +32,18 @@ from dataclasses import dataclass, field
 
 from refengine.timing import TimingModel
 from replay.cache_model import BlockCache
+from replay.notes import (
+    FirstToken,
+    KvNote,
+    Removed,
+    RequestFinished,
+    Stored,
+    StreamNote,
+    TokensGenerated,
+)
 from replay.traces import TRACE_BLOCK_TOKENS, TraceRecord
 
-__all__ = ["NoteKind", "ReplicaSim", "SimRequest"]
-
-
-class NoteKind(enum.Enum):
-    STORED = "stored"  # payload: (trace ids, parent id or None)
-    REMOVED = "removed"  # payload: trace ids
-    FIRST_TOKEN = "first_token"  # payload: request index
-    TOKENS = "tokens"  # payload: (request index, tokens generated so far), at block crossings
-    FINISHED = "finished"  # payload: request index
+__all__ = ["ReplicaSim", "SimRequest"]
 
 
 @dataclass(slots=True)
@@ -125,8 +126,8 @@ class ReplicaSim:
         self.prefilling: list[SimRequest] = []
         self.decoding: list[SimRequest] = []
         self.reserved = 0
-        self.outbox: deque[tuple[float, NoteKind, object]] = deque()
-        self.lifecycle: deque[tuple[float, NoteKind, object]] = deque()
+        self.outbox: deque[KvNote] = deque()
+        self.lifecycle: deque[StreamNote] = deque()
         self.itl_samples: list[tuple[float, float]] = []  # (interval s, weight)
         self._last = _Last.DECODE
         tm = timing
@@ -240,23 +241,23 @@ class ReplicaSim:
             else:  # cached meanwhile by another request: pin theirs, keep ours private
                 self.cache.acquire([key])
                 if run:
-                    self.outbox.append((when, NoteKind.STORED, (run, run_parent)))
+                    self.outbox.append(Stored(when, run, run_parent))
                     run = []
             req.nodes.append(key)
             j += 1
         req.next_block = j
         if run:
-            self.outbox.append((when, NoteKind.STORED, (run, run_parent)))
+            self.outbox.append(Stored(when, run, run_parent))
 
     def _publish_removed(self, when: float) -> None:
         if self.cache.removed:
-            self.outbox.append((when, NoteKind.REMOVED, self.cache.removed))
+            self.outbox.append(Removed(when, self.cache.removed))
             self.cache.removed = []
 
     def _prompt_done(self, req: SimRequest, when: float) -> None:
         self.prefilling.remove(req)
         req.first_token = req.last_token = when
-        self.lifecycle.append((when, NoteKind.FIRST_TOKEN, req.record.index))
+        self.lifecycle.append(FirstToken(when, req.record.index))
         if req.record.output_tokens <= 1:
             req.generated = req.record.output_tokens
             self._finish(req, when)
@@ -281,7 +282,7 @@ class ReplicaSim:
         cache.free(req.private)
         self.reserved -= req.reserved
         req.private = req.reserved = 0
-        self.lifecycle.append((when, NoteKind.FINISHED, rec.index))
+        self.lifecycle.append(RequestFinished(when, rec.index))
 
     # --- one step at a time -------------------------------------------------------------
 
@@ -320,9 +321,7 @@ class ReplicaSim:
                 req.last_token = when
                 req.generated += 1
                 if (req.record.input_tokens + req.generated) % TRACE_BLOCK_TOKENS == 0:
-                    self.lifecycle.append(
-                        (when, NoteKind.TOKENS, (req.record.index, req.generated))
-                    )
+                    self.lifecycle.append(TokensGenerated(when, req.record.index, req.generated))
                 if req.generated >= req.record.output_tokens:
                     self.decoding.remove(req)
                     self._finish(req, when)
@@ -422,7 +421,7 @@ class ReplicaSim:
             self.itl_samples.append((mid - spread, (cycles - 1) * batch / 2))
             self.itl_samples.append((mid + spread, (cycles - 1) * batch / 2))
             when = t0 + total
-            crossings: list[tuple[float, NoteKind, object]] = []
+            crossings: list[StreamNote] = []
             for req in list(decoding):
                 # output crossing a trace block at token k of the segment (1-based): the
                 # gateway's load view grows by a block then; cycle k−1 ends at t0 + S(k)
@@ -430,9 +429,9 @@ class ReplicaSim:
                 k = TRACE_BLOCK_TOKENS - before % TRACE_BLOCK_TOKENS
                 while k <= cycles:
                     at = t0 + a * k + b * k * (k - 1) / 2
-                    crossings.append((at, NoteKind.TOKENS, (req.record.index, req.generated + k)))
+                    crossings.append(TokensGenerated(at, req.record.index, req.generated + k))
                     k += TRACE_BLOCK_TOKENS
-            crossings.sort(key=lambda note: note[0])
+            crossings.sort(key=lambda note: note.at)
             self.lifecycle.extend(crossings)
             for req in list(decoding):
                 first_gap = first_end - req.last_token

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from refengine.timing import TimingModel
+from replay.notes import Stored
 from replay.offline import FleetConfig, Policy, simulate
-from replay.replica import NoteKind, ReplicaSim, SimRequest
+from replay.replica import ReplicaSim, SimRequest
 from replay.traces import TraceRecord, load_trace
 
 SHARED = Path(__file__).resolve().parents[4] / "shared" / "traces"
@@ -56,7 +57,7 @@ def test_a_repeated_prompt_hits_every_block_but_one_page() -> None:
     assert first.cached_tokens == 0
     assert second.cached_tokens == 1536 - 16
     assert partial.cached_tokens == 1024
-    stored = [p for _, kind, p in replica.outbox if kind is NoteKind.STORED]
+    stored = [(n.ids, n.parent) for n in replica.outbox if isinstance(n, Stored)]
     assert stored == [([1], None), ([2], 1), ([3], 2), ([7], 2)]  # one per 512-token chunk
 
 
