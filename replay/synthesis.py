@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from replay.traces import TRACE_BLOCK_TOKENS
 
@@ -35,7 +36,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def _mix(x: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
     """splitmix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
     x = x ^ (x >> np.uint64(30))
     x = x * _M1
@@ -91,7 +92,7 @@ class TokenSynthesizer:
         self.block_tokens = block_tokens
         self._seed = np.uint64(seed & 0xFFFFFFFFFFFFFFFF)
 
-    def blocks(self, hash_ids: Sequence[int]) -> np.ndarray:
+    def blocks(self, hash_ids: Sequence[int]) -> npt.NDArray[np.int64]:
         """A ``(len(hash_ids), block_tokens)`` int64 array: each row one id's tokens."""
         ids = np.asarray(hash_ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= 1 << ID_BITS):
@@ -110,7 +111,8 @@ class TokenSynthesizer:
 
     def block(self, hash_id: int) -> list[int]:
         """One id's ``block_tokens`` tokens."""
-        return self.blocks([hash_id])[0].tolist()
+        tokens: list[int] = self.blocks([hash_id])[0].tolist()
+        return tokens
 
     def prompt(self, hash_ids: Sequence[int], input_tokens: int) -> list[int]:
         """The blocks of ``hash_ids`` concatenated, cut to ``input_tokens``."""
@@ -122,4 +124,5 @@ class TokenSynthesizer:
                 f" blocks of {self.block_tokens}, the record has {len(hash_ids)} ids"
             )
         needed = math.ceil(input_tokens / self.block_tokens)
-        return self.blocks(hash_ids[:needed]).reshape(-1)[:input_tokens].tolist()
+        tokens: list[int] = self.blocks(hash_ids[:needed]).reshape(-1)[:input_tokens].tolist()
+        return tokens
