@@ -1,8 +1,9 @@
 """The replay report: ``report.md`` with one table per trace, and PNG plots beside it.
 
-Plots (matplotlib, Agg backend, imported only here — the ``replay`` extra): hit rate per
-policy against the pooled bounds, TTFT and ITL CDFs, per-worker load over time, and predicted
-vs actual cached tokens per request.
+Plots (matplotlib, imported only here — the ``replay`` extra; drawn on ``Figure`` objects,
+without pyplot's global figure registry or backend): hit rate per policy against the pooled
+bounds, TTFT and ITL CDFs, per-worker load over time, and predicted vs actual cached tokens per
+request.
 """
 
 from __future__ import annotations
@@ -12,12 +13,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from replay.oracle import OracleResult
 from replay.summary import PolicySummary, RequestOutcome
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = ["PolicyResult", "TraceReport", "markdown_table", "write_report"]
 
@@ -73,20 +79,20 @@ def markdown_table(report: TraceReport) -> str:
     return "\n".join(lines)
 
 
-def _plt() -> Any:
+def _figure_type() -> type[Figure]:
+    """matplotlib's ``Figure`` class, or a ``RuntimeError`` saying how to install it."""
     try:
-        import matplotlib as mpl  # noqa: PLC0415 (the optional `replay` extra)
+        from matplotlib import figure  # noqa: PLC0415 (the optional `replay` extra)
     except ImportError as exc:
         raise RuntimeError(
             "the replay report draws with matplotlib: pip install 'kvsidecar[replay]'"
         ) from exc
-    mpl.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    return plt
+    return figure.Figure
 
 
-def _cdf(ax: Any, values: np.ndarray, weights: np.ndarray | None, label: str) -> None:
+def _cdf(
+    ax: Axes, values: npt.NDArray[np.float64], weights: npt.NDArray[np.float64] | None, label: str
+) -> None:
     keep = np.isfinite(values) & (values > 0)
     values = values[keep]
     if not values.size:
@@ -97,8 +103,9 @@ def _cdf(ax: Any, values: np.ndarray, weights: np.ndarray | None, label: str) ->
     ax.plot(values[order], cum / cum[-1], label=label)
 
 
-def _plot_hit_rates(plt: Any, report: TraceReport, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
+def _plot_hit_rates(new_figure: type[Figure], report: TraceReport, path: Path) -> None:
+    fig = new_figure(figsize=(7, 4))
+    ax = fig.subplots()
     names = [p.summary.policy for p in report.policies]
     rates = [p.summary.hit_rate * 100 for p in report.policies]
     bars = ax.bar(names, rates, color="tab:blue")
@@ -114,11 +121,11 @@ def _plot_hit_rates(plt: Any, report: TraceReport, path: Path) -> None:
     ax.set_ylim(0, top * 1.2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
-def _plot_cdfs(plt: Any, report: TraceReport, path: Path) -> None:
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+def _plot_cdfs(new_figure: type[Figure], report: TraceReport, path: Path) -> None:
+    fig = new_figure(figsize=(11, 4))
+    ax1, ax2 = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     for p in report.policies:
         ttft = np.array([o.ttft for o in p.outcomes if o.error is None], dtype=float)
         _cdf(ax1, ttft, None, p.summary.policy)
@@ -137,17 +144,17 @@ def _plot_cdfs(plt: Any, report: TraceReport, path: Path) -> None:
         ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
-def _plot_load(plt: Any, report: TraceReport, path: Path) -> None:
+def _plot_load(new_figure: type[Figure], report: TraceReport, path: Path) -> None:
     shown = [p for p in report.policies if p.load]
     if not shown:
         return
     cols = min(3, len(shown))
     rows = math.ceil(len(shown) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False, sharey=True)
-    for ax, p in zip(axes.flat, shown, strict=False):
+    fig = new_figure(figsize=(5 * cols, 3.2 * rows))
+    axes: list[Axes] = list(fig.subplots(rows, cols, squeeze=False, sharey=True).flat)
+    for ax, p in zip(axes, shown, strict=False):
         times = np.array(p.load_times, dtype=float)
         load = np.array(p.load, dtype=float)
         span = max(times[-1] - times[0], 1e-9)
@@ -163,20 +170,20 @@ def _plot_load(plt: Any, report: TraceReport, path: Path) -> None:
         ax.set_xlabel("trace time (min)")
         ax.set_ylabel("requests in flight per worker")
         ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(shown) :]:
+    for ax in axes[len(shown) :]:
         ax.set_visible(False)
     fig.suptitle(f"{report.trace}: per-worker load over time (one line per worker)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
-def _plot_predicted(plt: Any, report: TraceReport, path: Path) -> None:
+def _plot_predicted(new_figure: type[Figure], report: TraceReport, path: Path) -> None:
     shown = [p for p in report.policies if math.isfinite(p.summary.predicted_gap)]
     if not shown:
         return
-    fig, axes = plt.subplots(1, len(shown), figsize=(5 * len(shown), 4.2), squeeze=False)
-    for ax, p in zip(axes.flat, shown, strict=True):
+    fig = new_figure(figsize=(5 * len(shown), 4.2))
+    axes: list[Axes] = list(fig.subplots(1, len(shown), squeeze=False).flat)
+    for ax, p in zip(axes, shown, strict=True):
         ok = [o for o in p.outcomes if o.error is None]
         pred = np.array([o.predicted_tokens for o in ok], dtype=float) / 1e3
         act = np.array([o.cached_tokens for o in ok], dtype=float) / 1e3
@@ -192,14 +199,13 @@ def _plot_predicted(plt: Any, report: TraceReport, path: Path) -> None:
     fig.suptitle(f"{report.trace}: the router's prediction vs what the engine found")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_report(reports: Sequence[TraceReport], out_dir: str | Path, title: str) -> Path:
     """Write ``report.md`` and the PNGs under ``out_dir``; returns the markdown's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    plt = _plt()
+    new_figure = _figure_type()
     lines = [f"# {title}", ""]
     for report in reports:
         slug = _slug(report.trace)
@@ -209,10 +215,10 @@ def write_report(reports: Sequence[TraceReport], out_dir: str | Path, title: str
             "per-worker load over time": f"{slug}-load.png",
             "predicted vs actual cached tokens": f"{slug}-predicted.png",
         }
-        _plot_hit_rates(plt, report, out / figures["hit rate per policy"])
-        _plot_cdfs(plt, report, out / figures["TTFT and ITL CDFs"])
-        _plot_load(plt, report, out / figures["per-worker load over time"])
-        _plot_predicted(plt, report, out / figures["predicted vs actual cached tokens"])
+        _plot_hit_rates(new_figure, report, out / figures["hit rate per policy"])
+        _plot_cdfs(new_figure, report, out / figures["TTFT and ITL CDFs"])
+        _plot_load(new_figure, report, out / figures["per-worker load over time"])
+        _plot_predicted(new_figure, report, out / figures["predicted vs actual cached tokens"])
         lines += [f"## {report.trace}", "", report.settings, "", markdown_table(report), ""]
         if report.oracles:
             lines += [
