@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import aiohttp
 import orjson
@@ -35,7 +35,7 @@ from replay.summary import RequestOutcome, summarize
 from replay.synthesis import TokenSynthesizer, vocab_size_from_model_dir
 from replay.traces import TraceRecord, load_for_replay
 
-__all__ = ["LiveConfig", "LiveRecord", "main_live", "replay_live"]
+__all__ = ["LiveConfig", "LiveRecord", "LiveRecordJson", "main_live", "replay_live"]
 
 WORKER_HEADER = "x-kvsidecar-worker"
 CACHED_BLOCKS_HEADER = "x-kvsidecar-cached-blocks"
@@ -62,6 +62,41 @@ class LiveConfig:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
 
 
+class LiveRecordJson(TypedDict):
+    """One line of the live replay's JSONL output (``LiveRecord.to_json``)."""
+
+    index: int
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    start_delay_s: float
+    worker: str | None
+    predicted_cached_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int | None
+    ttft_s: float | None
+    itl_mean_s: float | None
+    itl_s: list[float]
+    e2e_s: float | None
+    error: str | None
+
+
+class _StreamOptions(TypedDict):
+    include_usage: bool
+
+
+class _CompletionBody(TypedDict):
+    """The ``POST /v1/completions`` body each replayed request sends."""
+
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    ignore_eos: bool
+    temperature: float
+    stream: bool
+    stream_options: _StreamOptions
+
+
 @dataclass(slots=True)
 class LiveRecord:
     """One request's outcome as the client saw it (times in seconds)."""
@@ -80,7 +115,7 @@ class LiveRecord:
     e2e_s: float | None = None
     error: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LiveRecordJson:
         itl = self.itl_s or []
         return {
             "index": self.index,
@@ -100,7 +135,7 @@ class LiveRecord:
         }
 
 
-def _body(record: TraceRecord, prompt: list[int], model: str) -> dict[str, Any]:
+def _body(record: TraceRecord, prompt: list[int], model: str) -> _CompletionBody:
     return {
         "model": model,
         "prompt": prompt,
