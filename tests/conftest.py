@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.support import tiny_model
+from tests.support.polling import wait_until
+
+if TYPE_CHECKING:
+    from tests.support.transfer_peers import PeerFactory
 
 _SHM_DIR = Path("/dev/shm")
 _SHM_PREFIX = "kvsidecar-"
@@ -31,13 +37,33 @@ def no_leaked_shm_segments() -> Iterator[None]:
     """
     before = _our_segments()
     yield
-    deadline = time.monotonic() + _SHM_GRACE_S
-    while (leaked := _our_segments() - before) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"
+
+    def none_leaked() -> bool:
+        leaked = _our_segments() - before
+        assert not leaked, f"shared-memory segments left in /dev/shm: {sorted(leaked)}"
+        return True
+
+    wait_until(none_leaked, "the test's segments to be unlinked", _SHM_GRACE_S, 0.05)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Llama-3-style model directory with a small trained BPE tokenizer."""
     return tiny_model.write_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory for Unix sockets (their paths must stay under 108 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="kvs-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def make_peer(sock_dir: Path) -> AsyncIterator[PeerFactory]:
+    """In-process transfer peers (owner, service, HTTP on port 0), stopped after the test."""
+    from tests.support.transfer_peers import started_peers  # only the transfer suites load it
+
+    async with started_peers(sock_dir) as factory:
+        yield factory

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import signal
 import subprocess
 import sys
@@ -16,14 +15,12 @@ import numpy as np
 
 from shm import BlockStoreClient, StoreStats
 from shm.segment import unlink_stale_segments
+from tests.support.processes import read_line
+from tests.support.transfer_peers import content
 
 ROOT = Path(__file__).resolve().parents[4]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 READY_S = 30.0
-
-
-def content(key: tuple[int, int], block_bytes: int) -> np.ndarray:
-    return np.random.default_rng(list(key)).integers(0, 256, block_bytes, dtype=np.uint8)
 
 
 @dataclass
@@ -66,13 +63,11 @@ class PeerProcess:
                 env=ENV,
                 cwd=ROOT,
             )
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            if not sel.select(READY_S):
-                proc.kill()
-                raise AssertionError(f"peer {owner_id} not ready within {READY_S}s")
-        line = proc.stdout.readline()
+        try:
+            line = read_line(proc, READY_S)
+        except AssertionError:
+            proc.kill()
+            raise
         if not line:
             proc.wait()
             raise AssertionError(

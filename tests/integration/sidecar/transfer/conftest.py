@@ -1,41 +1,27 @@
-"""Fixtures for transfer tests across processes."""
+"""Fixtures for transfer tests across processes (in-process peers: the make_peer fixture)."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.sidecar.transfer._procs import PeerProcess
-from tests.unit.sidecar.transfer.conftest import make_peer, sock_dir
-
-__all__ = ["make_peer", "sock_dir"]
+from tests.support.processes import ProcessGroup
 
 
 @pytest.fixture
-def tmp_short() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvp-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def spawn(tmp_short: Path) -> Iterator[Callable[..., PeerProcess]]:
+def spawn(sock_dir: Path) -> Iterator[Callable[..., PeerProcess]]:
     """Start peer processes; every one is stopped (and its shm unlinked) after the test."""
-    started: list[PeerProcess] = []
+    with ProcessGroup[PeerProcess]() as started:
 
-    def factory(
-        num_slots: int = 32, block_bytes: int = 1 << 20, extra: tuple[str, ...] = ()
-    ) -> PeerProcess:
-        peer = PeerProcess.start(
-            tmp_short, num_slots=num_slots, block_bytes=block_bytes, extra=extra
-        )
-        started.append(peer)
-        return peer
+        def factory(
+            num_slots: int = 32, block_bytes: int = 1 << 20, extra: tuple[str, ...] = ()
+        ) -> PeerProcess:
+            return started.add(
+                PeerProcess.start(sock_dir, num_slots=num_slots, block_bytes=block_bytes,
+                                  extra=extra)
+            )
 
-    yield factory
-    for peer in started:
-        peer.stop()
+        yield factory

@@ -14,21 +14,16 @@ import pytest
 
 from shm.local import LocalSession
 from sidecar.transfer import PeerUnavailableError, TransferTimeoutError, Transport
-from tests.integration.sidecar.transfer._procs import ENV, PeerProcess, content
+from tests.integration.sidecar.transfer._procs import ENV, PeerProcess
 from tests.support.polling import wait_for, wait_until
-from tests.unit.sidecar.transfer.conftest import Peer, PeerFactory
+from tests.support.transfer_peers import PeerFactory, assert_untouched, content, transports
 
 KEYS = [(11, i) for i in range(16)]
 STALLED = Path(__file__).with_name("_stalled_importer.py")
 Spawn = Callable[..., PeerProcess]
 
 
-def assert_untouched(peer: Peer) -> None:
-    stats = peer.owner.stats()
-    assert (stats.num_blocks, stats.num_reserved, stats.num_leased_blocks) == (0, 0, 0)
-
-
-@pytest.mark.parametrize("transport", list(Transport))
+@pytest.mark.parametrize("transport", transports())
 async def test_peer_process_imports_blocks_byte_exact(spawn: Spawn, transport: Transport) -> None:
     """Sidecar B pulls from sidecar A by shm, NIXL or TCP; B's store then holds A's bytes."""
     if transport is Transport.NIXL:
@@ -86,6 +81,7 @@ async def test_killed_exporter_mid_stream_fails_cleanly(
 
 
 @pytest.mark.slow
+@pytest.mark.nixl
 async def test_killed_exporter_mid_nixl_read_fails_cleanly(
     spawn: Spawn, make_peer: PeerFactory
 ) -> None:
@@ -114,7 +110,7 @@ async def test_killed_exporter_mid_nixl_read_fails_cleanly(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", list(Transport))
+@pytest.mark.parametrize("transport", transports())
 async def test_stopped_exporter_times_out_and_its_leases_lapse(
     spawn: Spawn, make_peer: PeerFactory, transport: Transport
 ) -> None:

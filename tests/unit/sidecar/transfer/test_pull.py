@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import time
 
 import aiohttp
 import numpy as np
@@ -19,24 +17,26 @@ from sidecar.transfer import (
     Transport,
     UnknownBlocksError,
 )
-from tests.unit.sidecar.transfer.conftest import Peer, PeerFactory, content
+from tests.support.polling import eventually
+from tests.support.transfer_peers import (
+    Peer,
+    PeerFactory,
+    assert_untouched,
+    content,
+    transports,
+)
 
 KEYS = [(7, i) for i in range(8)]
 LOCAL = [Transport.SHM, Transport.TCP]
 
 
-def assert_untouched(peer: Peer) -> None:
-    """Nothing visible, nothing reserved, nothing leased."""
-    stats = peer.owner.stats()
-    assert (stats.num_blocks, stats.num_reserved, stats.num_leased_blocks) == (0, 0, 0)
-
-
 async def wait_no_leases(peer: Peer) -> None:
     """The exporter's leases are all given back (the importer releases in the background)."""
-    deadline = time.monotonic() + 10
-    while peer.owner.stats().num_leased_blocks or peer.service.stats().num_exports_open:
-        assert time.monotonic() < deadline, "the exporter kept leases"
-        await asyncio.sleep(0.005)
+    await eventually(
+        lambda: not (peer.owner.stats().num_leased_blocks
+                     or peer.service.stats().num_exports_open),
+        "the exporter to give back its leases", timeout_s=10, interval_s=0.005,
+    )
 
 
 @pytest.mark.parametrize("transport", LOCAL)
@@ -102,7 +102,7 @@ async def test_block_size_mismatch_is_refused(make_peer: PeerFactory) -> None:
     assert_untouched(importer)
 
 
-@pytest.mark.parametrize("transport", [*LOCAL, Transport.NIXL])
+@pytest.mark.parametrize("transport", transports([*LOCAL, Transport.NIXL]))
 async def test_dead_peer_is_peer_unavailable(make_peer: PeerFactory,
                                              transport: Transport) -> None:
     """A peer that does not answer fails the pull fast with PeerUnavailableError."""
@@ -185,10 +185,8 @@ async def test_an_unreleased_export_lapses_and_frees_its_leases(make_peer: PeerF
         async with http.post(f"{exporter.url}/v1/blocks/export", json=body) as r:
             offer = await r.json()
         assert exporter.owner.stats().num_leased_blocks == len(KEYS)
-        deadline = time.monotonic() + 10
-        while exporter.owner.stats().num_leased_blocks:
-            assert time.monotonic() < deadline, "the lapsed export kept its leases"
-            await asyncio.sleep(0.05)
+        await eventually(lambda: not exporter.owner.stats().num_leased_blocks,
+                         "the lapsed export to free its leases", timeout_s=10, interval_s=0.05)
         url = f"{exporter.url}/v1/blocks/exports/{offer['export_id']}/release"
         async with http.post(url) as r:
             assert r.status == 410

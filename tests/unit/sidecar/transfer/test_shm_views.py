@@ -8,7 +8,7 @@ import pytest
 from shm import ForeignSegmentError
 from shm.local import LocalSession
 from shm.readonly import ReadOnlySegment
-from tests.unit.sidecar.transfer.conftest import PeerFactory, content
+from tests.support.transfer_peers import PeerFactory, content
 
 
 async def test_local_session_close_frees_reservations_and_leases(make_peer: PeerFactory) -> None:
