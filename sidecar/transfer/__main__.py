@@ -6,8 +6,8 @@ operators who want a standalone host-tier peer. Prints one JSON ready line on st
 ``{"event": "block_peer_ready", "url": ..., "socket": ..., "segment": ..., "pid": ...}``,
 and runs until SIGTERM or SIGINT, when it unlinks its segment and socket.
 
-Besides the transfer routes it serves ``POST /v1/blocks/pull`` (``pull_api``), which pulls
-from another peer into this store.
+Besides the routes peers pull through it serves ``POST /v1/blocks/pull``, which pulls from
+another peer into this store (``service``).
 """
 
 from __future__ import annotations

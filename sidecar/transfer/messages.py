@@ -11,6 +11,9 @@ from before its request), or the TCP stream completed. It then gives the export 
 
 A same-host (shm) pull needs no HTTP per batch: the importer reads ``PeerInfo.socket`` once
 and leases through the exporter's block store socket (``shm_transport``).
+
+What starts a pull (the gateway, handing a request's prefix from a prefill worker to a decode
+worker) sends the importer ``POST /v1/blocks/pull`` with a ``PullRequest``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "ExportRequest",
     "NixlPeerInfo",
     "PeerInfo",
+    "PullRequest",
     "PullResult",
     "ReleaseReply",
     "Transport",
@@ -108,6 +112,18 @@ class PeerInfo(msgspec.Struct, frozen=True):
     tcp_port: int | None
     socket: str  # the block store's control socket: same-host peers lease through it
     segment: str  # the store's shared-memory segment
+
+
+class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Pull these blocks from ``peer_url`` into this sidecar's store.
+
+    ``transport`` defaults to shm, ``timeout_s`` to the service's ``pull_timeout_s``.
+    """
+
+    peer_url: str
+    keys: list[tuple[int, int]]
+    transport: Transport = Transport.SHM
+    timeout_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

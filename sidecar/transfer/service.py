@@ -21,6 +21,12 @@ if the peer's lease provably held throughout:
 Any failure or timeout before the commit frees the reservations: nothing of a failed pull
 ever becomes visible, and the store goes on serving everything else.
 
+``POST /v1/blocks/pull`` (a ``PullRequest``) runs ``pull`` for whoever starts a transfer,
+e.g. the gateway handing a request's prefix from a prefill worker to a decode worker. It
+answers the ``PullResult`` as JSON, or the pull's error in the OpenAI shape with its status
+(404 ``unknown_blocks`` with the missing keys, 503 ``peer_unavailable``, 504
+``transfer_timeout``, ...).
+
 The exporting side (routes, TCP stream, lease expiry) is ``exporter.BlockExporter``.
 Close the service before its ``BlockStoreOwner``: it deregisters NIXL memory and releases
 export leases, which need the owner's segment and store.
@@ -51,19 +57,21 @@ from sidecar.transfer.errors import (
     TransferError,
     TransferTimeoutError,
     TransportUnavailableError,
+    error_body,
 )
 from sidecar.transfer.exporter import BlockExporter
 from sidecar.transfer.messages import (
     BlockKey,
     ExportOffer,
     ExportRequest,
+    PullRequest,
     PullResult,
     Transport,
     check_keys,
+    decode,
 )
 from sidecar.transfer.nixl_transport import NixlEndpoint, load_nixl
 from sidecar.transfer.peer import PeerClient
-from sidecar.transfer.pull_api import pull_route
 from sidecar.transfer.shm_transport import ShmPeers
 from sidecar.transfer.stats import PullRecord, TransferStats
 from sidecar.transfer.tcp_transport import receive_blocks
@@ -165,11 +173,26 @@ class BlockTransferService:
 
     def routes(self, *, with_pull: bool = True) -> list[web.RouteDef]:
         """The routes to mount: what peers pull through (``exporter``) and, unless
-        ``with_pull=False``, ``POST /v1/blocks/pull`` to trigger a pull (``pull_api``)."""
+        ``with_pull=False``, ``POST /v1/blocks/pull`` to trigger a pull."""
         routes = self._exporter.routes()
         if with_pull:
-            routes.append(pull_route(self))
+            routes.append(web.post("/v1/blocks/pull", self._serve_pull))
         return routes
+
+    async def _serve_pull(self, request: web.Request) -> web.Response:
+        try:
+            req = decode(await request.read(), PullRequest)
+            result = await self.pull(req.peer_url, req.keys, transport=req.transport,
+                                     timeout_s=req.timeout_s)
+        except TransferError as exc:
+            return web.json_response(error_body(exc), status=exc.status)
+        return web.json_response({
+            "transport": result.transport.value,
+            "imported": result.imported,
+            "already_held": result.already_held,
+            "num_bytes": result.num_bytes,
+            "seconds": result.seconds,
+        })
 
     # ------------------------------------------------------------ importer side
     async def pull(
