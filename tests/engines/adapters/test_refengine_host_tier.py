@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,17 +14,10 @@ from refengine.kv_pool import TorchKVStore
 from refengine.page_hash import page_digests
 from refengine.presets import ModelConfig
 from refengine.tiering import HostTier
-from tests.unit.adapters.store_owner import OwnerThread, owner_config
+from tests.support.store_owner import OwnerThread, owner_config
 
 PAGE = 4
 MODEL = ModelConfig(vocab_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvs-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def engine_side(socket: Path, kv: TorchKVStore, host_pages: int = 8) -> HostTier:

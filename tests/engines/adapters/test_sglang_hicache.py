@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +23,12 @@ from adapters.sglang.hicache import KvSidecarHiCacheStorage  # noqa: E402
 from adapters.storage.link import StoreMismatchError  # noqa: E402
 from shm import BlockStoreClient  # noqa: E402
 from tests.engines.adapters.sglang_pools import make_mha_host_pool  # noqa: E402
-from tests.unit.adapters.store_owner import OwnerProcess, OwnerThread, owner_config  # noqa: E402
+from tests.support.store_owner import OwnerProcess, OwnerThread, owner_config  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 3, 2, 8, 4
 PAGE_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * PAGE * 2  # bfloat16
 HOST_LAYOUTS = ["page_first", "layer_first", "page_first_direct", "page_head"]
 STORE_LAYOUTS = ["layer_first", "page_first", "raw"]
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvs-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def storage_config(socket: Path | str, **extra: Any) -> Any:
@@ -290,6 +280,7 @@ def test_bad_host_indices_are_a_counted_miss(sock_dir: Path) -> None:
             backend.close()
 
 
+@pytest.mark.gpu
 def test_real_sglang_host_pool_class_round_trip(sock_dir: Path) -> None:
     """SGLang's own MHATokenToKVPoolHost, where it imports, round-trips pages byte-exact.
 

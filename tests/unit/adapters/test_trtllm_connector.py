@@ -4,10 +4,8 @@
 from __future__ import annotations
 
 import pickle
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +21,7 @@ from adapters.trtllm.connector_core import ConnectorMetadata, ConnectorSettings,
 from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
 from shm import BlockStoreClient
-from tests.unit.adapters.store_owner import OwnerThread, owner_config
+from tests.support.store_owner import OwnerThread, owner_config
 
 BS = 4  # tokens per block
 LAYERS, HEADS, DIM = 2, 2, 4
@@ -92,13 +90,6 @@ class Engine:
         announced = self.worker.get_finished([request.request_id], [])[0]
         self.step()
         return announced + self.worker.get_finished([], [])[0]
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="kvs-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
