@@ -10,7 +10,6 @@ down and replaced by a fresh one on the same ports (an engine restart).
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -31,6 +30,8 @@ from kvcore.events import (  # noqa: E402
 )
 from kvcore.hashing import BlockHasher  # noqa: E402
 from kvcore.namespace import Namespace  # noqa: E402
+from tests.support.net import ports_free  # noqa: E402
+from tests.support.polling import eventually  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -74,27 +75,10 @@ class DropOneSend:
         return getattr(self._sock, name)
 
 
-def _ports_free(*endpoints: str) -> bool:
-    for endpoint in endpoints:
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        if port == "*":
-            continue
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, int(port)))
-            except OSError:
-                return False
-    return True
-
-
 async def new_publisher(endpoint: str, replay: str) -> Any:
     """SGLang's publisher; on fixed ports once the previous one has let them go."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not _ports_free(endpoint, replay):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{endpoint} / {replay} still in use")
-        await asyncio.sleep(0.02)
+    await eventually(lambda: ports_free(endpoint, replay), f"{endpoint} / {replay} to be free",
+                     DEADLINE_S)
     return kv_events.ZmqEventPublisher(
         0, endpoint=endpoint, replay_endpoint=replay, bind=True, buffer_steps=1000
     )

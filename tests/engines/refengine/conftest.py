@@ -17,6 +17,9 @@ from typing import Any
 
 import pytest
 
+from tests.support.polling import wait_http_ok
+from tests.support.processes import ProcessGroup
+
 ROOT = Path(__file__).resolve().parents[3]
 EVENTS_CONFIG = json.dumps(
     {
@@ -125,9 +128,8 @@ def start_engine(
                 continue
             engine.ready.append(json.loads(line))
         for ready in engine.ready:
-            while http("GET", ready["url"] + "/health")[0] != 200:
-                if time.monotonic() > end:
-                    raise TimeoutError("engine never became healthy")
+            wait_http_ok(ready["url"] + "/health", "the engine to be healthy",
+                         max(0.0, end - time.monotonic()))
     except BaseException:
         engine.stop()
         raise
@@ -142,23 +144,19 @@ class Harness:
     http = staticmethod(http)
     sse = staticmethod(sse)
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, started: ProcessGroup[EngineProcess]) -> None:
         self.tmp_path = tmp_path
-        self.started: list[EngineProcess] = []
+        self.started = started
 
     def start(self, *args: str, replicas: int = 1) -> EngineProcess:
-        proc = start_engine(self.tmp_path, *args, replicas=replicas)
-        self.started.append(proc)
-        return proc
+        return self.started.add(start_engine(self.tmp_path, *args, replicas=replicas))
 
 
 @pytest.fixture
 def h(tmp_path: Path) -> Iterator[Harness]:
     """HTTP helpers plus an engine launcher that stops what it started."""
-    harness = Harness(tmp_path)
-    yield harness
-    for proc in harness.started:
-        proc.stop()
+    with ProcessGroup[EngineProcess]() as started:
+        yield Harness(tmp_path, started)
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import zmq
+
+from tests.support.polling import wait_until
 
 END = b"\xff" * 8
 TOPIC = b"kv-events"
@@ -49,6 +51,28 @@ class Subscriber:
         self.live[int.from_bytes(frames[1], "big")] = frames[2]
         return True
 
+    def join(self, nudge: Callable[[], None]) -> None:
+        """Until a live batch arrives, ``nudge`` the engine into publishing (a slow joiner)."""
+
+        def heard() -> bool:
+            if self.read_live(100):
+                return True
+            nudge()
+            return False
+
+        wait_until(heard, "a live event", timeout_s=20, interval_s=0)
+
+    def read_until(self, done: Callable[[], bool], what: str) -> None:
+        """Read live batches until ``done()`` holds."""
+
+        def caught_up() -> bool:
+            if done():
+                return True
+            self.read_live(100)
+            return False
+
+        wait_until(caught_up, what, timeout_s=20, interval_s=0)
+
     def replay(self, start: int) -> dict[int, bytes]:
         self.dealer.send_multipart([b"", start.to_bytes(8, "big")])
         out: dict[int, bytes] = {}
@@ -84,11 +108,7 @@ def test_events_decode_and_hashes_match_sglang(h: Any, small_engine: Any) -> Non
         f"tcp://{host}:{info['replay_endpoint_port_base']}",
     )
     try:
-        # Slow joiner: send tiny requests until the subscription is live (deadline, no sleep).
-        deadline = time.monotonic() + 20
-        while not sub.read_live(100):
-            assert time.monotonic() < deadline, "no live event arrived"
-            _generate(h, small_engine.url, [1] * 17)
+        sub.join(lambda: _generate(h, small_engine.url, [1] * 17))
         prompt = list(range(300, 300 + 67))  # 4 full pages + 3 tokens
         _generate(h, small_engine.url, prompt)
         _generate(h, small_engine.url, prompt[:40], salt="tenant-A")
@@ -97,10 +117,7 @@ def test_events_decode_and_hashes_match_sglang(h: Any, small_engine: Any) -> Non
         assert h.http("POST", small_engine.url + "/flush_cache")[0] == 200
         replayed = sub.replay(0)
         last = max(replayed)
-        deadline = time.monotonic() + 20
-        while last not in sub.live:
-            assert time.monotonic() < deadline, "live stream fell behind the replay buffer"
-            sub.read_live(100)
+        sub.read_until(lambda: last in sub.live, "the live stream to reach the replay's end")
     finally:
         sub.close()
 
@@ -143,17 +160,11 @@ def test_replay_fills_a_deliberate_gap(h: Any, engine: Any) -> None:
     ready = engine.ready[0]
     sub = Subscriber(ready["kv_events_endpoint"], ready["kv_replay_endpoint"])
     try:
-        deadline = time.monotonic() + 20
-        while not sub.read_live(100):
-            assert time.monotonic() < deadline
-            _generate(h, engine.url, [2] * 33)
+        sub.join(lambda: _generate(h, engine.url, [2] * 33))
         for i in range(4):
             _generate(h, engine.url, [700 + i] * 40)
         first = min(sub.live)
-        deadline = time.monotonic() + 20
-        while len(sub.live) < 5:
-            assert time.monotonic() < deadline
-            sub.read_live(100)
+        sub.read_until(lambda: len(sub.live) >= 5, "five live batches")
         gap = sorted(sub.live)[2]
         dropped = sub.live.pop(gap)  # the deliberate gap
         got = sub.replay(gap)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +25,8 @@ from kvcore.events import Tier  # noqa: E402
 from kvsidecar.launch import ManagedProcess  # noqa: E402
 from routing.placement.kv_router import KvRouter  # noqa: E402
 from routing.workers.event_feed import SidecarFeed  # noqa: E402
+from tests.support.net import ports_free  # noqa: E402
+from tests.support.polling import eventually  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 PAGE = 16
@@ -80,27 +81,6 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-def ports_free(*endpoints: str) -> bool:
-    """Whether these tcp://host:port endpoints can be bound again (the old publisher let go)."""
-    for endpoint in endpoints:
-        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, int(port)))
-            except OSError:
-                return False
-    return True
-
-
-async def until(predicate: Any, timeout_s: float = 20.0) -> None:
-    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached before the deadline"
-        await asyncio.sleep(0.01)
-
-
 async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
     """SGLang's blocks, a replayed gap and a publisher restart all reach the gateway."""
     pub = kv_events.ZmqEventPublisher(
@@ -143,30 +123,35 @@ async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None
         sc.wait_ready(60)
         feed = SidecarFeed(sc.url, KvRouter(), session, model_id="m")
         feed_task = asyncio.create_task(feed.run())
-        await until(lambda: feed.connected)
+        await eventually(lambda: feed.connected, "the feed to connect")
         a, b, c = ([i] * PAGE for i in (1, 2, 3))
 
         def gpu(tokens: list[int]) -> dict[str, int]:
             return feed.router.index.match(canonical(tokens), Tier.GPU)
 
         pub.publish(batch(stored([11], a)))
-        await until(lambda: gpu(a) == {"sg": 1})
+        await eventually(lambda: gpu(a) == {"sg": 1}, "the first block at the gateway")
         pub._pub = DropOneSend(pub._pub, drop_seq=1)
         pub.publish(batch(stored([12], b)))  # seq 1 never goes out live
         pub.publish(batch(stored([13], c)))  # seq 2 reveals the gap; replay fills it
-        await until(lambda: gpu(b) == {"sg": 1} and gpu(c) == {"sg": 1})
+        await eventually(lambda: gpu(b) == {"sg": 1} and gpu(c) == {"sg": 1},
+                         "the replayed gap and the next block at the gateway")
 
         await asyncio.to_thread(pub.shutdown)  # the engine restarts, its cache empty
-        await until(lambda: ports_free(live, replay))
+        await eventually(lambda: ports_free(live, replay), "the old publisher's ports to be free")
         pub = kv_events.ZmqEventPublisher(
             0, endpoint=live, replay_endpoint=replay, bind=True, buffer_steps=1000
         )
         d = [4] * PAGE
-        deadline = time.monotonic() + 20
-        while gpu(d) != {"sg": 1}:  # publish until the sidecar's SUB has reconnected
-            assert time.monotonic() < deadline, "the restarted publisher was never heard"
+
+        def heard() -> bool:
+            """Whether the block arrived; if not, publish it again (the SUB may be reconnecting)."""
+            if gpu(d) == {"sg": 1}:
+                return True
             pub.publish(batch(stored([14], d)))
-            await asyncio.sleep(0.2)
+            return False
+
+        await eventually(heard, "the restarted publisher to be heard", interval_s=0.2)
         assert gpu(a) == gpu(b) == gpu(c) == {}
     finally:
         if feed_task is not None:

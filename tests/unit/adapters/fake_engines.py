@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
+from tests.support.polling import eventually
 from tests.unit.adapters import trtllm_fixtures as trt
 
 
@@ -150,16 +151,16 @@ class FakeSGLangPublisher:
         self._seq = 0
         self._buffer = []
         self.truth = Truth()
-        # The old sockets close asynchronously: retry the bind until the ports are free.
-        deadline = time.monotonic() + 5.0
-        while True:
+
+        def bound() -> bool:
             try:
                 self._bind(self.endpoint, self.replay_endpoint)
-                break
-            except zmq.ZMQError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.01)
+            except zmq.ZMQError as exc:
+                raise AssertionError(f"cannot bind yet: {exc}") from exc
+            return True
+
+        # The old sockets close asynchronously: retry the bind until the ports are free.
+        await eventually(bound, "the old ports to be free again", timeout_s=5.0, interval_s=0.01)
         await self.clear()  # SGLang's radix cache reset at start-up
 
     async def _close_sockets(self) -> None:
