@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +16,8 @@ from kvcore.events import Tier
 from kvsidecar.launch import ManagedProcess
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
+from tests.support.polling import eventually, wait_http_ok_async
+from tests.support.processes import ProcessGroup
 
 EVENTS = json.dumps(
     {
@@ -29,23 +30,21 @@ EVENTS = json.dumps(
 HASHER = BlockHasher(16)
 # Processes the running test started; the autouse fixture below stops whatever is left, so a
 # failure between starting an engine and reaching a test's `finally` leaks nothing.
-_LAUNCHED: list[list[ManagedProcess]] = []
+_LAUNCHED: list[ProcessGroup[ManagedProcess]] = []
 
 
 @pytest.fixture(autouse=True)
 def _stop_leftovers() -> Iterator[None]:
-    started: list[ManagedProcess] = []
-    _LAUNCHED.append(started)
-    yield
-    _LAUNCHED.pop()
-    for proc in started:
-        proc.stop()
+    with ProcessGroup[ManagedProcess]() as started:
+        _LAUNCHED.append(started)
+        try:
+            yield
+        finally:
+            _LAUNCHED.pop()
 
 
 def _track(proc: ManagedProcess) -> ManagedProcess:
-    if _LAUNCHED:
-        _LAUNCHED[-1].append(proc)
-    return proc
+    return _LAUNCHED[-1].add(proc) if _LAUNCHED else proc
 
 
 def engine(
@@ -123,15 +122,6 @@ async def generate(
         return {"status": resp.status, "chunks": chunks}
 
 
-async def eventually(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.01)
-
-
 def prompt(salt: int, n_blocks: int = 6) -> list[int]:
     return [(salt * 131 + i) % 900 + 10 for i in range(16 * n_blocks)]
 
@@ -150,7 +140,8 @@ class TestSidecarWithEngine:
         assert first["status"] == 200 and first["rid"] == "a"
         feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
         task = asyncio.create_task(feed.run())
-        await eventually(lambda: overlap(feed, tokens).get(Tier.GPU) == {"r0": 6})
+        await eventually(lambda: overlap(feed, tokens).get(Tier.GPU) == {"r0": 6},
+                         "the stored blocks at the gateway")
         streamed = await generate(session, sc.url, tokens, "b", stream=True)
         assert streamed["chunks"][-1] == b"data: [DONE]\n"
         usage = json.loads(streamed["chunks"][-2][5:])["usage"]
@@ -164,20 +155,22 @@ class TestSidecarWithEngine:
         steady = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
         flaky = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
         tasks = [asyncio.create_task(steady.run()), asyncio.create_task(flaky.run())]
-        await eventually(lambda: steady.connected and flaky.connected)
+        await eventually(lambda: steady.connected and flaky.connected, "both feeds to connect")
         await generate(session, sc.url, prompt(2), "c")
         tasks[1].cancel()
         for i in range(5):
             await generate(session, sc.url, prompt(10 + i), f"d{i}")
         tasks[1] = asyncio.create_task(flaky.run())
-        await eventually(lambda: flaky.connected and flaky.stats.connects == 2)
+        await eventually(lambda: flaky.connected and flaky.stats.connects == 2,
+                         "the flaky feed to reconnect")
         await generate(session, sc.url, prompt(20), "e")
         await eventually(
             lambda: (
                 flaky.router.index.position("r0") == steady.router.index.position("r0")
                 and steady.router.index.position("r0") is not None
                 and overlap(steady, prompt(20)).get(Tier.GPU) == {"r0": 6}
-            )
+            ),
+            "both feeds to reach the same position",
         )
         for salt in (2, 10, 14, 20):
             assert overlap(flaky, prompt(salt)) == overlap(steady, prompt(salt))
@@ -193,7 +186,8 @@ class TestSidecarWithEngine:
             feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
             task = asyncio.create_task(feed.run())
             await generate(session, sc.url, prompt(3), "f")
-            await eventually(lambda: overlap(feed, prompt(3)).get(Tier.GPU) == {"r0": 6})
+            await eventually(lambda: overlap(feed, prompt(3)).get(Tier.GPU) == {"r0": 6},
+                             "the first engine's blocks at the gateway")
             # The restarted engine comes back with the same configuration: same ports. As in
             # SGLang, a host-less `tcp://*:port` binds (a concrete host would connect out).
             ready = eng.ready[0]
@@ -210,12 +204,11 @@ class TestSidecarWithEngine:
             )
             eng.kill()
             eng = engine(tmp_path, "engine2", port=port, events=same)
-            deadline = time.monotonic() + 30
-            while not await healthy(session, sc.url):
-                assert time.monotonic() < deadline, "sidecar never saw the engine come back"
-                await asyncio.sleep(0.05)
+            await wait_http_ok_async(session, f"{sc.url}/health",
+                                     "the sidecar to see the engine come back", timeout_s=30)
             await generate(session, sc.url, prompt(4), "g")
-            await eventually(lambda: overlap(feed, prompt(4)).get(Tier.GPU) == {"r0": 6}, 30)
+            await eventually(lambda: overlap(feed, prompt(4)).get(Tier.GPU) == {"r0": 6},
+                             "the restarted engine's blocks at the gateway", timeout_s=30)
             assert overlap(feed, prompt(3)) == {}
             task.cancel()
         finally:
@@ -244,11 +237,12 @@ class TestSidecarWithEngine:
                 async with session.get(f"{sc.url}/health") as resp:
                     return {"http": resp.status, **(await resp.json())}
 
-            deadline = time.monotonic() + 10
-            body = await health()
-            while body["http"] == 200 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            async def unhealthy() -> dict[str, object] | None:
                 body = await health()
+                return None if body["http"] == 200 else body
+
+            body = await eventually(unhealthy, "/health to report the silence", timeout_s=10,
+                                    interval_s=0.05)
             assert body["http"] == 503 and body["routable"] is False
             assert "published no KV event" in str(body["reason"])
         finally:
@@ -261,10 +255,8 @@ class TestSidecarWithEngine:
         sc = sidecar(tmp_path, eng.url)
         try:
             pending = asyncio.create_task(generate(session, sc.url, prompt(6), "i", max_tokens=64))
-            deadline = time.monotonic() + 10
-            while await in_flight(session, sc.url) != 1:
-                assert time.monotonic() < deadline, "the request never got in flight"
-                await asyncio.sleep(0.005)
+            await eventually(lambda: in_flight_is(session, sc.url, 1),
+                             "the request to be in flight", timeout_s=10, interval_s=0.005)
             sc.proc.send_signal(signal.SIGTERM)
             result = await pending
             assert result["status"] == 200
@@ -290,14 +282,13 @@ class TestSidecarWithEngine:
         assert ok["status"] == 200
 
 
-async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
-    async with session.get(f"{url}/health") as resp:
-        return resp.status == 200
-
-
 async def in_flight(session: aiohttp.ClientSession, url: str) -> int:
     async with session.get(f"{url}/v1/load") as resp:
         return int((await resp.json())["r0"]["in_flight"])
+
+
+async def in_flight_is(session: aiohttp.ClientSession, url: str, count: int) -> bool:
+    return await in_flight(session, url) == count
 
 
 @pytest.mark.slow
@@ -330,7 +321,8 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
             outs = [np.empty(4096, dtype=np.uint8) for _ in blocks]
             assert store.get_many([(seed, b) for b in blocks], outs) == [True] * len(blocks)
         assert all((o == i).all() for i, o in enumerate(outs))
-        await eventually(lambda: overlap(feed, prompt(8)).get(Tier.HOST) == {"r0": 6})
+        await eventually(lambda: overlap(feed, prompt(8)).get(Tier.HOST) == {"r0": 6},
+                         "the stored blocks in the gateway's host tier")
         async with session.get(f"{sc.url}/metrics") as resp:
             text = await resp.text()
         assert 'kvsidecar_store_lookups_total{result="hit"} 6.0' in text
@@ -344,7 +336,7 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("transport", ["shm", "nixl", "tcp"])
+@pytest.mark.parametrize("transport", ["shm", pytest.param("nixl", marks=pytest.mark.nixl), "tcp"])
 async def test_peer_sidecar_imports_blocks(tmp_path: Path, session, transport: str) -> None:  # type: ignore[no-untyped-def]
     """A sidecar pulls a peer sidecar's host-tier blocks by shm, NIXL or TCP; bytes match."""
     import numpy as np
@@ -434,10 +426,11 @@ async def test_client_disconnect_aborts_the_engine_request(tmp_path: Path, sessi
             await resp.content.readline()
             assert await running() == 1
         # leaving the block closed the client's connection mid-stream
-        deadline = time.monotonic() + 10
-        while await running():
-            assert time.monotonic() < deadline, "the engine kept generating for a gone client"
-            await asyncio.sleep(0.05)
+        async def stopped() -> bool:
+            return not await running()
+
+        await eventually(stopped, "the engine to stop generating for a gone client",
+                         timeout_s=10, interval_s=0.05)
         assert await in_flight(session, sc.url) == 0
     finally:
         sc.stop()
