@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import Any
 import aiohttp
 
 from kvsidecar.launch import ManagedProcess
+from tests.support.gateway import routable  # noqa: F401 (the disagg tests import it here)
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "refengine" / "models" / "tiny"
@@ -111,18 +110,6 @@ class PdStack:
     def stop(self) -> None:
         for proc in reversed(self.procs):
             proc.stop()
-
-
-async def routable(session: aiohttp.ClientSession, url: str, count: int) -> list[dict[str, Any]]:
-    """Poll /v1/workers until ``count`` workers are routable (a deadline, no fixed sleep)."""
-    deadline = time.monotonic() + 30
-    while True:
-        async with session.get(f"{url}/v1/workers") as resp:
-            workers = (await resp.json())["workers"]
-        if sum(bool(w["routable"] and w["healthy"]) for w in workers) >= count:
-            return list(workers)
-        assert time.monotonic() < deadline, f"workers never became routable: {workers}"
-        await asyncio.sleep(0.05)
 
 
 async def complete(

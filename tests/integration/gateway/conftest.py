@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import select
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.support.polling import wait_until
+from tests.support.processes import log_event, read_line
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKE = Path(__file__).with_name("fake_openai.py")
@@ -56,20 +56,15 @@ class Spawner:
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + STARTUP_S
-        assert popen.stdout is not None
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([popen.stdout], [], [], deadline - time.monotonic())
-            if ready:
-                line = popen.stdout.readline().decode()
-                if line.startswith("FAKE_ENGINE_PORT="):
-                    proc = Proc(popen, int(line.split("=", 1)[1]))
-                    self.procs.append(proc)
-                    return proc
-                if not line:
-                    break
-        popen.kill()
-        raise RuntimeError("fake engine did not start")
+        try:
+            line = read_line(popen, STARTUP_S, prefix="FAKE_ENGINE_PORT=")
+            assert line, "the fake engine exited before it listened"
+        except AssertionError:
+            popen.kill()
+            raise
+        proc = Proc(popen, int(line.split("=", 1)[1]))
+        self.procs.append(proc)
+        return proc
 
     def gateway(self, workers: list[Proc | str], *flags: str) -> Proc:
         log = self.tmp / f"gateway-{len(self.procs)}.log"
@@ -78,18 +73,15 @@ class Spawner:
             args += ["--worker", w if isinstance(w, str) else w.url]
         with log.open("wb") as out:
             popen = subprocess.Popen([*args, *flags], cwd=ROOT, stdout=out, stderr=out)
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            for line in log.read_text().splitlines():
-                if '"gateway_started"' in line:
-                    proc = Proc(popen, json.loads(line)["port"], log)
-                    self.procs.append(proc)
-                    return proc
-            if popen.poll() is not None:
-                raise RuntimeError(f"gateway exited: {log.read_text()}")
-            time.sleep(0.02)  # polling the log file for the ready line, with a deadline
-        popen.kill()
-        raise RuntimeError(f"gateway did not start: {log.read_text()}")
+        try:
+            started = wait_until(lambda: log_event(log, "gateway_started", popen),
+                                 f"the gateway to start (log: {log})", STARTUP_S)
+        except AssertionError:
+            popen.kill()
+            raise
+        proc = Proc(popen, started["port"], log)
+        self.procs.append(proc)
+        return proc
 
     def stop_all(self) -> None:
         for proc in reversed(self.procs):

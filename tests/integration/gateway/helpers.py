@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import orjson
+
+from tests.support.polling import eventually
 
 
 async def post(
@@ -30,12 +30,8 @@ async def get(url: str, path: str) -> tuple[int, bytes]:
 
 
 async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    """Poll ``check`` until it is true, failing after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.02)
+    """``tests.support.polling.eventually``, named after the check it waits for."""
+    await eventually(check, f"{check.__name__} to hold", timeout_s)
 
 
 def sse_events(body: bytes) -> list[bytes]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ import aiohttp
 import pytest
 
 from kvsidecar.launch import ManagedProcess
+from tests.support.gateway import routable
+from tests.support.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "refengine" / "models" / "tiny"
@@ -121,18 +122,6 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-async def routable(session: aiohttp.ClientSession, url: str, count: int) -> None:
-    """Poll /v1/workers until ``count`` workers are routable (a deadline, no fixed sleep)."""
-    deadline = time.monotonic() + 30
-    while True:
-        async with session.get(f"{url}/v1/workers") as resp:
-            workers = (await resp.json())["workers"]
-        if sum(w["routable"] and w["healthy"] for w in workers) >= count:
-            return
-        assert time.monotonic() < deadline, f"workers never became routable: {workers}"
-        await asyncio.sleep(0.05)
-
-
 def text(seed: int, words: int) -> str:
     return " ".join(
         WORDS[(seed * 7 + i * 3) % len(WORDS)] + str((seed + i) % 97) for i in range(words)
@@ -179,11 +168,15 @@ class TestPlacement:
         system = text(1, 200)
         status, first, _, _ = await chat(session, stack.url, system, "hello")
         assert status == 200
-        deadline = time.monotonic() + 10
-        while True:  # the stored events reach the gateway within a moment
-            status, worker, predicted, cached = await chat(session, stack.url, system, "again")
-            if predicted > 0 or time.monotonic() > deadline:
-                break
+
+        async def predicted_hit() -> tuple[int, str, int, int] | None:
+            result = await chat(session, stack.url, system, "again")
+            return result if result[2] > 0 else None
+
+        # the stored events reach the gateway within a moment
+        status, worker, predicted, cached = await eventually(
+            predicted_hit, "the gateway to predict the cached prefix", timeout_s=10, interval_s=0
+        )
         assert (status, worker) == (200, first)
         assert predicted > 0 and cached > 0
 
@@ -250,15 +243,16 @@ async def test_dead_sidecar_leaves_placement(tmp_path: Path, session) -> None:  
             assert status == 200
             survivors.add(worker)
         assert victim not in survivors
-        deadline = time.monotonic() + 15
-        while True:
+
+        async def victim_gone() -> bool:
             async with session.get(f"{stack.url}/v1/workers") as r:
                 state = {w["worker_id"]: w for w in (await r.json())["workers"]}
             dead = state[victim]
-            if not dead["routable"] and sum(dead["cached_blocks"].values()) == 0:
-                break
-            assert time.monotonic() < deadline, dead
-            await asyncio.sleep(0.1)
+            assert not dead["routable"] and sum(dead["cached_blocks"].values()) == 0, dead
+            return True
+
+        await eventually(victim_gone, "the dead worker to leave placement", timeout_s=15,
+                         interval_s=0.1)
     finally:
         stop_stack(stack)
 
@@ -329,10 +323,13 @@ async def test_sidecar_file_is_reread_on_change(tmp_path: Path, session) -> None
                 return {w["worker_id"] for w in (await resp.json())["workers"]}
 
         async def until(expected: set[str]) -> None:
-            deadline = time.monotonic() + 20
-            while (seen := await worker_ids()) != expected:
-                assert time.monotonic() < deadline, seen
-                await asyncio.sleep(0.05)
+            async def listed() -> bool:
+                seen = await worker_ids()
+                assert seen == expected, seen
+                return True
+
+            await eventually(listed, f"the workers {sorted(expected)}", timeout_s=20,
+                             interval_s=0.05)
 
         await until({"replica-0"})
         await routable(session, url, 1)
