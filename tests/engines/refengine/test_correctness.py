@@ -45,8 +45,7 @@ def test_prefix_hit_does_not_change_greedy_output(h: Any, engine: Any) -> None:
 
 @pytest.mark.slow
 def test_host_tier_load_and_cross_process_import(h: Any, engine: Any, tmp_path: Path) -> None:
-    """Pages written through by one process are loaded by it after a flush and by another
-    process; every output equals the plain engine's."""
+    """Written-through pages load after a flush and in another process; outputs stay the same."""
     reference = _gen(h, engine.url, PROMPT)["output_ids"]
     store = tmp_path / "pages"
     first = h.start(*_file_store(store))
@@ -73,8 +72,7 @@ def test_host_tier_load_and_cross_process_import(h: Any, engine: Any, tmp_path: 
 
 @pytest.mark.slow
 def test_prefill_role_hands_pages_to_decode_role(h: Any, engine: Any, tmp_path: Path) -> None:
-    """Prefill role returns the first token and exported page keys; decode role imports the
-    pages and continues exactly as an aggregated engine would."""
+    """Prefill exports its pages and first token; decode imports them and continues as agg."""
     reference = _gen(h, engine.url, PROMPT)["output_ids"]
     store = tmp_path / "pd"
     prefill = h.start(*_file_store(store), "--disaggregation-mode", "prefill")

@@ -6,8 +6,7 @@ from typing import Any
 
 
 def test_replicas_serve_independently(h: Any) -> None:
-    """--replicas 3 prints three ready lines with distinct HTTP and ZMQ ports; caches are
-    per replica; outputs are deterministic across replicas."""
+    """--replicas 3: three ready lines, distinct ports, a cache each, the same outputs."""
     proc = h.start(
         "--compute",
         "sim",

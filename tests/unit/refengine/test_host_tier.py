@@ -113,8 +113,7 @@ def test_host_pool_hands_out_consecutive_rows_again_after_free() -> None:
 
 
 def test_tier_moves_pages_through_a_small_staging_pool() -> None:
-    """HostTier writes and loads more pages than the staging pool holds, byte for byte,
-    and skips pages the store already has."""
+    """More pages than staging holds move byte for byte; pages the store has are skipped."""
     from refengine.kv_pool import TorchKVStore
     from refengine.presets import ModelConfig
     from refengine.tiering import HostTier

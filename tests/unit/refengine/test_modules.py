@@ -25,8 +25,10 @@ for name in sys.argv[1:]:
 
 
 def test_each_module_imports_alone() -> None:
-    """Every module imports with no other refengine module loaded first (one interpreter,
-    our modules dropped from sys.modules between imports; third-party ones stay warm)."""
+    """Every module imports with no other refengine module loaded before it.
+
+    One interpreter: our modules leave sys.modules between imports; third-party ones stay.
+    """
     names = [m for m in MODULES if not m.endswith("__main__")]
     subprocess.run(
         [sys.executable, "-c", _ISOLATED_IMPORTS, *names], cwd=ROOT, check=True, timeout=120
@@ -52,8 +54,10 @@ def test_cli_help_and_kvsidecar_entry() -> None:
 
 
 def test_timing_model_shapes() -> None:
-    """Prefill grows with uncached tokens and context, decode with batch and context;
-    --speedup divides every duration."""
+    """Prefill grows with uncached tokens and context, decode with batch and context.
+
+    --speedup divides every duration.
+    """
     from refengine.timing import TimingModel
 
     t = TimingModel()
