@@ -79,7 +79,7 @@ def log_event(
     return None
 
 
-def read_line(proc: subprocess.Popen[Any], timeout_s: float, prefix: str = "") -> str:
+def read_line(proc: subprocess.Popen[Any], timeout_s: float = 20.0, prefix: str = "") -> str:
     """The process's next stdout line that starts with ``prefix``, stripped; ``""`` at EOF.
 
     Lines before it are skipped. ``AssertionError`` when none came within ``timeout_s``.

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import selectors
 import shutil
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from shm import (
 )
 from shm.segment import Segment, unlink_stale_segments
 from tests.support.polling import wait_until
+from tests.support.processes import read_line
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("_worker.py")
@@ -36,16 +36,6 @@ DEADLINE_S = 20.0
 
 def content(ns: int, block_hash: int, block_bytes: int) -> np.ndarray:
     return np.random.default_rng([ns, block_hash]).integers(0, 256, block_bytes, dtype=np.uint8)
-
-
-def read_line(proc: subprocess.Popen[str], timeout_s: float = DEADLINE_S) -> str:
-    """The process's next stdout line, or fail after ``timeout_s``."""
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        if not sel.select(timeout_s):
-            raise AssertionError(f"no output from pid {proc.pid} within {timeout_s}s")
-    return proc.stdout.readline().strip()
 
 
 @dataclass
