@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,8 @@ from replay.offline import FleetConfig, Policy, outcomes, simulate
 from replay.summary import summarize
 from replay.synthesis import TokenSynthesizer
 from replay.traces import load_trace
+from tests.support.polling import eventually
+from tests.support.processes import ready_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -42,12 +43,9 @@ async def _start_stack(tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]
         "--router-mode", "kv", "--port", "0", "--ready-file", str(ready),
         cwd=ROOT, start_new_session=True,
     )  # fmt: skip
-    deadline = time.monotonic() + STARTUP_S
-    while not ready.exists() or not ready.read_text().strip():
-        if proc.returncode is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"kvsidecar up did not become ready (rc {proc.returncode})")
-        await asyncio.sleep(0.1)  # polling a ready file against a deadline
-    return proc, json.loads(ready.read_text())["url"]
+    lines = await eventually(lambda: ready_lines(ready, proc), "kvsidecar up to become ready",
+                             STARTUP_S, interval_s=0.1)
+    return proc, json.loads(lines[0])["url"]
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,8 @@ from replay.offline import FleetConfig, Policy, outcomes, simulate
 from replay.summary import summarize
 from replay.synthesis import TokenSynthesizer
 from replay.traces import load_trace
+from tests.support.polling import eventually
+from tests.support.processes import log_event, ready_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -32,29 +33,6 @@ CAPACITY_TOKENS = 200_000
 SPEEDUP = 20.0  # arrivals and the engines' timing both: the same system, 20× faster
 CONTEXT = 8192  # the tiny model's max_position_embeddings
 READY_S = 60.0
-
-
-async def _wait_for_lines(path: Path, count: int, proc: asyncio.subprocess.Process) -> list[str]:
-    deadline = time.monotonic() + READY_S
-    while True:
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
-        if len(lines) >= count:
-            return lines
-        if proc.returncode is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{path.name}: not ready (rc {proc.returncode})")
-        await asyncio.sleep(0.05)  # polling a ready file against a deadline
-
-
-async def _gateway_url(log: Path, proc: asyncio.subprocess.Process) -> str:
-    deadline = time.monotonic() + READY_S
-    while True:
-        text = log.read_text() if log.exists() else ""
-        for line in text.splitlines():
-            if '"gateway_started"' in line:
-                return str(json.loads(line)["url"])
-        if proc.returncode is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"gateway did not start (rc {proc.returncode}): {text[-500:]}")
-        await asyncio.sleep(0.05)  # polling the log for its ready line against a deadline
 
 
 @pytest.mark.slow
@@ -76,7 +54,9 @@ async def test_approx_hit_rate_agrees_live_and_offline(tmp_path: Path) -> None:
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         procs.append(engines)
-        urls = [json.loads(line)["url"] for line in await _wait_for_lines(ready, 2, engines)]
+        lines = await eventually(lambda: ready_lines(ready, engines, count=2), "the engines",
+                                 READY_S, interval_s=0.05)
+        urls = [json.loads(line)["url"] for line in lines]
         log = tmp_path / "gateway.log"
         with log.open("wb") as sink:
             gateway = await asyncio.create_subprocess_exec(
@@ -86,7 +66,9 @@ async def test_approx_hit_rate_agrees_live_and_offline(tmp_path: Path) -> None:
                 cwd=ROOT, stdout=sink, stderr=sink,
             )  # fmt: skip
         procs.append(gateway)
-        url = await _gateway_url(log, gateway)
+        started = await eventually(lambda: log_event(log, "gateway_started", gateway),
+                                   f"the gateway to start (log: {log})", READY_S, 0.05)
+        url = str(started["url"])
         live = await replay_live(
             records, TokenSynthesizer(1024), LiveConfig(url=url, model="tiny", speedup=SPEEDUP)
         )
