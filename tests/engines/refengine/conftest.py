@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import subprocess
@@ -17,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.polling import wait_http_ok
-from tests.support.processes import ProcessGroup
+from tests.support.polling import wait_http_ok, wait_until
+from tests.support.processes import ProcessExitedError, ProcessGroup
 
 ROOT = Path(__file__).resolve().parents[3]
 EVENTS_CONFIG = json.dumps(
@@ -115,18 +116,18 @@ def start_engine(
     thread = threading.Thread(target=pump, daemon=True)
     thread.start()
     engine = EngineProcess(proc, [], log, thread)
+
+    def all_ready() -> bool:
+        """Take a ready line the pump queued (waiting up to 0.5 s); all of them yet?"""
+        if proc.poll() is not None:
+            raise ProcessExitedError(f"engine exited with {proc.returncode}: {log.read_text()}")
+        with contextlib.suppress(queue.Empty):
+            engine.ready.append(json.loads(lines.get(timeout=0.5)))
+        return len(engine.ready) >= replicas
+
     end = time.monotonic() + deadline_s
     try:
-        while len(engine.ready) < replicas:
-            if proc.poll() is not None:
-                raise RuntimeError(f"engine exited with {proc.returncode}: {log.read_text()}")
-            try:
-                line = lines.get(timeout=max(0.01, min(0.5, end - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() > end:
-                    raise TimeoutError("engine printed no ready line in time") from None
-                continue
-            engine.ready.append(json.loads(line))
+        wait_until(all_ready, "the engine's ready lines", deadline_s, interval_s=0)
         for ready in engine.ready:
             wait_http_ok(ready["url"] + "/health", "the engine to be healthy",
                          max(0.0, end - time.monotonic()))
