@@ -8,8 +8,9 @@ blocks a client knows the place of need no message at all: they read through the
 read index (``shm.read_index``).
 """
 
-from shm.aclient import AsyncBlockStoreClient, AsyncPendingPut
-from shm.client import BlockStoreClient, PendingPut
+from shm._puts import AsyncPendingPut, PendingPut
+from shm.aclient import AsyncBlockStoreClient
+from shm.client import BlockStoreClient
 from shm.config import OwnerConfig
 from shm.errors import (
     BlockDtypeError,

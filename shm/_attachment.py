@@ -1,8 +1,9 @@
-"""What the sync and async clients share: the attached segment, request building, replies.
+"""A client's mapping of the owner's segment: what both clients share about blocks.
 
-The clients differ only in how a frame crosses the socket; everything about blocks (shape
-checks, copies into and out of slot views, generation checks, turning ``ErrorReply`` into
-the right exception) lives here once.
+The clients differ only in how a frame crosses the socket (``shm._transport``); everything
+about blocks (shape checks, copies into and out of slot views, generation checks, reads
+through the read index and their hints, the commit of a filled reservation) lives here
+once.
 """
 
 from __future__ import annotations
@@ -10,52 +11,29 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from shm._blocks import BlockFormat
 from shm._cuda import CudaMapping
+from shm._requests import descriptors
 from shm.errors import (
     ClientDetachedError,
     ForeignSegmentError,
     HeaderCorruptError,
-    ProtocolError,
     StaleDescriptorError,
-    error_from_code,
 )
-from shm.protocol import ErrorReply, Reply, Slots, StatsReply, Welcome
+from shm.protocol import Publish, Slots, Welcome
 from shm.read_index import OPTIMISTIC_READS_SUPPORTED, ReadIndex
 from shm.segment import Segment
-from shm.store import BlockKey, StoreStats
+from shm.store import BlockKey
 
-__all__ = ["Attachment", "BlockKey", "expect", "split_keys", "stats_from_reply"]
+__all__ = ["Attachment"]
 
-R = TypeVar("R")
 _U8 = np.dtype(np.uint8)
 _MAX_HINTS = 1 << 16  # per client: about 10 MB of Python objects at most
 _MIN_HINTS = 1 << 12
-
-
-def expect(reply: Reply, kind: type[R]) -> R:
-    """``reply`` if it is a ``kind``; the error it carries, or ``ProtocolError``, if not."""
-    if isinstance(reply, kind):
-        return reply
-    if isinstance(reply, ErrorReply):
-        raise error_from_code(reply.code, reply.message)
-    raise ProtocolError(f"expected a {kind.__name__} reply, got {type(reply).__name__}")
-
-
-def split_keys(keys: Sequence[BlockKey]) -> tuple[list[int], list[int]]:
-    """``[(namespace_seed, block_hash), ...]`` as the two flat lists the wire carries."""
-    try:
-        return [k[0] for k in keys], [k[1] for k in keys]
-    except (TypeError, IndexError) as exc:
-        raise TypeError("keys must be (namespace_seed, block_hash) pairs") from exc
-
-
-def stats_from_reply(reply: StatsReply) -> StoreStats:
-    return StoreStats(*(getattr(reply, name) for name in StatsReply.__struct_fields__))
 
 
 class Attachment:
@@ -171,22 +149,26 @@ class Attachment:
             else:
                 write(rows, slot, array)
 
-    def publish_filled(self, keys: Sequence[BlockKey], slots: Sequence[int | None],
-                       hashes: Sequence[int] | None = None) -> bool:
-        """``slots`` (one per key; ``None``: none), reserved to us, now hold ``keys``' bytes
-        (copied in, or filled in place): publish them in the read index, which commits them
-        (see ``shm.read_index``), and keep them as hints (``hashes``: the keys' block
-        hashes, if the caller has them at hand). ``False`` when the client does not read
-        optimistically: it must send ``Publish`` instead."""
-        index = self._index
+    def commit_filled(self, keys: Sequence[BlockKey], reply: Slots,
+                      hashes: Sequence[int] | None = None) -> Publish | None:
+        """Commit a reservation: the slots of ``reply`` (one per key; ``None``: none),
+        reserved to us, now hold ``keys``' bytes (copied in, or filled in place).
+
+        Every put commits this way: publishing the slots in the read index commits them
+        with no message (see ``shm.read_index``); they are kept as hints (``hashes``: the
+        keys' block hashes, if the caller has them at hand). A client that does not read
+        optimistically gets the one-way ``Publish`` to send instead (``None``: nothing to
+        send)."""
+        index, slots = self._index, reply.slots
         if index is None:
-            return False
+            held, generations = descriptors(reply)
+            return Publish(held, generations) if held else None
         index.publish(slots, keys)
         with self._publish_lock:  # the owner looks for commits when the count moves
             self._publications += 1
             index.count_publication(self.welcome.hit_cell, self._publications)
         self._hint(keys, slots, hashes)
-        return True
+        return None
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""
@@ -297,10 +279,3 @@ class Attachment:
         self._index = None
         self.segment.close()
 
-
-def descriptors(reply: Slots) -> tuple[list[int], list[int]]:
-    """The (slots, generations) of the keys that got one."""
-    if None not in reply.slots:  # the common case: every key got one
-        return reply.slots, reply.generations  # type: ignore[return-value]
-    pairs = [(s, g) for s, g in zip(reply.slots, reply.generations, strict=True) if s is not None]
-    return [s for s, _ in pairs], [g for _, g in pairs]  # type: ignore[misc]

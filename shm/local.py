@@ -4,7 +4,8 @@ The sidecar runs ``BlockStoreOwner`` in its event loop. Its block transfer servi
 and writes blocks of that same store, so it needs what a client has (reserve, commit,
 abort, lease, release, each with the owner's checks and host-tier events) without a Unix
 socket or a second mapping: ``LocalSession`` sends the same control messages straight to
-``BlockStoreOwner.handle`` and hands out views of the owner's own mapping. That matters
+``BlockStoreOwner.handle`` (its commit, which no client sends as a message, is a call:
+``BlockStoreOwner.commit``) and hands out views of the owner's own mapping. That matters
 for transports that register memory (NIXL): the addresses are the owner's.
 
 Call it from the owner's event loop thread only (the store core is not thread-safe); the
@@ -19,16 +20,14 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from shm._attachment import expect, split_keys
+import shm._requests as req
+from shm._transport import expect
 from shm.errors import ClientDetachedError
 from shm.protocol import (
     Abort,
-    Commit,
     Done,
     Flags,
-    Lease,
     Release,
-    Remove,
     Reserve,
     Slots,
     decode_reply,
@@ -74,20 +73,24 @@ class LocalSession:
     def reserve(
         self,
         keys: Sequence[BlockKey],
-        parent_hashes: Sequence[int | None] | None = None,
-        token_ids: Sequence[list[int] | None] | None = None,
+        parent_hashes: req.Parents = None,
+        token_ids: req.Tokens = None,
     ) -> Slots:
         """Slots to fill per key (``None`` where held or in flight); ``StoreFullError``."""
         return self._call(
-            Reserve(*split_keys(keys),
+            Reserve(*req.split_keys(keys),
                     None if parent_hashes is None else list(parent_hashes),
                     None if token_ids is None else list(token_ids)),
             Slots,
         )
 
     def commit(self, slots: list[int], generations: list[int]) -> None:
+        """Make reserved slots visible, their bytes in: no frame, but the owner's checks
+        (``StaleDescriptorError``) and events, as ``BlockStoreOwner.commit`` says."""
         if slots:
-            self._call(Commit(slots, generations), Done)
+            if self._session is None:
+                raise ClientDetachedError("the local session is closed")
+            self._owner.commit(self._session, slots, generations)
 
     def abort(self, slots: list[int], generations: list[int]) -> None:
         if slots:
@@ -95,14 +98,14 @@ class LocalSession:
 
     def lease(self, keys: Sequence[BlockKey]) -> Slots:
         """Pin the held keys' slots (``None`` for keys not held) until released or closed."""
-        return self._call(Lease(*split_keys(keys)), Slots)
+        return self._call(req.lease(keys), Slots)
 
     def release(self, slots: list[int], generations: list[int]) -> None:
         if slots and self._session is not None:
             self._owner.handle(self._session, encode(Release(slots, generations))[4:])
 
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
-        values: list[bool] = self._call(Remove(*split_keys(keys)), Flags).values
+        values: list[bool] = self._call(req.remove(keys), Flags).values
         return values
 
     def generations(self, slots: Sequence[int]) -> list[int]:

@@ -6,14 +6,14 @@ block hashes), slot descriptors as two flat lists (slots and generations), so a 
 64 blocks is one frame of about a kilobyte and one decode.
 
 Every request gets exactly one reply, in order, except the one-way messages ``Release``
-and ``Publish`` (a commit without a reply), which get none: a reader gives its leases back,
-and a writer that does not read optimistically makes its blocks visible, without waiting (one
-that does commits with no message at all, by publishing its slots in the read index: see
-``shm.read_index``). A connection's replies therefore pair with its requests first-in
-first-out, with no request ids. The owner records what writers have published, and handles
-every one-way frame that has reached it, before any request it reads in the same wake-up
-(see ``shm.server``), so a block ``put_many`` has returned is visible to any request sent
-after that, on any connection.
+and ``Publish`` (a commit), which get none: a reader gives its leases back, and a writer
+that does not read optimistically makes its blocks visible, without waiting (one that does
+commits with no message at all, by publishing its slots in the read index: see
+``shm.read_index``; no writer waits for its commit). A connection's replies therefore pair
+with its requests first-in first-out, with no request ids. The owner records what writers
+have published, and handles every one-way frame that has reached it, before any request
+it reads in the same wake-up (see ``shm.server``), so a block ``put_many`` has returned is
+visible to any request sent after that, on any connection.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ import msgspec
 from msgspec import Meta
 
 from shm.errors import ProtocolError
+from shm.store import StoreStats
 
 __all__ = [
     "ONE_WAY_TAGS",
     "PROTOCOL_VERSION",
     "Abort",
     "Claim",
-    "Commit",
     "Contains",
     "Done",
     "ErrorReply",
@@ -57,8 +57,9 @@ __all__ = [
 ]
 
 # 2: Publish; 3: the read index, Welcome.hit_cell; 4: grants, Claim; 5: a writer's
-# publication of its reserved slots in the read index commits them.
-PROTOCOL_VERSION = 5
+# publication of its reserved slots in the read index commits them; 6: no Commit (every
+# client commits by publication, or Publish), StatsReply carries StoreStats by name.
+PROTOCOL_VERSION = 6
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 
@@ -108,15 +109,11 @@ class Claim(_Msg, frozen=True, array_like=True, gc=False, tag=12):
     grant: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
 
 
-class Commit(_Msg, frozen=True, array_like=True, gc=False, tag=3):
-    slots: list[int]
-    generations: list[int]
-
-
 class Publish(_Msg, frozen=True, array_like=True, gc=False, tag=11):
-    """``Commit`` without a reply: what ``put_many`` sends once its copy is done if the
+    """Commit reserved slots, with no reply: what a put sends once its copy is done if the
     client does not read optimistically (one that does commits by publishing its slots in
-    the read index instead: see ``shm.read_index``)."""
+    the read index instead: see ``shm.read_index``). Tag 3, a commit with a reply, is gone
+    since protocol 6."""
 
     slots: list[int]
     generations: list[int]
@@ -158,8 +155,8 @@ class Ping(_Msg, frozen=True, array_like=True, gc=False, tag=10):
 
 
 Request = (
-    Hello | Reserve | Claim | Commit | Publish | Abort | Lease | Release | Contains | Remove
-    | Stats | Ping
+    Hello | Reserve | Claim | Publish | Abort | Lease | Release | Contains | Remove | Stats
+    | Ping
 )
 ONE_WAY_TAGS = frozenset({Release.__struct_config__.tag, Publish.__struct_config__.tag})
 
@@ -201,19 +198,9 @@ class Done(_Msg, frozen=True, array_like=True, gc=False, tag=104):
 
 
 class StatsReply(_Msg, frozen=True, array_like=True, gc=False, tag=105):
-    num_slots: int
-    num_free_slots: int
-    num_blocks: int
-    num_reserved: int
-    num_leased_blocks: int
-    num_sessions: int
-    num_puts: int
-    num_hits: int
-    num_misses: int
-    num_evictions: int
-    num_optimistic_hits: int
-    num_granted: int
-    num_claimed: int
+    """The store's statistics, as the owner reports them (a map of ``StoreStats`` fields)."""
+
+    stats: StoreStats
 
 
 class ErrorReply(_Msg, frozen=True, array_like=True, gc=False, tag=106):

@@ -29,9 +29,8 @@ import collections
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from types import TracebackType
 from typing import assert_never, cast
 
 import msgspec
@@ -39,13 +38,12 @@ import structlog
 
 from kvcore.events import KVEvent
 from shm.config import OwnerConfig
-from shm.errors import BlockStoreError, OwnerConflictError, ProtocolError
+from shm.errors import BlockStoreError, ClientDetachedError, OwnerConflictError, ProtocolError
 from shm.protocol import (
     ONE_WAY_TAGS,
     PROTOCOL_VERSION,
     Abort,
     Claim,
-    Commit,
     Contains,
     Done,
     ErrorReply,
@@ -115,10 +113,7 @@ class BlockStoreOwner:
         await self.start()
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def start(self) -> None:
@@ -284,9 +279,6 @@ class BlockStoreOwner:
                 new_slots, new_gens = store.grant(session, grant)
                 return encode(Slots(got, gens, [s for s, _ in kept] + new_slots,
                                     [g for _, g in kept] + new_gens))
-            case Commit(slots, generations):
-                store.commit(session, slots, generations)
-                return _DONE
             case Publish(slots, generations):
                 store.commit(session, slots, generations)
                 return None
@@ -303,7 +295,7 @@ class BlockStoreOwner:
             case Remove(namespaces, hashes):
                 return encode(Flags(store.remove(_keys(namespaces, hashes))))
             case Stats():
-                return encode(_stats_reply(self.stats()))
+                return encode(StatsReply(self.stats()))
             case Ping():
                 return _DONE
             case Hello(version, _pid):
@@ -323,6 +315,15 @@ class BlockStoreOwner:
         else:
             self.num_rejected_releases += 1
             log.warning("shm_release_rejected", session=session, error=str(exc))
+
+    def commit(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
+        """Commit reserved slots of an in-process session (``shm.local``), which needs the
+        store's verdict (a stale descriptor raises here) and sends no frame; clients
+        commit by publishing their slots in the read index, or with ``Publish``."""
+        if self.store is None:
+            raise ClientDetachedError("the owner is shutting down")
+        self.store.commit(session, slots, generations)
+        self.drain_events()
 
     def wait_turn(self, conn: _Connection) -> bool:
         """Queue ``conn``'s request behind the other connections' one-way frames.
@@ -409,10 +410,6 @@ class BlockStoreOwner:
         if self.store is not None:
             self.store.close_session(session)
             self.drain_events()
-
-
-def _stats_reply(stats: StoreStats) -> StatsReply:
-    return StatsReply(*(getattr(stats, name) for name in StatsReply.__struct_fields__))
 
 
 def _is_one_way(body: bytes) -> bool:

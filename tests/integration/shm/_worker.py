@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
             reply = client._call(Reserve([n for n, _ in keys], [h for _, h in keys]), Slots)
             arrays = [np.full(client.block_bytes, 0xCD, np.uint8) for _ in keys]
             slots, _ = client._attachment.write_blocks(reply, arrays)
-            client._attachment.publish_filled(keys, reply.slots)
+            client._attachment.commit_filled(keys, reply)  # publishes: that commits
             print("written", *slots, flush=True)
             sys.stdin.read()  # hang until killed
         else:
