@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import aiohttp
 import pytest
 
 from tests.support import tiny_model
@@ -67,3 +68,10 @@ async def make_peer(sock_dir: Path) -> AsyncIterator[PeerFactory]:
 
     async with started_peers(sock_dir) as factory:
         yield factory
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """One aiohttp client session for the test, closed after it."""
+    async with aiohttp.ClientSession() as s:
+        yield s

@@ -32,6 +32,7 @@ from kvcore.hashing import BlockHasher  # noqa: E402
 from kvcore.namespace import Namespace  # noqa: E402
 from tests.support.net import ports_free  # noqa: E402
 from tests.support.polling import eventually  # noqa: E402
+from tests.support.publishers import DropOneSend  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -57,22 +58,6 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: Any) 
 
 def batch(*events: Any) -> Any:
     return kv_events.KVEventBatch(ts=time.time(), events=list(events))
-
-
-class DropOneSend:
-    """Stands in for the publisher's PUB socket and swallows one chosen seq (a lost batch)."""
-
-    def __init__(self, sock: Any, drop_seq: int) -> None:
-        self._sock = sock
-        self._drop = drop_seq.to_bytes(8, "big")
-
-    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
-        if frames[1] == self._drop:
-            return None
-        return self._sock.send_multipart(frames, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
 
 
 async def new_publisher(endpoint: str, replay: str) -> Any:

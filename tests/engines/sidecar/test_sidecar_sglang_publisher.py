@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
@@ -27,6 +25,7 @@ from routing.placement.kv_router import KvRouter  # noqa: E402
 from routing.workers.event_feed import SidecarFeed  # noqa: E402
 from tests.support.net import ports_free  # noqa: E402
 from tests.support.polling import eventually  # noqa: E402
+from tests.support.publishers import DropOneSend  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 PAGE = 16
@@ -57,28 +56,6 @@ def stored(hashes: list[int], tokens: list[int]) -> Any:
 
 def batch(*events: Any) -> Any:
     return kv_events.KVEventBatch(ts=time.time(), events=list(events))
-
-
-class DropOneSend:
-    """Stands in for the publisher's PUB socket and swallows one seq (a lost batch)."""
-
-    def __init__(self, sock: Any, drop_seq: int) -> None:
-        self._sock = sock
-        self._drop = drop_seq.to_bytes(8, "big")
-
-    def send_multipart(self, frames: Any, *args: Any, **kwargs: Any) -> Any:
-        return (
-            None if frames[1] == self._drop else self._sock.send_multipart(frames, *args, **kwargs)
-        )
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -86,12 +86,6 @@ def stack(tmp_path: Path) -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
     yield eng, sc
     assert sc.stop() == 0, sc.log_tail()
     eng.stop()
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 async def generate(
