@@ -54,6 +54,7 @@ __all__ = [
     "decode_request",
     "encode",
     "frame_length",
+    "is_one_way",
 ]
 
 # 2: Publish; 3: the read index, Welcome.hit_cell; 4: grants, Claim; 5: a writer's
@@ -235,6 +236,12 @@ def decode_reply(body: bytes | memoryview) -> Reply:
         return _reply_decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"bad control reply ({len(body)} bytes): {exc}") from exc
+
+
+def is_one_way(body: bytes) -> bool:
+    """Whether a frame body is tagged ``Release`` or ``Publish`` (``ONE_WAY_TAGS``): a
+    msgpack array, then its tag. The owner reads it without decoding the frame."""
+    return len(body) > 1 and 0x90 <= body[0] <= 0x9F and body[1] in ONE_WAY_TAGS
 
 
 def frame_length(buf: bytes | bytearray, pos: int = 0) -> int:

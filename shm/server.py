@@ -5,16 +5,15 @@ dead owner with the same id, creates and pre-faults the segment, and serves clie
 Unix socket until the block exits, when it drops every client and unlinks the segment and
 the socket. The sidecar embeds it in its own loop; ``python -m shm`` is a thin shell.
 
-Each connection is one store session. Frames are handled synchronously (the store core is
-pure and fast), in this order: a connection's one-way frames (``Release``, ``Publish``) as
-soon as they are read, and a request that needs a reply once every connection that was
-readable in the same wake-up has been read (one ``call_soon`` hop, skipped when only one
-client is connected). So whatever one-way frame reached the owner before a request was
-sent, on any connection, is applied before that request, and so is every commit a writer
-made by publishing its slots in the read index (see ``shm.read_index``; while reservations
-are open the owner also polls for those, every millisecond or so, for their events): a
-block whose ``put_many`` has returned is visible to every later request, and a lease given
-back is evictable.
+Each connection is one store session (``shm._connection``). Frames are handled
+synchronously (the store core is pure and fast): one-way frames (``Release``, ``Publish``)
+as soon as they are read, a request once every connection readable in the same wake-up has
+been read (``wait_turn``: one ``call_soon`` hop, skipped when only one client is
+connected). So whatever one-way frame reached the owner before a request was sent is
+applied before that request, and so is every commit a writer made by publishing its slots
+in the read index (``shm._client_cells``; while reservations are open the owner also polls
+for those, every millisecond or so, for their events): a block whose ``put_many`` has
+returned is visible to every later request, and a lease given back is evictable.
 When a connection closes, however the client died, the frames it had sent are applied,
 then its reservations are freed and its leases released. After each request the store's
 events go to ``listener``, a plain callable that must not block (the sidecar's puts them
@@ -25,22 +24,22 @@ never fatal to the store.
 from __future__ import annotations
 
 import asyncio
-import collections
 import os
 import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import assert_never, cast
+from typing import assert_never
 
 import msgspec
 import structlog
 
 from kvcore.events import KVEvent
+from shm._client_cells import ClientCells
+from shm._connection import Connection
 from shm.config import OwnerConfig
 from shm.errors import BlockStoreError, ClientDetachedError, OwnerConflictError, ProtocolError
 from shm.protocol import (
-    ONE_WAY_TAGS,
     PROTOCOL_VERSION,
     Abort,
     Claim,
@@ -48,7 +47,6 @@ from shm.protocol import (
     Done,
     ErrorReply,
     Flags,
-    FrameReader,
     Hello,
     Lease,
     Ping,
@@ -63,8 +61,8 @@ from shm.protocol import (
     Welcome,
     decode_request,
     encode,
+    is_one_way,
 )
-from shm.read_index import MAX_HIT_CELLS
 from shm.segment import Segment, unlink_stale_segments
 from shm.store import BlockStore, SessionId, StoreStats
 
@@ -90,20 +88,14 @@ class BlockStoreOwner:
         self.segment: Segment | None = None
         self.store: BlockStore | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._connections: set[_Connection] = set()
+        self._connections: set[Connection] = set()
         self._welcome: Welcome | None = None
-        # Optimistic readers count their hits in cells of the segment's read index.
-        # Oldest-freed first: a client the owner dropped may still count hits in its old cell
-        # until it notices, so a freed cell goes to the back of the line.
-        self._free_cells = collections.deque(range(MAX_HIT_CELLS))
-        self._cell_of: dict[SessionId, int] = {}
-        self._publications_seen: dict[SessionId, int] = {}  # per session, its cell's count
-        self._retired_hits = 0  # counted in the cells of clients now gone
+        self._cells: ClientCells | None = None  # each client's hits and publications
         self._bound = False
         self.num_listener_errors = 0
         self.num_rejected_releases = 0
         self.num_rejected_commits = 0  # one-way ``Publish`` frames that failed
-        self._waiting: list[_Connection] = []  # with a request queued for ``_run_waiting``
+        self._waiting: list[Connection] = []  # with a request queued for ``_run_waiting``
         self._poll: asyncio.TimerHandle | None = None  # see ``_poll_published``
         self._loop: asyncio.AbstractEventLoop | None = None  # the one we serve in
         self.num_internal_errors = 0
@@ -138,6 +130,7 @@ class BlockStoreOwner:
                 read_index=self.segment.index,
                 max_granted=cfg.max_granted_slots,
             )
+            self._cells = ClientCells(self.segment.index, self.store)
             self._welcome = Welcome(
                 protocol_version=PROTOCOL_VERSION,
                 owner_id=cfg.owner_id,
@@ -151,7 +144,7 @@ class BlockStoreOwner:
             )
             loop = asyncio.get_running_loop()
             self._server = await loop.create_unix_server(
-                lambda: _Connection(self), path=str(cfg.socket_path)
+                lambda: Connection(self), path=str(cfg.socket_path)
             )
             self._bound = True
             os.chmod(cfg.socket_path, 0o600)
@@ -162,7 +155,7 @@ class BlockStoreOwner:
             if self._bound:
                 self._bound = False
                 cfg.socket_path.unlink(missing_ok=True)
-            self.store = None
+            self.store = self._cells = None
             self._release_segment()
             raise
         log.info("shm_owner_started", owner_id=cfg.owner_id, socket=str(cfg.socket_path),
@@ -199,7 +192,8 @@ class BlockStoreOwner:
         if self.store is not None:
             self.store.clear()
             self.drain_events()
-            self.store = None  # it holds a view of the segment's generation table
+            # They hold views of the segment's generation table and read index.
+            self.store = self._cells = None
         if self._poll is not None:
             self._poll.cancel()
             self._poll = None
@@ -218,12 +212,11 @@ class BlockStoreOwner:
     # ----------------------------------------------------------------- requests
     def stats(self) -> StoreStats:
         """The store's statistics, hits counting the clients' optimistic reads too."""
-        if self.store is None or self.segment is None:
+        if self.store is None or self._cells is None:
             raise RuntimeError("the owner is not started")
-        self._record_publications()
+        self._cells.record_publications()
         stats = self.store.stats()
-        cells = self.segment.index.hit_cells
-        optimistic = self._retired_hits + sum(int(cells[c]) for c in self._cell_of.values())
+        optimistic = self._cells.optimistic_hits()
         return replace(stats, num_hits=stats.num_hits + optimistic,
                        num_optimistic_hits=optimistic)
 
@@ -234,20 +227,21 @@ class BlockStoreOwner:
         not need, for ``drain_events``: a connection sends the reply first, so neither the
         listener's work nor the bookkeeping is on the client's round trip.
         """
-        if self.store is None:
+        store, cells = self.store, self._cells
+        if store is None or cells is None:
             return encode(ErrorReply("client_detached", "the owner is shutting down"))
         try:
             msg = decode_request(body)
         except ProtocolError as exc:
-            if _is_one_way(body):  # the client waits for no reply: log, don't answer
+            if is_one_way(body):  # the client waits for no reply: log, don't answer
                 self._reject_one_way(session, body[1], exc)
                 return None
             return encode(ErrorReply(exc.code, str(exc)))
         if not isinstance(msg, Release | Publish):
             # What writers committed by publishing is visible to every request that follows.
-            self._record_publications()
+            cells.record_publications()
         try:
-            reply = self._dispatch(self.store, session, msg)
+            reply = self._dispatch(store, session, msg)
         except (BlockStoreError, ValueError) as exc:
             if isinstance(msg, Release | Publish):
                 self._reject_one_way(session, body[1], exc)
@@ -303,8 +297,8 @@ class BlockStoreOwner:
                     raise ProtocolError(
                         f"client speaks protocol {version}, owner {PROTOCOL_VERSION}")
                 assert self._welcome is not None  # set before the server accepts anyone
-                return encode(msgspec.structs.replace(
-                    self._welcome, hit_cell=self._cell_of.get(session, -1)))
+                cell = -1 if self._cells is None else self._cells.cell_of(session)
+                return encode(msgspec.structs.replace(self._welcome, hit_cell=cell))
             case _:
                 assert_never(msg)
 
@@ -325,7 +319,7 @@ class BlockStoreOwner:
         self.store.commit(session, slots, generations)
         self.drain_events()
 
-    def wait_turn(self, conn: _Connection) -> bool:
+    def wait_turn(self, conn: Connection) -> bool:
         """Queue ``conn``'s request behind the other connections' one-way frames.
 
         ``False`` when no queueing is needed (``conn`` is the only connection).
@@ -360,123 +354,37 @@ class BlockStoreOwner:
                 self.num_listener_errors += 1
                 log.exception("shm_event_listener_failed", seq=event.seq)
 
-    def _record_publications(self) -> int:
-        """Commit what writers have published since we last looked: the reservations of
-        the clients whose publication count moved (``shm.read_index``), a few integer
-        compares when none did. How many blocks."""
-        if self.store is None or self.segment is None:
-            return 0
-        index, seen = self.segment.index, self._publications_seen
-        moved = []
-        for session, cell in self._cell_of.items():
-            count = index.publications(cell)  # read before the slots: a later one moves it
-            if count != seen.get(session, 0):
-                seen[session] = count
-                moved.append(session)
-        return self.store.commit_published(moved) if moved else 0
-
     def _poll_published(self, delay: float) -> None:
         """Record the commits writers made by publishing (``BlockStore.commit_published``)
         and send their events, though no request came; again while reservations stay open,
         backing off while nothing is published (a slow writer, e.g. a device copy)."""
         self._poll = None
-        store = self.store
-        if store is None or self._loop is None:
+        store, cells = self.store, self._cells
+        if store is None or cells is None or self._loop is None:
             return
-        delay = _POLL_S if self._record_publications() else min(2 * delay, _POLL_MAX_S)
+        delay = _POLL_S if cells.record_publications() else min(2 * delay, _POLL_MAX_S)
         if store.num_reserved:  # armed before draining, which then leaves it as it is
             self._poll = self._loop.call_later(delay, self._poll_published, delay)
         self.drain_events()
 
-    def session_opened(self, conn: _Connection) -> SessionId:
-        if self.store is None:
+    def session_opened(self, conn: Connection) -> SessionId:
+        if self.store is None or self._cells is None:
             raise RuntimeError("the owner is not started")
         self._connections.add(conn)
         session = self.store.open_session()
-        if self._free_cells:  # else the client leases every read (1,024 clients attached)
-            self._cell_of[session] = self._free_cells.popleft()
+        self._cells.open(session)
         return session
 
-    def session_closed(self, conn: _Connection, session: SessionId) -> None:
+    def session_closed(self, conn: Connection, session: SessionId) -> None:
         self._connections.discard(conn)
-        cell = self._cell_of.pop(session, None)
-        self._publications_seen.pop(session, None)
-        if cell is not None and self.segment is not None:
-            index = self.segment.index
-            self._retired_hits += int(index.hit_cells[cell])
-            index.hit_cells[cell] = 0
-            index.count_publication(cell, 0)
-            self._free_cells.append(cell)
+        if self._cells is not None:
+            self._cells.close(session)
         if self.store is not None:
             self.store.close_session(session)
             self.drain_events()
-
-
-def _is_one_way(body: bytes) -> bool:
-    """Whether a body is tagged ``Release`` or ``Publish``: a msgpack array, then its tag."""
-    return len(body) > 1 and 0x90 <= body[0] <= 0x9F and body[1] in ONE_WAY_TAGS
 
 
 def _keys(namespaces: list[int], hashes: list[int]) -> list[tuple[int, int]]:
     if len(namespaces) != len(hashes):
         raise ProtocolError(f"{len(namespaces)} namespaces for {len(hashes)} hashes")
     return list(zip(namespaces, hashes, strict=True))
-
-
-class _Connection(asyncio.Protocol):
-    """One client connection = one store session."""
-
-    def __init__(self, owner: BlockStoreOwner) -> None:
-        self._owner = owner
-        self._reader = FrameReader()
-        self._transport: asyncio.Transport | None = None
-        self._session: SessionId | None = None
-        self._queued: list[bytes] = []  # a request and what followed it, awaiting our turn
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
-        self._session = self._owner.session_opened(self)
-
-    def data_received(self, data: bytes) -> None:
-        assert self._transport is not None and self._session is not None
-        try:
-            bodies = self._reader.feed(data)
-        except ProtocolError as exc:
-            log.warning("shm_client_dropped", session=self._session, error=str(exc))
-            self._transport.write(encode(ErrorReply(exc.code, str(exc))))
-            self._transport.close()
-            return
-        if self._queued:  # still waiting for our turn: keep the order
-            self._queued += bodies
-            return
-        handle, session = self._owner.handle, self._session
-        for i, body in enumerate(bodies):
-            if not _is_one_way(body):
-                self._queued = bodies[i:]
-                if not self._owner.wait_turn(self):
-                    self.run_queued()
-                return
-            handle(session, body)  # one-way: nobody waits, drain at once
-
-    def run_queued(self) -> None:
-        """Handle the queued frames in order, sending each reply as soon as it is made."""
-        bodies, self._queued = self._queued, []
-        if self._session is None or not bodies:
-            return
-        owner, session = self._owner, self._session
-        for body in bodies:  # reply first: the listener's work is not on the round trip
-            reply = owner.handle(session, body, drain=False)
-            if reply and self._transport is not None and not self._transport.is_closing():
-                self._transport.write(reply)
-            owner.drain_events()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self._session is not None:
-            self.run_queued()  # e.g. a Publish sent just before the client exited
-            self._owner.session_closed(self, self._session)
-            self._session = None
-
-    def abort(self) -> None:
-        if self._transport is not None:
-            self._transport.abort()
-
