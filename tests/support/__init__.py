@@ -1,1 +1,13 @@
-"""Helpers shared by the suites, imported as ``tests.support.*`` (fixtures: conftest.py)."""
+"""Helpers shared by the suites, imported as ``tests.support.*``; fixtures live in conftest.py.
+
+- ``polling``: waits until a deadline (``wait_until``, ``wait_for``, ``eventually``,
+  ``wait_http_ok[_async]``); never a fixed sleep.
+- ``processes``: ready files, ready log events and stdout lines of child processes, and a
+  ``ProcessGroup`` that stops what a test started.
+- ``gateway``: ``routable``, until a running gateway's workers take requests.
+- ``net``: ``ports_free``, whether a stopped process let its ports go.
+- ``publishers``: faults at an engine's KV-event publisher (``DropOneSend``).
+- ``store_owner``: real block store owners, in a thread or as ``python -m shm``.
+- ``transfer_peers``: in-process transfer peers (behind the ``make_peer`` fixture).
+- ``tiny_model``: a tiny Llama-3-style model directory (behind ``tiny_model_dir``).
+"""
