@@ -11,6 +11,11 @@ Nothing here knows SGLang or TensorRT-LLM. Engines register a factory in ``ADAPT
 module path, so looking an adapter up imports only that adapter (and never an engine
 package: the adapters speak the engines' wire formats, they do not import them).
 
+An engine that can split a request over a prefill and a decode worker says how through
+``pd`` (``PrefillDecode``): the two legs, the handoff metadata between them and the engine's
+own transfer (``TokenizedRequest.bootstrap``, which ``translate_request`` carries), so the
+sidecar drives prefill/decode without knowing any engine's paths or fields.
+
 Storage hooks that run *inside* the engine (SGLang's HiCache backend, TensorRT-LLM's KV
 cache connector) are separate classes the engine loads; an adapter only describes them
 (``block_layout()``), so they can be added without touching this Protocol.
@@ -20,10 +25,12 @@ from __future__ import annotations
 
 import enum
 import importlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
+
+import msgspec
 
 from kvcore.errors import OpenAIError
 from kvcore.events import KVEvent
@@ -40,6 +47,8 @@ __all__ = [
     "EngineKind",
     "EngineRequest",
     "EventEndpoint",
+    "PrefillDecode",
+    "PrefillResult",
     "ResponseTranslator",
     "create_adapter",
     "worker_id_for",
@@ -153,6 +162,73 @@ class EngineRequest:
     stream: bool
 
 
+class PrefillResult(msgspec.Struct, frozen=True):
+    """The prefill leg's answer (``POST /v1/kvsidecar/pd/prefill``, prefill sidecar to decode
+    sidecar): the first token and what the decode engine must import to go on."""
+
+    output_ids: list[int]
+    text: str
+    finished: bool  # the first token already ended the request (EOS, a stop, max_tokens 1)
+    finish_reason: Any  # the engine's own, for the first token's answer object
+    cached_tokens: int
+    handoff_keys: list[str]  # the prompt's KV as the engine exported it (its page keys)
+    seconds: float
+
+
+class PrefillDecode(Protocol):
+    """How our sidecars split one request over a prefill and a decode engine of one kind.
+
+    The decode worker's sidecar sends ``prefill_request`` to the prefill worker's engine (via
+    its sidecar), pulls the blocks named by ``PrefillResult.handoff_keys``, then streams
+    ``decode_request`` from its own engine; ``stitched`` makes the two answers one request's,
+    in the engine's native objects, for the adapter's ``ResponseTranslator``.
+    """
+
+    def prefill_request(self, request: TokenizedRequest) -> EngineRequest:
+        """The prefill leg: one token, not streamed; the engine exports the prompt's KV."""
+        ...
+
+    def prefill_result(
+        self, request: TokenizedRequest, body: Mapping[str, Any], seconds: float
+    ) -> PrefillResult:
+        """The prefill engine's answer, read (``ValueError`` if it is not one)."""
+        ...
+
+    def first_object(self, request: TokenizedRequest, prefill: PrefillResult) -> dict[str, Any]:
+        """The native answer object of the first token alone."""
+        ...
+
+    def decode_request(self, request: TokenizedRequest, prefill: PrefillResult) -> EngineRequest:
+        """The decode leg: prompt plus the first token, the rest of ``max_tokens``, streamed,
+        importing the prefill's KV."""
+        ...
+
+    def stitched(
+        self,
+        request: TokenizedRequest,
+        prefill: PrefillResult,
+        head: dict[str, Any],
+        rest: AsyncIterator[dict[str, Any]],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The decode engine's native objects rewritten as one request's (the first token
+        prepended, usage against the client's prompt)."""
+        ...
+
+    def store_keys(self, model_id: str, handoff_keys: Sequence[str]) -> list[tuple[int, int]]:
+        """The block store's ``(namespace seed, block hash)`` keys of ``handoff_keys``, as
+        the engine's storage hook keys those pages (what a sidecar pulls from its peer)."""
+        ...
+
+    def import_failed(self, status: int) -> bool:
+        """Whether an error status of the decode engine means it could not import the KV."""
+        ...
+
+    def bootstrap_address(self, engine_url: str, port: int | None) -> tuple[str, int] | None:
+        """Where a prefill engine serves its own KV transfer (``Bootstrap``), or None if this
+        engine has none."""
+        ...
+
+
 class ResponseTranslator(Protocol):
     """Turns one request's engine answers into OpenAI bodies (one per request, stateful)."""
 
@@ -185,6 +261,7 @@ class EngineAdapter(Protocol):
     """
 
     kind: EngineKind
+    pd: PrefillDecode | None  # None: the engine cannot be split into prefill and decode
 
     async def start(self) -> EngineInfo:
         """Discover the engine (``/server_info`` or flags), connect, and begin consuming."""
@@ -197,6 +274,11 @@ class EngineAdapter(Protocol):
 
     def events(self) -> AsyncIterator[KVEvent]:
         """Normalized events; ends after ``aclose()``."""
+        ...
+
+    async def kv_capacity_blocks(self) -> int | None:
+        """How many KV blocks one worker of the engine holds, if the engine says (best
+        effort: None when it does not or cannot be asked now)."""
         ...
 
     def block_layout(self) -> BlockLayout:

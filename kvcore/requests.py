@@ -4,21 +4,51 @@
 as JSON. The gateway has rendered the chat template and tokenized, so the sidecar forwards
 exactly the token ids the gateway hashed; sampling parameters travel as OpenAI named them
 and the engine's adapter translates them into the engine's names.
+
+A request served by a prefill/decode pair carries how the pair shares the KV: ``handoff``
+(through our sidecars: the decode worker's sidecar drives the prefill leg and pulls the
+prompt's blocks) or ``bootstrap`` (through the engine's own transfer, e.g. SGLang's bootstrap
+room); each engine's adapter turns them into what its engine speaks.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["RequestKind", "TokenizedRequest"]
+__all__ = ["TRANSFER_FAILED", "Bootstrap", "Handoff", "RequestKind", "TokenizedRequest"]
+
+# The error code of a failed KV handoff: the gateway's cue to re-run the request elsewhere.
+TRANSFER_FAILED = "kv_transfer_failed"
 
 
 class RequestKind(enum.Enum):
     COMPLETION = "completion"
     CHAT = "chat"
+
+
+class Handoff(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill/decode through our sidecars, sent to the decode worker's sidecar."""
+
+    prefill_url: str  # the prefill worker's sidecar
+    prefill_dp_rank: int | None = None
+    transport: Literal["shm", "nixl", "tcp"] = "shm"
+    transfer_timeout_s: float = 10.0
+    # Stream the prefill's token before the handoff (lower TTFT); a failed handoff then ends
+    # the stream with an error event instead of an error reply (no fallback possible).
+    early_first_token: bool = False
+
+
+class Bootstrap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Prefill/decode through the engine's own KV transfer: both legs name one room, which
+    the prefill engine serves at ``host:port``."""
+
+    role: Literal["prefill", "decode"]
+    host: str
+    port: int
+    room: int
 
 
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,7 +78,9 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     priority: int | None = None
     dp_rank: int | None = None
-    # Engine-specific fields passed through verbatim (PD bootstrap_*, disaggregated_params).
+    handoff: Handoff | None = None
+    bootstrap: Bootstrap | None = None
+    # Engine-specific fields passed through verbatim.
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:

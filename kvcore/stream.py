@@ -2,8 +2,8 @@
 
 One stream per sidecar worker (``GET /v1/kv-events`` on the sidecar, README "Event stream
 protocol"). It opens with ``StreamStart``; then either the missed events (``mode="replay"``)
-or a ``WorkerSnapshot`` (``mode="snapshot"``), then live events. ``LoadReport``s are
-interleaved; they carry no sequence number. ``ResyncRequired`` is the last frame a
+or a ``WorkerSnapshot`` (``mode="snapshot"``), then live events. ``WorkerStatus`` frames
+are interleaved; they carry no sequence number. ``ResyncRequired`` is the last frame a
 subscriber gets when it fell too far behind: reconnect from the last applied position.
 """
 
@@ -16,7 +16,7 @@ from msgspec import Meta
 
 from kvcore.events import Counter, WorkerId
 
-__all__ = ["LoadReport", "ResyncRequired", "StreamStart"]
+__all__ = ["ResyncRequired", "Role", "StreamStart", "WorkerStatus"]
 
 Role = Literal["agg", "prefill", "decode"]
 
@@ -33,18 +33,19 @@ class StreamStart(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=6)
     role: Role = "agg"
 
 
-class LoadReport(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=7):
-    """A worker's load and routing health, as its sidecar sees it."""
+class WorkerStatus(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=7):
+    """Whether to route to a worker at all, and how much KV it holds, as its sidecar sees it.
+
+    Sent every ``--load-report-interval-s``. It carries no load: the gateway counts what it
+    has in flight itself (``routing.placement.active_load``, its one in-flight count).
+    """
 
     worker_id: WorkerId
     ts_ms: Counter
-    in_flight: Counter
-    active_blocks: Counter
-    queued_prefill_tokens: Counter
-    capacity_blocks: Counter | None = None
     routable: bool = True
     reason: str = ""  # why the worker is not routable, when it is not
     role: Role = "agg"
+    capacity_blocks: Counter | None = None  # the engine's KV capacity, when it says
 
 
 class ResyncRequired(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=8):

@@ -15,11 +15,11 @@ from kvcore.events import (
     IndexSnapshot,
     WorkerSnapshot,
 )
-from kvcore.stream import LoadReport, ResyncRequired, StreamStart
+from kvcore.stream import ResyncRequired, StreamStart, WorkerStatus
 
 __all__ = ["WIRE_VERSION", "Message", "WireError", "decode", "encode"]
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: WorkerStatus (routability, capacity) replaced LoadReport
 
 Message = (
     BlockStored
@@ -28,7 +28,7 @@ Message = (
     | WorkerSnapshot
     | IndexSnapshot
     | StreamStart
-    | LoadReport
+    | WorkerStatus
     | ResyncRequired
 )
 

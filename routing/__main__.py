@@ -22,7 +22,7 @@ async def serve(cfg: RouterConfig) -> int:
     log.info("config_loaded", **load_config_summary(cfg))
     gateway = Gateway(cfg)
     port = await gateway.start()
-    healthy = sum(w.healthy for w in gateway.workers)
+    healthy = sum(w.probe_ok for w in gateway.workers)
     log.info(
         "gateway_started",
         host=cfg.host,
@@ -41,7 +41,7 @@ async def serve(cfg: RouterConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("gateway_stopping", in_flight=len(gateway.exchanges))
+    log.info("gateway_stopping", in_flight=gateway.in_flight)
     await gateway.stop()
     log.info("gateway_stopped")
     return 0

@@ -37,7 +37,7 @@ from adapters.base import (
 from adapters.normalize_metrics import AdapterMetrics
 from kvcore.events import KVEvent
 from kvcore.layout import BlockLayout
-from kvcore.stream import LoadReport
+from kvcore.stream import WorkerStatus
 from shm.config import OwnerConfig
 from shm.server import BlockStoreOwner
 from sidecar.config import SidecarConfig
@@ -93,6 +93,7 @@ class Sidecar:
         self._proxy: RequestProxy | None = None
         self._silence = SilenceDetector(cfg.silent_after_s)
         self._tasks: list[asyncio.Task[None]] = []
+        self._capacity_blocks: int | None = None  # the engine's KV per worker, once it says
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class Sidecar:
             )
             self._tasks = [
                 asyncio.create_task(self._pump_events(), name="pump_events"),
-                asyncio.create_task(self._report_load(), name="report_load"),
+                asyncio.create_task(self._report_status(), name="report_status"),
                 asyncio.create_task(self._probe_engine(), name="probe_engine"),
             ]
             await self._serve()
@@ -368,26 +369,38 @@ class Sidecar:
 
     def _pd_routes(self) -> PdRoutes:
         """Prefill/decode disaggregation: the prefill and decode legs and the KV handoff."""
-        assert self._adapter is not None and self._session is not None and self.load is not None
+        adapter = self._adapter
+        assert adapter is not None and self._session is not None and self.load is not None
         handoff: KvHandoff = SharedPageStoreHandoff()
-        if self.cfg.kv_handoff == "transfer":
+        if self.cfg.kv_handoff == "transfer" and adapter.pd is not None:
             assert self.transfer is not None  # the config requires a block store
-            handoff = TransferServiceHandoff(self.transfer, self.model_id)
+            pd, model_id = adapter.pd, self.model_id
+            handoff = TransferServiceHandoff(
+                self.transfer, lambda keys: pd.store_keys(model_id, keys)
+            )
         if self.cfg.sim_handoff_ms_per_1k_tokens:
             handoff = SimulatedTransportHandoff(
                 handoff, self.cfg.sim_handoff_ms_per_1k_tokens, self.block_size
             )
         return PdRoutes(
-            self._adapter,
+            adapter,
             self._session,
             self.load,
             handoff,
             engine_url=self.cfg.engine_url,
             worker_ids=tuple(self.streams),
             role=self.cfg.role,
-            bootstrap_port=self.cfg.disaggregation_bootstrap_port,
+            bootstrap=self._bootstrap(),
             timeout_s=self.cfg.upstream_timeout_s,
         )
+
+    def _bootstrap(self) -> dict[str, Any] | None:
+        """Where a prefill engine serves its own KV transfer (the gateway's native PD mode)."""
+        pd = self._adapter.pd if self._adapter is not None else None
+        if self.cfg.role != "prefill" or pd is None:
+            return None
+        address = pd.bootstrap_address(self.cfg.engine_url, self.cfg.disaggregation_bootstrap_port)
+        return None if address is None else {"host": address[0], "port": address[1]}
 
     # --- background tasks -----------------------------------------------------------------
 
@@ -404,11 +417,16 @@ class Sidecar:
         stream.publish(event)
         self._silence.on_event()
 
-    async def _report_load(self) -> None:
+    async def _report_status(self) -> None:
+        """Every worker's status on its stream, every interval; asks the engine its KV
+        capacity until it answers (the gateway's decode pool scores by it)."""
+        assert self._adapter is not None
         while True:
+            if self._capacity_blocks is None:
+                self._capacity_blocks = await self._adapter.kv_capacity_blocks()
             await asyncio.sleep(self.cfg.load_report_interval_s)
             for worker_id, stream in self.streams.items():
-                stream.broadcast(self._load_report(worker_id))
+                stream.broadcast(self._status(worker_id))
 
     async def _probe_engine(self) -> None:
         url = f"{self.cfg.engine_url}/health"
@@ -429,20 +447,15 @@ class Sidecar:
         health = self._silence.health()
         return health.routable, health.reason
 
-    def _load_report(self, worker_id: str) -> LoadReport:
-        assert self.load is not None
-        figures = self.load.figures(worker_id)
+    def _status(self, worker_id: str) -> WorkerStatus:
         routable, reason = self._routing_state()
-        return LoadReport(
+        return WorkerStatus(
             worker_id,
             time.time_ns() // 1_000_000,
-            figures.in_flight,
-            self.load.active_blocks(worker_id),
-            figures.queued_prefill_tokens,
-            None,
             routable,
             reason,
             self.cfg.role,
+            self._capacity_blocks,
         )
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -462,7 +475,22 @@ class Sidecar:
         )
 
     async def _load_view(self, request: web.Request) -> web.Response:
-        return _json({w: _report_dict(self._load_report(w)) for w in self.streams})
+        """What this sidecar has in flight per worker (its own view: the gateway counts its
+        load itself), with the worker's routing state."""
+        assert self.load is not None
+        routable, reason = self._routing_state()
+        return _json({
+            w: {
+                "in_flight": (figures := self.load.figures(w)).in_flight,
+                "active_blocks": self.load.active_blocks(w),
+                "queued_prefill_tokens": figures.queued_prefill_tokens,
+                "capacity_blocks": self._capacity_blocks,
+                "routable": routable,
+                "reason": reason,
+                "role": self.cfg.role,
+            }
+            for w in self.streams
+        })
 
     async def _workers_view(self, request: web.Request) -> web.Response:
         return _json(
@@ -471,6 +499,7 @@ class Sidecar:
                 "block_size": self.block_size,
                 "role": self.cfg.role,
                 "workers": list(self.streams),
+                "bootstrap": self._bootstrap(),
             }
         )
 
@@ -496,14 +525,3 @@ def _bound_port(runner: web.AppRunner) -> int | None:
         if isinstance(address, tuple) and len(address) >= 2:
             return int(address[1])
     return None
-
-
-def _report_dict(report: LoadReport) -> dict[str, Any]:
-    return {
-        "in_flight": report.in_flight,
-        "active_blocks": report.active_blocks,
-        "queued_prefill_tokens": report.queued_prefill_tokens,
-        "routable": report.routable,
-        "reason": report.reason,
-        "role": report.role,
-    }

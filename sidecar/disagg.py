@@ -1,36 +1,36 @@
 """Prefill/decode disaggregation on the sidecars: the prefill leg, the handoff, the decode leg.
 
-The gateway sends a disaggregated request to the chosen *decode* worker's sidecar, naming the
-chosen prefill sidecar (the llm-d shape: the decode side's sidecar drives the prefill)::
+The gateway sends a disaggregated request to the chosen *decode* worker's sidecar with a
+``Handoff`` naming the chosen prefill sidecar (the llm-d shape: the decode side's sidecar
+drives the prefill)::
 
     gateway ──POST /v1/kvsidecar/pd/generate──▶ decode sidecar
       decode sidecar ──POST /v1/kvsidecar/pd/prefill──▶ prefill sidecar ──▶ prefill engine
-          ◀── first token id + text, the prompt's page keys (engine exported them)
-      decode sidecar: KvHandoff.pull(prefill sidecar, page keys)        (pd_handoff.py)
-      decode sidecar ──/generate prompt+[first], max_tokens−1, kv_transfer──▶ decode engine
-          engine imports the pages through its hook and decodes on
+          ◀── the first token and the prompt's handoff keys (the engine exported its KV)
+      decode sidecar: KvHandoff.pull(prefill sidecar, store keys)         (pd_handoff.py)
+      decode sidecar ──decode leg: prompt + [first], the rest of max_tokens──▶ decode engine
+          the engine imports the KV through its hook and decodes on
       ◀── one OpenAI stream: the prefill's first token, then the decode engine's tokens
 
-Nothing is sent to the gateway before the decode engine has imported the pages and answered
-its first chunk, so a failed or timed-out handoff is a clean error (502, code
-``kv_transfer_failed``) that the gateway can re-run aggregated elsewhere. When the gateway
-has no fallback (``early_first_token``), the prefill's token is streamed at once instead and
-a failed handoff ends the stream with an error event of the same code.
+What each leg looks like on the wire is the engine adapter's (``EngineAdapter.pd``,
+``adapters.base.PrefillDecode``); an adapter without one answers 501 here.
 
-The legs speak SGLang's native ``/generate`` (the reference engine's and SGLang's API): the
-first token's id continues the prompt on the decode engine, so greedy and seeded sampling
-continue exactly as an aggregated engine would. ``GET /v1/kvsidecar/pd/info`` tells the
-gateway this worker's role, KV capacity (for the decode pool's free-capacity score) and, for
-SGLang's native PD mode, its bootstrap address.
+Nothing is sent to the gateway before the decode engine has imported the KV and answered its
+first chunk, so a failed or timed-out handoff is a clean error (502, code
+``kv_transfer_failed``) that the gateway can re-run aggregated elsewhere. With
+``early_first_token`` (the gateway has no fallback) the prefill's token is streamed at once
+and a failed handoff ends the stream with an error event of the same code.
+
+``GET /v1/kvsidecar/pd/info`` tells an operator this worker's role, its handoff kind and
+counts, and where its engine serves its own PD transfer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import msgspec
@@ -38,40 +38,38 @@ import orjson
 import structlog
 from aiohttp import web
 
-from adapters.base import EngineAdapter
+from adapters.base import EngineAdapter, PrefillDecode, PrefillResult, ResponseTranslator
 from kvcore.errors import OpenAIError
-from kvcore.requests import TokenizedRequest
+from kvcore.requests import TRANSFER_FAILED, Handoff, TokenizedRequest
 from sidecar.load import LoadTracker
 from sidecar.pd_handoff import HandoffError, KvHandoff
-from sidecar.pd_stitch import (
-    EngineRefusedError,
-    PrefillResult,
-    message_of,
-    meta_info,
-    sse,
-    stitched,
-)
-from sidecar.proxy import openai_error_response
+from sidecar.proxy import openai_error_response, sse
 
-__all__ = ["PD_FIELD", "TRANSFER_FAILED", "PdRoutes"]
+__all__ = ["PdRoutes"]
 
 log = structlog.get_logger(component="disagg")
 
-PD_FIELD = "kvsidecar_pd"  # the TokenizedRequest.extra key the gateway fills for a PD request
-TRANSFER_FAILED = "kv_transfer_failed"  # error code of a failed handoff (the gateway's cue)
 _SSE_DONE = b"data: [DONE]\n\n"
 
 
-class _PdSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What the gateway says about the prefill side of one request."""
+class _EngineRefusedError(Exception):
+    """The decode engine answered an error (``import_failed``: it could not import the KV)."""
 
-    prefill_url: str
-    prefill_dp_rank: int | None = None
-    transport: str = "shm"
-    transfer_timeout_s: float = 10.0
-    # Stream the prefill's token before the handoff (lower TTFT); a failed handoff then ends
-    # the stream with an error event instead of an error reply (no fallback possible).
-    early_first_token: bool = False
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _message_of(raw: bytes) -> str:
+    try:
+        body = orjson.loads(raw)
+        err = body.get("error") if isinstance(body, dict) else None
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+    except orjson.JSONDecodeError:
+        pass
+    return raw[:200].decode(errors="replace")
 
 
 def _error(status: int, message: str, type_: str, code: str | None, rid: str) -> web.Response:
@@ -91,7 +89,7 @@ class PdRoutes:
         engine_url: str,
         worker_ids: tuple[str, ...],
         role: str,
-        bootstrap_port: int | None,
+        bootstrap: dict[str, Any] | None,
         timeout_s: float,
     ) -> None:
         self._adapter = adapter
@@ -101,7 +99,7 @@ class PdRoutes:
         self._engine_url = engine_url.rstrip("/")
         self._worker_ids = worker_ids
         self.role = role
-        self._bootstrap_port = bootstrap_port
+        self._bootstrap = bootstrap
         self._timeout = aiohttp.ClientTimeout(total=None, connect=5.0, sock_read=timeout_s)
         self.handoffs = 0
         self.handoff_failures = 0
@@ -117,54 +115,55 @@ class PdRoutes:
     # --- info ---------------------------------------------------------------------------
 
     async def _info(self, request: web.Request) -> web.Response:
-        capacity: int | None = None
-        try:
-            timeout = aiohttp.ClientTimeout(total=5)
-            async with self._session.get(f"{self._engine_url}/server_info", timeout=timeout) as r:
-                info = await r.json(content_type=None)
-            tokens = info.get("max_total_num_tokens")
-            page = info.get("page_size") or self._load.block_size
-            if isinstance(tokens, int) and isinstance(page, int) and page > 0:
-                capacity = tokens // page
-        except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError):
-            capacity = None
+        bootstrap = self._bootstrap or {}
         body = {
             "role": self.role,
-            "capacity_blocks": capacity,
-            "bootstrap_host": urlsplit(self._engine_url).hostname,
-            "bootstrap_port": self._bootstrap_port,
+            "bootstrap_host": bootstrap.get("host"),
+            "bootstrap_port": bootstrap.get("port"),
             "handoff": self._handoff.kind.value,
             "handoffs": self.handoffs,
             "handoff_failures": self.handoff_failures,
         }
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    # --- the prefill leg ----------------------------------------------------------------
+    # --- the legs' common entry -----------------------------------------------------------
 
-    async def _prefill(self, request: web.Request) -> web.Response:
+    async def _accept(
+        self, request: web.Request, role: str
+    ) -> tuple[TokenizedRequest, PrefillDecode, str, str] | web.Response:
+        """The request of one leg, checked: (request, the engine's PD, worker id, request id),
+        or the error to answer."""
         rid = request.headers.get("x-request-id", "")
-        if self.role != "prefill":
-            return _error(409, f"this sidecar's role is {self.role}, not prefill",
+        if self.role != role:
+            return _error(409, f"this sidecar's role is {self.role}, not {role}",
                           "invalid_request_error", "wrong_role", rid)
+        pd = self._adapter.pd
+        if pd is None:
+            return _error(501, f"the {self._adapter.kind.value} adapter cannot split a request "
+                          "into prefill and decode legs", "not_implemented", None, rid)
         try:
             tokenized = msgspec.json.decode(await request.read(), type=TokenizedRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _error(400, f"invalid tokenized request: {exc}", "invalid_request_error",
+            return _error(400, f"invalid disaggregated request: {exc}", "invalid_request_error",
                           None, rid)
         rid = rid or tokenized.request_id
-        leg = msgspec.structs.replace(tokenized, request_id=rid, max_tokens=1, stream=False,
-                                      include_usage=False)
         worker_id = self._worker(tokenized.dp_rank)
         if worker_id is None:
             return _error(400, f"dp_rank {tokenized.dp_rank} is out of range",
                           "invalid_request_error", None, rid)
+        return msgspec.structs.replace(tokenized, request_id=rid), pd, worker_id, rid
+
+    # --- the prefill leg ----------------------------------------------------------------
+
+    async def _prefill(self, request: web.Request) -> web.Response:
+        accepted = await self._accept(request, "prefill")
+        if isinstance(accepted, web.Response):
+            return accepted
+        tokenized, pd, worker_id, rid = accepted
         try:
-            native = self._adapter.translate_request(leg)
+            native = pd.prefill_request(tokenized)
         except ValueError as exc:
             return _error(400, str(exc), "invalid_request_error", None, rid)
-        if native.path != "/generate":
-            return _error(501, "prefill/decode handoff needs an engine with SGLang's /generate "
-                          "API", "not_implemented", None, rid)
         self._load.start(rid, worker_id, len(tokenized.prompt_token_ids))
         started = time.perf_counter()
         ok = False
@@ -175,19 +174,10 @@ class PdRoutes:
             ) as upstream:
                 raw = await upstream.read()
                 if upstream.status != 200:
-                    err = self._adapter.response_translator(leg).error(upstream.status, raw)
-                    return openai_error_response(err, rid)
-            body = orjson.loads(raw)
-            meta = body.get("meta_info") or {}
-            transfer = meta.get("kv_transfer") or {}
-            result = PrefillResult(
-                output_ids=[int(t) for t in body.get("output_ids") or []],
-                text=str(body.get("text") or ""),
-                finish_reason=meta.get("finish_reason"),
-                cached_tokens=int(meta.get("cached_tokens") or 0),
-                page_keys=[str(k) for k in transfer.get("page_keys") or []],
-                seconds=time.perf_counter() - started,
-            )
+                    translator = self._adapter.response_translator(tokenized)
+                    return openai_error_response(translator.error(upstream.status, raw), rid)
+            result = pd.prefill_result(tokenized, orjson.loads(raw),
+                                       time.perf_counter() - started)
             self._load.tokens(rid, len(result.output_ids))
             ok = True
             return web.Response(body=msgspec.json.encode(result), content_type="application/json")
@@ -200,93 +190,75 @@ class PdRoutes:
     # --- the decode leg -----------------------------------------------------------------
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("x-request-id", "")
-        if self.role != "decode":
-            return _error(409, f"this sidecar's role is {self.role}, not decode",
-                          "invalid_request_error", "wrong_role", rid)
-        try:
-            tokenized = msgspec.json.decode(await request.read(), type=TokenizedRequest)
-            spec = msgspec.convert(tokenized.extra.get(PD_FIELD), _PdSpec)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _error(400, f"invalid disaggregated request: {exc}", "invalid_request_error",
-                          None, rid)
-        rid = rid or tokenized.request_id
-        extra = {k: v for k, v in tokenized.extra.items() if k != PD_FIELD}
-        tokenized = msgspec.structs.replace(tokenized, request_id=rid, extra=extra)
-        worker_id = self._worker(tokenized.dp_rank)
-        if worker_id is None:
-            return _error(400, f"dp_rank {tokenized.dp_rank} is out of range",
+        accepted = await self._accept(request, "decode")
+        if isinstance(accepted, web.Response):
+            return accepted
+        tokenized, pd, worker_id, rid = accepted
+        spec = tokenized.handoff
+        if spec is None:
+            return _error(400, "a disaggregated request needs 'handoff' (the prefill side)",
                           "invalid_request_error", None, rid)
         self._load.start(rid, worker_id, len(tokenized.prompt_token_ids))
         ok = False
         try:
-            response = await self._run(request, tokenized, spec, rid)
+            response = await self._run(request, tokenized, pd, spec, rid)
             ok = response.status < 400
             return response
         finally:
             self._load.finish(rid, ok)
 
     async def _run(
-        self, request: web.Request, tokenized: TokenizedRequest, spec: _PdSpec, rid: str
+        self, request: web.Request, tokenized: TokenizedRequest, pd: PrefillDecode,
+        spec: Handoff, rid: str,
     ) -> web.StreamResponse:
         prefill = await self._call_prefill(tokenized, spec, rid)
         if isinstance(prefill, web.Response):
             return prefill
         translator = self._adapter.response_translator(tokenized)
-        first = {
-            "text": prefill.text,
-            "output_ids": prefill.output_ids,
-            "meta_info": meta_info(tokenized, prefill, None, 0),
-        }
-        remaining = None if tokenized.max_tokens is None else tokenized.max_tokens - 1
-        done = prefill.finish_reason is not None and remaining is not None and remaining <= 0
-        if not done and prefill.finish_reason is not None:
-            kind = prefill.finish_reason
-            kind = kind.get("type") if isinstance(kind, Mapping) else kind
-            done = kind != "length"  # the first token already ended it (EOS, stop)
-        if done or not prefill.output_ids:
-            first["meta_info"] = meta_info(tokenized, prefill, prefill.finish_reason, 0)
+        first = pd.first_object(tokenized, prefill)
+        if prefill.finished:
             return await self._answer(request, tokenized, translator, [first], rid)
         self._load.tokens(rid, 1)
-        continuation = self._continuation(tokenized, prefill, remaining)
         early: web.StreamResponse | None = None
         if spec.early_first_token and tokenized.stream:
             early = await self._open_stream(request, rid)  # the first token goes out now
             await early.write(b"".join(sse(c) for c in translator.chunk(first)))
-        outcome = await self._handoff_then_decode(spec, prefill, continuation, rid)
+        outcome = await self._handoff_then_decode(tokenized, pd, spec, prefill, rid)
         if isinstance(outcome, web.Response):
             if early is None:
                 return outcome
             await early.write(sse(orjson.loads(outcome.body)) + _SSE_DONE)  # type: ignore[arg-type]
             await early.write_eof()
             return early
-        chunks = stitched(tokenized, prefill, *outcome)
+        chunks = pd.stitched(tokenized, prefill, *outcome)
         if early is None:
             return await self._answer(request, tokenized, translator, chunks, rid, first)
         await self._write_stream(early, translator, chunks, rid)
         return early
 
     async def _handoff_then_decode(
-        self, spec: _PdSpec, prefill: PrefillResult, continuation: dict[str, Any], rid: str
+        self, tokenized: TokenizedRequest, pd: PrefillDecode, spec: Handoff,
+        prefill: PrefillResult, rid: str,
     ) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]] | web.Response:
-        """Pull the pages, start the decode engine; its first object and the rest, or the
-        error to answer (``kv_transfer_failed`` when the pages did not arrive)."""
+        """Pull the KV, start the decode engine; its first object and the rest, or the error
+        to answer (``kv_transfer_failed`` when the KV did not arrive)."""
+        keys = prefill.handoff_keys
         try:
             async with asyncio.timeout(spec.transfer_timeout_s):
                 moved = await self._handoff.pull(
-                    spec.prefill_url, prefill.page_keys, transport=spec.transport,
+                    spec.prefill_url, keys, transport=spec.transport,
                     timeout_s=spec.transfer_timeout_s,
                 )
-                stream = self._decode_stream(continuation, rid)
-                head = await anext(stream)  # the engine imported the pages and decoded once
+                stream = self._decode_stream(pd, tokenized, prefill, rid)
+                head = await anext(stream)  # the engine imported the KV and decoded once
         except HandoffError as exc:
             return self._transfer_failed(str(exc), rid)
         except TimeoutError:
             return self._transfer_failed(
-                f"the handoff of {len(prefill.page_keys)} pages did not complete within "
+                f"the handoff of {len(keys)} pages did not complete within "
                 f"{spec.transfer_timeout_s:g}s", rid)
-        except EngineRefusedError as exc:
-            if exc.status == 409:  # the decode engine could not import the prompt's pages
+        except _EngineRefusedError as exc:
+            if pd.import_failed(exc.status):
                 return self._transfer_failed(exc.message, rid)
             return openai_error_response(OpenAIError(exc.status, exc.message), rid)
         self.handoffs += 1
@@ -296,9 +268,9 @@ class PdRoutes:
         return head, stream
 
     async def _call_prefill(
-        self, tokenized: TokenizedRequest, spec: _PdSpec, rid: str
+        self, tokenized: TokenizedRequest, spec: Handoff, rid: str
     ) -> PrefillResult | web.Response:
-        leg = msgspec.structs.replace(tokenized, dp_rank=spec.prefill_dp_rank)
+        leg = msgspec.structs.replace(tokenized, dp_rank=spec.prefill_dp_rank, handoff=None)
         url = spec.prefill_url.rstrip("/") + "/v1/kvsidecar/pd/prefill"
         try:
             async with self._session.post(
@@ -315,27 +287,20 @@ class PdRoutes:
             return _error(502, f"prefill sidecar {spec.prefill_url} failed: {exc!r}",
                           "bad_gateway", "prefill_failed", rid)
 
-    def _continuation(
-        self, tokenized: TokenizedRequest, prefill: PrefillResult, remaining: int | None
-    ) -> dict[str, Any]:
-        leg = msgspec.structs.replace(
-            tokenized,
-            prompt_token_ids=[*tokenized.prompt_token_ids, *prefill.output_ids],
-            max_tokens=remaining,
-            stream=True,
-            extra={**tokenized.extra, "kv_transfer": {"page_keys": prefill.page_keys}},
-        )
-        return self._adapter.translate_request(leg).body
-
-    async def _decode_stream(self, body: dict[str, Any], rid: str) -> AsyncIterator[dict[str, Any]]:
-        """The decode engine's native SSE objects (raises ``EngineRefusedError`` on an error)."""
+    async def _decode_stream(
+        self, pd: PrefillDecode, tokenized: TokenizedRequest, prefill: PrefillResult, rid: str
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The decode engine's native SSE objects (raises ``_EngineRefusedError`` on an
+        error)."""
+        native = pd.decode_request(tokenized, prefill)
         async with self._session.post(
-            self._engine_url + "/generate", data=orjson.dumps(body), timeout=self._timeout,
+            self._engine_url + native.path, data=orjson.dumps(native.body),
+            timeout=self._timeout,
             headers={"Content-Type": "application/json", "x-request-id": rid},
         ) as upstream:
             if upstream.status != 200:
                 raw = await upstream.read()
-                raise EngineRefusedError(upstream.status, message_of(raw))
+                raise _EngineRefusedError(upstream.status, _message_of(raw))
             async for raw_line in upstream.content:
                 line = raw_line.strip()
                 if not line.startswith(b"data:"):
@@ -347,8 +312,8 @@ class PdRoutes:
                 if isinstance(data, dict) and "error" in data:
                     err = data["error"]
                     code = err.get("code") if isinstance(err, dict) else None
-                    raise EngineRefusedError(code if isinstance(code, int) else 500,
-                                         message_of(payload))
+                    raise _EngineRefusedError(code if isinstance(code, int) else 500,
+                                              _message_of(payload))
                 yield data
 
     def _transfer_failed(self, message: str, rid: str) -> web.Response:
@@ -360,13 +325,12 @@ class PdRoutes:
         self,
         request: web.Request,
         tokenized: TokenizedRequest,
-        translator: Any,
-        chunks: Any,
+        translator: ResponseTranslator,
+        chunks: list[dict[str, Any]] | AsyncIterator[dict[str, Any]],
         rid: str,
         first: dict[str, Any] | None = None,
     ) -> web.StreamResponse:
-        """The client's answer from native objects (cumulative text), streamed or whole."""
-        headers = {"x-request-id": rid}
+        """The client's answer from native objects, streamed or whole."""
         if not tokenized.stream:
             last = first
             if isinstance(chunks, list):
@@ -374,11 +338,12 @@ class PdRoutes:
             else:
                 async for data in chunks:
                     last = data
+            assert last is not None  # a list holds one object at least; else ``first``
             try:
                 answer = translator.response(last)
             except OpenAIError as exc:
                 return openai_error_response(exc, rid)
-            return web.json_response(answer, headers=headers,
+            return web.json_response(answer, headers={"x-request-id": rid},
                                      dumps=lambda o: orjson.dumps(o).decode())
         response = await self._open_stream(request, rid)
         if first is not None:
@@ -393,7 +358,11 @@ class PdRoutes:
         return response
 
     async def _write_stream(
-        self, response: web.StreamResponse, translator: Any, chunks: Any, rid: str
+        self,
+        response: web.StreamResponse,
+        translator: ResponseTranslator,
+        chunks: list[dict[str, Any]] | AsyncIterator[dict[str, Any]],
+        rid: str,
     ) -> None:
         """Native objects → OpenAI chunks on an open stream, then the tail and ``[DONE]``."""
         if isinstance(chunks, list):

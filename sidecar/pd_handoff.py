@@ -12,7 +12,7 @@ engine imports those pages through its storage hook. Two implementations:
   shared-memory store (``adapters/sglang/hicache.py``); the decode sidecar pulls the blocks
   from the prefill sidecar's store into its own with ``BlockTransferService`` (shm on one host,
   NIXL across hosts, TCP when NIXL is unavailable), keyed exactly as the hook keys them
-  (``HiCacheKeyMap``).
+  (the adapter's ``PrefillDecode.store_keys``).
 
 Every failure is a ``HandoffError`` with a message that says what went wrong; nothing partial
 becomes visible (the transfer service commits all or nothing).
@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -110,15 +110,13 @@ class TransferServiceHandoff:
 
     kind = HandoffKind.TRANSFER
 
-    def __init__(self, service: BlockTransferService, model_id: str) -> None:
-        # Imported on use: the transfer service and the HiCache key map are optional parts.
-        from adapters.sglang.hicache_keys import (  # noqa: PLC0415
-            HiCacheKeyMap,
-            ShardCoordinates,
-        )
-
+    def __init__(
+        self,
+        service: BlockTransferService,
+        store_keys: Callable[[Sequence[str]], list[tuple[int, int]]],
+    ) -> None:
         self._service = service
-        self._keys = HiCacheKeyMap(model_id, ShardCoordinates())
+        self._store_keys = store_keys
 
     async def pull(
         self, peer_url: str, page_keys: Sequence[str], *, transport: str, timeout_s: float
@@ -130,7 +128,7 @@ class TransferServiceHandoff:
 
         if not page_keys:
             return HandoffResult(0, 0, 0.0, transport)
-        keys = self._keys.store_keys(list(page_keys))
+        keys = self._store_keys(page_keys)
         started = time.perf_counter()
         try:
             try:

@@ -9,7 +9,6 @@ the request. Engine errors come back OpenAI-shaped with the engine's status.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +26,7 @@ from kvcore.requests import TokenizedRequest
 from sidecar.health import SilenceDetector
 from sidecar.load import LoadTracker
 
-__all__ = ["RequestProxy", "openai_error_response"]
+__all__ = ["RequestProxy", "openai_error_response", "sse"]
 
 log = structlog.get_logger(component="proxy")
 _SSE_DONE = b"data: [DONE]\n\n"
@@ -80,6 +79,11 @@ class RequestProxy:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return openai_error_response(
                 OpenAIError(400, f"invalid tokenized request: {exc}"), request_id
+            )
+        if tokenized.handoff is not None:
+            return openai_error_response(
+                OpenAIError(400, "a request with 'handoff' goes to /v1/kvsidecar/pd/generate"),
+                request_id,
             )
         if request_id and request_id != tokenized.request_id:
             tokenized = msgspec.structs.replace(tokenized, request_id=request_id)
@@ -176,9 +180,9 @@ class RequestProxy:
             chunks = translator.chunk(data)
             if chunks:
                 self._load.tokens(rid, 1)
-                await response.write(b"".join(_sse(c) for c in chunks))
+                await response.write(b"".join(sse(c) for c in chunks))
         tail = translator.finish()
-        await response.write(b"".join(_sse(c) for c in tail) + _SSE_DONE)
+        await response.write(b"".join(sse(c) for c in tail) + _SSE_DONE)
         await response.write_eof()
         return response
 
@@ -194,19 +198,11 @@ class RequestProxy:
         return self._hasher.hash_tokens(tokens[: self._hasher.block_size], seed)[0]
 
 
-def _sse(chunk: dict[str, Any]) -> bytes:
+def sse(chunk: dict[str, Any]) -> bytes:
+    """One SSE event of an OpenAI chunk."""
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def _completion_tokens(answer: dict[str, Any]) -> int:
     usage = answer.get("usage") or {}
     return int(usage.get("completion_tokens") or 1)
-
-
-async def cancel_quietly(task: asyncio.Task[Any]) -> None:
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        if (current := asyncio.current_task()) is not None and current.cancelling():
-            raise

@@ -1,9 +1,12 @@
-"""Package boundaries (DESIGN.md): what each package may pull in, and that modules stand alone."""
+"""Package boundaries (docs/architecture.md): what each package may import, what the real entry
+points load, and that every module stands alone."""
 
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +14,60 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN_IN_GATEWAY = ["torch", "posix_ipc", "shm", "sglang", "tensorrt_llm", "nixl", "refengine"]
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+OURS = ("kvcore", "shm", "adapters", "sidecar", "routing", "refengine", "replay", "kvsidecar")
+HEAVY = {"torch", "sglang", "tensorrt_llm", "nixl", "nixl_cu12", "posix_ipc", "matplotlib"}
+
+
+def _import_table() -> dict[str, set[str]]:
+    """Package → the packages of ours it may import, read off the architecture document."""
+    table: dict[str, set[str]] = {}
+    text = ARCHITECTURE.read_text()
+    section = text.split("## Packages and what each may import", 1)[1].split("\n## ", 1)[0]
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0].startswith("`"):
+            continue
+        package = cells[0].strip("`")
+        may = cells[2]
+        if may.startswith("every package"):
+            table[package] = set(OURS)
+        elif may == "nothing of ours":
+            table[package] = set()
+        else:
+            table[package] = set(re.findall(r"`(\w+)`", may))
+    return table
+
+
+def _imports_of(path: Path) -> set[str]:
+    """Top-level packages of ours a module imports anywhere (lazily, or for type checking)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found.update(n.split(".")[0] for n in names if n.split(".")[0] in OURS)
+    return found
+
+
+def test_the_table_names_every_package() -> None:
+    """The architecture document's import table lists exactly our packages."""
+    assert set(_import_table()) == set(OURS)
+
+
+@pytest.mark.parametrize("package", OURS)
+def test_imports_follow_the_table(package: str) -> None:
+    """No module imports a package of ours that the table does not allow its package."""
+    allowed = _import_table()[package] | {package}
+    wrong = {
+        str(path.relative_to(ROOT)): sorted(extra)
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if (extra := _imports_of(path) - allowed)
+    }
+    assert not wrong, f"{package} may import only {sorted(allowed)}: {wrong}"
 
 
 def _loaded_after_import(module: str) -> set[str]:
@@ -22,16 +78,20 @@ def _loaded_after_import(module: str) -> set[str]:
     return {name.split(".")[0] for name in json.loads(out.stdout)}
 
 
-def test_gateway_core_imports_no_torch_or_engine() -> None:
-    """Importing routing loads no torch, posix_ipc, shm, engine package or nixl."""
-    loaded = _loaded_after_import("routing")
-    assert not loaded & set(FORBIDDEN_IN_GATEWAY)
-
-
-def test_canonical_model_is_light() -> None:
-    """The canonical model (shared by everyone) loads neither torch nor any engine."""
-    loaded = _loaded_after_import("kvcore.wire")
-    assert not loaded & set(FORBIDDEN_IN_GATEWAY)
+@pytest.mark.parametrize(
+    ("entry", "forbidden"),
+    [
+        ("routing.__main__", HEAVY | {"shm", "adapters", "sidecar", "refengine", "replay"}),
+        ("sidecar.__main__", HEAVY - {"posix_ipc"} | {"routing", "refengine", "replay"}),
+        ("kvcore.wire", HEAVY | set(OURS) - {"kvcore"}),
+        ("kvsidecar.__main__", HEAVY | set(OURS) - {"kvcore", "kvsidecar"}),
+    ],
+)
+def test_entry_points_load_only_their_own(entry: str, forbidden: set[str]) -> None:
+    """The gateway's and the sidecar's real entry points load no engine, no torch and no
+    package of ours above their own; the CLI loads only the subcommand it runs."""
+    loaded = _loaded_after_import(entry)
+    assert not loaded & forbidden, sorted(loaded & forbidden)
 
 
 def _our_modules() -> list[str]:

@@ -25,12 +25,14 @@ from adapters.base import (
     EngineKind,
     EngineRequest,
     EventEndpoint,
+    PrefillDecode,
     worker_id_for,
 )
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.normalize_stream import EventStream
 from adapters.sglang.core import RankNormalizer
+from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.sglang.subscriber import RankSubscriber
 from kvcore.events import KVEvent
@@ -86,6 +88,7 @@ class SGLangAdapter:
     """KV events and request translation for one SGLang server."""
 
     kind = EngineKind.SGLANG
+    pd: PrefillDecode | None = SGLangPrefillDecode()
 
     def __init__(
         self,
@@ -213,6 +216,17 @@ class SGLangAdapter:
             layout.dtype,
             kind,
         )
+
+    async def kv_capacity_blocks(self) -> int | None:
+        try:
+            info = await self._server_info()
+        except AdapterError:
+            return None
+        tokens = info.get("max_total_num_tokens")  # per DP rank
+        block = self._info.block_size if self._info is not None else info.get("page_size")
+        if isinstance(tokens, int) and isinstance(block, int) and tokens > 0 and block > 0:
+            return tokens // block
+        return None
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
         return to_generate_request(request)

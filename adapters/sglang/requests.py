@@ -57,6 +57,10 @@ def to_generate_request(request: TokenizedRequest) -> EngineRequest:
         body["priority"] = request.priority
     if request.dp_rank is not None:
         body["routed_dp_rank"] = request.dp_rank
+    if request.bootstrap is not None:  # SGLang's own PD transfer: both legs name one room
+        body["bootstrap_host"] = request.bootstrap.host
+        body["bootstrap_port"] = request.bootstrap.port
+        body["bootstrap_room"] = request.bootstrap.room
     for key, value in request.extra.items():
         if key in body:
             raise ValueError(f"extra field {key!r} would overwrite a translated field")

@@ -25,6 +25,7 @@ from adapters.base import (
     EngineKind,
     EngineRequest,
     EventEndpoint,
+    PrefillDecode,
     worker_id_for,
 )
 from adapters.normalize import WorkerNormalizer
@@ -155,6 +156,7 @@ class TrtllmAdapter:
     """KV events and request translation for one TensorRT-LLM server."""
 
     kind = EngineKind.TRTLLM
+    pd: PrefillDecode | None = None  # disaggregated_params: not yet
 
     def __init__(
         self,
@@ -250,6 +252,9 @@ class TrtllmAdapter:
 
     def events(self) -> AsyncIterator[KVEvent]:
         return aiter(self._stream)
+
+    async def kv_capacity_blocks(self) -> int | None:
+        return None  # trtllm-serve does not publish its KV capacity
 
     def block_layout(self) -> BlockLayout:
         info = self.info

@@ -36,6 +36,11 @@ _PASS = (
 
 def to_completions_request(request: TokenizedRequest) -> EngineRequest:
     """The ``/v1/completions`` body for ``request``."""
+    if request.bootstrap is not None:
+        raise ValueError(
+            "prefill/decode through TensorRT-LLM's own transfer (disaggregated_params) is not "
+            "supported by this adapter yet; run the gateway with --pd-mode auto or off"
+        )
     body: dict[str, Any] = {
         "model": request.model,
         "prompt": request.prompt_token_ids,

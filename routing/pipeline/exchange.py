@@ -1,428 +1,343 @@
-"""One proxied request: placement, the upstream exchange, relaying the reply, and retries.
+"""The place, execute and finish stages of one request: ``Exchange``.
 
-Callback-driven: no task per request unless a new upstream connection must be opened. The
-lifecycle, as ``router.load`` sees it::
+Every request the gateway proxies is an exchange; callback-driven, with no task per request
+unless a new upstream connection must be opened::
 
-    place → dispatch → [send → head → body* → complete] → finish
-                         └ lost before the first byte → finish, exclude worker, place again
+    place (the policy: ``place.py``) → leg → relay (``relay.py``) → finish (the record)
 
-A stale keep-alive connection (closed by the worker while idle) is retried once on a fresh
-connection to the same worker before the worker is blamed. A client that goes away aborts
-the upstream request by closing its connection; an engine stops generating when its client
-disconnects.
+A request that a prefill/decode pair may serve is a ``pair.PairExchange``: the same stages,
+with the pair's placement and legs where this class has hooks (``_place``, ``_leg_request``,
+``_holds_errors`` ...).
+
+A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its load is
+counted in the placement core from dispatch to release. A leg that fails before the first
+byte of its reply excludes its worker (marked failed in the registry) and the request is
+placed again; a stale keep-alive connection is first retried once on a fresh one. A client
+that goes away aborts every leg by closing its connection; an engine stops generating when
+its client disconnects.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+
+import structlog
 
 from kvcore.errors import OpenAIError
-from routing.pipeline.sidecar_body import tokenized_body
+from routing.http.client import UpstreamConnection
+from routing.http.server import ServerConnection
+from routing.pipeline.context import PipelineContext
+from routing.pipeline.legs import Drain, Leg, LegTarget
+from routing.pipeline.place import Refusal, place_aggregated
+from routing.pipeline.record import RequestRecord
+from routing.pipeline.relay import Relay
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
-from routing.serve.http_server import ServerConnection, reason
-from routing.serve.upstream import UpstreamConnection
-from routing.serve.usage import count_usage_in_body, count_usage_in_sse
-
-if TYPE_CHECKING:
-    from routing.serve.gateway import Gateway
-    from routing.workers.registry import Worker
+from routing.prompt.preparer import PreparedPrompt
+from routing.workers.registry import Worker
 
 __all__ = ["Exchange"]
 
-_USAGE_BODY_LIMIT = 1 << 20  # non-streaming bodies up to this size are scanned for usage
-_TRAILER = b"0\r\n\r\n"
+log = structlog.get_logger("routing.pipeline").bind(component="gateway")
+
 
 
 class Exchange:
-    """A client request on its way through one (or, after retries, several) workers."""
+    """A client request on its way through one worker, a pair, or (after retries) several."""
 
     __slots__ = (
-        "_body_parts",
-        "_chunked",
-        "_connecting",
-        "_pending_head",
-        "_scan_bytes",
-        "_sse",
-        "block_hashes",
-        "body",
+        "_error_parts",
         "client",
-        "dispatched",
+        "ctx",
         "done",
-        "endpoint",
-        "events",
-        "extra_headers",
-        "gw",
-        "include_usage",
-        "key",
         "last_activity",
-        "path",
-        "placement",
-        "prompt_tokens",
+        "leg",
+        "prompt",
+        "record",
+        "relay",
         "request",
-        "request_id",
-        "reused",
         "stale_retry_used",
-        "status",
-        "stream",
-        "t_first",
-        "t_last",
-        "t_start",
-        "token_ids",
+        "target",
         "tried",
-        "upstream",
-        "worker",
     )
 
     def __init__(
         self,
-        gw: Gateway,
+        ctx: PipelineContext,
         client: ServerConnection,
-        key: str,
-        request_id: bytes,
-        endpoint: str,
-        path: bytes,
-        body: bytes,
+        record: RequestRecord,
         request: OpenAIRequest,
-        token_ids: list[int] | None,
-        stream: bool,
-        include_usage: bool,
-        block_hashes: Sequence[int],
-        prompt_tokens: int,
-        extra_headers: bytes,
-        t_start: float,
+        prompt: PreparedPrompt,
+        target: LegTarget,
     ) -> None:
-        self.gw = gw
+        self.ctx = ctx
         self.client = client
-        self.key = key
-        self.request_id = request_id
-        self.endpoint = endpoint
-        self.path = path
-        self.body = body
+        self.record = record
         self.request = request
-        self.token_ids = token_ids
-        self.stream = stream
-        self.include_usage = include_usage
-        self.block_hashes = block_hashes
-        self.prompt_tokens = prompt_tokens
-        self.extra_headers = extra_headers
-        self.t_start = t_start
+        self.prompt = prompt
+        self.target = target  # what each leg sends (the client's bytes, or token ids)
+        self.relay = Relay(client, record, ctx.metrics, request.include_usage)
+        self.leg: Leg | None = None  # the leg whose reply is relayed
         self.tried: set[str] = set()
-        self.worker: Worker | None = None
-        self.placement: Placement | None = None
-        self.upstream: UpstreamConnection | None = None
-        self._connecting: asyncio.Task[None] | None = None
-        self.dispatched = False
-        self.done = False
-        self.reused = False
         self.stale_retry_used = False
-        self.status = 0
-        self.events = 0
-        self.t_first = 0.0
-        self.t_last = 0.0
-        self.last_activity = t_start
-        self._pending_head = b""
-        self._chunked = False
-        self._sse = False
-        self._body_parts: list[bytes] | None = None
-        self._scan_bytes = 0
+        self.done = False
+        self.last_activity = record.t_start
+        self._error_parts: list[bytes] | None = None  # an error reply held (``_holds_errors``)
 
-    # --- placement -----------------------------------------------------------------------
+    # --- place ---------------------------------------------------------------------------
 
     def start(self) -> None:
         self.client.in_flight = self
+        self.ctx.in_flight[self.record.key] = self
         self._place()
 
-    def _place(self) -> None:
-        gw = self.gw
-        healthy = gw.workers.healthy()
-        if gw.pd is not None:  # never a prefill or decode worker (routing/pd/coordinator.py)
-            healthy = gw.pd.agg_only(healthy)
-        if not healthy:
-            if self.tried:
-                self._reply_error(502, "every worker failed before answering", "bad_gateway")
-            else:
-                self._reply_error(503, "no healthy worker is available", "service_unavailable")
+    def _place_aggregated(self) -> None:
+        placed = place_aggregated(self.ctx, self.prompt, self.tried)
+        self._placed()
+        if isinstance(placed, Refusal):
+            self._reply_error(placed.status, placed.message, placed.type)
             return
-        cap = gw.cfg.max_in_flight_per_worker
-        if cap is None:
-            names = [w.worker_id for w in healthy]
-        else:
-            names = [w.worker_id for w in healthy if w.in_flight < cap]
-            if not names:
-                self._reply_error(
-                    429,
-                    f"every worker is saturated ({cap} requests in flight each); retry later",
-                    "rate_limit_exceeded",
-                )
-                return
-        placement = gw.policy.choose(self.block_hashes, self.prompt_tokens, names, self.tried)
-        if not self.tried:  # parse + tokenize + hash + match + score, first placement only
-            gw.metrics.placement.observe(time.monotonic() - self.t_start)
-        if placement is None:
-            self._reply_error(
-                502 if self.tried else 503,
-                "every worker failed before answering" if self.tried else "no worker available",
-                "bad_gateway" if self.tried else "service_unavailable",
-            )
-            return
-        self._dispatch(placement, fresh=False)
+        worker, placement = placed
+        self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
+        self._run_leg(worker, placement, "a")
 
-    def _dispatch(self, placement: Placement, fresh: bool) -> None:
-        gw = self.gw
-        worker = gw.workers.get(placement.worker_id)
-        self.worker, self.placement = worker, placement
-        gw.router.dispatch(self.key, placement, self.block_hashes, self.prompt_tokens)
-        self.dispatched = True
-        worker.in_flight += 1
-        worker.requests += 1
-        conn = None if fresh else gw.pool.take_idle(worker.worker_id)
-        if conn is not None:
-            self._send(conn, True)
-        else:
-            self._connecting = gw.spawn(self._connect(worker))
+    def _placed(self) -> None:
+        if not self.tried:
+            # parse + tokenize + hash + match + score, first placement only
+            self.ctx.metrics.placement.observe(time.monotonic() - self.record.t_start)
 
-    async def _connect(self, worker: Worker) -> None:
-        a = worker.address
+    # --- execute -------------------------------------------------------------------------
+
+    def _run_leg(self, worker: Worker, placement: Placement, tag: str,
+                 request: tuple[bytes, bytes] | None = None) -> None:
+        """Send the relayed leg to ``worker`` (``request``: its path and body, if not
+        ``_leg_request``'s)."""
+        leg = Leg(worker, placement, f"{self.record.key}/{tag}")
         try:
-            conn = await self.gw.pool.connect(worker.worker_id, a.host, a.port)
-        except (OSError, TimeoutError) as exc:
-            self._connecting = None
-            if not self.done:
-                self._failed(f"connect: {type(exc).__name__}: {exc}", stale=False)
-            return
-        self._connecting = None
-        if self.done:
-            self.gw.pool.release(conn)
-            return
-        self._send(conn, False)
-
-    def _wire(self, worker: Worker) -> tuple[bytes, bytes]:
-        """(path, body) for this worker: the client's request, or tokenized for a sidecar."""
-        if worker.kind != "sidecar":
-            return self.path, self.body
-        if self.token_ids is None:
-            raise OpenAIError(400, "sidecar workers need a single prompt the gateway can tokenize "
-                           "(batched prompts are not supported)", param="prompt")
-        body = tokenized_body(self.request, self.token_ids, self.request_id.decode(),
-                              worker.dp_rank)
-        return b"/v1/kvsidecar/generate", body
-
-    def _send(self, conn: UpstreamConnection, reused: bool) -> None:
-        worker = self.worker
-        assert worker is not None  # set by _dispatch
-        try:
-            path, body = self._wire(worker)
+            leg.request = self._leg_request(worker) if request is None else request
         except OpenAIError as exc:
-            self.gw.pool.release(conn)
             self._reply_error(exc.status, exc.message, exc.type)
             return
-        self.upstream, self.reused = conn, reused
-        self.last_activity = time.monotonic()
-        if self.client.write_paused:
-            conn.pause_reading()
-        conn.send(
-            self,
-            b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nx-request-id: %s\r\n%s\r\n%s"
-            % (
-                worker.address.base_path.encode(),
-                path,
-                worker.host_header,
-                len(body),
-                self.request_id,
-                self.extra_headers,
-                body,
-            ),
-        )
+        self.leg = leg
+        self._dispatch(leg, self)
 
-    def _failed(self, why: str, stale: bool) -> None:
-        """The worker failed before the first byte of its reply: try elsewhere."""
-        gw, worker, placement = self.gw, self.worker, self.placement
-        assert worker is not None and placement is not None
-        self.upstream = None
-        self._release()
+    def _count(self, leg: Leg) -> None:
+        p = self.prompt
+        self.ctx.router.dispatch(leg.key, leg.placement, p.block_hashes, p.prompt_tokens)
+        leg.counted = True
+        leg.worker.dispatched += 1
+
+    def _dispatch(self, leg: Leg, receiver: Exchange | Drain) -> None:
+        self._count(leg)
+        conn = self.ctx.upstream.take_idle(leg.worker.worker_id)
+        if conn is not None:
+            self._send(leg, receiver, conn, reused=True)
+        else:
+            leg.connecting = self.ctx.spawn(self._connect(leg, receiver))
+
+    async def _connect(self, leg: Leg, receiver: Exchange | Drain) -> None:
+        a = leg.worker.address
+        try:
+            conn = await self.ctx.upstream.connect(leg.worker.worker_id, a.host, a.port)
+        except (OSError, TimeoutError) as exc:
+            leg.connecting = None
+            if not self.done:
+                receiver.upstream_lost(exc, False)
+            return
+        leg.connecting = None
+        if self.done or not leg.counted:
+            self.ctx.upstream.release(conn)
+            return
+        self._send(leg, receiver, conn, reused=False)
+
+    def _send(
+        self, leg: Leg, receiver: Exchange | Drain, conn: UpstreamConnection, reused: bool
+    ) -> None:
+        leg.conn, leg.reused = conn, reused
+        self.last_activity = time.monotonic()
+        if receiver is self and self.client.write_paused:
+            conn.pause_reading()
+        conn.send(receiver, leg.wire(self.record.request_id, self.target.extra_headers))
+
+    def _release(self, leg: Leg | None) -> None:
+        if leg is not None and leg.counted:
+            leg.counted = False
+            self.ctx.router.load.finish_if_known(leg.key)
+
+    def leg_failed(self, leg: Leg, why: str, stale: bool) -> None:
+        """``leg`` failed before the first byte of its reply: try again, elsewhere."""
+        ctx = self.ctx
+        leg.conn = None
+        self._release(leg)
         if stale and not self.stale_retry_used:
             self.stale_retry_used = True
-            self._dispatch(placement, fresh=True)
+            self._count(leg)
+            receiver: Exchange | Drain = self if leg is self.leg else Drain(self, leg)
+            leg.connecting = ctx.spawn(self._connect(leg, receiver))
             return
-        gw.metrics.worker_errors[worker.worker_id] = (
-            gw.metrics.worker_errors.get(worker.worker_id, 0) + 1
-        )
-        gw.workers.mark(worker, False, why)
-        self.tried.add(worker.worker_id)
-        gw.metrics.retries += 1
+        worker_id = leg.worker.worker_id
+        ctx.metrics.worker_errors[worker_id] = ctx.metrics.worker_errors.get(worker_id, 0) + 1
+        ctx.workers.probed(leg.worker, False, why)
+        if leg is not self.leg:  # a drained leg: the relayed one decides
+            self._side_failed(leg, why)
+            return
+        self.tried.add(worker_id)
+        self.record.retries += 1
+        ctx.metrics.retries += 1
+        self._end_pair()
         self._place()
 
-    # --- upstream events (routing.serve.upstream.Receiver) ----------------------------------
+    # --- relay (``routing.http.client.Receiver`` of the relayed leg) ----------------------
 
     def upstream_head(self, status: int, content_type: bytes, content_length: int | None) -> None:
-        self.status = status
-        self._sse = content_type.startswith(b"text/event-stream")
-        self._chunked = content_length is None
-        placement = self.placement
-        assert placement is not None
-        framing = (
-            b"transfer-encoding: chunked\r\n"
-            if content_length is None
-            else b"content-length: %d\r\n" % content_length
-        )
-        if self._sse:
-            framing += b"cache-control: no-cache\r\n"
-        elif content_length is None or content_length <= _USAGE_BODY_LIMIT:
-            self._body_parts = []  # scanned for usage at the end (chunked: while small)
-        self._pending_head = (
-            b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n%sx-request-id: %s\r\n"
-            b"x-kvsidecar-worker: %s\r\nx-kvsidecar-cached-blocks: %d\r\n\r\n"
-            % (
-                status,
-                reason(status),
-                content_type or b"application/octet-stream",
-                framing,
-                self.request_id,
-                placement.worker_id.encode(),
-                placement.overlap.longest,
-            )
-        )
+        self.record.status = status
+        if status != 200 and self._holds_errors():
+            self._error_parts = []  # a failed handoff may still be re-run: hold the reply
+            return
+        self.relay.head(status, content_type, content_length)
 
     def upstream_body(self, pieces: list[bytes]) -> None:
-        now = time.monotonic()
-        self.last_activity = now
-        if not self.t_first:
-            self.t_first = now
-            self.gw.metrics.ttft.observe(now - self.t_start)
-            self.gw.router.load.first_token(self.key)
-        self.t_last = now
-        if self._sse:
-            events = 0
-            for piece in pieces:
-                events += piece.count(b"data:")
-                if self.include_usage and b'"usage":{' in piece:
-                    count_usage_in_sse(self.gw.metrics, self._worker_id(), piece)
-            if events:
-                self.events += events
-                self.gw.router.load.tokens_generated(self.key, events)
-        elif self._body_parts is not None:
-            self._body_parts += pieces
-            self._scan_bytes += sum(map(len, pieces))
-            if self._scan_bytes > _USAGE_BODY_LIMIT:
-                self._body_parts = None  # too large to scan
-        if self._chunked:
-            out = b"".join([b"%x\r\n%s\r\n" % (len(p), p) for p in pieces])
-        else:
-            out = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        if self._pending_head:
-            out = self._pending_head + out
-            self._pending_head = b""
-        self.client.write(out)
+        now = self.last_activity = time.monotonic()
+        if self._error_parts is not None:
+            self._error_parts += pieces
+            return
+        record, leg = self.record, self.leg
+        assert leg is not None
+        if not record.t_first:
+            record.first_byte(now, self.ctx.metrics)
+            self.ctx.router.load.first_token(leg.key)
+            self._first_byte()
+        record.t_last = now
+        events = self.relay.body(pieces)
+        if events:
+            record.events += events
+            self.ctx.router.load.tokens_generated(leg.key, events)
+            self._events_relayed(pieces)
 
     def upstream_complete(self) -> None:
-        self.upstream = None
-        if self._chunked:
-            self.client.write(self._pending_head + _TRAILER)
-        elif self._pending_head:
-            self.client.write(self._pending_head)
-        self._pending_head = b""
-        if self._body_parts:
-            count_usage_in_body(self.gw.metrics, self._worker_id(), b"".join(self._body_parts))
-        if not self.t_first:
-            self.gw.metrics.ttft.observe(time.monotonic() - self.t_start)
-        self._finish(self.status)
+        leg = self.leg
+        assert leg is not None
+        leg.conn = None
+        if self._error_parts is not None:
+            raw, self._error_parts = b"".join(self._error_parts), None
+            self._held_error(raw)
+            return
+        self.relay.complete()
+        if not self.record.t_first:
+            self.record.first_byte(time.monotonic(), self.ctx.metrics)
+        self._completed()
+        self._finish(self.record.status)
         self.client.finish()
 
     def upstream_lost(self, exc: Exception | None, got_head: bool) -> None:
         if self.done:
             return
-        self.upstream = None
+        leg = self.leg
+        assert leg is not None
+        stale = leg.reused
+        leg.conn = None
         if not got_head:
-            self._failed(f"connection lost before the reply: {exc!r}", stale=self.reused)
+            self.leg_failed(leg, f"connection lost before the reply: {exc!r}", stale)
             return
-        worker = self.worker
-        assert worker is not None
-        errors = self.gw.metrics.worker_errors
-        errors[worker.worker_id] = errors.get(worker.worker_id, 0) + 1
+        errors = self.ctx.metrics.worker_errors
+        errors[leg.worker.worker_id] = errors.get(leg.worker.worker_id, 0) + 1
         self._finish(502)
         self.client.abort()  # the reply is cut: the client must see the connection end
 
-    # --- client events (routing.serve.http_server.InFlight) ------------------------------------
+    def side_done(self, leg: Leg, status: int) -> None:
+        """A drained leg answered (its body is of no use)."""
+        leg.conn = None
+        self._release(leg)
+        if status != 200:
+            self._side_failed(leg, f"answered {status}")
+
+    # --- what a pair changes (``pair.PairExchange``) ---------------------------------------
+
+    def _place(self) -> None:
+        self._place_aggregated()
+
+    def _leg_request(self, worker: Worker) -> tuple[bytes, bytes]:
+        return self.target.for_worker(worker)
+
+    def _holds_errors(self) -> bool:
+        """Hold an error reply instead of relaying it (``_held_error`` decides)?"""
+        return False
+
+    def _held_error(self, raw: bytes) -> None:
+        self._reply_raw(self.record.status, raw)
+
+    def _first_byte(self) -> None:
+        """The relayed leg's first byte reached the client."""
+
+    def _events_relayed(self, pieces: list[bytes]) -> None:
+        """``pieces`` with SSE events in them reached the client."""
+
+    def _completed(self) -> None:
+        """The relayed leg's reply reached the client in full."""
+
+    def _side_failed(self, leg: Leg, why: str) -> None:
+        log.warning("drained_leg_failed", worker_id=leg.worker.worker_id, error=why)
+
+    def _end_pair(self) -> None:
+        """Release what a pair holds (its load and decode room), if any."""
+
+    def _who(self) -> str:
+        """Who did not answer in time."""
+        return "the worker"
+
+    # --- client events (``routing.http.server.InFlight``) ---------------------------------
 
     def on_client_lost(self) -> None:
         if self.done:
             return
-        self.gw.metrics.client_aborts += 1
-        if self._connecting is not None:
-            self._connecting.cancel()
-            self._connecting = None
-        if self.upstream is not None:
-            self.upstream.detach()
-            self.upstream = None
+        self.ctx.metrics.client_aborts += 1
+        self._abandon()
         self._finish(499)
 
     def on_pause(self) -> None:
-        if self.upstream is not None:
-            self.upstream.pause_reading()
+        if self.leg is not None and self.leg.conn is not None:
+            self.leg.conn.pause_reading()
 
     def on_resume(self) -> None:
-        if self.upstream is not None:
-            self.upstream.resume_reading()
+        if self.leg is not None and self.leg.conn is not None:
+            self.leg.conn.resume_reading()
 
     def timed_out(self) -> None:
         """No byte from the worker for ``--upstream-timeout-s``."""
         if self.done:
             return
-        self.gw.metrics.upstream_timeouts += 1
-        if self.upstream is not None:
-            self.upstream.detach()
-            self.upstream = None
-        if self.status:
+        self.ctx.metrics.upstream_timeouts += 1
+        self._abandon()
+        if self.relay_started:
             self._finish(504)
             self.client.abort()
         else:
-            self._reply_error(504, "the worker did not answer in time", "timeout")
+            self._reply_error(504, f"{self._who()} did not answer in time", "timeout")
 
-    def _worker_id(self) -> str:
-        return "" if self.worker is None else self.worker.worker_id
+    @property
+    def relay_started(self) -> bool:
+        return bool(self.record.status) and self._error_parts is None
 
     # --- endings -------------------------------------------------------------------------
 
-    def _release(self) -> None:
-        if self.dispatched:
-            self.dispatched = False
-            self.gw.router.load.finish(self.key)
-            self.worker.in_flight -= 1  # type: ignore[union-attr]
+    def _abandon(self) -> None:
+        """Drop every leg on its way (their workers see the connection close)."""
+        if self.leg is not None:
+            self.leg.abandon()
 
     def _finish(self, status: int) -> None:
         self.done = True
-        self._release()
-        gw = self.gw
-        gw.exchanges.pop(self.key, None)
-        m = gw.metrics
-        m.count_response(self.endpoint, status)
-        now = time.monotonic()
-        m.latency.observe(now - self.t_start)
-        if self.worker is not None and status < 500:
-            wid = self.worker.worker_id
-            m.worker_requests[wid] = m.worker_requests.get(wid, 0) + 1
-            m.worker_prompt_tokens[wid] = m.worker_prompt_tokens.get(wid, 0) + self.prompt_tokens
-            if self.placement is not None and self.placement.overlap.longest:
-                predicted = min(
-                    self.prompt_tokens, self.placement.overlap.longest * gw.router.block_size
-                )
-                m.predicted_cached_tokens += predicted
-                table = m.worker_predicted_cached_tokens
-                table[wid] = table.get(wid, 0) + predicted
-        if self.events:
-            m.completion_tokens += self.events
-            if self.events > 1:
-                m.itl.observe((self.t_last - self.t_first) / (self.events - 1))
-        if gw.debug:
-            gw.log_request(self, status, now)
+        self._release(self.leg)
+        self._end_pair()
+        ctx = self.ctx
+        ctx.in_flight.pop(self.record.key, None)
+        self.record.finish(status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
 
-    def _reply_error(self, status: int, message: str, type_: str) -> None:
+    def _reply_error(self, status: int, message: str, type_: str, headers: bytes = b"") -> None:
+        self._reply_raw(status, OpenAIError(status, message, type_).body(), headers)
+
+    def _reply_raw(self, status: int, body: bytes, headers: bytes = b"") -> None:
+        self._abandon()
         self._finish(status)
-        headers = b"x-request-id: %s\r\n" % self.request_id
-        body = OpenAIError(status, message, type_).body()
-        self.client.respond(status, body, extra_headers=headers)
+        extra = b"x-request-id: %s\r\n%s" % (self.record.request_id, headers)
+        self.client.respond(status, body, extra_headers=extra)

@@ -1,4 +1,4 @@
-"""The request a sidecar takes: the client's OpenAI request, tokenized (``TokenizedRequest``).
+"""The body a sidecar worker gets: the client's OpenAI request, tokenized (``TokenizedRequest``).
 
 The gateway has already rendered the chat template and tokenized, so the sidecar forwards
 exactly the token ids the gateway hashed; sampling parameters travel as OpenAI named them
@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from kvcore.errors import OpenAIError
-from kvcore.requests import RequestKind, TokenizedRequest
+from kvcore.requests import Bootstrap, Handoff, RequestKind, TokenizedRequest
 from routing.prompt.openai_api import Endpoint, OpenAIRequest
 
 __all__ = ["tokenized_body"]
@@ -28,8 +28,13 @@ def tokenized_body(
     token_ids: list[int],
     request_id: str,
     dp_rank: int | None,
+    *,
+    handoff: Handoff | None = None,
+    bootstrap: Bootstrap | None = None,
+    stream: bool | None = None,
 ) -> bytes:
-    """The JSON body of ``POST /v1/kvsidecar/generate`` for one placement."""
+    """The JSON body of one leg to a sidecar (``/v1/kvsidecar/generate``, or with
+    ``handoff`` ``/v1/kvsidecar/pd/generate``); ``stream`` overrides the client's."""
     body = req.body
     fields: dict[str, Any] = {}
     for name in _FLOATS:
@@ -58,12 +63,14 @@ def tokenized_body(
             model=req.model,
             kind=RequestKind.CHAT if req.endpoint is Endpoint.CHAT else RequestKind.COMPLETION,
             prompt_token_ids=token_ids,
-            stream=req.stream,
+            stream=req.stream if stream is None else stream,
             include_usage=req.include_usage,
             max_tokens=req.max_tokens,
             ignore_eos=bool(body.get("ignore_eos", False)),
             cache_salt=req.cache_salt,
             dp_rank=dp_rank,
+            handoff=handoff,
+            bootstrap=bootstrap,
             **fields,
         )
     except (ValueError, TypeError) as exc:

@@ -113,6 +113,12 @@ class ActiveLoad:
             else:
                 del refs[block]
 
+    def finish_if_known(self, request_id: str) -> None:
+        """``finish``, for a request whose worker may have left meanwhile (its accounting
+        went with it: ``forget_worker``)."""
+        if request_id in self._requests:
+            self.finish(request_id)
+
     # --- queries ------------------------------------------------------------------------
 
     def set_capacity(self, worker_id: str, capacity_blocks: int | None) -> None:
@@ -143,6 +149,11 @@ class ActiveLoad:
                 )
             )
         return out
+
+    def in_flight_on(self, worker_id: str) -> int:
+        """Requests in flight on ``worker_id``."""
+        totals = self._workers.get(worker_id)
+        return 0 if totals is None else totals.in_flight
 
     def worker_of(self, request_id: str) -> str | None:
         request = self._requests.get(request_id)

@@ -1,2 +1,3 @@
-"""The gateway process: its HTTP server, the keep-alive client to the workers, metrics, and
-``Gateway``, which owns them and hands each request to the pipeline."""
+"""The gateway process: ``Gateway`` owns the server, the workers, the placement core and the
+metrics, answers the views (``/health``, ``/v1/models``, ``/v1/workers``, ``/metrics``) and
+hands each proxied request to the pipeline."""

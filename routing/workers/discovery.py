@@ -1,74 +1,42 @@
-"""The gateway's sidecar-backed workers: discovery, event feeds, health and load views.
+"""The gateway's sidecars: discovery, membership and one event feed per worker.
 
 A sidecar URL (``--sidecar URL`` or a line of ``--sidecar-file``) names one engine replica;
-``GET /v1/workers`` on it lists its workers (one per data-parallel rank). Each worker gets a
-``SidecarFeed`` that keeps its blocks in the router's index. A worker is *routable* while
-its feed is live and its sidecar's last load report says so; the file is re-read when it
-changes, adding and removing sidecars.
+``GET /v1/workers`` on it lists its workers (one per data-parallel rank), its role and where a
+prefill engine serves its own KV transfer. Each worker joins the registry and gets a
+``SidecarFeed`` that keeps its blocks in the router's index and tells the registry what its
+stream says. The file is re-read when it changes, adding and removing sidecars.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import structlog
 
-from kvcore.stream import LoadReport
+from routing.config import WorkerAddress
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
+from routing.workers.registry import Worker, WorkerKind, WorkerRegistry
 
-__all__ = ["SidecarPool", "SidecarWorker", "read_sidecar_file"]
+__all__ = ["SidecarDiscovery", "read_sidecar_file"]
 
-log = structlog.get_logger(component="sidecar_pool")
+log = structlog.get_logger(component="sidecar_discovery")
 _DISCOVERY_RETRY_S = 0.2
 _FILE_POLL_S = 1.0
-
-
-@dataclass(slots=True)
-class SidecarWorker:
-    """One worker (a DP rank of one engine) behind a sidecar."""
-
-    worker_id: str
-    sidecar_url: str
-    dp_rank: int
-    feed: SidecarFeed
-    task: asyncio.Task[None] | None = None
-
-    @property
-    def generate_url(self) -> str:
-        return f"{self.sidecar_url}/v1/kvsidecar/generate"
-
-    @property
-    def role(self) -> str:
-        return self.feed.role
-
-    @property
-    def load(self) -> LoadReport | None:
-        return self.feed.load
-
-    @property
-    def routable(self) -> bool:
-        load = self.feed.load
-        return self.feed.connected and (load is None or load.routable)
-
-    @property
-    def reason(self) -> str:
-        if not self.feed.connected:
-            return self.feed.error or "event stream not connected"
-        load = self.feed.load
-        return load.reason if load is not None and not load.routable else ""
 
 
 @dataclass(slots=True)
 class _Sidecar:
     url: str
     discovery: asyncio.Task[None] | None = None
-    workers: list[SidecarWorker] = field(default_factory=list)
+    worker_ids: list[str] = field(default_factory=list)
+    feeds: list[asyncio.Task[None]] = field(default_factory=list)
 
 
 def read_sidecar_file(path: Path) -> list[str]:
@@ -81,27 +49,26 @@ def read_sidecar_file(path: Path) -> list[str]:
     return urls
 
 
-class SidecarPool:
-    """Every sidecar the gateway routes to, and their workers."""
+class SidecarDiscovery:
+    """Every sidecar the gateway follows, and the feeds of their workers."""
 
     def __init__(
         self,
+        registry: WorkerRegistry,
         router: KvRouter,
         session: aiohttp.ClientSession,
         *,
         model_id: str,
+        models: tuple[str, ...],
         dead_after_s: float = 5.0,
-        on_added: Callable[[SidecarWorker], None] | None = None,
-        on_removed: Callable[[SidecarWorker], None] | None = None,
     ) -> None:
+        self.registry = registry
         self.router = router
-        self._on_added = on_added
-        self._on_removed = on_removed
         self.model_id = model_id
+        self.models = models
         self.dead_after_s = dead_after_s
         self._session = session
         self._sidecars: dict[str, _Sidecar] = {}
-        self._workers: dict[str, SidecarWorker] = {}
         self._file_task: asyncio.Task[None] | None = None
 
     # --- membership ---------------------------------------------------------------------
@@ -120,23 +87,19 @@ class SidecarPool:
         sidecar = self._sidecars.pop(url.rstrip("/"), None)
         if sidecar is None:
             return
-        tasks = [sidecar.discovery] + [w.task for w in sidecar.workers]
+        tasks = [t for t in (sidecar.discovery, *sidecar.feeds) if t is not None]
         for task in tasks:
-            if task is not None:
-                task.cancel()
+            task.cancel()
         for task in tasks:
-            if task is not None:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        for worker in sidecar.workers:
-            self._workers.pop(worker.worker_id, None)
-            self.router.remove_worker(worker.worker_id)
-            if self._on_removed is not None:
-                self._on_removed(worker)
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for worker_id in sidecar.worker_ids:
+            self.registry.remove(worker_id)
+            self.router.remove_worker(worker_id)
         log.info("sidecar_removed", url=url)
 
     def sync(self, urls: Iterable[str]) -> list[asyncio.Task[None]]:
-        """Make the pool follow exactly ``urls``; returns the removals to await."""
+        """Follow exactly ``urls``; returns the removals to await."""
         wanted = {u.rstrip("/") for u in urls}
         for url in wanted - set(self._sidecars):
             self.add(url)
@@ -154,23 +117,6 @@ class SidecarPool:
         for url in list(self._sidecars):
             await self.remove(url)
 
-    # --- views --------------------------------------------------------------------------
-
-    @property
-    def workers(self) -> list[SidecarWorker]:
-        return list(self._workers.values())
-
-    def get(self, worker_id: str) -> SidecarWorker | None:
-        return self._workers.get(worker_id)
-
-    def routable(self, role: str | None = None) -> list[str]:
-        """Ids of the workers placement may use (optionally of one role)."""
-        return [
-            w.worker_id
-            for w in self._workers.values()
-            if w.routable and (role is None or w.role == role)
-        ]
-
     @property
     def sidecar_urls(self) -> list[str]:
         return list(self._sidecars)
@@ -183,31 +129,26 @@ class SidecarPool:
             try:
                 timeout = aiohttp.ClientTimeout(total=5)
                 async with self._session.get(f"{sidecar.url}/v1/workers", timeout=timeout) as r:
-                    info = await r.json(content_type=None)
+                    info: dict[str, Any] = await r.json(content_type=None)
                 worker_ids = [str(w) for w in info["workers"]]
+                bootstrap = _bootstrap(info.get("bootstrap"))
                 break
             except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
                 log.debug("sidecar_discovery_retry", url=sidecar.url, error=repr(exc))
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, 2.0)
+        address = WorkerAddress.parse(sidecar.url)
         for rank, worker_id in enumerate(worker_ids):
-            if worker_id in self._workers:
+            if self.registry.get(worker_id) is not None:
                 log.error("worker_id_duplicated", worker_id=worker_id, url=sidecar.url)
                 continue
-            feed = SidecarFeed(
-                sidecar.url,
-                self.router,
-                self._session,
-                model_id=self.model_id,
-                worker=worker_id,
-                dead_after_s=self.dead_after_s,
-            )
-            worker = SidecarWorker(worker_id, sidecar.url, rank, feed)
-            worker.task = asyncio.create_task(feed.run(), name=f"feed {worker_id}")
-            sidecar.workers.append(worker)
-            self._workers[worker_id] = worker
-            if self._on_added is not None:
-                self._on_added(worker)
+            self.registry.add(Worker(worker_id, address, WorkerKind.SIDECAR, dp_rank=rank,
+                                     models=self.models, bootstrap=bootstrap))
+            feed = SidecarFeed(sidecar.url, self.router, self._session, model_id=self.model_id,
+                               worker=worker_id, dead_after_s=self.dead_after_s,
+                               listener=self.registry)
+            sidecar.worker_ids.append(worker_id)
+            sidecar.feeds.append(asyncio.create_task(feed.run(), name=f"feed {worker_id}"))
         log.info("sidecar_discovered", url=sidecar.url, worker_ids=worker_ids)
 
     async def _watch(self, path: Path) -> None:
@@ -224,3 +165,11 @@ class SidecarPool:
             except OSError as exc:
                 log.warning("sidecar_file_unreadable", path=str(path), error=str(exc))
             await asyncio.sleep(_FILE_POLL_S)
+
+
+def _bootstrap(value: Any) -> tuple[str, int] | None:
+    if isinstance(value, dict) and isinstance(value.get("host"), str):
+        port = value.get("port")
+        if isinstance(port, int):
+            return value["host"], port
+    return None

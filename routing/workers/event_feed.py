@@ -4,7 +4,8 @@ Keeps the sidecar's worker in the router's prefix index: subscribes from the las
 (epoch, seq), applies events, loads snapshots, reconnects after a drop or a resync request,
 and when the sidecar stays unreachable for ``dead_after_s`` removes the worker's blocks from
 the index until it comes back. Decoding errors are counted and end in a resync; they never
-stop the feed.
+stop the feed. What the stream says of the worker (connected or not, its role, its
+``WorkerStatus``) goes to a ``FeedListener``: the gateway's worker registry.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 import structlog
@@ -24,12 +26,12 @@ from kvcore.events import (
     BlockStored,
     WorkerSnapshot,
 )
-from kvcore.stream import LoadReport, ResyncRequired, StreamStart
+from kvcore.stream import ResyncRequired, StreamStart, WorkerStatus
 from kvcore.wire import WireError, decode
 from routing.placement.kv_router import KvRouter
 from routing.placement.prefix_index import ApplyOutcome
 
-__all__ = ["FeedStats", "SidecarFeed", "StreamProtocolError"]
+__all__ = ["FeedListener", "FeedStats", "SidecarFeed", "StreamProtocolError"]
 
 _FRAME_HEADER = struct.Struct(">I")
 _MAX_FRAME_BYTES = 256 << 20
@@ -40,6 +42,14 @@ log = structlog.get_logger(component="event_feed")
 
 class StreamProtocolError(Exception):
     """The sidecar sent something the protocol does not allow here."""
+
+
+class FeedListener(Protocol):
+    """Who hears what a stream says of its worker."""
+
+    def stream_up(self, worker_id: str, role: str) -> None: ...
+    def stream_down(self, worker_id: str, error: str | None) -> None: ...
+    def reported(self, status: WorkerStatus) -> None: ...
 
 
 class _Resync(Exception):
@@ -71,7 +81,7 @@ class SidecarFeed:
         dead_after_s: float = 5.0,
         idle_timeout_s: float = 10.0,
         retry_s: float = 0.2,
-        on_load: Callable[[LoadReport], None] | None = None,
+        listener: FeedListener | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url.rstrip("/")
@@ -80,14 +90,12 @@ class SidecarFeed:
         self.dead_after_s = dead_after_s
         self.idle_timeout_s = idle_timeout_s
         self.retry_s = retry_s
-        self.on_load = on_load
+        self.listener = listener
         self._session = session
         self._clock = clock
         self.worker_id: str | None = worker  # learned from the stream when not given
-        self.role = "agg"
         self.connected = False
-        self.error: str | None = None  # why the feed is not live, for /v1/workers
-        self.load: LoadReport | None = None
+        self.error: str | None = None  # why the feed is not live
         self.stats = FeedStats()
         self._down_since: float | None = None
         self._removed = False
@@ -110,6 +118,8 @@ class SidecarFeed:
             finally:
                 self.connected = False
                 self.live.clear()
+                if self.listener is not None and self.worker_id is not None:
+                    self.listener.stream_down(self.worker_id, self.error)
             self._note_down()
             await asyncio.sleep(retry)
             retry = min(retry * 2, 2.0)
@@ -155,6 +165,8 @@ class SidecarFeed:
                 self.stats.replays += 1
             self.connected, self.error, self._down_since, self._removed = True, None, None, False
             self.live.set()
+            if self.listener is not None:
+                self.listener.stream_up(start.worker_id, start.role)
             log.info("stream_connected", url=self.url, worker_id=start.worker_id, mode=start.mode)
             while True:
                 message = await self._read(resp)
@@ -163,10 +175,9 @@ class SidecarFeed:
                     self.stats.events += 1
                     if outcome is ApplyOutcome.GAP:
                         raise _Resync(f"gap before seq {message.seq}")
-                elif isinstance(message, LoadReport):
-                    self.load = message
-                    if self.on_load is not None:
-                        self.on_load(message)
+                elif isinstance(message, WorkerStatus):
+                    if self.listener is not None:
+                        self.listener.reported(message)
                 elif isinstance(message, ResyncRequired):
                     raise _Resync(message.reason)
                 else:
@@ -187,7 +198,6 @@ class SidecarFeed:
                 f"sidecar at {self.url} changed worker id {self.worker_id!r} → {start.worker_id!r}"
             )
         self.worker_id = start.worker_id
-        self.role = start.role
 
     async def _read(self, resp: aiohttp.ClientResponse) -> object:
         try:

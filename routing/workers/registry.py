@@ -1,130 +1,217 @@
-"""The workers the gateway places requests on, their health, and the probe loop.
+"""The one registry of workers: what each is, which pool it serves, and whether to route to it.
 
-A worker is healthy until a connection to it fails or a probe fails; the probe loop
-(``GET /health`` every ``interval_s``) brings it back when it answers again. Model names are
-learned from each worker's ``/v1/models`` when the operator did not name them.
+A worker is a plain OpenAI-compatible engine (``--worker URL``) or one data-parallel rank
+behind a kvsidecar sidecar (``--sidecar URL``, discovered). Two sources say whether it takes
+requests, and both must:
+
+* its **probe**: ``GET /health`` every ``--health-check-interval-s``; a request whose
+  connection fails marks the probe failed too, until the next probe answers;
+* for sidecar workers, its **stream**: the event stream must be connected, and the last
+  ``WorkerStatus`` on it (every half second) must say routable. A status that says routable
+  while the probe is failed asks for a probe at once, so a recovered worker is back within
+  one status interval instead of one probe interval.
+
+Load is not counted here: ``routing.placement.active_load`` is the one in-flight count.
+Data flows one way: probes, feeds and the pipeline report to the registry; placement reads
+``routable()``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import enum
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
-import orjson
 import structlog
 
+from kvcore.stream import WorkerStatus
 from routing.config import WorkerAddress
-from routing.serve.upstream import simple_request
 
-__all__ = ["Worker", "WorkerSet"]
+__all__ = ["Health", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
 
-log = structlog.get_logger("routing.workers.registry").bind(component="workers")
+log = structlog.get_logger("routing.workers").bind(component="workers")
+
+
+class WorkerKind(enum.Enum):
+    PLAIN = "plain"  # an OpenAI-compatible engine: gets the client's request as is
+    SIDECAR = "sidecar"  # a DP rank behind a kvsidecar sidecar: gets token ids
+
+
+class Role(enum.Enum):
+    """The pool a worker serves (a sidecar's ``--role``)."""
+
+    AGG = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Health(enum.Enum):
+    ROUTABLE = "routable"
+    PROBE_FAILED = "probe_failed"  # /health failed, or a request's connection did
+    STREAM_DOWN = "stream_down"  # the sidecar's event stream is not connected
+    UNROUTABLE = "unroutable"  # the sidecar says so (draining, engine unhealthy, silent)
 
 
 @dataclass(slots=True)
 class Worker:
-    """One plain OpenAI-compatible engine and what the gateway knows of it."""
+    """One worker and what the gateway knows of it."""
 
-    address: WorkerAddress
     worker_id: str
-    healthy: bool = True
-    in_flight: int = 0
-    requests: int = 0
-    failures: int = 0
+    address: WorkerAddress  # the engine (plain) or its sidecar
+    kind: WorkerKind = WorkerKind.PLAIN
+    dp_rank: int | None = None
+    role: Role = Role.AGG
     models: tuple[str, ...] = ()
+    probe_ok: bool = True
+    probe_error: str | None = None
     last_probe_s: float | None = None
-    last_error: str | None = None
-    host_header: bytes = field(default=b"")
-    kind: str = "plain"  # "plain": an OpenAI engine; "sidecar": a kvsidecar sidecar
-    dp_rank: int | None = None  # the engine's data-parallel rank this worker is (sidecars)
+    stream_connected: bool = False
+    stream_error: str | None = None
+    status: WorkerStatus | None = None
+    bootstrap: tuple[str, int] | None = None  # where a prefill engine serves its own transfer
+    dispatched: int = 0  # requests (legs) sent to it
+    host_header: bytes = b""
 
     def __post_init__(self) -> None:
         a = self.address
         self.host_header = f"{a.host}:{a.port}".encode()
 
+    @property
+    def health(self) -> Health:
+        if not self.probe_ok:
+            return Health.PROBE_FAILED
+        if self.kind is WorkerKind.SIDECAR:
+            if not self.stream_connected:
+                return Health.STREAM_DOWN
+            if self.status is not None and not self.status.routable:
+                return Health.UNROUTABLE
+        return Health.ROUTABLE
 
-class WorkerSet:
-    """All workers, in configuration order."""
+    @property
+    def reason(self) -> str:
+        """Why the worker is not routable ("" when it is)."""
+        match self.health:
+            case Health.PROBE_FAILED:
+                return self.probe_error or "health probe failed"
+            case Health.STREAM_DOWN:
+                return self.stream_error or "event stream not connected"
+            case Health.UNROUTABLE:
+                return self.status.reason if self.status is not None else ""
+        return ""
 
-    def __init__(self, addresses: Sequence[WorkerAddress], probe_timeout_s: float) -> None:
-        self.workers = {a.url: Worker(a, a.url) for a in addresses}
-        self.probe_timeout_s = probe_timeout_s
-        self._healthy_cache: list[Worker] | None = None
+    @property
+    def capacity_blocks(self) -> int | None:
+        return None if self.status is None else self.status.capacity_blocks
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.workers.values())
 
-    def get(self, worker_id: str) -> Worker:
-        return self.workers[worker_id]
+class WorkerRegistry:
+    """Every worker, in the order they joined, and the routable ones per role."""
+
+    def __init__(self, on_capacity: Callable[[str, int | None], None]) -> None:
+        """``on_capacity(worker_id, blocks)``: a worker's KV capacity became known (the
+        placement core scores the decode pool by it)."""
+        self._workers: dict[str, Worker] = {}
+        self._routable: dict[Role, list[Worker]] | None = None
+        self._on_capacity = on_capacity
+        self.probe_soon: Callable[[Worker], None] = lambda worker: None  # set by the prober
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, worker_id: str) -> Worker | None:
+        return self._workers.get(worker_id)
+
+    # --- membership ------------------------------------------------------------------------
 
     def add(self, worker: Worker) -> None:
-        """A worker joins (a sidecar was discovered)."""
-        self.workers[worker.worker_id] = worker
-        self._healthy_cache = None
-        log.info("worker_added", worker_id=worker.worker_id, kind=worker.kind,
+        if worker.worker_id in self._workers:
+            raise ValueError(f"worker id {worker.worker_id!r} is already registered")
+        self._workers[worker.worker_id] = worker
+        self._changed()
+        log.info("worker_added", worker_id=worker.worker_id, kind=worker.kind.value,
                  url=worker.address.url)
 
     def remove(self, worker_id: str) -> None:
-        """A worker leaves (its sidecar was removed from the configuration)."""
-        if self.workers.pop(worker_id, None) is not None:
-            self._healthy_cache = None
+        if self._workers.pop(worker_id, None) is not None:
+            self._changed()
             log.info("worker_removed", worker_id=worker_id)
 
-    def healthy(self) -> list[Worker]:
-        cached = self._healthy_cache
-        if cached is None:
-            cached = self._healthy_cache = [w for w in self.workers.values() if w.healthy]
-        return cached
+    # --- what the sources report -------------------------------------------------------------
 
-    def mark(self, worker: Worker, healthy: bool, error: str | None = None) -> None:
-        if worker.healthy != healthy:
-            worker.healthy = healthy
-            self._healthy_cache = None
-            if healthy:
+    def probed(self, worker: Worker, ok: bool, error: str | None = None) -> None:
+        """A probe answered (or a request's connection failed: ``ok`` False)."""
+        if worker.probe_ok != ok:
+            worker.probe_ok = ok
+            self._changed()
+            if ok:
                 log.info("worker_recovered", worker_id=worker.worker_id)
             else:
                 log.warning("worker_marked_unhealthy", worker_id=worker.worker_id, error=error)
         if error is not None:
-            worker.last_error = error
+            worker.probe_error = error
+
+    def stream_up(self, worker_id: str, role: str) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.stream_connected, worker.stream_error = True, None
+        worker.role = Role(role)
+        self._changed()
+
+    def stream_down(self, worker_id: str, error: str | None) -> None:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return
+        worker.stream_error = error
+        if worker.stream_connected:
+            worker.stream_connected = False
+            self._changed()
+
+    def reported(self, status: WorkerStatus) -> None:
+        """A sidecar's ``WorkerStatus`` arrived on the worker's stream."""
+        worker = self._workers.get(status.worker_id)
+        if worker is None:
+            return
+        before = worker.status
+        worker.status = status
+        if before is None or before.capacity_blocks != status.capacity_blocks:
+            self._on_capacity(worker.worker_id, status.capacity_blocks)
+        if (
+            before is None
+            or before.routable != status.routable
+            or before.role != status.role
+        ):
+            worker.role = Role(status.role)
+            self._changed()
+        if status.routable and not worker.probe_ok:
+            self.probe_soon(worker)
+
+    # --- views -------------------------------------------------------------------------------
+
+    def routable(self, role: Role = Role.AGG) -> list[Worker]:
+        """The workers of ``role`` that take requests now (cached until something changes)."""
+        pools = self._routable
+        if pools is None:
+            pools = {r: [] for r in Role}
+            for worker in self._workers.values():
+                if worker.health is Health.ROUTABLE:
+                    pools[worker.role].append(worker)
+            self._routable = pools
+        return pools[role]
+
+    def has_roles(self) -> bool:
+        """Whether any worker serves a prefill or decode pool."""
+        return any(w.role is not Role.AGG for w in self._workers.values())
 
     def models(self) -> list[str]:
         seen: dict[str, None] = {}
-        for worker in self.workers.values():
+        for worker in self._workers.values():
             for name in worker.models:
                 seen.setdefault(name, None)
         return list(seen)
 
-    async def probe(self, worker: Worker, discover_models: bool) -> None:
-        a = worker.address
-        try:
-            status, _ = await simple_request(
-                a.host, a.port, "GET", a.base_path + "/health", self.probe_timeout_s
-            )
-            if status != 200:
-                raise OSError(f"GET /health answered {status}")
-            if discover_models and not worker.models:
-                status, body = await simple_request(
-                    a.host, a.port, "GET", a.base_path + "/v1/models", self.probe_timeout_s
-                )
-                if status == 200:
-                    data = orjson.loads(body).get("data") or []
-                    worker.models = tuple(str(m["id"]) for m in data if "id" in m)
-        except (OSError, TimeoutError, ValueError, KeyError, AttributeError) as exc:
-            self.mark(worker, False, f"{type(exc).__name__}: {exc}")
-        else:
-            self.mark(worker, True)
-        finally:
-            worker.last_probe_s = time.time()
-
-    async def probe_all(self, discover_models: bool) -> None:
-        async with asyncio.TaskGroup() as tg:
-            for worker in self.workers.values():
-                tg.create_task(self.probe(worker, discover_models))
-
-    async def run_probes(self, interval_s: float, discover_models: bool) -> None:
-        """Probe every worker every ``interval_s`` until cancelled."""
-        while True:
-            await asyncio.sleep(interval_s)
-            await self.probe_all(discover_models)
+    def _changed(self) -> None:
+        self._routable = None

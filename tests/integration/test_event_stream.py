@@ -12,7 +12,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvcore.events import BlockRemoved, BlockStored, Tier
-from kvcore.stream import LoadReport
+from kvcore.stream import WorkerStatus
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from sidecar.event_stream import EventStream
@@ -72,6 +72,24 @@ class Sidecar:
 async def session() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession() as s:
         yield s
+
+
+class Heard:
+    """A ``FeedListener`` that keeps what the stream said of its worker."""
+
+    def __init__(self) -> None:
+        self.up: list[tuple[str, str]] = []
+        self.down: list[tuple[str, str | None]] = []
+        self.statuses: list[WorkerStatus] = []
+
+    def stream_up(self, worker_id: str, role: str) -> None:
+        self.up.append((worker_id, role))
+
+    def stream_down(self, worker_id: str, error: str | None) -> None:
+        self.down.append((worker_id, error))
+
+    def reported(self, status: WorkerStatus) -> None:
+        self.statuses.append(status)
 
 
 async def start_feed(
@@ -180,16 +198,21 @@ class TestStream:
             assert overlap(feed) == {}
             await stop(task)
 
-    async def test_load_reports_reach_the_gateway(self, session: aiohttp.ClientSession) -> None:
-        """Load reports are relayed unsequenced to every subscriber."""
+    async def test_worker_status_reaches_the_listener(self, session: aiohttp.ClientSession) -> None:
+        """Worker statuses are relayed unsequenced to every subscriber, and its listener hears
+        the stream come up, each status, and the stream go down."""
         async with Sidecar() as sc:
-            seen: list[LoadReport] = []
-            feed, task = await start_feed(sc.url, session, on_load=seen.append)
+            heard = Heard()
+            feed, task = await start_feed(sc.url, session, listener=heard)
             await eventually(lambda: feed.connected)
-            sc.stream.broadcast(LoadReport("w0", 1, 3, 40, 512, 1000))
-            await eventually(lambda: bool(seen))
-            assert feed.load is not None and feed.load.in_flight == 3
+            assert heard.up == [("w0", "agg")]
+            sc.stream.broadcast(WorkerStatus("w0", 1, False, "draining", "agg", 1000))
+            await eventually(lambda: bool(heard.statuses))
+            (status,) = heard.statuses
+            assert (status.routable, status.reason, status.capacity_blocks) == (
+                False, "draining", 1000)
             await stop(task)
+            assert heard.down and heard.down[-1][0] == "w0"
 
     async def test_bad_position_is_a_clear_error(self, session: aiohttp.ClientSession) -> None:
         """A malformed resume position gets HTTP 400 naming the problem."""

@@ -13,7 +13,14 @@ from collections.abc import AsyncIterator, Mapping
 from types import TracebackType
 from typing import Any, Self
 
-from adapters.base import AdapterError, EngineInfo, EngineKind, EngineRequest, EventEndpoint
+from adapters.base import (
+    AdapterError,
+    EngineInfo,
+    EngineKind,
+    EngineRequest,
+    EventEndpoint,
+    PrefillDecode,
+)
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.normalize_openai import OpenAIBuilder, Usage
@@ -46,6 +53,7 @@ class FakeAdapter:
     """One fake worker; the test is the engine."""
 
     kind = EngineKind.SGLANG  # it pretends to front an SGLang-like engine
+    pd: PrefillDecode | None = None
 
     def __init__(self, worker_id: str = "fake", model_id: str = "m", block_size: int = 4) -> None:
         self.metrics = AdapterMetrics("fake")
@@ -123,6 +131,9 @@ class FakeAdapter:
 
     def events(self) -> AsyncIterator[KVEvent]:
         return self._iter()
+
+    async def kv_capacity_blocks(self) -> int | None:
+        return None
 
     def block_layout(self) -> BlockLayout:
         return BlockLayout(2, 2, 8, self.block_size, "float32")

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from routing.config import RouterConfig
+from routing.config import RouterConfig, WorkerAddress
 from routing.pd.coordinator import DEFAULT_RESERVE_TOKENS, FailurePolicy, PdMode
-from routing.pd.pd_request import _error_code, _error_message
+from routing.pipeline.pair import _error_of
 from routing.serve.gateway import Gateway
+from routing.workers.registry import Role, Worker
 
 MODEL = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
 SIDECAR = "http://127.0.0.1:9"
@@ -66,10 +67,12 @@ class TestCoordinator:
         """Before any sidecar declares a role, aggregated placement sees every worker."""
         gw = Gateway(_config())
         assert gw.pd is not None
-        workers = list(gw.workers)
-        assert not gw.pd.has_roles()
-        assert gw.pd.agg_only(workers) == workers
-        assert gw.pd.pool("prefill") == [] and gw.pd.pool("decode") == []
+        plain = [Worker(f"w{i}", WorkerAddress.parse(f"http://127.0.0.1:{9 + i}")) for i in (0, 1)]
+        for worker in plain:
+            gw.workers.add(worker)
+        assert not gw.workers.has_roles()
+        assert gw.workers.routable(Role.AGG) == plain
+        assert gw.workers.routable(Role.PREFILL) == [] and gw.workers.routable(Role.DECODE) == []
 
     async def test_metrics_are_exported_with_the_gateways(self) -> None:
         """The disaggregation counters render on the gateway's /metrics, with their labels."""
@@ -94,10 +97,10 @@ class TestSidecarErrors:
         """The sidecar's OpenAI-shaped error yields its code and message."""
         raw = b'{"error":{"message":"KV transfer failed: x","type":"bad_gateway",' \
               b'"param":null,"code":"kv_transfer_failed"}}'
-        assert _error_code(raw) == "kv_transfer_failed"
-        assert _error_message(raw) == "KV transfer failed: x"
+        error = _error_of(raw)
+        assert error["code"] == "kv_transfer_failed"
+        assert error["message"] == "KV transfer failed: x"
 
-    def test_non_json_error_is_reported_verbatim(self) -> None:
-        """A non-JSON error body has no code; its head is the message."""
-        assert _error_code(b"<html>oops</html>") is None
-        assert _error_message(b"<html>oops</html>") == "<html>oops</html>"
+    def test_non_json_error_has_no_code(self) -> None:
+        """A non-JSON error body has no code (the exchange relays it as it came)."""
+        assert _error_of(b"<html>oops</html>") == {}

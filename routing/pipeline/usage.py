@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import orjson
 
-from routing.serve.metrics import GatewayMetrics
+from routing.metrics import GatewayMetrics
 
 __all__ = ["count_usage_in_body", "count_usage_in_sse"]
 

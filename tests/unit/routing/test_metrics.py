@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from routing.serve.metrics import GatewayMetrics, Histogram
+from routing.metrics import GatewayMetrics, Histogram
 
 
 def test_histogram_buckets_are_cumulative() -> None:

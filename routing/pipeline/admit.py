@@ -1,0 +1,73 @@
+"""The parse and prepare stages: a proxied HTTP request becomes an ``Exchange``, or an answer.
+
+Parse (``routing.prompt.openai_api``), check the model, prepare (template, tokens, hashes:
+``PromptPreparer``); a request that fails any of them is answered at once with an
+OpenAI-shaped error and still finishes through its record (metrics, log line).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvcore.errors import OpenAIError
+from routing.http.server import HttpRequest, ServerConnection
+from routing.pipeline.context import PipelineContext
+from routing.pipeline.exchange import Exchange
+from routing.pipeline.legs import LegTarget
+from routing.pipeline.pair import PairExchange
+from routing.pipeline.record import RequestRecord
+from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
+
+__all__ = ["admit"]
+
+# Client headers a worker sees too (credentials, tracing, the client's identity).
+_FORWARDED_HEADERS = (b"authorization", b"traceparent", b"tracestate", b"user-agent")
+
+
+def admit(
+    ctx: PipelineContext,
+    conn: ServerConnection,
+    request: HttpRequest,
+    endpoint: Endpoint,
+    key: str,
+    request_id: bytes,
+) -> None:
+    """Parse, check and prepare ``request``, then start its exchange."""
+    record = RequestRecord(key, request_id, endpoint.value, 0, time.monotonic())
+    try:
+        parsed = parse_request(endpoint, request.body)
+        _check_model(parsed, ctx.model_names())
+        prepared = ctx.prompts.prepare(parsed)
+    except OpenAIError as exc:
+        record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
+        conn.respond(exc.status, exc.body(), extra_headers=b"x-request-id: %s\r\n" % request_id)
+        return
+    if prepared.timed:
+        ctx.metrics.tokenized_tokens += prepared.tokenized
+        ctx.metrics.tokenizer_cache_hit_tokens += prepared.cache_hit_tokens
+    record.prompt_tokens = prepared.prompt_tokens
+    headers = request.headers
+    extra = b"".join(
+        [b"%s: %s\r\n" % (h, v) for h in _FORWARDED_HEADERS if (v := headers.get(h))]
+    )
+    target = LegTarget(
+        parsed,
+        request.path,
+        request.body if prepared.body is None else prepared.body,
+        prepared.token_ids,
+        request_id.decode(),
+        extra,
+    )
+    kind = Exchange if ctx.pd is None else PairExchange
+    kind(ctx, conn, record, parsed, prepared, target).start()
+
+
+def _check_model(parsed: OpenAIRequest, names: list[str]) -> None:
+    if names and parsed.model not in names:
+        raise OpenAIError(
+            404,
+            f"the model {parsed.model!r} does not exist; this gateway serves {list(names)}",
+            "NotFoundError",
+            param="model",
+            code="model_not_found",
+        )

@@ -1,0 +1,44 @@
+"""What the pipeline's stages work with: passed in explicitly, never the whole gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from routing.http.client import UpstreamPool
+from routing.metrics import GatewayMetrics
+from routing.pd.coordinator import PdCoordinator
+from routing.placement.kv_router import KvRouter
+from routing.placement.policies import Policy
+from routing.prompt.preparer import PromptPreparer
+from routing.workers.registry import WorkerRegistry
+
+__all__ = ["InFlightRequest", "PipelineContext"]
+
+
+class InFlightRequest(Protocol):
+    """What the gateway sees of a request in flight: its last activity, for the sweep."""
+
+    last_activity: float
+
+    def timed_out(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineContext:
+    """The gateway's parts a request needs, and its settings."""
+
+    router: KvRouter
+    policy: Policy
+    prompts: PromptPreparer
+    workers: WorkerRegistry
+    upstream: UpstreamPool
+    metrics: GatewayMetrics
+    pd: PdCoordinator | None
+    spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
+    in_flight: dict[str, InFlightRequest]  # by key: the sweep times them out, stop drains them
+    model_names: Callable[[], list[str]]  # the names clients may ask for (empty: any)
+    max_in_flight_per_worker: int | None
+    log_requests: bool  # one canonical log line per request (debug level)

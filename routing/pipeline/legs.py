@@ -1,0 +1,143 @@
+"""Legs: the upstream requests of one client request, and what each one sends.
+
+A request served by one worker has one leg; a prefill/decode pair has a leg per worker it
+talks to. ``LegTarget`` knows what a leg sends to a worker of each kind: the client's request
+as it came (a plain OpenAI engine) or the request tokenized for a sidecar
+(``TokenizedRequest``), with the pair's ``Handoff`` or ``Bootstrap`` when it has one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Protocol
+
+from kvcore.errors import OpenAIError
+from kvcore.requests import Bootstrap, Handoff
+from routing.http.client import UpstreamConnection
+from routing.pipeline.sidecar_body import tokenized_body
+from routing.placement.scorer import Placement
+from routing.prompt.openai_api import OpenAIRequest
+from routing.workers.registry import Worker, WorkerKind
+
+__all__ = ["Drain", "Leg", "LegOwner", "LegTarget"]
+
+_GENERATE = b"/v1/kvsidecar/generate"
+_PD_GENERATE = b"/v1/kvsidecar/pd/generate"
+
+
+class LegTarget:
+    """What the legs of one request send: built once at admission."""
+
+    __slots__ = ("body", "extra_headers", "path", "request", "request_id", "token_ids")
+
+    def __init__(
+        self,
+        request: OpenAIRequest,
+        path: bytes,
+        body: bytes,
+        token_ids: list[int] | None,
+        request_id: str,
+        extra_headers: bytes,
+    ) -> None:
+        self.request = request
+        self.path = path  # the client's path and body (token ids where the gateway rewrote it)
+        self.body = body
+        self.token_ids = token_ids
+        self.request_id = request_id
+        self.extra_headers = extra_headers  # the client's headers forwarded to workers
+
+    def for_worker(
+        self,
+        worker: Worker,
+        *,
+        handoff: Handoff | None = None,
+        bootstrap: Bootstrap | None = None,
+        stream: bool | None = None,
+    ) -> tuple[bytes, bytes]:
+        """(path, body) of a leg to ``worker``; ``OpenAIError`` when it cannot take it."""
+        if worker.kind is WorkerKind.PLAIN:
+            return self.path, self.body
+        if self.token_ids is None:
+            raise OpenAIError(400, "sidecar workers need a single prompt the gateway can "
+                              "tokenize (batched prompts are not supported)", param="prompt")
+        body = tokenized_body(self.request, self.token_ids, self.request_id, worker.dp_rank,
+                              handoff=handoff, bootstrap=bootstrap, stream=stream)
+        return (_GENERATE if handoff is None else _PD_GENERATE), body
+
+
+class Leg:
+    """One upstream request: its worker, placement, load key and connection."""
+
+    __slots__ = ("conn", "connecting", "counted", "key", "placement", "request", "reused",
+                 "worker")
+
+    def __init__(self, worker: Worker, placement: Placement, key: str) -> None:
+        self.worker = worker
+        self.placement = placement
+        self.key = key  # its load accounting key in the placement core
+        self.request: tuple[bytes, bytes] = (b"", b"")  # (path, body)
+        self.conn: UpstreamConnection | None = None
+        self.connecting: asyncio.Task[None] | None = None
+        self.reused = False  # sent on a pooled keep-alive connection
+        self.counted = False  # its load is counted (dispatched, not yet released)
+
+    def wire(self, request_id: bytes, extra_headers: bytes) -> bytes:
+        """The HTTP request as it goes on the connection."""
+        path, body = self.request
+        worker = self.worker
+        return (
+            b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nx-request-id: %s\r\n%s\r\n%s"
+            % (
+                worker.address.base_path.encode(),
+                path,
+                worker.host_header,
+                len(body),
+                request_id,
+                extra_headers,
+                body,
+            )
+        )
+
+    def abandon(self) -> None:
+        """Stop waiting for this leg: its connection closes (the worker aborts it)."""
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
+        if self.conn is not None:
+            self.conn.detach()
+            self.conn = None
+
+
+class LegOwner(Protocol):
+    """Who a drained leg reports to (the request's exchange)."""
+
+    def side_done(self, leg: Leg, status: int) -> None: ...
+    def leg_failed(self, leg: Leg, why: str, stale: bool) -> None: ...
+
+
+class Drain:
+    """Receives a leg whose reply nobody reads (the prefill leg of a bootstrap pair)."""
+
+    __slots__ = ("_status", "exchange", "leg")
+
+    def __init__(self, exchange: LegOwner, leg: Leg) -> None:
+        self.exchange = exchange
+        self.leg = leg
+        self._status = 0
+
+    def upstream_head(self, status: int, content_type: bytes, content_length: int | None) -> None:
+        self._status = status
+
+    def upstream_body(self, pieces: list[bytes]) -> None:
+        pass
+
+    def upstream_complete(self) -> None:
+        self.exchange.side_done(self.leg, self._status)
+
+    def upstream_lost(self, exc: Exception | None, got_head: bool) -> None:
+        if got_head:
+            self.exchange.side_done(self.leg, 502)
+        else:
+            self.exchange.leg_failed(self.leg, f"connection lost before the reply: {exc!r}",
+                                     self.leg.reused)

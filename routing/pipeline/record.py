@@ -1,0 +1,111 @@
+"""One record per request: what each stage learned, and what the finish makes of it.
+
+The stages fill the record as the request goes (its prompt at prepare, its placement at
+place, its first and last byte and the stream's events at relay); the response headers are
+read off it, and ``finish`` turns it into the metrics and the one canonical log line, for an
+aggregated request and a prefill/decode pair alike.
+"""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+
+from routing.metrics import GatewayMetrics
+from routing.placement.scorer import Placement
+
+__all__ = ["RequestRecord"]
+
+_HEADERS = b"x-request-id: %s\r\nx-kvsidecar-worker: %s\r\nx-kvsidecar-cached-blocks: %d\r\n"
+
+log = structlog.get_logger("routing.pipeline").bind(component="gateway")
+
+
+class RequestRecord:
+    """The facts of one request."""
+
+    __slots__ = (
+        "endpoint",
+        "events",
+        "key",
+        "placement",
+        "prompt_tokens",
+        "request_id",
+        "retries",
+        "status",
+        "t_first",
+        "t_last",
+        "t_start",
+        "worker_ids",
+    )
+
+    def __init__(
+        self, key: str, request_id: bytes, endpoint: str, prompt_tokens: int, t_start: float
+    ) -> None:
+        self.key = key  # unique in this gateway: the request's load accounting key
+        self.request_id = request_id
+        self.endpoint = endpoint
+        self.prompt_tokens = prompt_tokens
+        self.t_start = t_start
+        # Where the prompt is served: the worker (aggregated) or the prefill worker (a pair).
+        self.placement: Placement | None = None
+        self.worker_ids: tuple[str, ...] = ()  # every worker that serves it, prefill first
+        self.retries = 0
+        self.status = 0
+        self.events = 0  # SSE events relayed
+        self.t_first = 0.0
+        self.t_last = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        """The worker credited with the request (the prompt's), or ""."""
+        return "" if self.placement is None else self.placement.worker_id
+
+    def headers(self) -> bytes:
+        """The response headers the gateway adds: request id, workers, cached blocks."""
+        placement = self.placement
+        cached = 0 if placement is None else placement.overlap.longest
+        return _HEADERS % (self.request_id, ",".join(self.worker_ids).encode(), cached)
+
+    def first_byte(self, now: float, metrics: GatewayMetrics) -> None:
+        self.t_first = now
+        metrics.ttft.observe(now - self.t_start)
+
+    def finish(
+        self, status: int, metrics: GatewayMetrics, block_size: int, log_line: bool
+    ) -> None:
+        """The request ended with ``status``: count it, and log it when ``log_line``."""
+        self.status = status
+        now = time.monotonic()
+        metrics.count_response(self.endpoint, status)
+        metrics.latency.observe(now - self.t_start)
+        placement = self.placement
+        if placement is not None and status < 500:
+            wid = placement.worker_id
+            metrics.worker_requests[wid] = metrics.worker_requests.get(wid, 0) + 1
+            tokens = metrics.worker_prompt_tokens
+            tokens[wid] = tokens.get(wid, 0) + self.prompt_tokens
+            if placement.overlap.longest:
+                predicted = min(self.prompt_tokens, placement.overlap.longest * block_size)
+                metrics.predicted_cached_tokens += predicted
+                table = metrics.worker_predicted_cached_tokens
+                table[wid] = table.get(wid, 0) + predicted
+        if self.events:
+            metrics.completion_tokens += self.events
+            if self.events > 1:
+                metrics.itl.observe((self.t_last - self.t_first) / (self.events - 1))
+        if log_line:
+            log.debug(
+                "request_completed",
+                request_id=self.request_id.decode(errors="replace"),
+                endpoint=self.endpoint,
+                status=status,
+                worker_id=",".join(self.worker_ids) or None,
+                cached_blocks=None if placement is None else placement.overlap.longest,
+                prompt_tokens=self.prompt_tokens,
+                events=self.events,
+                retries=self.retries,
+                latency_ms=round((now - self.t_start) * 1e3, 3),
+                ttft_ms=round((self.t_first - self.t_start) * 1e3, 3) if self.t_first else None,
+            )
