@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import pytest
@@ -17,17 +15,9 @@ from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from sidecar.event_stream import EventStream
 from sidecar.relay import EventRelay
+from tests.support.polling import eventually
 
 CHAIN = [1000 + i for i in range(64)]
-
-
-async def eventually(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds, failing after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.005)
 
 
 class Sidecar:
@@ -66,12 +56,6 @@ class Sidecar:
 
     def evict(self, blocks: list[int]) -> None:
         self.stream.publish(BlockRemoved("engine", 0, 0, Tier.GPU, blocks))
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 class Heard:
@@ -118,10 +102,11 @@ class TestStream:
             sc.store(0, 10)
             sc.store(0, 4, Tier.HOST)
             feed, task = await start_feed(sc.url, session)
-            await eventually(lambda: overlap(feed) == {Tier.GPU: {"w0": 10}, Tier.HOST: {"w0": 4}})
+            await eventually(lambda: overlap(feed) == {Tier.GPU: {"w0": 10}, Tier.HOST: {"w0": 4}},
+                             "the snapshot at the feed")
             assert feed.stats.snapshots == 1
             sc.store(10, 20)
-            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 20})
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 20}, "the live blocks")
             await stop(task)
 
     async def test_reconnect_converges_like_uninterrupted(
@@ -131,17 +116,20 @@ class TestStream:
         async with Sidecar() as sc:
             steady, steady_task = await start_feed(sc.url, session)
             flaky, flaky_task = await start_feed(sc.url, session)
-            await eventually(lambda: steady.connected and flaky.connected)
+            await eventually(lambda: steady.connected and flaky.connected, "both feeds to connect")
             sc.store(0, 8)
-            await eventually(lambda: flaky.router.index.position("w0") == (sc.relay.epoch, 1))
+            await eventually(lambda: flaky.router.index.position("w0") == (sc.relay.epoch, 1),
+                             "the flaky feed at seq 1")
             await stop(flaky_task)
             sc.store(8, 30)
             sc.evict(CHAIN[20:30])
             flaky_task = asyncio.create_task(flaky.run())
-            await eventually(lambda: flaky.stats.connects == 2 and flaky.connected)
+            await eventually(lambda: flaky.stats.connects == 2 and flaky.connected,
+                             "the flaky feed to reconnect")
             sc.store(20, 25)
             target = {Tier.GPU: {"w0": 25}}
-            await eventually(lambda: overlap(steady) == target and overlap(flaky) == target)
+            await eventually(lambda: overlap(steady) == target and overlap(flaky) == target,
+                             "both feeds to converge")
             assert flaky.stats.replays == 1  # resumed from the buffer, no snapshot needed
             assert steady.router.index.position("w0") == flaky.router.index.position("w0")
             await stop(steady_task)
@@ -153,11 +141,11 @@ class TestStream:
         """Overrunning a subscriber's queue drops only it; it resyncs and converges."""
         async with Sidecar(queue_frames=4, buffer=8) as sc:
             feed, task = await start_feed(sc.url, session)
-            await eventually(lambda: feed.connected)
+            await eventually(lambda: feed.connected, "the feed to connect")
             for i in range(40):  # no await between publishes: the queue of 4 overflows
                 sc.store(i, i + 1)
             assert sc.stream.subscribers_dropped == 1
-            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 40})
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 40}, "the resynced feed")
             assert feed.stats.resyncs >= 1 and feed.stats.snapshots >= 2
             await stop(task)
 
@@ -166,11 +154,13 @@ class TestStream:
         async with Sidecar() as first:
             first.store(0, 12)
             feed, task = await start_feed(first.url, session)
-            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 12})
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 12},
+                             "the first sidecar's blocks")
         async with Sidecar() as second:
             feed.url = second.url
             second.store(0, 3)
-            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 3})
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 3},
+                             "only the restarted sidecar's blocks")
             await stop(task)
 
     async def test_dead_sidecar_leaves_the_index_until_it_returns(
@@ -180,13 +170,13 @@ class TestStream:
         async with Sidecar() as sc:
             sc.store(0, 6)
             feed, task = await start_feed(sc.url, session, dead_after_s=0.2, retry_s=0.05)
-            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 6})
-        await eventually(lambda: feed.stats.removals == 1)
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 6}, "the blocks")
+        await eventually(lambda: feed.stats.removals == 1, "the dead worker's removal")
         assert overlap(feed) == {}
         async with Sidecar() as back:
             feed.url = back.url
             back.store(0, 2)
-            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 2})
+            await eventually(lambda: overlap(feed).get(Tier.GPU) == {"w0": 2}, "the worker back")
         await stop(task)
 
     async def test_block_size_mismatch_is_refused(self, session: aiohttp.ClientSession) -> None:
@@ -194,20 +184,20 @@ class TestStream:
         async with Sidecar(block_size=32) as sc:
             sc.store(0, 4)
             feed, task = await start_feed(sc.url, session, retry_s=0.05)
-            await eventually(lambda: feed.error is not None and "block size 32" in feed.error)
+            await eventually(lambda: feed.error is not None and "block size 32" in feed.error,
+                             "the block size error")
             assert overlap(feed) == {}
             await stop(task)
 
     async def test_worker_status_reaches_the_listener(self, session: aiohttp.ClientSession) -> None:
-        """Worker statuses are relayed unsequenced to every subscriber, and its listener hears
-        the stream come up, each status, and the stream go down."""
+        """Statuses reach every subscriber unsequenced; the listener hears up, each status, down."""
         async with Sidecar() as sc:
             heard = Heard()
             feed, task = await start_feed(sc.url, session, listener=heard)
-            await eventually(lambda: feed.connected)
+            await eventually(lambda: feed.connected, "the feed to connect")
             assert heard.up == [("w0", "agg")]
             sc.stream.broadcast(WorkerStatus("w0", 1, False, "draining", "agg", 1000))
-            await eventually(lambda: bool(heard.statuses))
+            await eventually(lambda: bool(heard.statuses), "the status at the listener")
             (status,) = heard.statuses
             assert (status.routable, status.reason, status.capacity_blocks) == (
                 False, "draining", 1000)
