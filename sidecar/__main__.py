@@ -14,8 +14,9 @@ import orjson
 import uvloop
 
 from kvcore.logs import configure_logging
-from sidecar.app import EngineUnavailableError, Sidecar
+from sidecar.app import Sidecar
 from sidecar.config import SidecarConfig
+from sidecar.engine_watch import EngineUnavailableError
 
 __all__ = ["main"]
 

@@ -36,35 +36,26 @@ from adapters.base import (
 )
 from adapters.normalize_metrics import AdapterMetrics
 from kvcore.events import KVEvent
-from kvcore.layout import BlockLayout
 from kvcore.stream import WorkerStatus
-from shm.config import OwnerConfig
-from shm.server import BlockStoreOwner
 from sidecar.config import SidecarConfig
 from sidecar.disagg import PdRoutes
+from sidecar.engine_watch import EngineWatch
 from sidecar.event_stream import EventStream
 from sidecar.health import SilenceDetector
+from sidecar.host_tier import HostTier
 from sidecar.load import LoadTracker
 from sidecar.metrics import SidecarMetrics
 from sidecar.pd_handoff import (
-    KvHandoff,
-    SharedPageStoreHandoff,
-    SimulatedTransportHandoff,
-    TransferServiceHandoff,
+    make_handoff,
 )
 from sidecar.proxy import RequestProxy
 from sidecar.relay import EventRelay
-from sidecar.transfer import BlockTransferService, PullRecord, TransferConfig
+from sidecar.transfer import PullRecord
 
-__all__ = ["EngineUnavailableError", "Sidecar"]
+__all__ = ["Sidecar"]
 
 log = structlog.get_logger(component="sidecar")
 _ENGINE_WAIT_S = 600.0
-_ENGINE_PROBE_S = 2.0
-
-
-class EngineUnavailableError(RuntimeError):
-    """The engine never became healthy within the wait."""
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -79,16 +70,19 @@ class Sidecar:
         self.engine_wait_s = engine_wait_s
         self.streams: dict[str, EventStream] = {}
         self.load: LoadTracker | None = None
-        self.store: BlockStoreOwner | None = None
-        self.transfer: BlockTransferService | None = None
-        self.metrics = SidecarMetrics(lambda: self.streams, lambda: self.load, lambda: self.store)
+        self.host_tier: HostTier | None = None
+        self.metrics = SidecarMetrics(
+            lambda: self.streams,
+            lambda: self.load,
+            lambda: None if self.host_tier is None else self.host_tier.store,
+        )
         self.url = ""
         self.model_id = cfg.model_id or ""
         self.block_size = 0
-        self.engine_healthy = False
         self.draining = False
         self._adapter: EngineAdapter | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._engine: EngineWatch | None = None
         self._runner: web.AppRunner | None = None
         self._proxy: RequestProxy | None = None
         self._silence = SilenceDetector(cfg.silent_after_s)
@@ -100,10 +94,11 @@ class Sidecar:
     async def __aenter__(self) -> Self:
         cfg = self.cfg
         self._session = aiohttp.ClientSession()
+        self._engine = EngineWatch(self._session, cfg.engine_url)
         try:
-            await self._wait_for_engine()
+            await self._engine.wait(self.engine_wait_s)
             if not self.model_id:
-                self.model_id = await self._served_model()
+                self.model_id = await self._engine.served_model()
             adapter = create_adapter(
                 AdapterConfig(
                     engine=EngineKind(cfg.engine),
@@ -131,7 +126,10 @@ class Sidecar:
                     relay, queue_frames=cfg.subscriber_queue_frames
                 )
             if cfg.store_capacity_bytes:
-                await self._start_store(adapter)
+                self.host_tier = await HostTier.start(
+                    cfg, adapter, self._session, on_event=self._on_store_event,
+                    on_pull=self._on_pull,
+                )
             self.load = LoadTracker(info.block_size)
             self._proxy = RequestProxy(
                 adapter,
@@ -147,7 +145,7 @@ class Sidecar:
             self._tasks = [
                 asyncio.create_task(self._pump_events(), name="pump_events"),
                 asyncio.create_task(self._report_status(), name="report_status"),
-                asyncio.create_task(self._probe_engine(), name="probe_engine"),
+                asyncio.create_task(self._engine.run(), name="probe_engine"),
             ]
             await self._serve()
         except BaseException:
@@ -226,12 +224,9 @@ class Sidecar:
             await adapter.aclose()
 
     async def _close_store(self) -> None:
-        transfer, self.transfer = self.transfer, None
-        if transfer is not None:  # its leases and NIXL registration go before the segment
-            await transfer.aclose()
-        store, self.store = self.store, None
-        if store is not None:
-            await store.aclose()
+        host_tier, self.host_tier = self.host_tier, None
+        if host_tier is not None:
+            await host_tier.aclose()
 
     async def _close_session(self) -> None:
         session, self._session = self._session, None
@@ -239,47 +234,6 @@ class Sidecar:
             await session.close()
 
     # --- startup helpers ------------------------------------------------------------------
-
-    async def _start_store(self, adapter: EngineAdapter) -> None:
-        """Own the host-tier block store; its puts and evictions join the event stream."""
-        cfg = self.cfg
-        owner_id = _owner_id(cfg.worker_id)
-        layout: BlockLayout | None = None
-        if cfg.store_block_bytes is None:
-            layout = adapter.block_layout()
-        block_bytes = cfg.store_block_bytes or layout.bytes_per_block  # type: ignore[union-attr]
-        socket_path = Path(cfg.store_socket or f"/tmp/kvsidecar-{owner_id}.sock")
-        owner_cfg = OwnerConfig(
-            owner_id=owner_id,
-            socket_path=socket_path,
-            capacity_bytes=cfg.store_capacity_bytes,
-            block_bytes=block_bytes,
-            dtype=layout.dtype if layout is not None else "uint8",
-            layout=layout.kind.value if layout is not None else "raw",
-            worker_id=cfg.worker_id,
-        )
-        store = BlockStoreOwner(owner_cfg, listener=self._on_store_event)
-        await store.start()
-        self.store = store
-        assert self._session is not None
-        transfer = BlockTransferService(
-            store,
-            self._session,
-            TransferConfig(
-                tcp_host=cfg.host,
-                tcp_port=cfg.transfer_tcp_port,
-                advertise_host=cfg.advertise_host,
-            ),
-            on_pull=self._on_pull,
-        )
-        await transfer.start()
-        self.transfer = transfer
-        log.info(
-            "block_store_started",
-            socket=str(socket_path),
-            block_bytes=block_bytes,
-            capacity_bytes=cfg.store_capacity_bytes,
-        )
 
     def _on_pull(self, record: PullRecord) -> None:
         outcome = record.error_code or "ok"
@@ -297,51 +251,6 @@ class Sidecar:
             return ()
         return (EventEndpoint(0, self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint),)
 
-    async def _wait_for_engine(self) -> None:
-        assert self._session is not None
-        deadline = time.monotonic() + self.engine_wait_s
-        url = f"{self.cfg.engine_url}/health"
-        announced = False
-        while True:
-            if await self._engine_ok(url):
-                self.engine_healthy = True
-                return
-            if time.monotonic() > deadline:
-                raise EngineUnavailableError(
-                    f"engine at {self.cfg.engine_url} not healthy after {self.engine_wait_s:.0f}s"
-                )
-            if not announced:
-                log.info("engine_waiting", engine_url=self.cfg.engine_url)
-                announced = True
-            await asyncio.sleep(0.1)
-
-    async def _engine_ok(self, url: str) -> bool:
-        assert self._session is not None
-        try:
-            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
-
-    async def _served_model(self) -> str:
-        assert self._session is not None
-        url = f"{self.cfg.engine_url}/v1/models"
-        try:
-            async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-                data = await resp.json(content_type=None)
-            return str(data["data"][0]["id"])
-        except (
-            aiohttp.ClientError,
-            TimeoutError,
-            KeyError,
-            IndexError,
-            TypeError,
-            ValueError,
-        ) as exc:
-            raise EngineUnavailableError(
-                f"cannot learn the served model from {url} ({exc!r}); pass --model-id"
-            ) from exc
-
     async def _serve(self) -> None:
         app = web.Application()
         app.router.add_get("/health", self._health)
@@ -351,8 +260,8 @@ class Sidecar:
         app.router.add_get("/v1/kv-events", self._kv_events)
         assert self._proxy is not None
         app.router.add_post("/v1/kvsidecar/generate", self._proxy.handle)
-        if self.transfer is not None:  # /v1/blocks/...: exports to and pulls from peer sidecars
-            app.add_routes(self.transfer.routes())
+        if self.host_tier is not None:  # /v1/blocks/...: exports to and pulls from peers
+            app.add_routes(self.host_tier.transfer.routes())
         app.add_routes(self._pd_routes().routes())  # /v1/kvsidecar/pd/... (sidecar/disagg.py)
         runner = web.AppRunner(
             app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
@@ -371,17 +280,8 @@ class Sidecar:
         """Prefill/decode disaggregation: the prefill and decode legs and the KV handoff."""
         adapter = self._adapter
         assert adapter is not None and self._session is not None and self.load is not None
-        handoff: KvHandoff = SharedPageStoreHandoff()
-        if self.cfg.kv_handoff == "transfer" and adapter.pd is not None:
-            assert self.transfer is not None  # the config requires a block store
-            pd, model_id = adapter.pd, self.model_id
-            handoff = TransferServiceHandoff(
-                self.transfer, lambda keys: pd.store_keys(model_id, keys)
-            )
-        if self.cfg.sim_handoff_ms_per_1k_tokens:
-            handoff = SimulatedTransportHandoff(
-                handoff, self.cfg.sim_handoff_ms_per_1k_tokens, self.block_size
-            )
+        transfer = None if self.host_tier is None else self.host_tier.transfer
+        handoff = make_handoff(self.cfg, adapter.pd, transfer, self.model_id, self.block_size)
         return PdRoutes(
             adapter,
             self._session,
@@ -428,14 +328,9 @@ class Sidecar:
             for worker_id, stream in self.streams.items():
                 stream.broadcast(self._status(worker_id))
 
-    async def _probe_engine(self) -> None:
-        url = f"{self.cfg.engine_url}/health"
-        while True:
-            await asyncio.sleep(_ENGINE_PROBE_S)
-            healthy = await self._engine_ok(url)
-            if healthy != self.engine_healthy:
-                log.warning("engine_health_changed", healthy=healthy)
-            self.engine_healthy = healthy
+    @property
+    def engine_healthy(self) -> bool:
+        return self._engine is not None and self._engine.healthy
 
     # --- views ----------------------------------------------------------------------------
 
@@ -511,12 +406,6 @@ class Sidecar:
                 {"error": f"unknown worker {worker_id!r}; known: {list(self.streams)}"}, 404
             )
         return await stream.handle(request)
-
-
-def _owner_id(worker_id: str) -> str:
-    """A shared-memory owner id (letters, digits, '_', '.', '-') from a worker id."""
-    cleaned = "".join(c if c.isalnum() or c in "_.-" else "-" for c in worker_id)
-    return cleaned[:64] or "sidecar"
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

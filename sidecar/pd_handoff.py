@@ -27,6 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from adapters.base import PrefillDecode
+from sidecar.config import SidecarConfig
+
 if TYPE_CHECKING:
     from sidecar.transfer import BlockTransferService
 
@@ -38,6 +41,7 @@ __all__ = [
     "SharedPageStoreHandoff",
     "SimulatedTransportHandoff",
     "TransferServiceHandoff",
+    "make_handoff",
 ]
 
 
@@ -148,3 +152,20 @@ class TransferServiceHandoff:
             ) from exc
         blocks = len(result.imported) + len(result.already_held)
         return HandoffResult(blocks, result.num_bytes, time.perf_counter() - started, transport)
+
+
+def make_handoff(
+    cfg: SidecarConfig,
+    pd: PrefillDecode | None,
+    transfer: BlockTransferService | None,
+    model_id: str,
+    block_size: int,
+) -> KvHandoff:
+    """The handoff ``--kv-handoff`` names (and ``--sim-handoff-ms-per-1k-tokens`` slows)."""
+    handoff: KvHandoff = SharedPageStoreHandoff()
+    if cfg.kv_handoff == HandoffKind.TRANSFER and pd is not None:
+        assert transfer is not None  # the config requires a block store
+        handoff = TransferServiceHandoff(transfer, lambda keys: pd.store_keys(model_id, keys))
+    if cfg.sim_handoff_ms_per_1k_tokens:
+        handoff = SimulatedTransportHandoff(handoff, cfg.sim_handoff_ms_per_1k_tokens, block_size)
+    return handoff
