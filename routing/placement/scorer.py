@@ -1,7 +1,7 @@
 """Placement cost and selection: which worker a request should go to.
 
 The cost of placing a request on a worker, lowest wins (Dynamo's default "linear" selector,
-../shared/reference/dynamo.md §1)::
+``lib/kv-router/src/scheduling/selector/default.rs`` in Dynamo's repository)::
 
     prefill_blocks_after_credit = (active_prefill_tokens + prompt_tokens) / block_size
                                   − overlap_weight·gpu − host_weight·host
