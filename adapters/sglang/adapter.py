@@ -8,10 +8,8 @@ worker (``worker_id_for``) consumed by a ``RankSubscriber``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
-from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from collections.abc import Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -30,12 +28,11 @@ from adapters.base import (
 )
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
-from adapters.normalize_stream import EventStream
 from adapters.sglang.core import RankNormalizer
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.sglang.subscriber import RankSubscriber
-from kvcore.events import KVEvent
+from adapters.shell import AdapterShell
 from kvcore.hashing import BlockHasher
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
@@ -84,7 +81,7 @@ def endpoints_from_server_info(
     return block_size, endpoints
 
 
-class SGLangAdapter:
+class SGLangAdapter(AdapterShell):
     """KV events and request translation for one SGLang server."""
 
     kind = EngineKind.SGLANG
@@ -102,8 +99,7 @@ class SGLangAdapter:
         self.config = config
         self.metrics = metrics if metrics is not None else AdapterMetrics("sglang")
         self._idle_probe_s = idle_probe_s
-        self._info: EngineInfo | None = None
-        self._stream = EventStream(config.queue_size)
+        super().__init__(config.queue_size)
         self._ctx: zmq.asyncio.Context | None = None
         self._normalizers: dict[str, WorkerNormalizer] = {}
         self.subscribers: list[RankSubscriber] = []
@@ -167,44 +163,14 @@ class SGLangAdapter:
         return self._info
 
     async def aclose(self) -> None:
-        await self._stream.aclose()
+        await super().aclose()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.destroy(linger=0)
 
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    # --- the Protocol ---------------------------------------------------------------------
-
-    @property
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise AdapterError("the adapter has not started")
-        return self._info
-
-    def events(self) -> AsyncIterator[KVEvent]:
-        return aiter(self._stream)
-
     def block_layout(self) -> BlockLayout:
-        info = self.info
-        path = info.model_path
-        if path is None or not Path(path).exists():
-            raise AdapterError(
-                f"the KV layout needs the model's config.json; model path {path!r} is not "
-                "readable here: pass --model-path"
-            )
-        server = info.server_info
-        layout = BlockLayout.from_model_path(path, info.block_size)
+        layout = self.model_layout()
+        server = self.info.server_info
         kind = LayoutKind.LAYER_FIRST
         if str(server.get("hicache_mem_layout", "")).startswith("page_first"):
             kind = LayoutKind.PAGE_FIRST

@@ -10,10 +10,7 @@ endpoints, or 1; an envelope from a rank beyond it is a malformed event.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import msgspec
 import structlog
@@ -31,7 +28,7 @@ from adapters.base import (
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_hashing import SHORT_CHAIN_BLOCKS
 from adapters.normalize_metrics import AdapterMetrics
-from adapters.normalize_stream import EventStream
+from adapters.shell import AdapterShell
 from adapters.trtllm.core import Prepared, TrtRankCore
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
 from adapters.trtllm.sources import HttpEventSource, LlmApiEventSource
@@ -152,7 +149,7 @@ class TrtllmNormalizer:
         return prepared
 
 
-class TrtllmAdapter:
+class TrtllmAdapter(AdapterShell):
     """KV events and request translation for one TensorRT-LLM server."""
 
     kind = EngineKind.TRTLLM
@@ -170,8 +167,7 @@ class TrtllmAdapter:
         self.config = config
         self.metrics = metrics if metrics is not None else AdapterMetrics("trtllm")
         self._llm = llm
-        self._info: EngineInfo | None = None
-        self._stream = EventStream(config.queue_size)
+        super().__init__(config.queue_size)
         self.normalizer: TrtllmNormalizer | None = None
         self.source: HttpEventSource | LlmApiEventSource | None = None
 
@@ -229,41 +225,11 @@ class TrtllmAdapter:
         )
         return self._info
 
-    async def aclose(self) -> None:
-        await self._stream.aclose()
-
-    async def __aenter__(self) -> Self:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    @property
-    def info(self) -> EngineInfo:
-        if self._info is None:
-            raise AdapterError("the adapter has not started")
-        return self._info
-
-    def events(self) -> AsyncIterator[KVEvent]:
-        return aiter(self._stream)
-
     async def kv_capacity_blocks(self) -> int | None:
         return None  # trtllm-serve does not publish its KV capacity
 
     def block_layout(self) -> BlockLayout:
-        info = self.info
-        if info.model_path is None or not Path(info.model_path).exists():
-            raise AdapterError(
-                f"the KV layout needs the model's config.json; model path {info.model_path!r} "
-                "is not readable here: pass --model-path"
-            )
-        return BlockLayout.from_model_path(info.model_path, info.block_size)
+        return self.model_layout()
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
         return to_completions_request(request)
