@@ -1,24 +1,14 @@
-"""Fixtures for block store tests: short socket paths and unique owner ids."""
+"""Fixtures for block store tests: unique owner ids, both event loops (``sock_dir``, the
+short socket directory, is the suite-wide one of tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import uuid
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import uvloop
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    """A short directory for Unix sockets (their paths must stay under 108 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="kvs-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture

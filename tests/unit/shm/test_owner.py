@@ -636,6 +636,8 @@ def _writer_threads_scenario(path: Path) -> None:
 
 async def test_threads_sharing_a_client_put_through_grants(sock_dir: Path,
                                                             owner_id: str) -> None:
-    async with BlockStoreOwner(config(sock_dir, owner_id, slots=64)) as owner:
+    # Room for every block: with 64 slots the other threads' puts could evict a block
+    # between its put and the check that it is visible (seen on a loaded host).
+    async with BlockStoreOwner(config(sock_dir, owner_id, slots=1024)) as owner:
         await asyncio.to_thread(_writer_threads_scenario, owner.config.socket_path)
         check_store(owner.store)  # type: ignore[arg-type]
