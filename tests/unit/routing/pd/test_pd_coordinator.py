@@ -7,11 +7,22 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.stream import WorkerStatus
 from routing.config import RouterConfig, WorkerAddress
-from routing.pd.coordinator import DEFAULT_RESERVE_TOKENS, FailurePolicy, PdMode
+from routing.pd.coordinator import (
+    DEFAULT_RESERVE_TOKENS,
+    DecodePoolFull,
+    FailurePolicy,
+    PdCoordinator,
+    PdMode,
+    PdPair,
+)
 from routing.pipeline.pair import _error_of
+from routing.placement.kv_router import KvRouter
+from routing.prompt.preparer import PreparedPrompt
 from routing.serve.gateway import Gateway
-from routing.workers.registry import Role, Worker
+from routing.workers.registry import Role, Worker, WorkerKind, WorkerRegistry
+from tests.support.polling import wait_for
 
 MODEL = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
 SIDECAR = "http://127.0.0.1:9"
@@ -104,3 +115,70 @@ class TestSidecarErrors:
     def test_non_json_error_has_no_code(self) -> None:
         """A non-JSON error body has no code (the exchange relays it as it came)."""
         assert _error_of(b"<html>oops</html>") == {}
+
+
+def _pd(queue_timeout_s: float = 5.0) -> tuple[PdCoordinator, WorkerRegistry]:
+    router = KvRouter(block_size=16)
+    registry = WorkerRegistry(on_capacity=router.load.set_capacity)
+    for worker_id, role, port in (("p", "prefill", 9001), ("d", "decode", 9002)):
+        address = WorkerAddress.parse(f"http://127.0.0.1:{port}")
+        registry.add(Worker(worker_id, address, WorkerKind.SIDECAR, dp_rank=0,
+                            bootstrap=("10.0.0.1", 8998) if role == "prefill" else None))
+        registry.stream_up(worker_id, role)
+    registry.reported(WorkerStatus("d", 1, True, "", "decode", 20))  # 20 blocks of KV
+    pd = PdCoordinator(router, registry, mode=PdMode.AUTO, policy=FailurePolicy.FALLBACK,
+                       queue_timeout_s=queue_timeout_s, transfer_timeout_s=3.0,
+                       kv_transport="auto")
+    return pd, registry
+
+
+def _prompt(tokens: int) -> PreparedPrompt:
+    return PreparedPrompt([], tokens, None, True, token_ids=list(range(tokens)))
+
+
+class TestPairPlacement:
+    async def test_a_pair_reserves_decode_room_until_released(self) -> None:
+        """A pair holds prompt + max_tokens of the decode worker's capacity; a request that
+        no longer fits waits, and gets room when the first is released."""
+        pd, _ = _pd()
+        assert pd.takes(_prompt(160))
+        first = pd.place(_prompt(160), 64)  # 14 of 20 blocks
+        assert isinstance(first, PdPair) and (first.prefill.worker_id, first.decode.worker_id) \
+            == ("p", "d")
+        with pytest.raises(DecodePoolFull):
+            pd.place(_prompt(160), 64)
+        waiter = asyncio.ensure_future(pd.place_waiting(_prompt(160), 64))
+        await wait_for(lambda: pd.metrics.waiting == 1, "the request to wait")
+        pd.release(first)
+        second = await waiter
+        assert isinstance(second, PdPair)
+        assert (pd.metrics.backpressure_waits, pd.metrics.waiting) == (1, 0)
+
+    async def test_waiting_ends_in_a_clear_refusal(self) -> None:
+        """No room within --pd-queue-timeout-s: a reason the client gets with its 503."""
+        pd, _ = _pd(queue_timeout_s=0.05)
+        assert isinstance(pd.place(_prompt(160), 64), PdPair)
+        refused = await pd.place_waiting(_prompt(160), 64)
+        assert isinstance(refused, str) and "every decode worker is full" in refused
+        assert pd.metrics.backpressure_rejects == 1
+
+    def test_a_request_larger_than_any_decode_worker_is_refused_at_once(self) -> None:
+        """Waiting cannot help a request that needs more blocks than any worker has."""
+        pd, _ = _pd()
+        refused = pd.place(_prompt(1000), 64)
+        assert isinstance(refused, str) and "no decode worker has that many" in refused
+
+    def test_how_the_pair_shares_the_kv(self) -> None:
+        """One host: the handoff goes over shm; a bootstrap pair shares one room."""
+        pd, _ = _pd()
+        pair = pd.place(_prompt(32), 8)
+        assert isinstance(pair, PdPair)
+        handoff = pd.handoff(pair)
+        assert (handoff.prefill_url, handoff.transport) == ("http://127.0.0.1:9001", "shm")
+        assert handoff.early_first_token is False  # the fallback policy waits on the outcome
+        legs = pd.bootstrap(pair)
+        assert not isinstance(legs, str)
+        prefill, decode = legs
+        assert (prefill.role, decode.role, prefill.host, prefill.port) == (
+            "prefill", "decode", "10.0.0.1", 8998)
+        assert prefill.room == decode.room

@@ -1,0 +1,244 @@
+"""The pipeline's stages on their own: the record, the relay, aggregated placement, what a
+leg sends, and admission of a bad request."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+from structlog.testing import capture_logs
+
+from kvcore import BlockHasher
+from kvcore.errors import OpenAIError
+from kvcore.requests import Handoff
+from routing.config import RouterMode, WorkerAddress
+from routing.http.client import UpstreamPool
+from routing.http.server import HttpRequest, ServerConnection
+from routing.metrics import GatewayMetrics
+from routing.pipeline.admit import admit
+from routing.pipeline.context import PipelineContext
+from routing.pipeline.legs import Leg, LegTarget
+from routing.pipeline.place import Refusal, place_aggregated
+from routing.pipeline.record import RequestRecord
+from routing.pipeline.relay import Relay
+from routing.placement.kv_router import KvRouter
+from routing.placement.policies import make_policy
+from routing.placement.scorer import Placement, TierOverlap
+from routing.prompt.openai_api import Endpoint, parse_request
+from routing.prompt.preparer import PromptPreparer
+from routing.workers.registry import Worker, WorkerKind, WorkerRegistry
+
+BS = 16
+
+
+class Wire(asyncio.Transport):
+    """The client's socket: keeps what the gateway writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.out += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return default
+
+
+class Handler:
+    def handle(self, conn: ServerConnection, request: HttpRequest) -> None:
+        """Requests are driven by the test itself."""
+
+
+def client() -> tuple[ServerConnection, Wire]:
+    conn = ServerConnection(Handler(), 1 << 20)
+    wire = Wire()
+    conn.connection_made(wire)
+    return conn, wire
+
+
+def record(*workers: str, cached: int = 0) -> RequestRecord:
+    rec = RequestRecord("k-1", b"rid-1", "/v1/chat/completions", 40, 100.0)
+    if workers:
+        rec.placement = Placement(workers[0], 0.0, TierOverlap(cached))
+        rec.worker_ids = workers
+    return rec
+
+
+class TestRecord:
+    def test_headers_name_every_worker_and_the_cached_blocks(self) -> None:
+        """A pair's reply names prefill and decode workers and the prefill's overlap."""
+        assert record("p-1", "d-2", cached=2).headers() == (
+            b"x-request-id: rid-1\r\nx-kvsidecar-worker: p-1,d-2\r\n"
+            b"x-kvsidecar-cached-blocks: 2\r\n"
+        )
+
+    def test_finish_counts_the_worker_and_the_predicted_cache(self) -> None:
+        """A success credits its worker with requests, prompt and predicted cached tokens."""
+        m = GatewayMetrics()
+        rec = record("w0", cached=2)
+        rec.events, rec.t_first, rec.t_last = 3, 100.1, 100.3
+        rec.finish(200, m, BS, log_line=False)
+        assert m.responses == {("/v1/chat/completions", 200): 1}
+        assert m.worker_requests == {"w0": 1} and m.worker_prompt_tokens == {"w0": 40}
+        assert m.predicted_cached_tokens == 32 and m.worker_predicted_cached_tokens == {"w0": 32}
+        assert m.completion_tokens == 3 and m.itl.counts[-1] + sum(m.itl.counts[:-1]) == 1
+
+    def test_a_failure_is_counted_but_credits_no_worker(self) -> None:
+        """A 5xx counts as a response and nothing else."""
+        m = GatewayMetrics()
+        record("w0", cached=2).finish(502, m, BS, log_line=False)
+        assert m.responses == {("/v1/chat/completions", 502): 1} and m.worker_requests == {}
+
+    def test_the_canonical_log_line(self) -> None:
+        """One request_completed line with the worker, cached blocks and latency."""
+        with capture_logs() as logs:
+            record("w0", cached=1).finish(200, GatewayMetrics(), BS, log_line=True)
+        (line,) = [e for e in logs if e["event"] == "request_completed"]
+        assert (line["worker_id"], line["cached_blocks"], line["status"]) == ("w0", 1, 200)
+
+
+class TestRelay:
+    def test_chunked_stream_counts_events_and_usage(self) -> None:
+        """An SSE reply without a length is re-chunked; events and streamed usage counted."""
+        conn, wire = client()
+        m = GatewayMetrics()
+        relay = Relay(conn, record("w0"), m, include_usage=True)
+        relay.head(200, b"text/event-stream", None)
+        usage = (b'data: {"usage":{"prompt_tokens":40,'
+                 b'"prompt_tokens_details":{"cached_tokens":32}}}\n\n')
+        assert relay.body([b"data: {}\n\n", b"data: {}\n\n"]) == 2
+        assert relay.body([usage]) == 1
+        relay.complete()
+        head, _, body = bytes(wire.out).partition(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head and b"cache-control: no-cache" in head
+        assert b"x-kvsidecar-worker: w0" in head
+        assert body.endswith(b"0\r\n\r\n") and body.startswith(b"a\r\ndata: {}\n\n\r\n")
+        assert m.actual_cached_tokens == 32 and m.worker_actual_cached_tokens == {"w0": 32}
+
+    def test_sized_body_passes_through_and_its_usage_is_read(self) -> None:
+        """A reply with a length keeps it; its usage is read at the end."""
+        conn, wire = client()
+        m = GatewayMetrics()
+        relay = Relay(conn, record("w0"), m, include_usage=False)
+        body = b'{"usage":{"prompt_tokens":40,"completion_tokens":5}}'
+        relay.head(200, b"application/json", len(body))
+        assert relay.body([body]) == 0
+        relay.complete()
+        assert bytes(wire.out).endswith(b"\r\n\r\n" + body)
+        assert b"content-length: %d" % len(body) in wire.out
+        assert m.completion_tokens == 5 and m.usage_prompt_tokens == 40
+
+
+def context(*workers: Worker, cap: int | None = None) -> PipelineContext:
+    router = KvRouter(block_size=BS)
+    registry = WorkerRegistry(on_capacity=router.load.set_capacity)
+    for worker in workers:
+        registry.add(worker)
+    policy = make_policy(RouterMode.LEAST_LOADED, router, random.Random(0))
+    return PipelineContext(
+        router=router,
+        policy=policy,
+        prompts=PromptPreparer(None, None, BlockHasher(BS), hash_prompts=False,
+                               max_model_len=None),
+        workers=registry,
+        upstream=UpstreamPool(4, 1.0),
+        metrics=GatewayMetrics(),
+        pd=None,
+        spawn=asyncio.ensure_future,  # type: ignore[arg-type]
+        in_flight={},
+        model_names=lambda: ["m"],
+        max_in_flight_per_worker=cap,
+        log_requests=False,
+    )
+
+
+def plain(worker_id: str, port: int = 9000) -> Worker:
+    return Worker(worker_id, WorkerAddress.parse(f"http://127.0.0.1:{port}"))
+
+
+class TestPlace:
+    def prompt(self, ctx: PipelineContext):  # type: ignore[no-untyped-def]
+        req = parse_request(Endpoint.COMPLETIONS, b'{"model":"m","prompt":"hi"}')
+        return ctx.prompts.prepare(req)
+
+    def test_the_policy_picks_a_routable_worker_not_tried(self) -> None:
+        """Placement skips the workers a request already failed on."""
+        a, b = plain("a"), plain("b", 9001)
+        ctx = context(a, b)
+        placed = place_aggregated(ctx, self.prompt(ctx), {"a"})
+        assert not isinstance(placed, Refusal) and placed[0] is b
+
+    def test_refusals_say_why(self) -> None:
+        """No worker: 503; every one tried: 502; every one at the cap: 429."""
+        ctx = context()
+        assert place_aggregated(ctx, self.prompt(ctx), set()) == Refusal(
+            503, "no healthy worker is available", "service_unavailable")
+        a = plain("a")
+        ctx = context(a)
+        refused = place_aggregated(ctx, self.prompt(ctx), {"a"})
+        assert isinstance(refused, Refusal) and refused.status == 502
+        ctx = context(a, cap=1)
+        ctx.router.dispatch("r1", Placement("a", 0.0, TierOverlap()), [], 10)
+        refused = place_aggregated(ctx, self.prompt(ctx), set())
+        assert isinstance(refused, Refusal) and refused.status == 429
+
+
+class TestLegs:
+    def target(self, body: bytes, token_ids: list[int] | None) -> LegTarget:
+        req = parse_request(Endpoint.CHAT, body)
+        return LegTarget(req, b"/v1/chat/completions", body, token_ids, "rid-1",
+                         b"authorization: Bearer k\r\n")
+
+    def test_plain_workers_get_the_clients_bytes(self) -> None:
+        """A plain engine is sent the request as the client sent it, with its headers."""
+        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+        worker = plain("a")
+        leg = Leg(worker, Placement("a", 0.0, TierOverlap()), "k/a")
+        leg.request = self.target(body, [1, 2]).for_worker(worker)
+        wire = leg.wire(b"rid-1", b"authorization: Bearer k\r\n")
+        assert wire.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:9000\r\n")
+        assert b"authorization: Bearer k\r\n" in wire and wire.endswith(body)
+
+    def test_sidecars_get_token_ids_and_a_pairs_handoff(self) -> None:
+        """A sidecar gets the tokenized request; with a handoff, on the PD route."""
+        body = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":4}'
+        worker = Worker("s", WorkerAddress.parse("http://127.0.0.1:9100"), WorkerKind.SIDECAR,
+                        dp_rank=1)
+        target = self.target(body, [5, 6, 7])
+        path, sent = target.for_worker(worker)
+        tokenized = orjson.loads(sent)
+        assert path == b"/v1/kvsidecar/generate"
+        assert tokenized["prompt_token_ids"] == [5, 6, 7] and tokenized["dp_rank"] == 1
+        assert tokenized["max_tokens"] == 4 and tokenized["handoff"] is None
+        path, sent = target.for_worker(worker, handoff=Handoff("http://p:1"))
+        assert path == b"/v1/kvsidecar/pd/generate"
+        assert orjson.loads(sent)["handoff"]["prefill_url"] == "http://p:1"
+
+    def test_a_sidecar_cannot_take_an_untokenized_request(self) -> None:
+        """Without token ids (a batch of prompts) a sidecar is refused with a 400."""
+        worker = Worker("s", WorkerAddress.parse("http://127.0.0.1:9100"), WorkerKind.SIDECAR)
+        target = self.target(b'{"model":"m","messages":[{"role":"user","content":"x"}]}', None)
+        with pytest.raises(OpenAIError, match="single prompt"):
+            target.for_worker(worker)
+
+
+def test_a_bad_request_is_answered_and_still_recorded() -> None:
+    """Malformed JSON gets a 400 in OpenAI's shape and counts as a response."""
+    ctx = context(plain("a"))
+    conn, wire = client()
+    request = HttpRequest(b"POST", b"/v1/completions", {}, b"{not json", True)
+    admit(ctx, conn, request, Endpoint.COMPLETIONS, "k-1", b"rid-9")
+    head, _, body = bytes(wire.out).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"x-request-id: rid-9" in head
+    assert orjson.loads(body)["error"]["type"] == "invalid_request_error"
+    assert ctx.metrics.responses == {("/v1/completions", 400): 1} and not ctx.in_flight
