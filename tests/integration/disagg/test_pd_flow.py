@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import pytest
 
 from tests.integration.disagg.pd_stack import (
@@ -25,11 +24,6 @@ def prompt(seed: int, words: int) -> str:
     return " ".join(WORDS[(seed * 5 + i * 3) % len(WORDS)] + str((seed + i) % 89)
                     for i in range(words))
 
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
 
 
 @pytest.fixture

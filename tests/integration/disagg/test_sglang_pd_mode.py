@@ -8,34 +8,26 @@ same request to both, the decode answer streamed). SGLang's own KV transfer is n
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.integration.disagg.pd_stack import PdStack, Replica, answer_text, complete, routable
-
-
-@pytest.fixture
-async def session() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as s:
-        yield s
+from tests.support.polling import eventually
 
 
 async def _engine_prompt_tokens(session: aiohttp.ClientSession, url: str, least: int) -> int:
-    """The engine's prompt-token counter once it reaches ``least`` (or the deadline)."""
-    deadline = time.monotonic() + 10
-    while True:
+    """The engine's prompt-token counter, once it reaches ``least``."""
+
+    async def counted() -> int:
         async with session.get(f"{url}/metrics") as resp:
             text = await resp.text()
         line = next(x for x in text.splitlines() if x.startswith("sglang:prompt_tokens_total "))
         value = int(float(line.split()[1]))
-        if value >= least or time.monotonic() > deadline:
-            return value
-        await asyncio.sleep(0.05)
+        return value if value >= least else 0
+
+    return await eventually(counted, f"{url} to count {least} prompt tokens", 10.0)
 
 
 @pytest.mark.slow

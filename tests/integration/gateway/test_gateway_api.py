@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "_gw_helpers", Path(__file__).with_name("helpers.py")
-)
-assert _spec is not None and _spec.loader is not None
-h = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(h)
+from tests.support import gateway_http as h
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections import Counter
-from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "_gw_helpers", Path(__file__).with_name("helpers.py")
-)
-assert _spec is not None and _spec.loader is not None
-h = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(h)
+from tests.support import gateway_http as h
+from tests.support.polling import eventually
 
 NO_PROBES = ("--health-check-interval-s", "3600")
 
@@ -99,7 +93,7 @@ async def test_client_disconnect_aborts_upstream(spawn) -> None:  # type: ignore
     async def aborted() -> bool:
         return (await h.get_json(engine.url, "/_stats"))["aborted"] == 1
 
-    await h.wait_until(aborted)
+    await eventually(aborted, "the worker to see the abort", 10.0)
     status, _, body = await other
     assert status == 200 and h.sse_events(body)[-1] == b"[DONE]"
 
@@ -107,7 +101,7 @@ async def test_client_disconnect_aborts_upstream(spawn) -> None:  # type: ignore
         workers = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
         return workers[0]["in_flight"] == 0
 
-    await h.wait_until(drained)
+    await eventually(drained, "the gateway to drain", 10.0)
     _, metrics = await h.get(gateway.url, "/metrics")
     assert b"kvsidecar_gateway_client_aborts_total 1.0" in metrics
 
@@ -131,7 +125,7 @@ async def test_429_when_every_worker_is_saturated(spawn) -> None:  # type: ignor
         ws = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
         return all(w["in_flight"] == 0 for w in ws)
 
-    await h.wait_until(free)
+    await eventually(free, "the worker to be free", 10.0)
     assert (await h.post(gateway.url, "/v1/chat/completions", h.chat()))[0] == 200
 
 
@@ -150,7 +144,7 @@ async def test_sigterm_drains_in_flight_streams(spawn) -> None:  # type: ignore[
     async def streaming() -> bool:
         return (await h.get_json(engine.url, "/_stats"))["active"] == 1
 
-    await h.wait_until(streaming)
+    await eventually(streaming, "the stream to start", 10.0)
     gateway.popen.terminate()
     status, _, body = await stream
     assert status == 200 and len(h.sse_events(body)) == 21

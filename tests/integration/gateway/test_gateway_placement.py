@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 from collections import Counter
-from pathlib import Path
 
 import orjson
 from tokenizers import Tokenizer
 
-_spec = importlib.util.spec_from_file_location(
-    "_gw_helpers", Path(__file__).with_name("helpers.py")
-)
-assert _spec is not None and _spec.loader is not None
-h = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(h)
+from tests.support import gateway_http as h
+from tests.support.polling import eventually
 
 WORDS = [
     "alpha",
@@ -64,7 +58,7 @@ async def test_least_loaded_avoids_the_busy_worker(spawn) -> None:  # type: igno
         ws = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
         return sorted(w["in_flight"] for w in ws) == [0, 1]
 
-    await h.wait_until(one_busy)
+    await eventually(one_busy, "one worker to be busy", 10.0)
     ws = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
     idle = next(w["worker_id"] for w in ws if w["in_flight"] == 0)
     served = Counter()

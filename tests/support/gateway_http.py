@@ -1,14 +1,11 @@
-"""HTTP helpers for gateway tests (imported by path from the test modules)."""
+"""HTTP helpers of the gateway tests: one-shot requests, SSE events, request bodies."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import orjson
-
-from tests.support.polling import eventually
 
 
 async def post(
@@ -27,11 +24,6 @@ async def get_json(url: str, path: str) -> Any:
 async def get(url: str, path: str) -> tuple[int, bytes]:
     async with aiohttp.ClientSession() as s, s.get(url + path) as r:
         return r.status, await r.read()
-
-
-async def wait_until(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    """``tests.support.polling.eventually``, named after the check it waits for."""
-    await eventually(check, f"{check.__name__} to hold", timeout_s)
 
 
 def sse_events(body: bytes) -> list[bytes]:
