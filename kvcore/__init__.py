@@ -1,4 +1,4 @@
-"""The canonical KV model shared by every kvsidecar process (DESIGN.md, "Canonical KV model")."""
+"""The canonical KV model shared by every kvsidecar process (docs/architecture.md)."""
 
 from kvcore.hashing import BlockHasher, TokenIdError
 from kvcore.namespace import Namespace, namespace_seed

@@ -1,4 +1,4 @@
-"""The one block-hash function of kvsidecar (DESIGN.md, "Canonical KV model").
+"""The one block-hash function of kvsidecar (docs/architecture.md, "The canonical KV model").
 
 A request's tokens are cut into full blocks of ``block_size`` tokens (a partial tail block
 is never hashed). Block ``i`` gets a chained 64-bit hash that depends on the namespace seed

@@ -1,8 +1,8 @@
 """Messages of the sidecar → gateway event stream, beside the events themselves.
 
-One stream per sidecar worker (``GET /v1/kv-events`` on the sidecar, README "Event stream
-protocol"). It opens with ``StreamStart``; then either the missed events (``mode="replay"``)
-or a ``WorkerSnapshot`` (``mode="snapshot"``), then live events. ``WorkerStatus`` frames
+One stream per sidecar worker (``GET /v1/kv-events`` on the sidecar, docs/event-stream.md). It
+opens with ``StreamStart``; then either the missed events (``mode="replay"``) or a
+``WorkerSnapshot`` (``mode="snapshot"``), then live events. ``WorkerStatus`` frames
 are interleaved; they carry no sequence number. ``ResyncRequired`` is the last frame a
 subscriber gets when it fell too far behind: reconnect from the last applied position.
 """

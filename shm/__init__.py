@@ -1,4 +1,4 @@
-"""Shared-memory KV block store: the same-host data plane (DESIGN.md, "Shared memory").
+"""Shared-memory KV block store: the same-host data plane (docs/architecture.md, "Shared memory").
 
 One owner (the sidecar, or ``python -m shm``) creates a segment and serves a Unix socket;
 clients in other processes (engine hooks) attach, ask for slots in batches, and copy block

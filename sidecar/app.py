@@ -8,7 +8,7 @@
     #          → stop serving → close the adapter
 
 HTTP surface: ``/health``, ``/metrics``, ``/v1/load``, ``/v1/workers``, ``/v1/kv-events``
-(the event stream, README "Event stream protocol") and ``/v1/kvsidecar/generate`` (the
+(the event stream, docs/event-stream.md) and ``/v1/kvsidecar/generate`` (the
 request proxy).
 """
 

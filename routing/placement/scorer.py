@@ -14,11 +14,11 @@ Unlike Dynamo we do not clamp the credited prefill at zero. With credit weights 
 conversations on the worker that holds them) a clamp would rank every worker whose credit
 covers its queue equal, and the decode term alone would pick among them, scattering
 conversations: on the Mooncake conversation trace that costs a quarter of the hit rate
-(see the trace replay's README).
+(see docs/bench/replay.md).
 
 (``prefill_load_scale`` is Dynamo's knob, default 1: how much a block of prefill work weighs
 against a block held by a decoding request; prefill is far more compute per block, so traffic
-with long shared prefixes places better with it raised, see the trace replay's README), where
+with long shared prefixes places better with it raised, see docs/bench/replay.md), where
 ``decode_blocks`` counts the blocks held by the worker's active requests plus this
 request's. Tier credits are *incremental*: a block is credited once, at the fastest tier that
 holds it, i.e. ``host`` counts the leading blocks found in host memory beyond the GPU match.

@@ -1,4 +1,4 @@
-"""The gateway's subscription to one sidecar's event stream (README "Event stream protocol").
+"""The gateway's subscription to one sidecar's event stream (docs/event-stream.md).
 
 Keeps the sidecar's worker in the router's prefix index: subscribes from the last applied
 (epoch, seq), applies events, loads snapshots, reconnects after a drop or a resync request,
