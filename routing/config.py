@@ -273,7 +273,7 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="credit per GPU-cached prefix block in the cost, in blocks of prefill work "
         "(default 1.0, Dynamo's; values of 10-50 keep multi-turn conversations on the "
-        "worker that holds them, see the README's trace replay section)",
+        "worker that holds them; docs/bench/replay.md has the sweep)",
     )
     r.add_argument(
         "--prefill-load-scale",

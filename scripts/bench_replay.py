@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     # The gateway's defaults are Dynamo's (1 and 1); on long-prompt, multi-turn traffic like
     # Mooncake's the placement we recommend values a cached block above queued work and
-    # prefill above decode. The README's sweep shows a wide plateau around these values.
+    # prefill above decode. The sweep in docs/bench/replay.md shows a wide plateau around
+    # these values.
     p.add_argument("--overlap-weight", type=float, default=20.0,
                    help="credit per cached block (default 20; the gateway's default is 1)")
     p.add_argument("--prefill-load-scale", type=float, default=100.0,
