@@ -10,6 +10,10 @@
 HTTP surface: ``/health``, ``/metrics``, ``/v1/load``, ``/v1/workers``, ``/v1/kv-events``
 (the event stream, docs/event-stream.md) and ``/v1/kvsidecar/generate`` (the
 request proxy).
+
+This is the composition root: each part lives in its own module (engine watch, host tier,
+relay, proxy, prefill/decode routes); what stays here is their order of start and stop and
+the views that read across them, a little over 400 lines.
 """
 
 from __future__ import annotations
