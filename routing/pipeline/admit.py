@@ -8,6 +8,7 @@ OpenAI-shaped error and still finishes through its record (metrics, log line).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from kvcore.errors import OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
@@ -55,14 +56,14 @@ def admit(
         request.path,
         request.body if prepared.body is None else prepared.body,
         prepared.token_ids,
-        request_id.decode(),
+        request_id,
         extra,
     )
     kind = Exchange if ctx.pd is None else PairExchange
     kind(ctx, conn, record, parsed, prepared, target).start()
 
 
-def _check_model(parsed: OpenAIRequest, names: list[str]) -> None:
+def _check_model(parsed: OpenAIRequest, names: Sequence[str]) -> None:
     if names and parsed.model not in names:
         raise OpenAIError(
             404,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,6 +39,6 @@ class PipelineContext:
     pd: PdCoordinator | None
     spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
     in_flight: dict[str, InFlightRequest]  # by key: the sweep times them out, stop drains them
-    model_names: Callable[[], list[str]]  # the names clients may ask for (empty: any)
+    model_names: Callable[[], Sequence[str]]  # the names clients may ask for (empty: any)
     max_in_flight_per_worker: int | None
     log_requests: bool  # one canonical log line per request (debug level)

@@ -6,8 +6,8 @@ unless a new upstream connection must be opened::
     place (the policy: ``place.py``) → leg → relay (``relay.py``) → finish (the record)
 
 A request that a prefill/decode pair may serve is a ``pair.PairExchange``: the same stages,
-with the pair's placement and legs where this class has hooks (``_place``, ``_leg_request``,
-``_holds_errors`` ...).
+with the pair's placement and legs where this class has hooks (``_place``,
+``_holds_errors`` ...) or where it extends a callback (the first byte, the end).
 
 A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its load is
 counted in the placement core from dispatch to release. A leg that fails before the first
@@ -31,6 +31,7 @@ from routing.pipeline.legs import Drain, Leg, LegTarget
 from routing.pipeline.place import Refusal, place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
+from routing.placement.active_load import UnknownRequestError
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
@@ -101,6 +102,8 @@ class Exchange:
         self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
         self._run_leg(worker, placement, "a")
 
+    _place = _place_aggregated  # a pair's exchange places a pair first (``pair.py``)
+
     def _placed(self) -> None:
         if not self.tried:
             # parse + tokenize + hash + match + score, first placement only
@@ -110,11 +113,11 @@ class Exchange:
 
     def _run_leg(self, worker: Worker, placement: Placement, tag: str,
                  request: tuple[bytes, bytes] | None = None) -> None:
-        """Send the relayed leg to ``worker`` (``request``: its path and body, if not
-        ``_leg_request``'s)."""
+        """Send the relayed leg to ``worker`` (``request``: its path and body, if not the
+        client's request as that worker takes it)."""
         leg = Leg(worker, placement, f"{self.record.key}/{tag}")
         try:
-            leg.request = self._leg_request(worker) if request is None else request
+            leg.request = self.target.for_worker(worker) if request is None else request
         except OpenAIError as exc:
             self._reply_error(exc.status, exc.message, exc.type)
             return
@@ -128,7 +131,10 @@ class Exchange:
         leg.worker.dispatched += 1
 
     def _dispatch(self, leg: Leg, receiver: Exchange | Drain) -> None:
-        self._count(leg)
+        p = self.prompt
+        self.ctx.router.dispatch(leg.key, leg.placement, p.block_hashes, p.prompt_tokens)
+        leg.counted = True
+        leg.worker.dispatched += 1
         conn = self.ctx.upstream.take_idle(leg.worker.worker_id)
         if conn is not None:
             self._send(leg, receiver, conn, reused=True)
@@ -162,7 +168,10 @@ class Exchange:
     def _release(self, leg: Leg | None) -> None:
         if leg is not None and leg.counted:
             leg.counted = False
-            self.ctx.router.load.finish_if_known(leg.key)
+            try:
+                self.ctx.router.load.finish(leg.key)
+            except UnknownRequestError:  # its worker left meanwhile, and its accounting
+                pass
 
     def leg_failed(self, leg: Leg, why: str, stale: bool) -> None:
         """``leg`` failed before the first byte of its reply: try again, elsewhere."""
@@ -204,15 +213,14 @@ class Exchange:
         record, leg = self.record, self.leg
         assert leg is not None
         if not record.t_first:
-            record.first_byte(now, self.ctx.metrics)
+            record.t_first = now
+            self.ctx.metrics.ttft.observe(now - record.t_start)
             self.ctx.router.load.first_token(leg.key)
-            self._first_byte()
         record.t_last = now
         events = self.relay.body(pieces)
         if events:
             record.events += events
             self.ctx.router.load.tokens_generated(leg.key, events)
-            self._events_relayed(pieces)
 
     def upstream_complete(self) -> None:
         leg = self.leg
@@ -223,10 +231,11 @@ class Exchange:
             self._held_error(raw)
             return
         self.relay.complete()
-        if not self.record.t_first:
-            self.record.first_byte(time.monotonic(), self.ctx.metrics)
-        self._completed()
-        self._finish(self.record.status)
+        record = self.record
+        if not record.t_first:  # a reply with no body
+            record.t_first = time.monotonic()
+            self.ctx.metrics.ttft.observe(record.t_first - record.t_start)
+        self._finish(record.status)
         self.client.finish()
 
     def upstream_lost(self, exc: Exception | None, got_head: bool) -> None:
@@ -253,27 +262,12 @@ class Exchange:
 
     # --- what a pair changes (``pair.PairExchange``) ---------------------------------------
 
-    def _place(self) -> None:
-        self._place_aggregated()
-
-    def _leg_request(self, worker: Worker) -> tuple[bytes, bytes]:
-        return self.target.for_worker(worker)
-
     def _holds_errors(self) -> bool:
         """Hold an error reply instead of relaying it (``_held_error`` decides)?"""
         return False
 
     def _held_error(self, raw: bytes) -> None:
         self._reply_raw(self.record.status, raw)
-
-    def _first_byte(self) -> None:
-        """The relayed leg's first byte reached the client."""
-
-    def _events_relayed(self, pieces: list[bytes]) -> None:
-        """``pieces`` with SSE events in them reached the client."""
-
-    def _completed(self) -> None:
-        """The relayed leg's reply reached the client in full."""
 
     def _side_failed(self, leg: Leg, why: str) -> None:
         log.warning("drained_leg_failed", worker_id=leg.worker.worker_id, error=why)
@@ -328,7 +322,6 @@ class Exchange:
     def _finish(self, status: int) -> None:
         self.done = True
         self._release(self.leg)
-        self._end_pair()
         ctx = self.ctx
         ctx.in_flight.pop(self.record.key, None)
         self.record.finish(status, ctx.metrics, ctx.router.block_size, ctx.log_requests)

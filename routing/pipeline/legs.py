@@ -36,7 +36,7 @@ class LegTarget:
         path: bytes,
         body: bytes,
         token_ids: list[int] | None,
-        request_id: str,
+        request_id: bytes,
         extra_headers: bytes,
     ) -> None:
         self.request = request
@@ -60,7 +60,8 @@ class LegTarget:
         if self.token_ids is None:
             raise OpenAIError(400, "sidecar workers need a single prompt the gateway can "
                               "tokenize (batched prompts are not supported)", param="prompt")
-        body = tokenized_body(self.request, self.token_ids, self.request_id, worker.dp_rank,
+        body = tokenized_body(self.request, self.token_ids, self.request_id.decode(),
+                              worker.dp_rank,
                               handoff=handoff, bootstrap=bootstrap, stream=stream)
         return (_GENERATE if handoff is None else _PD_GENERATE), body
 

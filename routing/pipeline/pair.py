@@ -25,7 +25,6 @@ from routing.pd.coordinator import DecodePoolFull, FailurePolicy, PdCoordinator,
 from routing.pipeline.exchange import Exchange
 from routing.pipeline.legs import Drain, Leg
 from routing.pipeline.place import place_rerun
-from routing.workers.registry import Worker
 
 __all__ = ["PairExchange"]
 
@@ -87,7 +86,8 @@ class PairExchange(Exchange):
             # The decode sidecar drives the prefill leg: the prefill worker's load is ours to
             # count until the first token is out.
             self._count(Leg(pair.prefill, pair.prefill_placement, record.key + "/p"))
-            self._run_leg(pair.decode, pair.decode_placement, "d")
+            decode = self.target.for_worker(pair.decode, handoff=pd.handoff(pair))
+            self._run_leg(pair.decode, pair.decode_placement, "d", decode)
             return
         legs = pd.bootstrap(pair)
         if isinstance(legs, str):
@@ -100,12 +100,6 @@ class PairExchange(Exchange):
         self._run_leg(pair.decode, pair.decode_placement, "d", decode)
 
     # --- the hooks ---------------------------------------------------------------------------
-
-    def _leg_request(self, worker: Worker) -> tuple[bytes, bytes]:
-        pair = self.pair
-        if pair is not None and worker is pair.decode and self.pd.mode is PdMode.AUTO:
-            return self.target.for_worker(worker, handoff=self.pd.handoff(pair))
-        return self.target.for_worker(worker)
 
     def _holds_errors(self) -> bool:
         return self.pair is not None and self.pd.mode is PdMode.AUTO
@@ -141,21 +135,29 @@ class PairExchange(Exchange):
         self.record.status = 0
         self._run_leg(worker, placement, "f")
 
-    def _first_byte(self) -> None:
-        if self.pair is not None and self.side is None:
+    def upstream_body(self, pieces: list[bytes]) -> None:
+        first = not self.record.t_first
+        super().upstream_body(pieces)
+        if self.pair is None or self._error_parts is not None:
+            return
+        if first and self.side is None:
             self._release_prefill()  # the prefill is done once the first token is out
-
-    def _events_relayed(self, pieces: list[bytes]) -> None:
-        if self.pair is not None and not self._transfer_failed:
+        if not self._transfer_failed and self.relay.sse:
             self._transfer_failed = any(_TRANSFER_FAILED_BYTES in p for p in pieces)
 
-    def _completed(self) -> None:
-        if self.pair is None:
+    def upstream_complete(self) -> None:
+        pair, relayed = self.pair, self._error_parts is None
+        super().upstream_complete()
+        if pair is None or not relayed:
             return
         if self._transfer_failed:  # after the first token: the stream carried the error
             self.pd.metrics.transfer_failures[self.pd.policy.value] += 1
         elif self.record.status == 200:
             self.pd.metrics.completed += 1
+
+    def _finish(self, status: int) -> None:
+        self._end_pair()
+        super()._finish(status)
 
     def _side_failed(self, leg: Leg, why: str) -> None:
         log.warning("pd_prefill_failed", worker_id=leg.worker.worker_id, error=why)

@@ -48,7 +48,9 @@ def place_aggregated(
     placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried)
     if placement is None:
         return _none_left(tried, "no worker available")
-    return _worker(ctx, placement), placement
+    worker = ctx.workers.get(placement.worker_id)
+    assert worker is not None  # placed among the registry's workers, synchronously
+    return worker, placement
 
 
 def place_rerun(ctx: PipelineContext, prompt: PreparedPrompt) -> tuple[Worker, Placement] | None:

@@ -66,11 +66,9 @@ class RequestRecord:
         """The response headers the gateway adds: request id, workers, cached blocks."""
         placement = self.placement
         cached = 0 if placement is None else placement.overlap.longest
-        return _HEADERS % (self.request_id, ",".join(self.worker_ids).encode(), cached)
-
-    def first_byte(self, now: float, metrics: GatewayMetrics) -> None:
-        self.t_first = now
-        metrics.ttft.observe(now - self.t_start)
+        ids = self.worker_ids
+        workers = ids[0] if len(ids) == 1 else ",".join(ids)
+        return _HEADERS % (self.request_id, workers.encode(), cached)
 
     def finish(
         self, status: int, metrics: GatewayMetrics, block_size: int, log_line: bool

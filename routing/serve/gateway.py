@@ -14,7 +14,7 @@ import json
 import os
 import random
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import aiohttp
@@ -254,9 +254,9 @@ class Gateway:
         else:
             self._plain_error(conn, request, 404, f"no route for GET {path.decode()}")
 
-    def model_names(self) -> list[str]:
+    def model_names(self) -> Sequence[str]:
         """The names clients may ask for: configured, or learned from the workers."""
-        return list(self.cfg.model_names) or self.workers.models()
+        return self.cfg.model_names or self.workers.models()
 
     def _new_request_id(self) -> bytes:
         self._next_key += 1

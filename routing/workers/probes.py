@@ -52,7 +52,8 @@ class WorkerProber:
                 )
                 if status == 200:
                     data = orjson.loads(body).get("data") or []
-                    worker.models = tuple(str(m["id"]) for m in data if "id" in m)
+                    names = tuple(str(m["id"]) for m in data if "id" in m)
+                    self.registry.learned_models(worker, names)
         except (OSError, TimeoutError, ValueError, KeyError, AttributeError) as exc:
             self.registry.probed(worker, False, f"{type(exc).__name__}: {exc}")
         else:

@@ -32,12 +32,12 @@ __all__ = ["Health", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
 log = structlog.get_logger("routing.workers").bind(component="workers")
 
 
-class WorkerKind(enum.Enum):
+class WorkerKind(enum.StrEnum):  # str: hashed in C, on the hot path
     PLAIN = "plain"  # an OpenAI-compatible engine: gets the client's request as is
     SIDECAR = "sidecar"  # a DP rank behind a kvsidecar sidecar: gets token ids
 
 
-class Role(enum.Enum):
+class Role(enum.StrEnum):
     """The pool a worker serves (a sidecar's ``--role``)."""
 
     AGG = "agg"
@@ -45,7 +45,7 @@ class Role(enum.Enum):
     DECODE = "decode"
 
 
-class Health(enum.Enum):
+class Health(enum.StrEnum):
     ROUTABLE = "routable"
     PROBE_FAILED = "probe_failed"  # /health failed, or a request's connection did
     STREAM_DOWN = "stream_down"  # the sidecar's event stream is not connected
@@ -112,6 +112,7 @@ class WorkerRegistry:
         placement core scores the decode pool by it)."""
         self._workers: dict[str, Worker] = {}
         self._routable: dict[Role, list[Worker]] | None = None
+        self._models: list[str] | None = None
         self._on_capacity = on_capacity
         self.probe_soon: Callable[[Worker], None] = lambda worker: None  # set by the prober
 
@@ -207,11 +208,22 @@ class WorkerRegistry:
         return any(w.role is not Role.AGG for w in self._workers.values())
 
     def models(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for worker in self._workers.values():
-            for name in worker.models:
-                seen.setdefault(name, None)
-        return list(seen)
+        """Every model some worker serves, in the order they joined (cached: asked per
+        request)."""
+        models = self._models
+        if models is None:
+            seen: dict[str, None] = {}
+            for worker in self._workers.values():
+                for name in worker.models:
+                    seen.setdefault(name, None)
+            models = self._models = list(seen)
+        return models
+
+    def learned_models(self, worker: Worker, models: tuple[str, ...]) -> None:
+        """A probe learned what ``worker`` serves."""
+        worker.models = models
+        self._models = None
 
     def _changed(self) -> None:
         self._routable = None
+        self._models = None

@@ -196,7 +196,7 @@ class TestPlace:
 class TestLegs:
     def target(self, body: bytes, token_ids: list[int] | None) -> LegTarget:
         req = parse_request(Endpoint.CHAT, body)
-        return LegTarget(req, b"/v1/chat/completions", body, token_ids, "rid-1",
+        return LegTarget(req, b"/v1/chat/completions", body, token_ids, b"rid-1",
                          b"authorization: Bearer k\r\n")
 
     def test_plain_workers_get_the_clients_bytes(self) -> None:
