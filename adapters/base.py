@@ -119,6 +119,11 @@ class AdapterConfig:
     replay_timeout_s: float = 2.0
     poll_interval_s: float = 0.05
     queue_size: int = 4096
+    api_key: str | None = field(default=None, repr=False)  # the engine's; never logged
+
+    def engine_headers(self) -> dict[str, str]:
+        """Headers of a request to the engine: its bearer token when it has one."""
+        return {} if self.api_key is None else {"Authorization": f"Bearer {self.api_key}"}
 
     def __post_init__(self) -> None:
         if not self.worker_id:

@@ -53,6 +53,7 @@ class EngineConfig:
     random_seed: int = 0
     ready_file: Path | None = None
     log_level: str = "info"
+    api_key: str | None = field(default=None, repr=False)  # never in a log line
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -149,6 +150,7 @@ class EngineConfig:
             random_seed=args.random_seed,
             ready_file=Path(args.ready_file) if args.ready_file else None,
             log_level=args.log_level,
+            api_key=args.api_key or None,
         )
 
 
@@ -171,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--ready-file", help="write the ready line(s) (JSON) to this file too")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument(
+        "--api-key",
+        help="as SGLang's: every route but /health*, /ready* and /metrics* then needs "
+        "'Authorization: Bearer <key>' (401 otherwise)",
+    )
     m = p.add_argument_group("model")
     m.add_argument(
         "--model-path",

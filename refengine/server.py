@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 import uuid
 from typing import Any
@@ -288,8 +289,29 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
 
+_OPEN_PATHS = ("/health", "/ready", "/metrics")  # SGLang leaves probes open under --api-key
+
+
+def _api_key_middleware(api_key: str) -> Any:
+    """SGLang's ``--api-key``: a bearer token on every route but the probes, else 401."""
+    expected = f"Bearer {api_key}"
+
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method != "OPTIONS" and not request.path.startswith(_OPEN_PATHS):
+            given = request.headers.get("Authorization", "")
+            if not secrets.compare_digest(given.encode(), expected.encode()):
+                return json_response({"error": "Unauthorized"}, 401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    return check
+
+
 def build_app(engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=64 * 1024 * 1024)
+    api_key = engine.cfg.api_key
+    middlewares = [_api_key_middleware(api_key)] if api_key else []
+    app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app[ENGINE] = engine
     r = app.router
     r.add_route("POST", "/generate", generate)

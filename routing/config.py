@@ -87,6 +87,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
     max_body_bytes: int = 32 << 20
+    forward_authorization: bool = False  # the client's Authorization header to the workers
     max_idle_connections_per_worker: int = 256
     seed: int | None = None
     # Prefill/decode disaggregation (routing/pd/coordinator.py); values are PdMode / FailurePolicy.
@@ -193,6 +194,7 @@ class RouterConfig:
                 connect_timeout_s=args.connect_timeout_s,
                 upstream_timeout_s=args.upstream_timeout_s,
                 max_body_bytes=args.max_body_bytes,
+                forward_authorization=args.forward_authorization,
                 seed=args.seed,
                 pd_mode=args.pd_mode,
                 kv_load_failure_policy=args.kv_load_failure_policy,
@@ -383,5 +385,12 @@ def _parser() -> argparse.ArgumentParser:
         help="longest silence from a worker before the request is abandoned",
     )
     s.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    s.add_argument(
+        "--forward-authorization",
+        action="store_true",
+        help="send the client's Authorization header on to the workers (off by default: a "
+        "client's credential is the gateway's to check, an engine's key is its sidecar's: "
+        "kvsidecar sidecar --engine-api-key-file)",
+    )
     s.add_argument("--ready-file", help="write {'url': ...} JSON here once listening")
     return p

@@ -85,7 +85,8 @@ class Sidecar:
         self.block_size = 0
         self.draining = False
         self._adapter: EngineAdapter | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # to peer sidecars
+        self._engine_session: aiohttp.ClientSession | None = None  # with the engine's key
         self._engine: EngineWatch | None = None
         self._runner: web.AppRunner | None = None
         self._proxy: RequestProxy | None = None
@@ -98,7 +99,12 @@ class Sidecar:
     async def __aenter__(self) -> Self:
         cfg = self.cfg
         self._session = aiohttp.ClientSession()
-        self._engine = EngineWatch(self._session, cfg.engine_url)
+        engine_headers = {}
+        if cfg.engine_api_key is not None:
+            engine_headers["Authorization"] = f"Bearer {cfg.engine_api_key}"
+        # The engine's credential goes to the engine only, never to a peer sidecar.
+        self._engine_session = aiohttp.ClientSession(headers=engine_headers)
+        self._engine = EngineWatch(self._engine_session, cfg.engine_url)
         try:
             await self._engine.wait(self.engine_wait_s)
             if not self.model_id:
@@ -112,6 +118,7 @@ class Sidecar:
                     block_size=cfg.block_size,
                     endpoints=self._flag_endpoints(),
                     model_path=cfg.model_path,
+                    api_key=cfg.engine_api_key,
                 ),
                 metrics=AdapterMetrics(cfg.engine, self.metrics.registry),
             )
@@ -137,7 +144,7 @@ class Sidecar:
             self.load = LoadTracker(info.block_size)
             self._proxy = RequestProxy(
                 adapter,
-                self._session,
+                self._engine_session,
                 self.load,
                 self._silence,
                 engine_url=cfg.engine_url,
@@ -233,9 +240,11 @@ class Sidecar:
             await host_tier.aclose()
 
     async def _close_session(self) -> None:
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
+        sessions = (self._session, self._engine_session)
+        self._session = self._engine_session = None
+        for session in sessions:
+            if session is not None:
+                await session.close()
 
     # --- startup helpers ------------------------------------------------------------------
 
@@ -283,11 +292,13 @@ class Sidecar:
     def _pd_routes(self) -> PdRoutes:
         """Prefill/decode disaggregation: the prefill and decode legs and the KV handoff."""
         adapter = self._adapter
-        assert adapter is not None and self._session is not None and self.load is not None
+        assert adapter is not None and self.load is not None
+        assert self._session is not None and self._engine_session is not None
         transfer = None if self.host_tier is None else self.host_tier.transfer
         handoff = make_handoff(self.cfg, adapter.pd, transfer, self.model_id, self.block_size)
         return PdRoutes(
             adapter,
+            self._engine_session,
             self._session,
             self.load,
             handoff,

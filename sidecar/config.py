@@ -1,16 +1,22 @@
-"""The sidecar's one typed configuration, built only from the command line."""
+"""The sidecar's one typed configuration, built only from the command line (and, for the
+engine's API key alone, the one environment variable ``KVSIDECAR_ENGINE_API_KEY``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
 from shm.config import parse_bytes
 
-__all__ = ["SidecarConfig"]
+__all__ = ["ENGINE_API_KEY_ENV", "SidecarConfig"]
+
+ENGINE_API_KEY_ENV = "KVSIDECAR_ENGINE_API_KEY"
 
 Role = Literal["agg", "prefill", "decode"]
 
@@ -48,6 +54,8 @@ class SidecarConfig:
     kv_handoff: str = "shared-store"
     disaggregation_bootstrap_port: int | None = None
     sim_handoff_ms_per_1k_tokens: float = 0.0  # simulated engines: the transport's duration
+    # Sent to the engine as "Authorization: Bearer" (its --api-key); never in a log or a repr.
+    engine_api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.engine not in ("sglang", "trtllm"):
@@ -124,6 +132,12 @@ class SidecarConfig:
             help="ZMQ endpoint of the engine's KV events (default: from /server_info)",
         )
         g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
+        g.add_argument(
+            "--engine-api-key-file",
+            metavar="FILE",
+            help="a file holding the engine's API key (its --api-key), sent to it as "
+            f"'Authorization: Bearer'; or set {ENGINE_API_KEY_ENV}. Never logged",
+        )
         s = p.add_argument_group("sidecar")
         s.add_argument(
             "--worker-id",
@@ -233,11 +247,15 @@ class SidecarConfig:
         return p
 
     @classmethod
-    def from_args(cls, argv: list[str] | None = None) -> SidecarConfig:
+    def from_args(
+        cls, argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> SidecarConfig:
         parser = cls.parser()
         args = parser.parse_args(argv)
         worker_id = args.worker_id or _default_worker_id(args.engine_url)
+        env = os.environ if environ is None else environ
         try:
+            api_key = _engine_api_key(args.engine_api_key_file, env)
             return cls(
                 engine=args.engine,
                 engine_url=args.engine_url.rstrip("/"),
@@ -266,9 +284,24 @@ class SidecarConfig:
                 kv_handoff=args.kv_handoff,
                 disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
                 sim_handoff_ms_per_1k_tokens=args.sim_handoff_ms_per_1k_tokens,
+                engine_api_key=api_key,
             )
         except ValueError as exc:
             parser.error(str(exc))
+
+
+def _engine_api_key(path: str | None, env: Mapping[str, str]) -> str | None:
+    """The engine's key: from ``path`` (first line), else the environment, else none."""
+    if path is None:
+        return env.get(ENGINE_API_KEY_ENV) or None
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--engine-api-key-file {path}: {exc.strerror}") from exc
+    key = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not key:
+        raise ValueError(f"--engine-api-key-file {path} is empty")
+    return key
 
 
 def _default_worker_id(engine_url: str) -> str:

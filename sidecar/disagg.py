@@ -82,7 +82,8 @@ class PdRoutes:
     def __init__(
         self,
         adapter: EngineAdapter,
-        session: aiohttp.ClientSession,
+        engine_session: aiohttp.ClientSession,
+        peer_session: aiohttp.ClientSession,
         load: LoadTracker,
         handoff: KvHandoff,
         *,
@@ -93,7 +94,8 @@ class PdRoutes:
         timeout_s: float,
     ) -> None:
         self._adapter = adapter
-        self._session = session
+        self._engine_session = engine_session  # carries the engine's credential
+        self._peer_session = peer_session  # to the prefill sidecar: no engine credential
         self._load = load
         self._handoff = handoff
         self._engine_url = engine_url.rstrip("/")
@@ -168,7 +170,7 @@ class PdRoutes:
         started = time.perf_counter()
         ok = False
         try:
-            async with self._session.post(
+            async with self._engine_session.post(
                 self._engine_url + native.path, data=orjson.dumps(native.body),
                 timeout=self._timeout, headers={"Content-Type": "application/json"},
             ) as upstream:
@@ -273,7 +275,7 @@ class PdRoutes:
         leg = msgspec.structs.replace(tokenized, dp_rank=spec.prefill_dp_rank, handoff=None)
         url = spec.prefill_url.rstrip("/") + "/v1/kvsidecar/pd/prefill"
         try:
-            async with self._session.post(
+            async with self._peer_session.post(
                 url, data=msgspec.json.encode(leg), timeout=self._timeout,
                 headers={"Content-Type": "application/json", "x-request-id": rid},
             ) as r:
@@ -293,7 +295,7 @@ class PdRoutes:
         """The decode engine's native SSE objects (raises ``_EngineRefusedError`` on an
         error)."""
         native = pd.decode_request(tokenized, prefill)
-        async with self._session.post(
+        async with self._engine_session.post(
             self._engine_url + native.path, data=orjson.dumps(native.body),
             timeout=self._timeout,
             headers={"Content-Type": "application/json", "x-request-id": rid},

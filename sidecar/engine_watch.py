@@ -50,6 +50,11 @@ class EngineWatch:
         url = f"{self.engine_url}/v1/models"
         try:
             async with self._session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                if resp.status == 401:
+                    raise EngineUnavailableError(
+                        f"{url} answered 401: the engine wants its API key; pass "
+                        "--engine-api-key-file (or set KVSIDECAR_ENGINE_API_KEY)"
+                    )
                 data = await resp.json(content_type=None)
             return str(data["data"][0]["id"])
         except (

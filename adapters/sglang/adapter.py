@@ -207,12 +207,15 @@ class SGLangAdapter(AdapterShell):
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         try:
             async with (
-                aiohttp.ClientSession(timeout=timeout) as session,
+                aiohttp.ClientSession(
+                    timeout=timeout, headers=self.config.engine_headers()
+                ) as session,
                 session.get(url) as resp,
             ):
                 if resp.status != 200:
                     text = await resp.text()
-                    raise AdapterError(f"GET {url} answered {resp.status}: {text[:200]}")
+                    hint = " (the engine wants its API key)" if resp.status == 401 else ""
+                    raise AdapterError(f"GET {url} answered {resp.status}{hint}: {text[:200]}")
                 body = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise AdapterError(f"cannot reach SGLang at {url}: {exc!r}") from exc

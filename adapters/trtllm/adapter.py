@@ -206,6 +206,7 @@ class TrtllmAdapter(AdapterShell):
                 on_payload,
                 poll_interval_s=cfg.poll_interval_s,
                 request_timeout_s=cfg.request_timeout_s,
+                headers=cfg.engine_headers(),
             )
         worker_ids = tuple(core.normalizer.worker_id for core in norm.cores)
         self._info = EngineInfo(

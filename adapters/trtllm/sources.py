@@ -55,8 +55,10 @@ class HttpEventSource:
         poll_interval_s: float = 0.05,
         request_timeout_s: float = 5.0,
         max_backoff_s: float = 2.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.url = url.rstrip("/") + "/kv_cache_events"
+        self._headers = headers or {}
         self._on_payload = on_payload
         self._interval = poll_interval_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s)
@@ -66,7 +68,7 @@ class HttpEventSource:
     async def run(self) -> None:
         backoff = self._interval
         down = False
-        async with aiohttp.ClientSession(timeout=self._timeout) as session:
+        async with aiohttp.ClientSession(timeout=self._timeout, headers=self._headers) as session:
             while True:
                 try:
                     async with session.post(self.url) as resp:

@@ -21,9 +21,6 @@ from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
 
 __all__ = ["admit"]
 
-# Client headers a worker sees too (credentials, tracing, the client's identity).
-_FORWARDED_HEADERS = (b"authorization", b"traceparent", b"tracestate", b"user-agent")
-
 
 def admit(
     ctx: PipelineContext,
@@ -49,7 +46,7 @@ def admit(
     record.prompt_tokens = prepared.prompt_tokens
     headers = request.headers
     extra = b"".join(
-        [b"%s: %s\r\n" % (h, v) for h in _FORWARDED_HEADERS if (v := headers.get(h))]
+        [b"%s: %s\r\n" % (h, v) for h in ctx.forwarded_headers if (v := headers.get(h))]
     )
     target = LegTarget(
         parsed,

@@ -41,4 +41,5 @@ class PipelineContext:
     in_flight: dict[str, InFlightRequest]  # by key: the sweep times them out, stop drains them
     model_names: Callable[[], Sequence[str]]  # the names clients may ask for (empty: any)
     max_in_flight_per_worker: int | None
+    forwarded_headers: tuple[bytes, ...]  # client headers the workers see too (lower-case)
     log_requests: bool  # one canonical log line per request (debug level)

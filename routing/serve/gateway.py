@@ -44,6 +44,9 @@ from routing.workers.registry import Health, Worker, WorkerRegistry
 __all__ = ["Gateway", "load_config_summary"]
 
 _ENDPOINTS = {e.value.encode(): e for e in Endpoint}
+# Client headers a worker sees too: tracing and the client's identity; its credential only
+# with --forward-authorization.
+_FORWARDED_HEADERS = (b"traceparent", b"tracestate", b"user-agent")
 _SWEEP_INTERVAL_S = 1.0
 # With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
 # to bridge the prefill and the event's trip.
@@ -127,6 +130,8 @@ class Gateway:
             in_flight={},
             model_names=self.model_names,
             max_in_flight_per_worker=cfg.max_in_flight_per_worker,
+            forwarded_headers=_FORWARDED_HEADERS
+            + ((b"authorization",) if cfg.forward_authorization else ()),
             log_requests=cfg.log_level is LogLevel.DEBUG,
         )
         self.prober = WorkerProber(

@@ -64,7 +64,7 @@ async def test_large_reply_passes_through_intact(stack) -> None:  # type: ignore
 
 
 async def test_request_id_is_forwarded_and_echoed(stack) -> None:  # type: ignore[no-untyped-def]
-    """A client's x-request-id reaches the engine and comes back; so does authorization."""
+    """A client's x-request-id reaches the engine and comes back; its credential does not."""
     gateway, engines = stack
     rid = "client-chosen-id-42"
     status, headers, _ = await h.post(
@@ -78,7 +78,19 @@ async def test_request_id_is_forwarded_and_echoed(stack) -> None:  # type: ignor
     for engine in engines:
         seen += (await h.get_json(engine.url, "/_stats"))["seen"]
     match = [s for s in seen if s["request_id"] == rid]
-    assert len(match) == 1 and match[0]["authorization"] == "Bearer k"
+    assert len(match) == 1 and match[0]["authorization"] is None
+
+
+async def test_authorization_is_forwarded_when_asked(spawn) -> None:  # type: ignore[no-untyped-def]
+    """With --forward-authorization the client's Authorization reaches the engine."""
+    engine = spawn.engine()
+    gateway = spawn.gateway([engine], "--forward-authorization")
+    status, _, _ = await h.post(gateway.url, "/v1/chat/completions", h.chat(),
+                                headers={"x-request-id": "auth-1", "authorization": "Bearer k"})
+    assert status == 200
+    (seen,) = [s for s in (await h.get_json(engine.url, "/_stats"))["seen"]
+               if s["request_id"] == "auth-1"]
+    assert seen["authorization"] == "Bearer k"
 
 
 async def test_generated_request_ids_reach_the_engine(stack) -> None:  # type: ignore[no-untyped-def]

@@ -158,6 +158,7 @@ def context(*workers: Worker, cap: int | None = None) -> PipelineContext:
         in_flight={},
         model_names=lambda: ["m"],
         max_in_flight_per_worker=cap,
+        forwarded_headers=(b"traceparent",),
         log_requests=False,
     )
 

@@ -1,0 +1,42 @@
+"""The sidecar's engine API key: where it comes from, and that it is never shown."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sidecar.config import ENGINE_API_KEY_ENV, SidecarConfig
+
+BASE = ["--engine-url", "http://127.0.0.1:30000", "--worker-id", "r0"]
+
+
+def test_the_key_comes_from_its_file_first_then_the_environment(tmp_path: Path) -> None:
+    """A key file wins over the environment; without either there is no key."""
+    key_file = tmp_path / "key"
+    key_file.write_text("  from-file \n")
+    env = {ENGINE_API_KEY_ENV: "from-env"}
+    assert SidecarConfig.from_args([*BASE, "--engine-api-key-file", str(key_file)],
+                                   env).engine_api_key == "from-file"
+    assert SidecarConfig.from_args(BASE, env).engine_api_key == "from-env"
+    assert SidecarConfig.from_args(BASE, {}).engine_api_key is None
+
+
+def test_the_key_is_never_in_the_configs_repr(tmp_path: Path) -> None:
+    """Logging or printing the config shows no key."""
+    cfg = SidecarConfig.from_args(BASE, {ENGINE_API_KEY_ENV: "sk-secret"})
+    assert "sk-secret" not in repr(cfg)
+
+
+@pytest.mark.parametrize(("content", "message"), [(None, "No such file"), ("", "is empty")])
+def test_a_missing_or_empty_key_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str | None, message: str
+) -> None:
+    """A key file that cannot be read, or holds nothing, stops the sidecar with its path."""
+    key_file = tmp_path / "key"
+    if content is not None:
+        key_file.write_text(content)
+    with pytest.raises(SystemExit):
+        SidecarConfig.from_args([*BASE, "--engine-api-key-file", str(key_file)], {})
+    err = capsys.readouterr().err
+    assert str(key_file) in err and message in err
