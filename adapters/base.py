@@ -51,6 +51,7 @@ __all__ = [
     "PrefillResult",
     "ResponseTranslator",
     "create_adapter",
+    "engine_openai_request",
     "worker_id_for",
 ]
 
@@ -160,11 +161,28 @@ class EngineInfo:
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """A native request: POST ``body`` (JSON) to ``path`` on the engine."""
+    """A native request: POST ``body`` (JSON) to ``path`` on the engine. ``openai``: it goes to
+    the engine's own OpenAI server, whose answers are already in OpenAI's shape."""
 
     path: str
     body: dict[str, Any]
     stream: bool
+    openai: bool = False
+
+
+def engine_openai_request(
+    request: TokenizedRequest, extra: Mapping[str, Any] | None = None
+) -> EngineRequest:
+    """``request.openai`` as its engine's OpenAI server takes it: the client's body as it came,
+    the model name the engine serves, and ``extra`` (an engine's own fields, e.g. SGLang's
+    request id)."""
+    openai = request.openai
+    if openai is None:
+        raise ValueError("the request carries no OpenAI body")
+    if request.bootstrap is not None or request.handoff is not None:
+        raise ValueError("a prefill/decode leg speaks token ids, not the OpenAI API")
+    body = {**openai.body, "model": request.model, **(extra or {})}
+    return EngineRequest(openai.path, body, bool(body.get("stream")), openai=True)
 
 
 class PrefillResult(msgspec.Struct, frozen=True):

@@ -5,6 +5,12 @@ as JSON. The gateway has rendered the chat template and tokenized, so the sideca
 exactly the token ids the gateway hashed; sampling parameters travel as OpenAI named them
 and the engine's adapter translates them into the engine's names.
 
+A request that asks for more than token ids and sampling parameters can express (tools,
+structured output, logprobs, n > 1, any field the translation does not know) carries the
+client's own body in ``openai``: the sidecar sends it to the engine's own OpenAI server, whose
+parsers produce tool calls, reasoning and logprobs, and relays the answer as the engine gave it.
+Nothing a client asked for is dropped on the way.
+
 A request served by a prefill/decode pair carries how the pair shares the KV: ``handoff``
 (through our sidecars: the decode worker's sidecar drives the prefill leg and pulls the
 prompt's blocks) or ``bootstrap`` (through the engine's own transfer, e.g. SGLang's bootstrap
@@ -18,7 +24,14 @@ from typing import Any, Literal
 
 import msgspec
 
-__all__ = ["TRANSFER_FAILED", "Bootstrap", "Handoff", "RequestKind", "TokenizedRequest"]
+__all__ = [
+    "TRANSFER_FAILED",
+    "Bootstrap",
+    "EngineOpenAI",
+    "Handoff",
+    "RequestKind",
+    "TokenizedRequest",
+]
 
 # The error code of a failed KV handoff: the gateway's cue to re-run the request elsewhere.
 TRANSFER_FAILED = "kv_transfer_failed"
@@ -51,6 +64,13 @@ class Bootstrap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     room: int
 
 
+class EngineOpenAI(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The client's request, for the engine's own OpenAI server, as the client sent it."""
+
+    path: Literal["/v1/chat/completions", "/v1/completions"]
+    body: dict[str, Any]
+
+
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """An OpenAI completions/chat request after the gateway tokenized it (chat template
     applied): what every adapter translates into its engine's native request."""
@@ -80,13 +100,14 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     dp_rank: int | None = None
     handoff: Handoff | None = None
     bootstrap: Bootstrap | None = None
+    openai: EngineOpenAI | None = None
     # Engine-specific fields passed through verbatim.
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
-        if self.n != 1:
+        if self.n != 1 and self.openai is None:
             raise ValueError(f"n={self.n} is not supported; send n separate requests")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")

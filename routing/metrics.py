@@ -97,6 +97,7 @@ class GatewayMetrics:
         self.completion_tokens = 0
         self.tokenizer_cache_hit_tokens = 0
         self.tokenized_tokens = 0
+        self.engine_openai_requests = 0  # sent on with the client's body (see sidecar_body)
         self.ttft = Histogram(_LATENCY_BUCKETS_S)
         self.itl = Histogram(_LATENCY_BUCKETS_S)
         self.latency = Histogram(_LATENCY_BUCKETS_S)
@@ -189,6 +190,13 @@ class _Collector:
                 "completion_tokens",
                 "Generated tokens relayed (SSE events or usage)",
                 m.completion_tokens,
+            ),
+            (
+                "engine_openai_requests",
+                "Requests whose fields token ids cannot carry (tools, response_format, "
+                "logprobs, n > 1, ...): a sidecar sends them to the engine's own OpenAI server "
+                "(the blocks are hashed from the gateway's tokens all the same)",
+                m.engine_openai_requests,
             ),
             (
                 "tokenized_tokens",

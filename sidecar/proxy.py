@@ -2,9 +2,13 @@
 
 ``POST /v1/kvsidecar/generate`` takes a ``TokenizedRequest`` (JSON; the gateway has already
 tokenized and placed it) and answers in OpenAI's shape: one JSON body, or SSE chunks passed
-through as the engine produces them. A client that disconnects cancels the handler (the app
-runs with ``handler_cancellation``), which closes the engine connection: the engine aborts
-the request. Engine errors come back OpenAI-shaped with the engine's status.
+through as the engine produces them. A request that carries the client's OpenAI body (fields
+token ids cannot carry) goes to the engine's own OpenAI server, and its answer is relayed as
+the engine wrote it (its tool calls, reasoning, logprobs), errors in OpenAI's shape.
+
+A client that disconnects cancels the handler (the app runs with ``handler_cancellation``),
+which closes the engine connection: the engine aborts the request. Engine errors come back
+OpenAI-shaped with the engine's status.
 """
 
 from __future__ import annotations
@@ -107,7 +111,7 @@ class RequestProxy:
         ok = False
         try:
             response = await self._forward(
-                request, tokenized, native.path, native.body, native.stream
+                request, tokenized, native.path, native.body, native.stream, native.openai
             )
             ok = response.status < 400
             return response
@@ -123,6 +127,7 @@ class RequestProxy:
         path: str,
         body: dict[str, Any],
         stream: bool,
+        openai: bool = False,
     ) -> web.StreamResponse:
         rid = tokenized.request_id
         translator = self._adapter.response_translator(tokenized)
@@ -137,6 +142,8 @@ class RequestProxy:
                 if upstream.status != 200:
                     error = translator.error(upstream.status, await upstream.read())
                     return openai_error_response(error, rid)
+                if openai:
+                    return await self._relay(request, upstream, rid, headers)
                 if not stream:
                     answer = translator.response(orjson.loads(await upstream.read()))
                     self._load.tokens(rid, _completion_tokens(answer))
@@ -186,6 +193,31 @@ class RequestProxy:
         await response.write_eof()
         return response
 
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        rid: str,
+        headers: dict[str, str],
+    ) -> web.StreamResponse:
+        """The engine's OpenAI answer, byte for byte (SSE events counted as tokens)."""
+        content_type = upstream.headers.get("Content-Type", "application/json")
+        if not content_type.startswith("text/event-stream"):
+            raw = await upstream.read()
+            self._load.tokens(rid, _usage_completion_tokens(raw))
+            return web.Response(body=raw, headers={**headers, "Content-Type": content_type})
+        response = web.StreamResponse(
+            headers={**headers, "Content-Type": content_type, "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        async for piece in upstream.content.iter_any():
+            events = piece.count(b"data:")
+            if events:
+                self._load.tokens(rid, events)
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
     def _worker_for(self, tokenized: TokenizedRequest) -> str | None:
         rank = tokenized.dp_rank or 0
         return self._worker_ids[rank] if 0 <= rank < len(self._worker_ids) else None
@@ -201,6 +233,13 @@ class RequestProxy:
 def sse(chunk: dict[str, Any]) -> bytes:
     """One SSE event of an OpenAI chunk."""
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def _usage_completion_tokens(raw: bytes) -> int:
+    try:
+        return _completion_tokens(orjson.loads(raw))
+    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        return 1
 
 
 def _completion_tokens(answer: dict[str, Any]) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.base import EngineRequest
+from adapters.base import EngineRequest, engine_openai_request
 from adapters.normalize_openai import OpenAIBuilder, Usage, error_from_engine
 from kvcore.errors import OpenAIError
 from kvcore.requests import TokenizedRequest
@@ -35,7 +35,10 @@ _SAMPLING_FIELDS = {
 
 
 def to_generate_request(request: TokenizedRequest) -> EngineRequest:
-    """The ``/generate`` body for ``request`` (token ids, sampling params, routing fields)."""
+    """The ``/generate`` body for ``request`` (token ids, sampling params, routing fields); a
+    request with an OpenAI body goes to SGLang's OpenAI server instead, with its ``rid``."""
+    if request.openai is not None:
+        return engine_openai_request(request, {"rid": request.request_id})
     sampling: dict[str, Any] = {}
     for ours, theirs in _SAMPLING_FIELDS.items():
         value = getattr(request, ours)

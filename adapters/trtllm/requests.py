@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.base import EngineRequest
+from adapters.base import EngineRequest, engine_openai_request
 from adapters.normalize_openai import OpenAIBuilder, Usage, error_from_engine
 from kvcore.errors import OpenAIError
 from kvcore.requests import TokenizedRequest
@@ -35,7 +35,10 @@ _PASS = (
 
 
 def to_completions_request(request: TokenizedRequest) -> EngineRequest:
-    """The ``/v1/completions`` body for ``request``."""
+    """The ``/v1/completions`` body for ``request`` (or, with an OpenAI body, that body for
+    trtllm-serve's own OpenAI routes)."""
+    if request.openai is not None:
+        return engine_openai_request(request)
     if request.bootstrap is not None:
         raise ValueError(
             "prefill/decode through TensorRT-LLM's own transfer (disaggregated_params) is not "

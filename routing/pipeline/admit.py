@@ -17,6 +17,7 @@ from routing.pipeline.exchange import Exchange
 from routing.pipeline.legs import LegTarget
 from routing.pipeline.pair import PairExchange
 from routing.pipeline.record import RequestRecord
+from routing.pipeline.sidecar_body import takes_token_path
 from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
 
 __all__ = ["admit"]
@@ -48,6 +49,9 @@ def admit(
     extra = b"".join(
         [b"%s: %s\r\n" % (h, v) for h in ctx.forwarded_headers if (v := headers.get(h))]
     )
+    token_path = prepared.token_ids is None or takes_token_path(parsed)
+    if not token_path:
+        ctx.metrics.engine_openai_requests += 1
     target = LegTarget(
         parsed,
         request.path,
@@ -55,6 +59,7 @@ def admit(
         prepared.token_ids,
         request_id,
         extra,
+        token_path,
     )
     kind = Exchange if ctx.pd is None else PairExchange
     kind(ctx, conn, record, parsed, prepared, target).start()

@@ -28,7 +28,8 @@ _PD_GENERATE = b"/v1/kvsidecar/pd/generate"
 class LegTarget:
     """What the legs of one request send: built once at admission."""
 
-    __slots__ = ("body", "extra_headers", "path", "request", "request_id", "token_ids")
+    __slots__ = ("body", "extra_headers", "path", "request", "request_id", "token_ids",
+                 "token_path")
 
     def __init__(
         self,
@@ -38,8 +39,11 @@ class LegTarget:
         token_ids: list[int] | None,
         request_id: bytes,
         extra_headers: bytes,
+        token_path: bool = True,
     ) -> None:
         self.request = request
+        # Token ids say all the client asked for (else the engine's OpenAI server gets its body).
+        self.token_path = token_path
         self.path = path  # the client's path and body (token ids where the gateway rewrote it)
         self.body = body
         self.token_ids = token_ids
@@ -61,8 +65,8 @@ class LegTarget:
             raise OpenAIError(400, "sidecar workers need a single prompt the gateway can "
                               "tokenize (batched prompts are not supported)", param="prompt")
         body = tokenized_body(self.request, self.token_ids, self.request_id.decode(),
-                              worker.dp_rank,
-                              handoff=handoff, bootstrap=bootstrap, stream=stream)
+                              worker.dp_rank, handoff=handoff, bootstrap=bootstrap,
+                              stream=stream, token_path=self.token_path)
         return (_GENERATE if handoff is None else _PD_GENERATE), body
 
 

@@ -53,8 +53,8 @@ class PairExchange(Exchange):
 
     def _place(self) -> None:
         self._transfer_failed = False
-        if not self.pd.takes(self.prompt):
-            self._place_aggregated()
+        if not self.target.token_path or not self.pd.takes(self.prompt):
+            self._place_aggregated()  # the pair's legs speak token ids only
             return
         try:
             placed = self.pd.place(self.prompt, self.request.max_tokens)

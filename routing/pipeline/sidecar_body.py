@@ -1,5 +1,12 @@
 """The body a sidecar worker gets: the client's OpenAI request, tokenized (``TokenizedRequest``).
 
+Two paths, chosen per request (``takes_token_path``): a request made only of what token ids
+and sampling parameters express exactly goes as token ids (the engine's ``/generate``: it
+caches exactly the blocks the gateway hashed); any other field (tools, response_format,
+logprobs, n > 1, a field this translation does not know, a value of a type it does not
+expect) sends the client's body along too, for the engine's own OpenAI server
+(``EngineOpenAI``), so nothing the client asked for is dropped.
+
 The gateway has already rendered the chat template and tokenized, so the sidecar forwards
 exactly the token ids the gateway hashed; sampling parameters travel as OpenAI named them
 and the adapter translates them to the engine's names.
@@ -12,15 +19,49 @@ from typing import Any
 import msgspec
 
 from kvcore.errors import OpenAIError
-from kvcore.requests import Bootstrap, Handoff, RequestKind, TokenizedRequest
+from kvcore.requests import Bootstrap, EngineOpenAI, Handoff, RequestKind, TokenizedRequest
 from routing.prompt.openai_api import Endpoint, OpenAIRequest
 
-__all__ = ["tokenized_body"]
+__all__ = ["takes_token_path", "tokenized_body"]
 
 _encoder = msgspec.json.Encoder()
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
 _INTS = ("top_k", "seed", "priority")
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+# Every field the token path carries exactly, and what its value must be. The gateway itself
+# consumes model, messages, prompt, stream(_options), the token limits, cache_salt and the
+# template's arguments (its tokens reflect them).
+_TOKEN_PATH: dict[str, Any] = {
+    **dict.fromkeys(("model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+                     "max_completion_tokens", "cache_salt", "add_generation_prompt",
+                     "chat_template_kwargs"), lambda v: True),
+    **dict.fromkeys(_FLOATS, _number),
+    **dict.fromkeys(_INTS, lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "stop": lambda v: v is None or _strings(v),
+    "stop_token_ids": lambda v: v is None or (isinstance(v, list)
+                                              and all(type(t) is int for t in v)),
+    "ignore_eos": lambda v: isinstance(v, bool),
+    "n": lambda v: v in (1, None),
+}
+
+
+def takes_token_path(req: OpenAIRequest) -> bool:
+    """Whether token ids and sampling parameters say everything the client asked for."""
+    for name, value in req.body.items():
+        check = _TOKEN_PATH.get(name)
+        if check is None or (value is not None and not check(value)):
+            return False
+    return True
 
 
 def tokenized_body(
@@ -32,10 +73,13 @@ def tokenized_body(
     handoff: Handoff | None = None,
     bootstrap: Bootstrap | None = None,
     stream: bool | None = None,
+    token_path: bool = True,
 ) -> bytes:
     """The JSON body of one leg to a sidecar (``/v1/kvsidecar/generate``, or with
-    ``handoff`` ``/v1/kvsidecar/pd/generate``); ``stream`` overrides the client's."""
+    ``handoff`` ``/v1/kvsidecar/pd/generate``); ``stream`` overrides the client's; without
+    ``token_path`` the client's body goes along for the engine's OpenAI server."""
     body = req.body
+    openai = None if token_path else EngineOpenAI(req.endpoint.value, body)
     fields: dict[str, Any] = {}
     for name in _FLOATS:
         value = body.get(name)
@@ -53,10 +97,6 @@ def tokenized_body(
     stop_ids = body.get("stop_token_ids")
     if isinstance(stop_ids, list) and all(isinstance(t, int) for t in stop_ids):
         fields["stop_token_ids"] = stop_ids
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise OpenAIError(400, f"n={n} is not supported by sidecar workers; send n requests",
-                       param="n")
     try:
         request = TokenizedRequest(
             request_id=request_id,
@@ -71,6 +111,7 @@ def tokenized_body(
             dp_rank=dp_rank,
             handoff=handoff,
             bootstrap=bootstrap,
+            openai=openai,
             **fields,
         )
     except (ValueError, TypeError) as exc:

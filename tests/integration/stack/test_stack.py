@@ -207,6 +207,49 @@ class TestPlacement:
 
 
 @pytest.mark.slow
+class TestRequestSurface:
+    """Fields token ids cannot carry reach the engine's own OpenAI server through the sidecar;
+    its answers and its refusals come back as it gave them."""
+
+    async def test_a_field_the_engine_refuses_comes_back_as_its_error(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """logprobs reach the reference engine, which refuses them: the client reads why."""
+        await routable(session, stack.url, 2)
+        body = {"model": "tiny", "max_tokens": 4, "logprobs": True, "top_logprobs": 2,
+                "messages": [{"role": "user", "content": "hi"}]}
+        async with session.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+            error = (await resp.json())["error"]
+            assert resp.status == 400, error
+            assert "logprobs are not supported by the reference engine" in error["message"]
+            assert resp.headers["x-kvsidecar-worker"].startswith("replica-")
+
+    @pytest.mark.parametrize("stream", [False, True])
+    async def test_other_fields_are_answered_by_the_engines_openai_server(
+        self, stack, session, stream: bool
+    ) -> None:  # type: ignore[no-untyped-def]
+        """A field the token path does not carry takes the engine's OpenAI route: its reply
+        shape (reasoning_content, tool_calls) comes through, streamed or not, and the
+        gateway counts it."""
+        await routable(session, stack.url, 2)
+        body = {"model": "tiny", "max_tokens": 4, "user": "client-7", "stream": stream,
+                "messages": [{"role": "user", "content": "hello there"}]}
+        async with session.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            if stream:
+                events = [line async for line in resp.content if line.startswith(b"data:")]
+                assert events[-1].strip() == b"data: [DONE]"
+                chunks = [json.loads(e[5:]) for e in events[:-1]]
+                assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+                finished = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+                assert "matched_stop" in finished[-1]["choices"][0]  # the engine's own chunk
+            else:
+                message = (await resp.json())["choices"][0]["message"]
+                assert {"reasoning_content", "tool_calls"} <= set(message)
+        async with session.get(f"{stack.url}/metrics") as resp:
+            metrics = await resp.text()
+        assert "kvsidecar_gateway_engine_openai_requests_total 1.0" in metrics
+
+
+@pytest.mark.slow
 async def test_dead_sidecar_leaves_placement(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
     """A sidecar killed mid-stream cuts that stream only; later requests go to the other."""
     stack = start_stack(tmp_path, speedup="1")

@@ -11,7 +11,7 @@ from adapters.normalize_openai import error_from_engine
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
 from kvcore.errors import OpenAIError
-from kvcore.requests import RequestKind, TokenizedRequest
+from kvcore.requests import Bootstrap, EngineOpenAI, RequestKind, TokenizedRequest
 
 
 def request(**kw: Any) -> TokenizedRequest:
@@ -214,3 +214,19 @@ def test_trtllm_error_response() -> None:
         )
     err = error_from_engine("trtllm", 500, b"")
     assert err.message == "trtllm engine error: empty error reply with status 500"
+
+
+def test_an_openai_body_goes_to_the_engines_own_openai_server() -> None:
+    """With the client's body, both engines get it on their OpenAI route, as it came (SGLang
+    also gets the request id), and its answers are marked as OpenAI's already."""
+    openai = EngineOpenAI("/v1/chat/completions",
+                          {"model": "alias", "messages": [], "logprobs": True, "stream": True})
+    req = request(openai=openai, n=2)
+    sglang = to_generate_request(req)
+    assert (sglang.path, sglang.openai, sglang.stream) == ("/v1/chat/completions", True, True)
+    assert sglang.body == {"model": "tiny", "messages": [], "logprobs": True, "stream": True,
+                           "rid": "r1"}
+    trtllm = to_completions_request(req)
+    assert trtllm.path == "/v1/chat/completions" and "rid" not in trtllm.body
+    with pytest.raises(ValueError, match="token ids"):
+        to_generate_request(request(openai=openai, bootstrap=Bootstrap("prefill", "h", 1, 2)))
