@@ -304,6 +304,12 @@ class EngineAdapter(Protocol):
         effort: None when it does not or cannot be asked now)."""
         ...
 
+    async def render_tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        """The token ids the engine makes of a conversation for a chat completion (its chat
+        template and tokenizer): what the gateway's own must equal for its block hashes to
+        be the engine's. None: the engine cannot say; ``AdapterError``: asking failed."""
+        ...
+
     def block_layout(self) -> BlockLayout:
         """The KV block memory layout (needs the model config; ``AdapterError`` if unknown)."""
         ...

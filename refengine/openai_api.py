@@ -1,5 +1,6 @@
 """OpenAI-compatible routes as SGLang serves them: ``/v1/completions``,
-``/v1/chat/completions`` (both streaming), ``/v1/models``.
+``/v1/chat/completions`` (both streaming), ``/v1/models``, and SGLang's ``/v1/tokenize``
+(a prompt, or messages rendered as a chat completion would be).
 
 Usage carries ``prompt_tokens_details.cached_tokens`` (device + host-tier tokens, as SGLang's
 cache report). Errors use SGLang's OpenAI ``ErrorResponse`` shape:
@@ -258,6 +259,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, chat=True)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """SGLang's ``/v1/tokenize``: exactly one of ``prompt`` and ``messages``; messages are
+    rendered and encoded as ``/v1/chat/completions`` would."""
+    engine = request.app[ENGINE]
+    try:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the request body must be a JSON object")
+        if ("prompt" in body) == ("messages" in body):
+            raise BadRequest("Exactly one of 'prompt' or 'messages' must be provided.")
+        ids = _chat_ids(body, engine) if "messages" in body else _prompt_ids(body, engine)
+    except BadRequest as exc:
+        return openai_error(str(exc), exc.status)
+    return json_response({
+        "tokens": ids,
+        "count": len(ids),
+        "max_model_len": engine.model_cfg.max_position_embeddings,
+    })
+
+
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     return json_response(
@@ -281,3 +302,5 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/tokenize", tokenize)
+    app.router.add_post("/tokenize", tokenize)

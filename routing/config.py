@@ -84,6 +84,7 @@ class RouterConfig:
     port: int = 8000
     log_level: LogLevel = LogLevel.INFO
     health_check_interval_s: float = 10.0
+    parity_interval_s: float = 300.0  # hash parity check of each sidecar worker
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
     max_body_bytes: int = 32 << 20
@@ -125,6 +126,7 @@ class RouterConfig:
         for name in (
             "approx_ttl_s",
             "health_check_interval_s",
+            "parity_interval_s",
             "connect_timeout_s",
             "upstream_timeout_s",
         ):
@@ -191,6 +193,7 @@ class RouterConfig:
                 port=args.port,
                 log_level=LogLevel(args.log_level),
                 health_check_interval_s=args.health_check_interval_s,
+                parity_interval_s=args.parity_interval_s,
                 connect_timeout_s=args.connect_timeout_s,
                 upstream_timeout_s=args.upstream_timeout_s,
                 max_body_bytes=args.max_body_bytes,
@@ -376,6 +379,14 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         help="seconds between GET /health probes of each worker",
+    )
+    s.add_argument(
+        "--parity-interval-s",
+        type=float,
+        default=300.0,
+        help="seconds between checks that each sidecar worker's engine tokenizes and caches "
+        "as the gateway hashes (a canary conversation, and the cached tokens engines report); "
+        "also checked when a worker's stream comes up (default 300)",
     )
     s.add_argument("--connect-timeout-s", type=float, default=5.0)
     s.add_argument(

@@ -235,10 +235,18 @@ class _Collector:
             "Uncached prompt tokens not yet prefilled",
             labels=labels,
         )
+        parity = GaugeMetricFamily(
+            p + "worker_hash_parity",
+            "1 for the worker's hash parity: exact, degraded (cache predictions are wrong), "
+            "falling_back (placed by load alone) or unverified",
+            labels=["worker", "parity"],
+        )
         for w in state["workers"]:
             wid = w["worker_id"]
+            if "parity" in w:
+                parity.add_metric([wid, w["parity"]], 1.0)
             healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
             in_flight.add_metric([wid], w["in_flight"])
             blocks.add_metric([wid], w["active_blocks"])
             prefill.add_metric([wid], w["active_prefill_tokens"])
-        yield from (healthy, in_flight, blocks, prefill)
+        yield from (healthy, in_flight, blocks, prefill, parity)

@@ -273,6 +273,7 @@ class Sidecar:
         app.router.add_get("/v1/kv-events", self._kv_events)
         assert self._proxy is not None
         app.router.add_post("/v1/kvsidecar/generate", self._proxy.handle)
+        app.router.add_post("/v1/kvsidecar/tokenize", self._proxy.render_tokens)
         if self.host_tier is not None:  # /v1/blocks/...: exports to and pulls from peers
             app.add_routes(self.host_tier.transfer.routes())
         app.add_routes(self._pd_routes().routes())  # /v1/kvsidecar/pd/... (sidecar/disagg.py)

@@ -23,7 +23,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from adapters.base import EngineAdapter
+from adapters.base import AdapterError, EngineAdapter
 from kvcore import BlockHasher, namespace_seed
 from kvcore.errors import OpenAIError
 from kvcore.requests import TokenizedRequest
@@ -217,6 +217,28 @@ class RequestProxy:
             await response.write(piece)
         await response.write_eof()
         return response
+
+    async def render_tokens(self, request: web.Request) -> web.Response:
+        """``POST /v1/kvsidecar/tokenize`` ``{"messages": [...]}``: the token ids the engine
+        makes of a conversation, for the gateway's hash parity check (501: it cannot say)."""
+        try:
+            body = await request.json(loads=orjson.loads)
+            messages = body["messages"]
+            if not isinstance(messages, list):
+                raise TypeError("messages must be a list")
+        except (ValueError, KeyError, TypeError) as exc:
+            return openai_error_response(OpenAIError(400, f"expected {{'messages': [...]}}: "
+                                                     f"{exc}"))
+        try:
+            tokens = await self._adapter.render_tokens(messages)
+        except AdapterError as exc:
+            return openai_error_response(OpenAIError(502, str(exc), "engine_unreachable"))
+        if tokens is None:
+            return openai_error_response(OpenAIError(
+                501, f"the {self._adapter.kind.value} engine cannot tokenize a conversation",
+                "not_implemented"))
+        return web.Response(body=orjson.dumps({"tokens": tokens}),
+                            content_type="application/json")
 
     def _worker_for(self, tokenized: TokenizedRequest) -> str | None:
         rank = tokenized.dp_rank or 0

@@ -200,28 +200,55 @@ class SGLangAdapter(AdapterShell):
     def response_translator(self, request: TokenizedRequest) -> SGLangResponseTranslator:
         return SGLangResponseTranslator(request, incremental=self._incremental)
 
+    async def render_tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        """SGLang's ``POST /v1/tokenize`` with ``messages`` (0.5.23 renders them as a chat
+        completion would); None from an SGLang without it (404)."""
+        body = {"model": self.config.model_id, "messages": messages}
+        try:
+            answer = await self._call("POST", "/v1/tokenize", body)
+        except _NotServed:
+            return None
+        tokens = answer.get("tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise AdapterError(f"/v1/tokenize answered no token list: {str(answer)[:200]}")
+        return tokens
+
     # --- helpers --------------------------------------------------------------------------
 
     async def _server_info(self) -> dict[str, Any]:
-        url = self.config.engine_url.rstrip("/") + "/server_info"
+        return await self._call("GET", "/server_info")
+
+    async def _call(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """One JSON request to SGLang, with its API key; ``AdapterError`` on any failure."""
+        url = self.config.engine_url.rstrip("/") + path
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
         try:
             async with (
                 aiohttp.ClientSession(
                     timeout=timeout, headers=self.config.engine_headers()
                 ) as session,
-                session.get(url) as resp,
+                session.request(method, url, json=body) as resp,
             ):
+                if resp.status == 404:
+                    raise _NotServed(f"{method} {url} answered 404: no such route here")
                 if resp.status != 200:
                     text = await resp.text()
                     hint = " (the engine wants its API key)" if resp.status == 401 else ""
-                    raise AdapterError(f"GET {url} answered {resp.status}{hint}: {text[:200]}")
-                body = await resp.json(content_type=None)
+                    raise AdapterError(
+                        f"{method} {url} answered {resp.status}{hint}: {text[:200]}"
+                    )
+                answer = await resp.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise AdapterError(f"cannot reach SGLang at {url}: {exc!r}") from exc
-        if not isinstance(body, dict):
-            raise AdapterError(f"GET {url} did not answer a JSON object")
-        return body
+        if not isinstance(answer, dict):
+            raise AdapterError(f"{method} {url} did not answer a JSON object")
+        return answer
+
+
+class _NotServed(AdapterError):
+    """The engine has no such route (an older SGLang)."""
 
 
 def _str_or_none(value: object) -> str | None:

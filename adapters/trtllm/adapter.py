@@ -229,6 +229,9 @@ class TrtllmAdapter(AdapterShell):
     async def kv_capacity_blocks(self) -> int | None:
         return None  # trtllm-serve does not publish its KV capacity
 
+    async def render_tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        return None  # trtllm-serve has no tokenize route
+
     def block_layout(self) -> BlockLayout:
         return self.model_layout()
 

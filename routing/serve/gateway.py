@@ -38,6 +38,7 @@ from routing.prompt.openai_api import Endpoint
 from routing.prompt.preparer import PromptPreparer
 from routing.prompt.tokenizer import PromptTokenizer
 from routing.workers.discovery import SidecarDiscovery
+from routing.workers.parity import ParityChecker
 from routing.workers.probes import WorkerProber
 from routing.workers.registry import Health, Worker, WorkerRegistry
 
@@ -89,6 +90,7 @@ class Gateway:
         for address in cfg.workers:
             self.workers.add(Worker(address.url, address, models=cfg.model_names))
         self.sidecars: SidecarDiscovery | None = None
+        self.parity: ParityChecker | None = None
         self._session: aiohttp.ClientSession | None = None
         self.metrics = GatewayMetrics()
         self.metrics.set_gauge_source(self.workers_state)
@@ -192,6 +194,12 @@ class Gateway:
     def _start_sidecars(self) -> None:
         """Follow every configured sidecar: its workers join as they are discovered."""
         self._session = aiohttp.ClientSession()
+        self.parity = ParityChecker(
+            self.workers, self.prompts, self.metrics, self._session,
+            model_id=self.cfg.model_names[0],
+        )
+        self.workers.check_parity = self._check_parity
+        self.spawn(self.parity.run(self.cfg.parity_interval_s))
         self.sidecars = SidecarDiscovery(
             self.workers,
             self.router,
@@ -204,6 +212,10 @@ class Gateway:
             self.sidecars.add(address.url)
         if self.cfg.sidecar_file is not None:
             self.sidecars.watch_file(self.cfg.sidecar_file)
+
+    def _check_parity(self, worker: Worker) -> None:
+        if self.parity is not None:
+            self.spawn(self.parity.check(worker))
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """A task owned by the gateway (cancelled on stop)."""
@@ -327,6 +339,8 @@ class Gateway:
                     "requests": worker.dispatched,
                     "models": list(worker.models),
                     "last_error": worker.probe_error,
+                    "parity": worker.parity.value,
+                    "parity_reason": worker.parity_reason,
                     "idle_connections": self.pool.idle_count(wid),
                 }
             )

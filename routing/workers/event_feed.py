@@ -31,7 +31,13 @@ from kvcore.wire import WireError, decode
 from routing.placement.kv_router import KvRouter
 from routing.placement.prefix_index import ApplyOutcome
 
-__all__ = ["FeedListener", "FeedStats", "SidecarFeed", "StreamProtocolError"]
+__all__ = [
+    "FeedListener",
+    "FeedStats",
+    "SidecarFeed",
+    "StreamMismatchError",
+    "StreamProtocolError",
+]
 
 _FRAME_HEADER = struct.Struct(">I")
 _MAX_FRAME_BYTES = 256 << 20
@@ -44,12 +50,17 @@ class StreamProtocolError(Exception):
     """The sidecar sent something the protocol does not allow here."""
 
 
+class StreamMismatchError(StreamProtocolError):
+    """The sidecar's worker does not hash as the gateway does (page size, model)."""
+
+
 class FeedListener(Protocol):
     """Who hears what a stream says of its worker."""
 
     def stream_up(self, worker_id: str, role: str) -> None: ...
     def stream_down(self, worker_id: str, error: str | None) -> None: ...
     def reported(self, status: WorkerStatus) -> None: ...
+    def mismatched(self, worker_id: str, reason: str) -> None: ...
 
 
 class _Resync(Exception):
@@ -115,6 +126,9 @@ class SidecarFeed:
             except (aiohttp.ClientError, TimeoutError, ConnectionError, StreamProtocolError) as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.info("stream_disconnected", url=self.url, error=self.error)
+                if (isinstance(exc, StreamMismatchError) and self.listener is not None
+                        and self.worker_id is not None):
+                    self.listener.mismatched(self.worker_id, str(exc))
             finally:
                 self.connected = False
                 self.live.clear()
@@ -185,13 +199,14 @@ class SidecarFeed:
 
     def _check(self, start: StreamStart) -> None:
         if start.block_size != self.router.block_size:
-            raise StreamProtocolError(
-                f"sidecar block size {start.block_size} != gateway block size "
-                f"{self.router.block_size}: overlaps would silently be zero"
+            raise StreamMismatchError(
+                f"page size mismatch: sidecar block size {start.block_size} != gateway block "
+                f"size {self.router.block_size} (--block-size): overlaps would silently be zero"
             )
         if start.model_id != self.model_id:
-            raise StreamProtocolError(
-                f"sidecar serves model {start.model_id!r}, gateway expects {self.model_id!r}"
+            raise StreamMismatchError(
+                f"model mismatch: sidecar serves model {start.model_id!r}, gateway expects "
+                f"{self.model_id!r} (its namespace, so its hashes, differ)"
             )
         if self.worker_id is not None and start.worker_id != self.worker_id:
             raise StreamProtocolError(

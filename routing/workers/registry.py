@@ -7,7 +7,9 @@ requests, and both must:
 * its **probe**: ``GET /health`` every ``--health-check-interval-s``; a request whose
   connection fails marks the probe failed too, until the next probe answers;
 * for sidecar workers, its **stream**: the event stream must be connected, and the last
-  ``WorkerStatus`` on it (every half second) must say routable. A status that says routable
+  ``WorkerStatus`` on it (every half second) must say routable. A stream refused because the
+  worker does not hash as the gateway does (page size, model) leaves it placed by load
+  alone, flagged as falling back (``parity.py``). A status that says routable
   while the probe is failed asks for a probe at once, so a recovered worker is back within
   one status interval instead of one probe interval.
 
@@ -27,7 +29,7 @@ import structlog
 from kvcore.stream import WorkerStatus
 from routing.config import WorkerAddress
 
-__all__ = ["Health", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
+__all__ = ["Health", "Parity", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
 
 log = structlog.get_logger("routing.workers").bind(component="workers")
 
@@ -52,6 +54,15 @@ class Health(enum.StrEnum):
     UNROUTABLE = "unroutable"  # the sidecar says so (draining, engine unhealthy, silent)
 
 
+class Parity(enum.StrEnum):
+    """Whether the gateway's block hashes are the worker's (``routing.workers.parity``)."""
+
+    EXACT = "exact"
+    DEGRADED = "degraded"  # routed, but its cache predictions are wrong
+    FALLING_BACK = "falling_back"  # its stream was refused: placed by load alone
+    UNVERIFIED = "unverified"
+
+
 @dataclass(slots=True)
 class Worker:
     """One worker and what the gateway knows of it."""
@@ -70,6 +81,9 @@ class Worker:
     status: WorkerStatus | None = None
     bootstrap: tuple[str, int] | None = None  # where a prefill engine serves its own transfer
     dispatched: int = 0  # requests (legs) sent to it
+    mismatch: str | None = None  # why its stream was refused (page size, model), if it was
+    parity: Parity = Parity.UNVERIFIED
+    parity_reason: str = "not checked yet"
     host_header: bytes = b""
 
     def __post_init__(self) -> None:
@@ -82,7 +96,9 @@ class Worker:
             return Health.PROBE_FAILED
         if self.kind is WorkerKind.SIDECAR:
             if not self.stream_connected:
-                return Health.STREAM_DOWN
+                # A stream refused for a mismatch (page size, model) leaves the engine
+                # serving: placed by load alone, and flagged loudly (``parity``).
+                return Health.STREAM_DOWN if self.mismatch is None else Health.ROUTABLE
             if self.status is not None and not self.status.routable:
                 return Health.UNROUTABLE
         return Health.ROUTABLE
@@ -115,6 +131,7 @@ class WorkerRegistry:
         self._models: list[str] | None = None
         self._on_capacity = on_capacity
         self.probe_soon: Callable[[Worker], None] = lambda worker: None  # set by the prober
+        self.check_parity: Callable[[Worker], None] = lambda worker: None  # by the checker
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(self._workers.values())
@@ -160,7 +177,9 @@ class WorkerRegistry:
             return
         worker.stream_connected, worker.stream_error = True, None
         worker.role = Role(role)
+        worker.mismatch = None
         self._changed()
+        self.check_parity(worker)
 
     def stream_down(self, worker_id: str, error: str | None) -> None:
         worker = self._workers.get(worker_id)
@@ -170,6 +189,14 @@ class WorkerRegistry:
         if worker.stream_connected:
             worker.stream_connected = False
             self._changed()
+
+    def mismatched(self, worker_id: str, reason: str) -> None:
+        """The worker's stream was refused: it does not hash as the gateway does."""
+        worker = self._workers.get(worker_id)
+        if worker is not None and worker.mismatch != reason:
+            worker.mismatch = reason
+            self._changed()
+            self.check_parity(worker)
 
     def reported(self, status: WorkerStatus) -> None:
         """A sidecar's ``WorkerStatus`` arrived on the worker's stream."""

@@ -135,6 +135,9 @@ class FakeAdapter:
     async def kv_capacity_blocks(self) -> int | None:
         return None
 
+    async def render_tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:
+        return None
+
     def block_layout(self) -> BlockLayout:
         return BlockLayout(2, 2, 8, self.block_size, "float32")
 
