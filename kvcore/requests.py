@@ -67,7 +67,14 @@ class Bootstrap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class EngineOpenAI(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The client's request, for the engine's own OpenAI server, as the client sent it."""
 
-    path: Literal["/v1/chat/completions", "/v1/completions"]
+    path: Literal[
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/embeddings",
+        "/v1/tokenize",
+    ]
     body: dict[str, Any]
 
 
@@ -105,7 +112,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.prompt_token_ids:
+        if not self.prompt_token_ids and self.openai is None:
             raise ValueError("prompt_token_ids must not be empty")
         if self.n != 1 and self.openai is None:
             raise ValueError(f"n={self.n} is not supported; send n separate requests")

@@ -193,9 +193,9 @@ class _Collector:
             ),
             (
                 "engine_openai_requests",
-                "Requests whose fields token ids cannot carry (tools, response_format, "
-                "logprobs, n > 1, ...): a sidecar sends them to the engine's own OpenAI server "
-                "(the blocks are hashed from the gateway's tokens all the same)",
+                "Requests sent to a sidecar with the client's body, for the engine's own OpenAI "
+                "server: fields token ids cannot carry (tools, response_format, logprobs, "
+                "n > 1, ...), a batch of prompts, or an endpoint the gateway does not tokenize",
                 m.engine_openai_requests,
             ),
             (

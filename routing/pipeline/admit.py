@@ -49,9 +49,7 @@ def admit(
     extra = b"".join(
         [b"%s: %s\r\n" % (h, v) for h in ctx.forwarded_headers if (v := headers.get(h))]
     )
-    token_path = prepared.token_ids is None or takes_token_path(parsed)
-    if not token_path:
-        ctx.metrics.engine_openai_requests += 1
+    token_path = prepared.token_ids is not None and takes_token_path(parsed)
     target = LegTarget(
         parsed,
         request.path,

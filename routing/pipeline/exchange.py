@@ -35,7 +35,7 @@ from routing.placement.active_load import UnknownRequestError
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
-from routing.workers.registry import Worker
+from routing.workers.registry import Worker, WorkerKind
 
 __all__ = ["Exchange"]
 
@@ -121,6 +121,8 @@ class Exchange:
         except OpenAIError as exc:
             self._reply_error(exc.status, exc.message, exc.type)
             return
+        if worker.kind is WorkerKind.SIDECAR and not self.target.token_path:
+            self.ctx.metrics.engine_openai_requests += 1
         self.leg = leg
         self._dispatch(leg, self)
 

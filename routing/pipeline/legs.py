@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from kvcore.errors import OpenAIError
 from kvcore.requests import Bootstrap, Handoff
 from routing.http.client import UpstreamConnection
 from routing.pipeline.sidecar_body import tokenized_body
@@ -61,12 +60,12 @@ class LegTarget:
         """(path, body) of a leg to ``worker``; ``OpenAIError`` when it cannot take it."""
         if worker.kind is WorkerKind.PLAIN:
             return self.path, self.body
-        if self.token_ids is None:
-            raise OpenAIError(400, "sidecar workers need a single prompt the gateway can "
-                              "tokenize (batched prompts are not supported)", param="prompt")
-        body = tokenized_body(self.request, self.token_ids, self.request_id.decode(),
+        # Without token ids (a batch of prompts, an endpoint the gateway does not tokenize)
+        # the engine's own OpenAI server takes the client's body.
+        token_path = self.token_path and self.token_ids is not None
+        body = tokenized_body(self.request, self.token_ids or [], self.request_id.decode(),
                               worker.dp_rank, handoff=handoff, bootstrap=bootstrap,
-                              stream=stream, token_path=self.token_path)
+                              stream=stream, token_path=token_path)
         return (_GENERATE if handoff is None else _PD_GENERATE), body
 
 

@@ -22,6 +22,16 @@ __all__ = ["Endpoint", "OpenAIRequest", "parse_request"]
 class Endpoint(enum.Enum):
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    # Relayed to a worker as they come (its engine's own server answers them), placed by load.
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"  # Anthropic's shape
+    EMBEDDINGS = "/v1/embeddings"
+    TOKENIZE = "/v1/tokenize"
+
+    @property
+    def prompted(self) -> bool:
+        """Whether the gateway reads its prompt (tokenizes, hashes, checks its options)."""
+        return self is Endpoint.CHAT or self is Endpoint.COMPLETIONS
 
 
 def _bad(message: str, param: str | None = None) -> OpenAIError:
@@ -70,6 +80,8 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
         stream = False
     if type(stream) is not bool:
         raise _bad(f"'stream' must be a boolean, got {stream!r}", "stream")
+    if not endpoint.prompted:  # the engine validates the rest
+        return OpenAIRequest(endpoint, body, model, stream, False, None, None, None, None, None)
     include_usage = _stream_options(body, stream)
     max_tokens = _max_tokens(body)
     for name, (low, high) in _NUMBER_RANGES.items():

@@ -106,10 +106,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def echo(request: web.Request) -> web.Response:
+    """The other OpenAI routes: recorded, and answered with what came."""
+    body = await request.json()
+    SEEN.append({"path": request.path, "request_id": request.headers.get("x-request-id"),
+                 "authorization": request.headers.get("authorization"), "body": body})
+    return web.json_response({"object": "echo", "path": request.path, "body": body})
+
+
 async def main(port: int, model: str) -> None:
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
+    for path in ("/v1/responses", "/v1/messages", "/v1/embeddings", "/v1/tokenize"):
+        app.router.add_post(path, echo)
     app.router.add_get("/health", lambda _: web.Response(text="ok"))
     app.router.add_get(
         "/v1/models",

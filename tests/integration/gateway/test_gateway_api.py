@@ -232,3 +232,24 @@ async def test_expect_100_continue(stack) -> None:  # type: ignore[no-untyped-de
         writer.write(body)
         assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200")
     writer.close()
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/responses", {"model": "fake-model", "input": "hi", "tools": []}),
+        ("/v1/messages", {"model": "fake-model", "max_tokens": 8,
+                          "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/embeddings", {"model": "fake-model", "input": ["a", "b"]}),
+        ("/v1/tokenize", {"model": "fake-model", "prompt": "hello"}),
+    ],
+)
+async def test_other_openai_routes_reach_a_worker(stack, path: str, body: dict) -> None:  # type: ignore[no-untyped-def]
+    """Responses, Anthropic messages, embeddings and tokenize go to a worker as they came,
+    and its answer comes back with the gateway's headers."""
+    gateway, _ = stack
+    status, headers, raw = await h.post(gateway.url, path, body)
+    assert status == 200 and headers["x-kvsidecar-worker"]
+    assert orjson.loads(raw) == {"object": "echo", "path": path, "body": body}
+    status, _, raw = await h.post(gateway.url, path, {**body, "model": "other"})
+    assert status == 404 and orjson.loads(raw)["error"]["code"] == "model_not_found"

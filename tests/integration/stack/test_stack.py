@@ -248,6 +248,20 @@ class TestRequestSurface:
             metrics = await resp.text()
         assert "kvsidecar_gateway_engine_openai_requests_total 1.0" in metrics
 
+    async def test_other_routes_reach_the_engine_through_its_sidecar(self, stack, session) -> None:  # type: ignore[no-untyped-def]
+        """/v1/tokenize is answered by the engine itself; a route the engine lacks comes back
+        as the engine's own 404, in OpenAI's shape."""
+        await routable(session, stack.url, 2)
+        body = {"model": "tiny", "prompt": "hello there"}
+        async with session.post(f"{stack.url}/v1/tokenize", json=body) as resp:
+            assert resp.status == 200
+            answer = await resp.json()
+        assert answer["count"] == len(answer["tokens"]) > 0
+        async with session.post(f"{stack.url}/v1/embeddings",
+                                json={"model": "tiny", "input": "x"}) as resp:
+            assert resp.status == 404
+            assert "error" in await resp.json()
+
 
 @pytest.mark.slow
 async def test_dead_sidecar_leaves_placement(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]

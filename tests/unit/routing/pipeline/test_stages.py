@@ -7,11 +7,9 @@ import asyncio
 import random
 
 import orjson
-import pytest
 from structlog.testing import capture_logs
 
 from kvcore import BlockHasher
-from kvcore.errors import OpenAIError
 from kvcore.requests import Handoff
 from routing.config import RouterMode, WorkerAddress
 from routing.http.client import UpstreamPool
@@ -225,12 +223,16 @@ class TestLegs:
         assert path == b"/v1/kvsidecar/pd/generate"
         assert orjson.loads(sent)["handoff"]["prefill_url"] == "http://p:1"
 
-    def test_a_sidecar_cannot_take_an_untokenized_request(self) -> None:
-        """Without token ids (a batch of prompts) a sidecar is refused with a 400."""
+    def test_without_token_ids_a_sidecar_gets_the_clients_body(self) -> None:
+        """No token ids (a batch of prompts, an endpoint the gateway does not tokenize): the
+        sidecar is sent the client's body for its engine's OpenAI server, not refused."""
         worker = Worker("s", WorkerAddress.parse("http://127.0.0.1:9100"), WorkerKind.SIDECAR)
-        target = self.target(b'{"model":"m","messages":[{"role":"user","content":"x"}]}', None)
-        with pytest.raises(OpenAIError, match="single prompt"):
-            target.for_worker(worker)
+        body = b'{"model":"m","messages":[{"role":"user","content":"x"}]}'
+        path, sent = self.target(body, None).for_worker(worker)
+        tokenized = orjson.loads(sent)
+        assert path == b"/v1/kvsidecar/generate" and tokenized["prompt_token_ids"] == []
+        assert tokenized["openai"] == {"path": "/v1/chat/completions",
+                                       "body": orjson.loads(body)}
 
 
 def test_a_bad_request_is_answered_and_still_recorded() -> None:
