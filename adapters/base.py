@@ -173,15 +173,15 @@ class EngineRequest:
 def engine_openai_request(
     request: TokenizedRequest, extra: Mapping[str, Any] | None = None
 ) -> EngineRequest:
-    """``request.openai`` as its engine's OpenAI server takes it: the client's body as it came,
-    the model name the engine serves, and ``extra`` (an engine's own fields, e.g. SGLang's
-    request id)."""
+    """``request.openai`` as its engine's OpenAI server takes it: the client's body as it came
+    (its model name too: ``<base>:<adapter>`` selects a LoRA adapter) and ``extra`` (an
+    engine's own fields, e.g. SGLang's request id)."""
     openai = request.openai
     if openai is None:
         raise ValueError("the request carries no OpenAI body")
     if request.bootstrap is not None or request.handoff is not None:
         raise ValueError("a prefill/decode leg speaks token ids, not the OpenAI API")
-    body = {**openai.body, "model": request.model, **(extra or {})}
+    body = {**openai.body, **(extra or {})}
     return EngineRequest(openai.path, body, bool(body.get("stream")), openai=True)
 
 

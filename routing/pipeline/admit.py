@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvcore.errors import OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
@@ -34,8 +35,7 @@ def admit(
     """Parse, check and prepare ``request``, then start its exchange."""
     record = RequestRecord(key, request_id, endpoint.value, 0, time.monotonic())
     try:
-        parsed = parse_request(endpoint, request.body)
-        _check_model(parsed, ctx.model_names())
+        parsed = _check_model(parse_request(endpoint, request.body), ctx.model_names())
         prepared = ctx.prompts.prepare(parsed)
     except OpenAIError as exc:
         record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
@@ -63,12 +63,19 @@ def admit(
     kind(ctx, conn, record, parsed, prepared, target).start()
 
 
-def _check_model(parsed: OpenAIRequest, names: Sequence[str]) -> None:
-    if names and parsed.model not in names:
-        raise OpenAIError(
-            404,
-            f"the model {parsed.model!r} does not exist; this gateway serves {list(names)}",
-            "NotFoundError",
-            param="model",
-            code="model_not_found",
-        )
+def _check_model(parsed: OpenAIRequest, names: Sequence[str]) -> OpenAIRequest:
+    """The request, its model served here; ``<base>:<adapter>`` names a LoRA adapter of a
+    served base model (SGLang's form): its blocks live in that adapter's namespace."""
+    if not names or parsed.model in names:
+        return parsed
+    base, sep, adapter = parsed.model.partition(":")
+    if sep and adapter and base in names:
+        return replace(parsed, model=base, lora_name=adapter)
+    raise OpenAIError(
+        404,
+        f"the model {parsed.model!r} does not exist; this gateway serves {list(names)} "
+        "(and their LoRA adapters as '<model>:<adapter>')",
+        "NotFoundError",
+        param="model",
+        code="model_not_found",
+    )

@@ -108,6 +108,7 @@ def tokenized_body(
             max_tokens=req.max_tokens,
             ignore_eos=bool(body.get("ignore_eos", False)),
             cache_salt=req.cache_salt,
+            lora_name=req.lora_name,
             dp_rank=dp_rank,
             handoff=handoff,
             bootstrap=bootstrap,

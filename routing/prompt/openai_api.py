@@ -52,6 +52,7 @@ class OpenAIRequest:
     prompt_ids: list[int] | None  # completions with one token-id prompt
     messages: list[dict[str, Any]] | None  # chat
     cache_salt: str | None
+    lora_name: str | None = None  # a LoRA adapter named in ``model`` as "<base>:<adapter>"
 
 
 _NUMBER_RANGES: dict[str, tuple[float, float]] = {

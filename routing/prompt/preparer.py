@@ -73,7 +73,7 @@ class PromptPreparer:
             self._check_length(req, tokens)
         try:
             hashes = self.hash_cache.hash_tokens(
-                tokens, bounds, namespace_seed(req.model, None, req.cache_salt)
+                tokens, bounds, namespace_seed(req.model, req.lora_name, req.cache_salt)
             )
         except TokenIdError as exc:
             raise OpenAIError(400, f"bad token id in 'prompt': {exc}", param="prompt") from exc

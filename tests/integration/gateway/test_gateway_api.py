@@ -253,3 +253,21 @@ async def test_other_openai_routes_reach_a_worker(stack, path: str, body: dict) 
     assert orjson.loads(raw) == {"object": "echo", "path": path, "body": body}
     status, _, raw = await h.post(gateway.url, path, {**body, "model": "other"})
     assert status == 404 and orjson.loads(raw)["error"]["code"] == "model_not_found"
+
+
+async def test_a_lora_adapter_of_a_served_model_is_served(stack) -> None:  # type: ignore[no-untyped-def]
+    """'<model>:<adapter>' is accepted for a served model and reaches the engine as written;
+    an adapter of a model not served is still a 404."""
+    gateway, engines = stack
+    body = {**h.chat(), "model": "fake-model:adapter-1"}
+    status, _, _ = await h.post(gateway.url, "/v1/chat/completions", body,
+                                headers={"x-request-id": "lora-1"})
+    assert status == 200
+    seen = []
+    for engine in engines:
+        seen += (await h.get_json(engine.url, "/_stats"))["seen"]
+    (match,) = [s for s in seen if s["request_id"] == "lora-1"]
+    assert match["body"]["model"] == "fake-model:adapter-1"
+    status, _, _ = await h.post(gateway.url, "/v1/chat/completions",
+                                {**h.chat(), "model": "other:adapter-1"})
+    assert status == 404

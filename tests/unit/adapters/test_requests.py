@@ -224,7 +224,7 @@ def test_an_openai_body_goes_to_the_engines_own_openai_server() -> None:
     req = request(openai=openai, n=2)
     sglang = to_generate_request(req)
     assert (sglang.path, sglang.openai, sglang.stream) == ("/v1/chat/completions", True, True)
-    assert sglang.body == {"model": "tiny", "messages": [], "logprobs": True, "stream": True,
+    assert sglang.body == {"model": "alias", "messages": [], "logprobs": True, "stream": True,
                            "rid": "r1"}
     trtllm = to_completions_request(req)
     assert trtllm.path == "/v1/chat/completions" and "rid" not in trtllm.body

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from dataclasses import replace
 
 import orjson
 from structlog.testing import capture_logs
@@ -245,3 +246,32 @@ def test_a_bad_request_is_answered_and_still_recorded() -> None:
     assert head.startswith(b"HTTP/1.1 400") and b"x-request-id: rid-9" in head
     assert orjson.loads(body)["error"]["type"] == "invalid_request_error"
     assert ctx.metrics.responses == {("/v1/completions", 400): 1} and not ctx.in_flight
+
+
+async def test_a_lora_adapter_named_in_the_model_gets_its_own_namespace(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """'<model>:<adapter>' is served when the model is: the blocks are hashed under the
+    adapter's namespace, and a sidecar is told the adapter's name."""
+    from routing.prompt.chat_template import ChatTemplate
+    from routing.prompt.tokenizer import PromptTokenizer
+
+    ctx = context(Worker("s", WorkerAddress.parse("http://127.0.0.1:9100"), WorkerKind.SIDECAR))
+    ctx.workers.stream_up("s", "agg")
+    prompts = PromptPreparer(PromptTokenizer.from_model_dir(tiny_model_dir),
+                             ChatTemplate.from_model_dir(tiny_model_dir), BlockHasher(BS),
+                             hash_prompts=True, max_model_len=None)
+    ctx = replace(ctx, prompts=prompts)
+    text = "the same words " * 20
+    hashes = {}
+    for model in ("m", "m:adapter-1"):
+        conn, _ = client()
+        body = orjson.dumps({"model": model, "messages": [{"role": "user", "content": text}]})
+        admit(ctx, conn, HttpRequest(b"POST", b"/v1/chat/completions", {}, body, True),
+              Endpoint.CHAT, f"k-{model}", b"rid")
+        exchange = ctx.in_flight[f"k-{model}"]
+        assert exchange.leg is not None
+        sent = orjson.loads(exchange.leg.request[1])
+        hashes[model] = list(exchange.prompt.block_hashes)
+        assert (sent["model"], sent["lora_name"]) == (
+            ("m", None) if model == "m" else ("m", "adapter-1"))
+        exchange.on_client_lost()
+    assert hashes["m"] and not set(hashes["m"]) & set(hashes["m:adapter-1"])
