@@ -20,6 +20,9 @@ LAYERS, HEADS, HEAD_DIM, PAGE, TOKENS = 3, 2, 8, 4, 64
 def main(socket: str, layout: str) -> int:
     import torch
 
+    from tests.support.sglang_shim import stub_vision_modules
+
+    stub_vision_modules()
     try:
         from sglang.srt.mem_cache.device_pool_info import (
             KVBufferLayout,
@@ -61,7 +64,10 @@ def main(socket: str, layout: str) -> int:
     reader = StorageBackendFactory.create_backend("dynamic", config, dst)
     writer.register_mem_pool_host(src)
     reader.register_mem_pool_host(dst)
-    keys = get_hash_str(list(range(4 * PAGE)), None, page_size=PAGE)
+    # Each layout its own tokens: both runs share one store, whose blocks hold one layout's
+    # bytes (a deployment uses one host layout).
+    first = 0 if layout == "page_first" else 1000
+    keys = get_hash_str(list(range(first, first + 4 * PAGE)), None, page_size=PAGE)
     src_idx, dst_idx = src.alloc(4 * PAGE), dst.alloc(4 * PAGE)
     dst_idx = dst_idx.flip(0).reshape(4, PAGE).flip(1).reshape(-1)  # other pages, reversed
     try:
