@@ -98,6 +98,7 @@ class GatewayMetrics:
         self.tokenizer_cache_hit_tokens = 0
         self.tokenized_tokens = 0
         self.engine_openai_requests = 0  # sent on with the client's body (see sidecar_body)
+        self.media_requests = 0  # prompts with images: hashed in their media's namespace
         self.ttft = Histogram(_LATENCY_BUCKETS_S)
         self.itl = Histogram(_LATENCY_BUCKETS_S)
         self.latency = Histogram(_LATENCY_BUCKETS_S)
@@ -197,6 +198,12 @@ class _Collector:
                 "server: fields token ids cannot carry (tools, response_format, logprobs, "
                 "n > 1, ...), a batch of prompts, or an endpoint the gateway does not tokenize",
                 m.engine_openai_requests,
+            ),
+            (
+                "media_requests",
+                "Prompts with images or other media: hashed in a namespace of their media's "
+                "digest, so they share no cached blocks with prompts without the same media",
+                m.media_requests,
             ),
             (
                 "tokenized_tokens",

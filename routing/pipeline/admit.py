@@ -41,6 +41,8 @@ def admit(
         record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
         conn.respond(exc.status, exc.body(), extra_headers=b"x-request-id: %s\r\n" % request_id)
         return
+    if prepared.media:
+        ctx.metrics.media_requests += 1
     if prepared.timed:
         ctx.metrics.tokenized_tokens += prepared.tokenized
         ctx.metrics.tokenizer_cache_hit_tokens += prepared.cache_hit_tokens

@@ -3,8 +3,8 @@
 Two paths, chosen per request (``takes_token_path``): a request made only of what token ids
 and sampling parameters express exactly goes as token ids (the engine's ``/generate``: it
 caches exactly the blocks the gateway hashed); any other field (tools, response_format,
-logprobs, n > 1, a field this translation does not know, a value of a type it does not
-expect) sends the client's body along too, for the engine's own OpenAI server
+logprobs, n > 1, images, a field this translation does not know, a value of a type it does
+not expect) sends the client's body along too, for the engine's own OpenAI server
 (``EngineOpenAI``), so nothing the client asked for is dropped.
 
 The gateway has already rendered the chat template and tokenized, so the sidecar forwards
@@ -20,7 +20,7 @@ import msgspec
 
 from kvcore.errors import OpenAIError
 from kvcore.requests import Bootstrap, EngineOpenAI, Handoff, RequestKind, TokenizedRequest
-from routing.prompt.openai_api import Endpoint, OpenAIRequest
+from routing.prompt.openai_api import Endpoint, OpenAIRequest, media_parts
 
 __all__ = ["takes_token_path", "tokenized_body"]
 
@@ -42,7 +42,9 @@ def _strings(v: Any) -> bool:
 # consumes model, messages, prompt, stream(_options), the token limits, cache_salt and the
 # template's arguments (its tokens reflect them).
 _TOKEN_PATH: dict[str, Any] = {
-    **dict.fromkeys(("model", "messages", "prompt", "stream", "stream_options", "max_tokens",
+    # Images and other media reach the engine only through its own OpenAI server.
+    "messages": lambda v: not media_parts(v),
+    **dict.fromkeys(("model", "prompt", "stream", "stream_options", "max_tokens",
                      "max_completion_tokens", "cache_salt", "add_generation_prompt",
                      "chat_template_kwargs"), lambda v: True),
     **dict.fromkeys(_FLOATS, _number),

@@ -16,7 +16,7 @@ import orjson
 
 from kvcore.errors import OpenAIError
 
-__all__ = ["Endpoint", "OpenAIRequest", "parse_request"]
+__all__ = ["Endpoint", "OpenAIRequest", "media_parts", "parse_request"]
 
 
 class Endpoint(enum.Enum):
@@ -201,3 +201,14 @@ def message_text(message: dict[str, Any]) -> str:
     if type(content) is list:
         return "".join(p.get("text", "") for p in content if type(p.get("text")) is str)
     return ""
+
+
+def media_parts(messages: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Every content part of a chat that is not text: images, audio, video."""
+    return [
+        part
+        for message in messages or ()
+        if type(content := message.get("content")) is list
+        for part in content
+        if part.get("type") != "text"
+    ]

@@ -15,12 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import orjson
+import xxhash
 
 from kvcore import BlockHasher, TokenIdError, namespace_seed
 from kvcore.errors import OpenAIError
 from routing.prompt.chat_template import ChatTemplate, ChatTemplateError
 from routing.prompt.hash_cache import PrefixHashCache
-from routing.prompt.openai_api import Endpoint, OpenAIRequest, message_text
+from routing.prompt.openai_api import Endpoint, OpenAIRequest, media_parts, message_text
 from routing.prompt.tokenizer import PromptTokenizer
 
 __all__ = ["PreparedPrompt", "PromptPreparer"]
@@ -36,6 +37,20 @@ class PreparedPrompt:
     tokenized: int = 0
     cache_hit_tokens: int = 0
     token_ids: list[int] | None = None  # the real prompt token ids, when known (sidecars)
+    media: bool = False  # images (or other media) in the prompt: hashed with their digest
+
+
+def _media_digest(req: OpenAIRequest) -> str | None:
+    """A digest of every non-text content part of a chat (images, audio, video), or None.
+
+    The engines key a block holding an image by the image's own hash; the gateway does not
+    know where in the tokens an image lands, so it hashes the whole prompt in a namespace
+    of its media: two prompts with different images never share a block (nor, conservatively,
+    does one with an image share its text prefix with a prompt without)."""
+    parts = media_parts(req.messages)
+    if not parts:
+        return None
+    return xxhash.xxh3_64_hexdigest(orjson.dumps(parts, option=orjson.OPT_SORT_KEYS))
 
 
 def _pseudo_tokens(text: str) -> list[int]:
@@ -71,14 +86,17 @@ class PromptPreparer:
             return PreparedPrompt((), len(req.body.get("prompt") or "") // 4, None, False)
         if tokenized or req.prompt_ids is not None:  # real token ids, not pseudo-tokens
             self._check_length(req, tokens)
+        media = _media_digest(req)
+        salt = req.cache_salt if media is None else f"{req.cache_salt or ''}\x00media:{media}"
         try:
             hashes = self.hash_cache.hash_tokens(
-                tokens, bounds, namespace_seed(req.model, req.lora_name, req.cache_salt)
+                tokens, bounds, namespace_seed(req.model, req.lora_name, salt)
             )
         except TokenIdError as exc:
             raise OpenAIError(400, f"bad token id in 'prompt': {exc}", param="prompt") from exc
         real = tokens if (tokenized or req.prompt_ids is not None) else None
-        return PreparedPrompt(hashes, len(tokens), body, True, tokenized, hits, real)
+        return PreparedPrompt(hashes, len(tokens), body, True, tokenized, hits, real,
+                              media is not None)
 
     def _tokens(
         self, req: OpenAIRequest, bounds: list[tuple[int, int]]

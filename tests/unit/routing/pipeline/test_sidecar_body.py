@@ -24,6 +24,7 @@ def chat(**fields: object) -> bytes:
          "stream_options": {"include_usage": True}, "stop": ["\n"], "stop_token_ids": [2],
          "ignore_eos": True, "n": 1, "presence_penalty": 0.1, "cache_salt": "t"},
         {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
     ],
 )
 def test_plain_sampling_takes_the_token_path(fields: dict[str, object]) -> None:
@@ -43,6 +44,9 @@ def test_plain_sampling_takes_the_token_path(fields: dict[str, object]) -> None:
         {"user": "someone"},
         {"stop": 5},
         {"ignore_eos": "yes"},
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
     ],
 )
 def test_anything_else_goes_with_the_clients_body(fields: dict[str, object]) -> None:

@@ -275,3 +275,18 @@ async def test_a_lora_adapter_named_in_the_model_gets_its_own_namespace(tiny_mod
             ("m", None) if model == "m" else ("m", "adapter-1"))
         exchange.on_client_lost()
     assert hashes["m"] and not set(hashes["m"]) & set(hashes["m:adapter-1"])
+
+
+async def test_a_prompt_with_an_image_is_counted() -> None:
+    """Image prompts are counted: they are hashed in their own media namespace."""
+    ctx = context(plain("a"))
+    ctx = replace(ctx, prompts=PromptPreparer(None, None, BlockHasher(BS), hash_prompts=True,
+                                              max_model_len=None))
+    for content in ("hi", [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]):
+        conn, _ = client()
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+        admit(ctx, conn, HttpRequest(b"POST", b"/v1/chat/completions", {}, body, True),
+              Endpoint.CHAT, f"k-{len(ctx.in_flight)}", b"rid")
+    assert ctx.metrics.media_requests == 1
+    for exchange in list(ctx.in_flight.values()):
+        exchange.on_client_lost()

@@ -115,3 +115,27 @@ def test_prefix_hash_cache_equals_direct_hashing(tiny_model_dir: Path) -> None:
             assert list(out.block_hashes) == BlockHasher(16).hash_tokens(ids, seed), turn
             messages.append({"role": "assistant", "content": " ".join(rng.choices(words, k=30))})
     assert prep.hash_cache.hit_blocks - hit_before > 100  # later turns reused earlier hashes
+
+
+def _chat_with_image(url: str | None) -> bytes:
+    parts: list[dict[str, object]] = [{"type": "text", "text": "Describe this picture. " * 12}]
+    if url is not None:
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return orjson.dumps({"model": "m", "messages": [{"role": "user", "content": parts}]})
+
+
+@pytest.mark.parametrize("with_tokenizer", [True, False])
+def test_image_prompts_hash_in_their_media_namespace(
+    tiny_model_dir: Path, with_tokenizer: bool
+) -> None:
+    """Same text, different images: no shared block (the engine keys image blocks by image)."""
+    prep = _preparer(tiny_model_dir if with_tokenizer else None)
+    cat, dog, text = (
+        prep.prepare(parse_request(Endpoint.CHAT, _chat_with_image(url)))
+        for url in ("https://x/cat.png", "https://x/dog.png", None)
+    )
+    again = prep.prepare(parse_request(Endpoint.CHAT, _chat_with_image("https://x/cat.png")))
+    assert cat.block_hashes and cat.media and not text.media
+    assert again.block_hashes == cat.block_hashes  # the same image still finds its cache
+    assert not set(cat.block_hashes) & set(dog.block_hashes)
+    assert not set(cat.block_hashes) & set(text.block_hashes)
