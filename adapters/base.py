@@ -16,6 +16,9 @@ An engine that can split a request over a prefill and a decode worker says how t
 own transfer (``TokenizedRequest.bootstrap``, which ``translate_request`` carries), so the
 sidecar drives prefill/decode without knowing any engine's paths or fields.
 
+An engine whose scheduler publishes its own load (SGLang's load socket) shows it through
+``engine_load``; the others answer None there and the gateway goes by its own count.
+
 Storage hooks that run *inside* the engine (SGLang's HiCache backend, TensorRT-LLM's KV
 cache connector) are separate classes the engine loads; an adapter only describes them
 (``block_layout()``), so they can be added without touching this Protocol.
@@ -36,6 +39,7 @@ from kvcore.errors import OpenAIError
 from kvcore.events import KVEvent
 from kvcore.layout import BlockLayout
 from kvcore.requests import TokenizedRequest
+from kvcore.stream import EngineLoad
 
 __all__ = [
     "ADAPTERS",
@@ -47,6 +51,7 @@ __all__ = [
     "EngineKind",
     "EngineRequest",
     "EventEndpoint",
+    "LoraAdapter",
     "PrefillDecode",
     "PrefillResult",
     "ResponseTranslator",
@@ -82,7 +87,7 @@ def worker_id_for(base: str, dp_rank: int, dp_size: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class EventEndpoint:
-    """Where one DP rank's KV events come from.
+    """Where one DP rank's KV events (or its engine load) come from.
 
     SGLang: ``endpoint`` is the ZMQ PUB address and ``replay_endpoint`` its ROUTER (or
     None: no replay). TensorRT-LLM: ``endpoint`` is the server's base URL.
@@ -101,11 +106,53 @@ class EventEndpoint:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    """A LoRA adapter the engine has loaded, as an engine that selects adapters by id needs
+    it (TensorRT-LLM's ``lora_request``: name, integer id, checkpoint path)."""
+
+    name: str
+    int_id: int
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("a LoRA adapter needs a name")
+        if self.int_id < 0:
+            raise ValueError(f"LoRA adapter {self.name!r}: id must be >= 0, got {self.int_id}")
+
+    @classmethod
+    def parse(cls, spec: str) -> LoraAdapter:
+        """``NAME=ID[:PATH]`` (the sidecar's ``--lora-adapter``)."""
+        name, sep, rest = spec.partition("=")
+        id_text, _, path = rest.partition(":")
+        try:
+            int_id = int(id_text)
+        except ValueError:
+            int_id = -1
+        if not sep or int_id < 0 or not name:
+            raise ValueError(
+                f"--lora-adapter {spec!r}: expected NAME=ID[:PATH] with a non-negative "
+                "integer ID (the engine's lora_int_id)"
+            )
+        return cls(name, int_id, path)
+
+    @staticmethod
+    def check_unique(adapters: Sequence[LoraAdapter]) -> None:
+        for attr, label in (("name", "name"), ("int_id", "id")):
+            values = [getattr(a, attr) for a in adapters]
+            if len(set(values)) != len(values):
+                raise ValueError(f"two LoRA adapters share {label}s: {values}")
+
+
+@dataclass(frozen=True, slots=True)
 class AdapterConfig:
     """What an adapter is told; everything else it learns from the engine.
 
     ``block_size`` and ``endpoints`` may be given (flags) or left to discovery (the engine's
     ``/server_info``); when both exist they must agree, or ``start()`` fails.
+    ``load_endpoints``: where the engine publishes its scheduler's load per DP rank (flags;
+    discovered when the engine advertises them and discovery runs; an engine without one
+    leaves the load to the gateway's own count).
     """
 
     engine: EngineKind
@@ -114,13 +161,19 @@ class AdapterConfig:
     model_id: str
     block_size: int | None = None
     endpoints: tuple[EventEndpoint, ...] = ()
+    load_endpoints: tuple[EventEndpoint, ...] = ()
     model_path: str | None = None
-    lora_names: Mapping[int, str] = field(default_factory=dict)
+    lora_adapters: tuple[LoraAdapter, ...] = ()
     request_timeout_s: float = 5.0
     replay_timeout_s: float = 2.0
     poll_interval_s: float = 0.05
     queue_size: int = 4096
     api_key: str | None = field(default=None, repr=False)  # the engine's; never logged
+
+    @property
+    def lora_names(self) -> dict[int, str]:
+        """Adapter names by their engine ids (events that carry only an id)."""
+        return {a.int_id: a.name for a in self.lora_adapters}
 
     def engine_headers(self) -> dict[str, str]:
         """Headers of a request to the engine: its bearer token when it has one."""
@@ -138,9 +191,11 @@ class AdapterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be >= 1, got {self.queue_size}")
-        ranks = [e.dp_rank for e in self.endpoints]
-        if len(set(ranks)) != len(ranks):
-            raise ValueError(f"two event endpoints share a dp_rank: {sorted(ranks)}")
+        for kind, endpoints in (("event", self.endpoints), ("load", self.load_endpoints)):
+            ranks = [e.dp_rank for e in endpoints]
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"two {kind} endpoints share a dp_rank: {sorted(ranks)}")
+        LoraAdapter.check_unique(self.lora_adapters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +223,7 @@ class EngineRequest:
     body: dict[str, Any]
     stream: bool
     openai: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)  # the engine's own, e.g. a leg's
 
 
 def engine_openai_request(
@@ -196,6 +252,9 @@ class PrefillResult(msgspec.Struct, frozen=True):
     cached_tokens: int
     handoff_keys: list[str]  # the prompt's KV as the engine exported it (its page keys)
     seconds: float
+    # What the decode engine needs to fetch the KV itself (TensorRT-LLM's
+    # disaggregated_params); empty when the KV moves through our sidecars (handoff_keys).
+    engine_state: dict[str, Any] = {}
 
 
 class PrefillDecode(Protocol):
@@ -302,6 +361,12 @@ class EngineAdapter(Protocol):
     async def kv_capacity_blocks(self) -> int | None:
         """How many KV blocks one worker of the engine holds, if the engine says (best
         effort: None when it does not or cannot be asked now)."""
+        ...
+
+    def engine_load(self, worker_id: str) -> EngineLoad | None:
+        """The engine's own latest load reading for ``worker_id`` (its scheduler's running
+        and queued requests and KV use), or None: the engine publishes none, or its last
+        reading is too old to go by. Cheap: the sidecar asks every status interval."""
         ...
 
     async def render_tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:

@@ -17,7 +17,8 @@ class AdapterMetrics:
     * ``engine_events``: native events decoded, by native type;
     * ``blocks``: blocks by outcome (``stored``, ``removed``, ``orphaned`` — parent unknown,
       ``skipped`` — partial or multimodal block, ``unknown_removed``, ``filtered``);
-    * ``gaps``, ``replays`` (by outcome), ``resyncs`` (by reason), ``decode_errors`` (by kind).
+    * ``gaps``, ``replays`` (by outcome), ``resyncs`` (by reason), ``decode_errors`` (by kind);
+    * ``load_readings``: the engine's own load readings taken (an engine that publishes them).
     """
 
     def __init__(self, engine: str, registry: CollectorRegistry | None = None) -> None:
@@ -58,6 +59,12 @@ class AdapterMetrics:
             "kvsidecar_adapter_decode_errors",
             "Native events or frames that could not be decoded or normalized, by kind",
             [*labels, "kind"],
+            registry=self.registry,
+        )
+        self.load_readings = Counter(
+            "kvsidecar_adapter_engine_load_readings",
+            "Load readings the engine's scheduler published and the adapter decoded",
+            labels,
             registry=self.registry,
         )
 

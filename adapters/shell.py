@@ -17,6 +17,7 @@ from adapters.base import AdapterError, EngineInfo
 from adapters.normalize_stream import EventStream
 from kvcore.events import KVEvent
 from kvcore.layout import BlockLayout
+from kvcore.stream import EngineLoad
 
 __all__ = ["AdapterShell"]
 
@@ -41,6 +42,11 @@ class AdapterShell(ABC):
 
     def events(self) -> AsyncIterator[KVEvent]:
         return aiter(self._stream)
+
+    def engine_load(self, worker_id: str) -> EngineLoad | None:
+        """None: by default an engine publishes no load of its own (an adapter that reads
+        one overrides this)."""
+        return None
 
     async def aclose(self) -> None:
         await self._stream.aclose()

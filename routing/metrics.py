@@ -248,6 +248,21 @@ class _Collector:
             "falling_back (placed by load alone) or unverified",
             labels=["worker", "parity"],
         )
+        source = GaugeMetricFamily(
+            p + "worker_load_source",
+            "1 for what the worker's load is placed by: engine (the engine's own load reading "
+            "beside the gateway's count) or gateway (the gateway's count alone)",
+            labels=["worker", "source"],
+        )
+        engine = {
+            key: GaugeMetricFamily(p + "worker_engine_" + key, doc, labels=labels)
+            for key, doc in (
+                ("running", "Requests running, as the worker's engine last reported"),
+                ("queued", "Requests queued, as the worker's engine last reported"),
+                ("kv_usage", "Fraction of the KV pool in use, as the worker's engine last "
+                 "reported"),
+            )
+        }
         for w in state["workers"]:
             wid = w["worker_id"]
             if "parity" in w:
@@ -256,4 +271,11 @@ class _Collector:
             in_flight.add_metric([wid], w["in_flight"])
             blocks.add_metric([wid], w["active_blocks"])
             prefill.add_metric([wid], w["active_prefill_tokens"])
-        yield from (healthy, in_flight, blocks, prefill, parity)
+            if "load_source" in w:
+                source.add_metric([wid, w["load_source"]], 1.0)
+            reading = w.get("engine_load")
+            if reading:
+                for key, family in engine.items():
+                    if reading[key] is not None:
+                        family.add_metric([wid], reading[key])
+        yield from (healthy, in_flight, blocks, prefill, parity, source, *engine.values())

@@ -40,7 +40,7 @@ from adapters.base import (
 )
 from adapters.normalize_metrics import AdapterMetrics
 from kvcore.events import KVEvent
-from kvcore.stream import WorkerStatus
+from kvcore.stream import EngineLoad, WorkerStatus
 from sidecar.config import SidecarConfig
 from sidecar.disagg import PdRoutes
 from sidecar.engine_watch import EngineWatch
@@ -117,7 +117,9 @@ class Sidecar:
                     model_id=self.model_id,
                     block_size=cfg.block_size,
                     endpoints=self._flag_endpoints(),
+                    load_endpoints=self._flag_load_endpoints(),
                     model_path=cfg.model_path,
+                    lora_adapters=cfg.lora_adapters,
                     api_key=cfg.engine_api_key,
                 ),
                 metrics=AdapterMetrics(cfg.engine, self.metrics.registry),
@@ -264,6 +266,11 @@ class Sidecar:
             return ()
         return (EventEndpoint(0, self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint),)
 
+    def _flag_load_endpoints(self) -> tuple[EventEndpoint, ...]:
+        if not self.cfg.load_endpoint:
+            return ()
+        return (EventEndpoint(0, self.cfg.load_endpoint),)
+
     async def _serve(self) -> None:
         app = web.Application()
         app.router.add_get("/health", self._health)
@@ -367,7 +374,12 @@ class Sidecar:
             reason,
             self.cfg.role,
             self._capacity_blocks,
+            self._engine_load(worker_id),
         )
+
+    def _engine_load(self, worker_id: str) -> EngineLoad | None:
+        """The engine's own load reading for the worker, when it publishes one."""
+        return None if self._adapter is None else self._adapter.engine_load(worker_id)
 
     async def _health(self, request: web.Request) -> web.Response:
         routable, reason = self._routing_state()
@@ -387,21 +399,26 @@ class Sidecar:
 
     async def _load_view(self, request: web.Request) -> web.Response:
         """What this sidecar has in flight per worker (its own view: the gateway counts its
-        load itself), with the worker's routing state."""
+        load itself), with the worker's routing state and, when the engine publishes its
+        own load, that reading (``load_source`` says which there is)."""
         assert self.load is not None
         routable, reason = self._routing_state()
-        return _json({
-            w: {
-                "in_flight": (figures := self.load.figures(w)).in_flight,
+        view = {}
+        for w in self.streams:
+            figures = self.load.figures(w)
+            engine = self._engine_load(w)
+            view[w] = {
+                "in_flight": figures.in_flight,
                 "active_blocks": self.load.active_blocks(w),
                 "queued_prefill_tokens": figures.queued_prefill_tokens,
                 "capacity_blocks": self._capacity_blocks,
                 "routable": routable,
                 "reason": reason,
                 "role": self.cfg.role,
+                "load_source": "sidecar" if engine is None else "engine",
+                "engine_load": None if engine is None else engine.view(),
             }
-            for w in self.streams
-        })
+        return _json(view)
 
     async def _workers_view(self, request: web.Request) -> web.Response:
         return _json(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from adapters.base import LoraAdapter
 from shm.config import parse_bytes
 
 __all__ = ["ENGINE_API_KEY_ENV", "SidecarConfig"]
@@ -36,6 +37,7 @@ class SidecarConfig:
     role: Role = "agg"
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
+    load_endpoint: str | None = None  # the engine's scheduler load socket (SGLang)
     replay_buffer_events: int = 65536
     subscriber_queue_frames: int = 8192
     load_report_interval_s: float = 0.5
@@ -56,6 +58,7 @@ class SidecarConfig:
     sim_handoff_ms_per_1k_tokens: float = 0.0  # simulated engines: the transport's duration
     # Sent to the engine as "Authorization: Bearer" (its --api-key); never in a log or a repr.
     engine_api_key: str | None = field(default=None, repr=False)
+    lora_adapters: tuple[LoraAdapter, ...] = ()  # for engines that select adapters by id
 
     def __post_init__(self) -> None:
         if self.engine not in ("sglang", "trtllm"):
@@ -85,6 +88,9 @@ class SidecarConfig:
             raise ValueError("--store-capacity-bytes must be >= 0")
         if self.store_block_bytes is not None and self.store_block_bytes < 1:
             raise ValueError("--store-block-bytes must be >= 1")
+        LoraAdapter.check_unique(self.lora_adapters)
+        if self.load_endpoint is not None and self.engine != "sglang":
+            raise ValueError("--load-endpoint is SGLang's load socket; --engine is not sglang")
         if self.block_size is not None and not 1 <= self.block_size <= 4096:
             raise ValueError(f"--block-size must be in [1, 4096], got {self.block_size}")
         if not 0 <= self.sim_handoff_ms_per_1k_tokens < float("inf"):
@@ -132,6 +138,21 @@ class SidecarConfig:
             help="ZMQ endpoint of the engine's KV events (default: from /server_info)",
         )
         g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
+        g.add_argument(
+            "--load-endpoint",
+            help="ZMQ endpoint where the engine publishes its scheduler's load (SGLang's "
+            "--load-publish-endpoint; default: from /server_info when it advertises one). "
+            "Reported to gateways, which place by it beside their own in-flight count",
+        )
+        g.add_argument(
+            "--lora-adapter",
+            action="append",
+            default=[],
+            metavar="NAME=ID[:PATH]",
+            help="a LoRA adapter the engine serves, by the name clients use ('<model>:NAME'), "
+            "the engine's integer id and its checkpoint path; repeat per adapter. TensorRT-LLM "
+            "needs it (its requests and events name adapters by id); SGLang selects by name",
+        )
         g.add_argument(
             "--engine-api-key-file",
             metavar="FILE",
@@ -256,6 +277,7 @@ class SidecarConfig:
         env = os.environ if environ is None else environ
         try:
             api_key = _engine_api_key(args.engine_api_key_file, env)
+            loras = tuple(LoraAdapter.parse(spec) for spec in args.lora_adapter)
             return cls(
                 engine=args.engine,
                 engine_url=args.engine_url.rstrip("/"),
@@ -268,6 +290,7 @@ class SidecarConfig:
                 role=args.role,
                 kv_events_endpoint=args.kv_events_endpoint,
                 kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+                load_endpoint=args.load_endpoint,
                 replay_buffer_events=args.replay_buffer_events,
                 subscriber_queue_frames=args.subscriber_queue_frames,
                 load_report_interval_s=args.load_report_interval_s,
@@ -285,6 +308,7 @@ class SidecarConfig:
                 disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
                 sim_handoff_ms_per_1k_tokens=args.sim_handoff_ms_per_1k_tokens,
                 engine_api_key=api_key,
+                lora_adapters=loras,
             )
         except ValueError as exc:
             parser.error(str(exc))

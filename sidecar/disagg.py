@@ -172,7 +172,8 @@ class PdRoutes:
         try:
             async with self._engine_session.post(
                 self._engine_url + native.path, data=orjson.dumps(native.body),
-                timeout=self._timeout, headers={"Content-Type": "application/json"},
+                timeout=self._timeout,
+                headers={**native.headers, "Content-Type": "application/json"},
             ) as upstream:
                 raw = await upstream.read()
                 if upstream.status != 200:
@@ -298,7 +299,7 @@ class PdRoutes:
         async with self._engine_session.post(
             self._engine_url + native.path, data=orjson.dumps(native.body),
             timeout=self._timeout,
-            headers={"Content-Type": "application/json", "x-request-id": rid},
+            headers={**native.headers, "Content-Type": "application/json", "x-request-id": rid},
         ) as upstream:
             if upstream.status != 200:
                 raw = await upstream.read()

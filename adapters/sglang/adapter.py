@@ -4,11 +4,15 @@ Discovery: ``GET /server_info`` gives the ``kv_events`` block (publisher endpoin
 rank, replay ports, topic, block size); endpoints and block size given in the config win
 over it, and a block size given both ways must agree. Each DP rank becomes one canonical
 worker (``worker_id_for``) consumed by a ``RankSubscriber``.
+
+The same block advertises the scheduler's load sockets when SGLang publishes them
+(``load_endpoint_port_base``, ``load_topic``: ``--load-publish-endpoint``); a
+``LoadSubscriber`` then keeps each worker's newest reading for ``engine_load``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -29,6 +33,7 @@ from adapters.base import (
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
+from adapters.sglang.load_feed import LoadBoard, LoadSubscriber
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.sglang.subscriber import RankSubscriber
@@ -36,8 +41,9 @@ from adapters.shell import AdapterShell
 from kvcore.hashing import BlockHasher
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
+from kvcore.stream import EngineLoad
 
-__all__ = ["SGLangAdapter", "endpoints_from_server_info"]
+__all__ = ["SGLangAdapter", "endpoints_from_server_info", "load_endpoints_from_server_info"]
 
 log = structlog.get_logger(component="adapters.sglang")
 
@@ -81,6 +87,36 @@ def endpoints_from_server_info(
     return block_size, endpoints
 
 
+def load_endpoints_from_server_info(
+    server_info: Mapping[str, Any], engine_url: str
+) -> tuple[EventEndpoint, ...]:
+    """One load socket per DP rank from ``/server_info``'s ``kv_events`` block; none when
+    the engine does not publish its load (or the block is not there).
+
+    The host is always the engine URL's: SGLang binds the load range on a wildcard host
+    whatever the KV endpoint's host is (``resolve_load_pub_range``), so only the host that
+    reaches the engine reaches it.
+    """
+    kv = server_info.get("kv_events")
+    if not isinstance(kv, Mapping) or kv.get("load_endpoint_port_base") is None:
+        return ()
+    try:
+        base = int(kv["load_endpoint_port_base"])
+        dp_size = int(kv.get("dp_size") or 1)
+        topic = str(kv.get("load_topic") or "")
+    except (TypeError, ValueError) as exc:
+        raise AdapterError(f"malformed kv_events block in /server_info: {dict(kv)!r}") from exc
+    if not 0 < base <= 65535 or dp_size < 1 or base + dp_size - 1 > 65535:
+        raise AdapterError(f"malformed load port range in /server_info: {dict(kv)!r}")
+    host = urlsplit(engine_url).hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return tuple(
+        EventEndpoint(dp_rank=r, endpoint=f"tcp://{host}:{base + r}", topic=topic)
+        for r in range(dp_size)
+    )
+
+
 class SGLangAdapter(AdapterShell):
     """KV events and request translation for one SGLang server."""
 
@@ -93,6 +129,7 @@ class SGLangAdapter(AdapterShell):
         *,
         metrics: AdapterMetrics | None = None,
         idle_probe_s: float = 1.0,
+        load_stale_after_s: float = 5.0,
     ) -> None:
         if config.engine is not EngineKind.SGLANG:
             raise ValueError(f"SGLangAdapter got a config for {config.engine.value}")
@@ -103,6 +140,8 @@ class SGLangAdapter(AdapterShell):
         self._ctx: zmq.asyncio.Context | None = None
         self._normalizers: dict[str, WorkerNormalizer] = {}
         self.subscribers: list[RankSubscriber] = []
+        self.load_board = LoadBoard(self.metrics, load_stale_after_s)
+        self.load_subscriber: LoadSubscriber | None = None  # when the engine publishes load
         self._incremental = False
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -110,6 +149,7 @@ class SGLangAdapter(AdapterShell):
     async def start(self) -> EngineInfo:
         cfg = self.config
         server_info: dict[str, Any] = {}
+        load_endpoints = cfg.load_endpoints
         if not cfg.endpoints or cfg.block_size is None:
             server_info = await self._server_info()
             block_size, endpoints = endpoints_from_server_info(server_info, cfg.engine_url)
@@ -120,10 +160,13 @@ class SGLangAdapter(AdapterShell):
                 )
             if cfg.endpoints:
                 endpoints = cfg.endpoints
+            if not load_endpoints:
+                load_endpoints = load_endpoints_from_server_info(server_info, cfg.engine_url)
             self._incremental = bool(server_info.get("incremental_streaming_output"))
         else:
             block_size, endpoints = cfg.block_size, cfg.endpoints
         dp_size = len(endpoints)
+        load_ranks = _load_ranks(cfg.worker_id, endpoints, load_endpoints)
         hasher = BlockHasher(block_size)
         self._ctx = zmq.asyncio.Context()
         worker_ids = []
@@ -144,6 +187,13 @@ class SGLangAdapter(AdapterShell):
             )
             self.subscribers.append(sub)
             producers.append(sub.run)
+        if load_ranks:
+            try:
+                self.load_subscriber = LoadSubscriber(load_ranks, self._ctx, self.load_board)
+            except zmq.ZMQError as exc:
+                await self.aclose()
+                raise AdapterError(f"cannot subscribe to SGLang's load sockets: {exc}") from exc
+            producers.append(self.load_subscriber.run)
         self._info = EngineInfo(
             kind=self.kind,
             block_size=block_size,
@@ -159,11 +209,14 @@ class SGLangAdapter(AdapterShell):
             engine=self.kind.value,
             worker_ids=worker_ids,
             block_size=block_size,
+            load_endpoints=[ep.endpoint for ep in load_endpoints],
         )
         return self._info
 
     async def aclose(self) -> None:
         await super().aclose()
+        if self.load_subscriber is not None:
+            self.load_subscriber.close()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.destroy(linger=0)
@@ -193,6 +246,9 @@ class SGLangAdapter(AdapterShell):
         if isinstance(tokens, int) and isinstance(block, int) and tokens > 0 and block > 0:
             return tokens // block
         return None
+
+    def engine_load(self, worker_id: str) -> EngineLoad | None:
+        return self.load_board.get(worker_id)
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
         return to_generate_request(request)
@@ -245,6 +301,24 @@ class SGLangAdapter(AdapterShell):
         if not isinstance(answer, dict):
             raise AdapterError(f"{method} {url} did not answer a JSON object")
         return answer
+
+
+def _load_ranks(
+    base: str, endpoints: Sequence[EventEndpoint], load_endpoints: Sequence[EventEndpoint]
+) -> list[tuple[str, EventEndpoint]]:
+    """Each load endpoint with the worker its DP rank is (``AdapterError`` for a rank that
+    publishes no KV events, or an address ZMQ cannot dial)."""
+    workers = {ep.dp_rank: worker_id_for(base, ep.dp_rank, len(endpoints)) for ep in endpoints}
+    unknown = sorted(ep.dp_rank for ep in load_endpoints if ep.dp_rank not in workers)
+    if unknown:
+        raise AdapterError(
+            f"load endpoints for DP ranks {unknown}, which publish no KV events "
+            f"(ranks {sorted(workers)} do)"
+        )
+    for ep in load_endpoints:
+        if not ep.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise AdapterError(f"load endpoint {ep.endpoint!r} is not a ZMQ address")
+    return [(workers[ep.dp_rank], ep) for ep in load_endpoints]
 
 
 class _NotServed(AdapterError):

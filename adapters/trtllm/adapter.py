@@ -6,10 +6,18 @@
 every rank arrive in one answer, each tagged ``attention_dp_rank``; each rank becomes one
 canonical worker. ``dp_size`` (how many ranks to expect) is the number of configured
 endpoints, or 1; an envelope from a rank beyond it is a malformed event.
+
+trtllm-serve's OpenAI routes take no target rank (the LLM API's
+``SchedulingParams(attention_dp_rank=..., attention_dp_relax=False)`` has no HTTP field), so a
+request's ``dp_rank`` cannot pin it: the engine's attention-DP balancer picks the rank, and
+its KV events say which. Prefill/decode goes through ``disaggregated_params`` (``pd``,
+``adapters.trtllm.pd``); ``KVSIDECAR_TRTLLM_DISAGG_AUTH_KEY`` is the engines'
+``internal_request_auth_key``, for releases that authenticate the decode leg.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
@@ -29,7 +37,8 @@ from adapters.normalize import WorkerNormalizer
 from adapters.normalize_hashing import SHORT_CHAIN_BLOCKS
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.shell import AdapterShell
-from adapters.trtllm.core import Prepared, TrtRankCore
+from adapters.trtllm.core import Prepared, TrtRankCore, token_ids
+from adapters.trtllm.pd import TrtllmPrefillDecode
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
 from adapters.trtllm.sources import HttpEventSource, LlmApiEventSource
 from adapters.trtllm.wire import (
@@ -45,10 +54,11 @@ from kvcore.hashing import BlockHasher
 from kvcore.layout import BlockLayout
 from kvcore.requests import TokenizedRequest
 
-__all__ = ["TrtllmAdapter", "TrtllmNormalizer"]
+__all__ = ["AUTH_KEY_ENV", "TrtllmAdapter", "TrtllmNormalizer"]
 
 log = structlog.get_logger(component="adapters.trtllm")
 _HEAD = 64
+AUTH_KEY_ENV = "KVSIDECAR_TRTLLM_DISAGG_AUTH_KEY"
 
 
 class TrtllmNormalizer:
@@ -133,10 +143,7 @@ class TrtllmNormalizer:
             if isinstance(data, Stored):
                 blocks = data.blocks
                 n = len(blocks)
-                if n == 1:
-                    ids = [t.token_id for t in blocks[0].tokens]
-                else:
-                    ids = [t.token_id for b in blocks for t in b.tokens]
+                ids = token_ids(blocks)
                 prepared[i] = (ids, None)
                 if n < SHORT_CHAIN_BLOCKS:
                     short.append(i)
@@ -153,7 +160,6 @@ class TrtllmAdapter(AdapterShell):
     """KV events and request translation for one TensorRT-LLM server."""
 
     kind = EngineKind.TRTLLM
-    pd: PrefillDecode | None = None  # disaggregated_params: not yet
 
     def __init__(
         self,
@@ -161,10 +167,14 @@ class TrtllmAdapter(AdapterShell):
         *,
         metrics: AdapterMetrics | None = None,
         llm: Any = None,
+        environ: dict[str, str] | None = None,
     ) -> None:
         if config.engine is not EngineKind.TRTLLM:
             raise ValueError(f"TrtllmAdapter got a config for {config.engine.value}")
         self.config = config
+        self._lora_adapters = {a.name: a for a in config.lora_adapters}
+        env = os.environ if environ is None else environ
+        self.pd: PrefillDecode | None = TrtllmPrefillDecode(env.get(AUTH_KEY_ENV) or None)
         self.metrics = metrics if metrics is not None else AdapterMetrics("trtllm")
         self._llm = llm
         super().__init__(config.queue_size)
@@ -236,7 +246,7 @@ class TrtllmAdapter(AdapterShell):
         return self.model_layout()
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
-        return to_completions_request(request)
+        return to_completions_request(request, self._lora_adapters)
 
     def response_translator(self, request: TokenizedRequest) -> TrtllmResponseTranslator:
         return TrtllmResponseTranslator(request)

@@ -11,6 +11,10 @@ with ``KVSIDECAR_STORE_SOCKET=/run/kvsidecar/replica-0.sock`` in the engine's en
 (the other settings: ``adapters.trtllm.connector_core.ConnectorSettings``). The store must
 be started with ``--layout raw`` and ``--block-bytes`` = one KV block of one rank.
 
+Both classes declare ``supports_attention_dp``: under attention DP TRT-LLM runs a scheduler
+and a worker per rank with no connector collectives, each planning and copying its own
+requests' blocks (owner-local), all against the one store (a shared pool, canonical keys).
+
 The classes below are thin: they translate TRT-LLM's objects (``LlmRequest``, the KV pool
 tensor, the metadata it broadcasts) into the pure ``SchedulerCore`` / ``WorkerCore``. Their
 bases are TRT-LLM's ``KvCacheConnectorScheduler`` / ``KvCacheConnectorWorker``, resolved when
@@ -130,7 +134,10 @@ def _guarded(op: str, fallback: T, fn: Callable[[], T]) -> T:
 
 
 class KvSidecarConnectorScheduler(_SchedulerBase):  # type: ignore[misc,valid-type]
-    """Rank-0 side: how many prompt tokens the store can supply, and what to load and save."""
+    """The scheduler side (rank 0 under TP; each owner under attention DP): how many prompt
+    tokens the store can supply, and what to load and save."""
+
+    supports_attention_dp = True  # request state is per instance; the store is shared
 
     def __init__(self, llm_args: Any, environ: dict[str, str] | None = None) -> None:
         super().__init__(llm_args)
@@ -175,15 +182,17 @@ class KvSidecarConnectorScheduler(_SchedulerBase):  # type: ignore[misc,valid-ty
 class KvSidecarConnectorWorker(_WorkerBase):  # type: ignore[misc,valid-type]
     """Every rank: block copies between the KV pool and the store, before the forward pass."""
 
+    supports_attention_dp = True  # copies only its own metadata's blocks; loads complete here
+
     def __init__(self, llm_args: Any, environ: dict[str, str] | None = None,
                  rank: int | None = None, world_size: int | None = None) -> None:
         super().__init__(llm_args)
         self.settings = ConnectorSettings.from_llm_args(
             llm_args, os.environ if environ is None else environ)
         default_rank, default_world = _rank_and_world()
-        self.core = WorkerCore(self.settings.link("trtllm_worker"),
-                               default_rank if rank is None else rank,
-                               default_world if world_size is None else world_size)
+        sliced = self.settings.slicing(default_rank if rank is None else rank,
+                                       default_world if world_size is None else world_size)
+        self.core = WorkerCore(self.settings.link("trtllm_worker"), *sliced)
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         self.core.register(kv_cache_tensor)  # a store that does not fit fails start-up

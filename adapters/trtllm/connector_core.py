@@ -7,7 +7,11 @@ Blocks are keyed canonically: ``(Namespace(model_id, lora, salt).seed, h_i)`` wi
 the ``BlockHasher(tokens_per_block)`` chain of the request's tokens, the same hashes the
 gateway computes, so the store's host-tier events land in the gateway's prefix index as
 they are. A worker of a multi-rank engine (TP/PP: each rank holds a slice of every block)
-mixes its rank into the namespace (``rank_namespace``).
+mixes its rank into the namespace (``rank_namespace``). Under attention DP each rank owns
+whole blocks of its own requests (its scheduler and worker plan and copy for it alone, as
+TRT-LLM runs one scheduler per owner), so every owner keys blocks canonically and all share
+one pool: what one rank saved, another loads. Attention DP with pipeline parallelism (owners
+of a slice of the layers) is refused at start-up.
 
 Flow, per TRT-LLM's connector contract:
 
@@ -77,7 +81,9 @@ class ConnectorSettings:
     * ``KVSIDECAR_MODEL_ID``: the blocks' namespace (default: ``llm_args.model``);
     * ``KVSIDECAR_STORE_TIMEOUT_S`` (5), ``KVSIDECAR_STORE_RETRY_S`` (1).
 
-    ``tokens_per_block`` is the engine's (``llm_args.kv_cache_config.tokens_per_block``).
+    ``tokens_per_block`` is the engine's (``llm_args.kv_cache_config.tokens_per_block``);
+    ``attention_dp`` and ``pipeline_parallel_size`` too (``enable_attention_dp``,
+    ``pipeline_parallel_size``).
     """
 
     socket: Path
@@ -86,6 +92,8 @@ class ConnectorSettings:
     owner_id: str | None = None
     timeout_s: float = 5.0
     retry_interval_s: float = 1.0
+    attention_dp: bool = False
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not self.model_id:
@@ -114,7 +122,19 @@ class ConnectorSettings:
             raise ValueError(f"{ENV_PREFIX}STORE_TIMEOUT_S / _RETRY_S must be numbers: {exc}"
                              ) from exc
         return cls(Path(socket), model, int(tokens), environ.get(f"{ENV_PREFIX}STORE_OWNER_ID"),
-                   timeout, retry)
+                   timeout, retry, bool(getattr(llm_args, "enable_attention_dp", False)),
+                   int(getattr(llm_args, "pipeline_parallel_size", 1) or 1))
+
+    def slicing(self, rank: int, world_size: int) -> tuple[int, int]:
+        """The (rank, world size) a worker's keys are sliced by: its own under TP/PP; none
+        under attention DP, where each owner holds whole blocks in one shared pool."""
+        if not self.attention_dp:
+            return rank, world_size
+        if self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "the kvsidecar KV cache connector supports attention DP without pipeline "
+                f"parallelism only (pipeline_parallel_size is {self.pipeline_parallel_size})")
+        return 0, 1
 
     def link(self, hook: str) -> StoreLink:
         return StoreLink(self.socket, expected_owner_id=self.owner_id, timeout_s=self.timeout_s,
@@ -148,7 +168,8 @@ class _Match:
 
 @dataclass(slots=True)
 class SchedulerCore:
-    """Rank-0 side: matches prompts against the store and plans loads and saves."""
+    """The scheduler side (rank 0 under TP, every owner under attention DP): matches prompts
+    against the store and plans loads and saves."""
 
     settings: ConnectorSettings
     link: StoreLink

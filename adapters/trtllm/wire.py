@@ -1,10 +1,11 @@
 """TensorRT-LLM's KV-cache-event JSON (``KVCacheEventSerializer``, ``tensorrt_llm/_utils.py``).
 
 ``POST /kv_cache_events`` answers a JSON array of envelopes
-``{"event_id", "data", "window_size", "attention_dp_rank"?}`` where ``data.type`` is one of
+``{"event_id", "data", "window_size", "attention_dp_rank"?, "hash_algo"?, "layer_group_id"?}``
+where ``data.type`` is one of
 
 * ``created``: ``num_blocks_per_cache_level``;
-* ``stored``: ``parent_hash`` (u64 or null) and ``blocks`` in chain order, each
+* ``stored``: ``parent_hash`` (or null) and ``blocks`` in chain order, each
   ``{"type": "stored_block", "block_hash", "tokens": [{"type": "unique_token", "token_id",
   "token_extra_id"}], "cache_level", "priority"}`` plus, in newer releases, ``lora_id``,
   ``mm_keys`` and ``cache_salt``;
@@ -12,9 +13,33 @@
 * ``updated``: ``block_hash``, ``cache_level`` and ``priority`` as
   ``{"type": "event_diff", "new_value", "old_value"}`` (either may be null).
 
-Decoding tries the common case first: every token's ``token_extra_id`` is 0, checked by the
-decoder itself (``PlainStored``), so the normalizer need not look at each token again; an
-answer with a non-zero extra id (multimodal) is decoded again with the general types.
+**Block hashes come in two forms**, named by the envelope's ``hash_algo``
+(``kv_cache_config.kv_cache_event_hash_algo``; ``auto`` picks ``v1_block_key`` for the C++
+KV cache manager, ``v2_sha256`` for ``use_kv_cache_manager_v2``):
+
+* ``v1_block_key`` (and envelopes without ``hash_algo``, as older releases write them): a
+  u64 integer;
+* ``v2_sha256_64``: the first 8 bytes of the V2 SHA-256 block key, big-endian, as a u64
+  integer;
+* ``v2_sha256``: the whole V2 block key as a lowercase hex string (32 bytes: 64 digits).
+
+A hex hash must be an even number of lowercase hex digits, 2 to 128 (a 1–64 byte key), and
+a known ``hash_algo`` must match the form of every hash in its envelope; anything else makes
+the envelope a ``BadEnvelope`` (a decode error the adapter counts, then a resync), never a
+silently dropped or misread block. ``engine_key`` maps either form to the integer the
+normalizer keys engine blocks by: integers stay themselves, hex strings go to a tagged range
+no u64 reaches, so the two forms never collide. (The canonical block identity never depends
+on the engine's hash: the normalizer re-hashes the tokens.)
+
+The V2 manager also writes ``layer_group_id`` (the attention life cycle the event is about:
+one stored/removed event per group, the same block hash in each) and may give a token id as
+a hex string (a multimodal content digest standing in for a token); the core decides which
+group it indexes and skips blocks with such tokens.
+
+Decoding tries the common case first: every token's ``token_extra_id`` is 0 and every token
+id an integer, checked by the decoder itself (``PlainStored``), so the normalizer need not
+look at each token again; an answer with a non-zero extra id or a digest token (multimodal) is
+decoded again with the general types.
 
 Assumed, not read in a release we could run (TensorRT-LLM cannot be installed here):
 ``lora_name`` at the ``data`` level (Dynamo reads it), ``lora_id`` per block, and that
@@ -25,13 +50,15 @@ decode. The LLM API (``get_kv_cache_events_async``) yields the same objects as d
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
 __all__ = [
+    "HASH_ALGOS",
     "BadEnvelope",
     "Created",
+    "EngineHash",
     "Envelope",
     "EventDiff",
     "PlainStored",
@@ -41,19 +68,38 @@ __all__ = [
     "Token",
     "TrtData",
     "decode_envelopes",
+    "engine_key",
     "envelopes_from_objects",
 ]
 
 _HEAD = 64
 
+# A V2 block key (or a multimodal digest token) as the V2 event manager writes it: bytes.hex().
+HexDigest = Annotated[str, msgspec.Meta(pattern="^(?:[0-9a-f]{2}){1,64}$")]
+EngineHash = int | HexDigest
+
+# hash_algo → the form its block hashes take on the wire.
+HASH_ALGOS: dict[str, type] = {"v1_block_key": int, "v2_sha256_64": int, "v2_sha256": str}
+
+# Hex keys map above every u64 (and above any 128-digit key with its leading 1 nibble).
+_HEX_TAG = 1 << 520
+
+
+def engine_key(block_hash: int | str) -> int:
+    """The integer the normalizer keys an engine block by: a u64 hash itself; a hex digest
+    ``d`` as ``_HEX_TAG | int("1" + d, 16)`` (the leading 1 keeps leading zeros apart)."""
+    if type(block_hash) is int:
+        return block_hash
+    return _HEX_TAG | int("1" + str(block_hash), 16)
+
 
 class Token(msgspec.Struct, gc=False):
-    token_id: int
+    token_id: int | HexDigest
     token_extra_id: int = 0
 
 
 class StoredBlock(msgspec.Struct, gc=False):
-    block_hash: int
+    block_hash: EngineHash
     tokens: list[Token]
     cache_level: int = 0
     priority: int = 0
@@ -68,13 +114,13 @@ class Created(msgspec.Struct, tag="created", gc=False):
 
 class Stored(msgspec.Struct, tag="stored", gc=False):
     blocks: list[StoredBlock]
-    parent_hash: int | None = None
+    parent_hash: EngineHash | None = None
     lora_name: str | None = None
     lora_id: int | None = None
 
 
 class Removed(msgspec.Struct, tag="removed", gc=False):
-    block_hashes: list[int]
+    block_hashes: list[EngineHash]
 
 
 class EventDiff(msgspec.Struct, gc=False):
@@ -83,7 +129,7 @@ class EventDiff(msgspec.Struct, gc=False):
 
 
 class Updated(msgspec.Struct, tag="updated", gc=False):
-    block_hash: int
+    block_hash: EngineHash
     cache_level: EventDiff | None = None
     priority: EventDiff | None = None
 
@@ -92,6 +138,7 @@ TrtData = Created | Stored | Removed | Updated
 
 
 class _PlainToken(Token, gc=False):
+    token_id: int
     token_extra_id: Literal[0] = 0
 
 
@@ -102,9 +149,23 @@ class _PlainStoredBlock(StoredBlock, gc=False):
 
 
 class PlainStored(Stored, tag="stored", gc=False):
-    """A ``Stored`` whose tokens all have ``token_extra_id`` 0 (checked while decoding)."""
+    """A ``Stored`` whose tokens are all plain: integer ids, ``token_extra_id`` 0 (checked
+    while decoding)."""
 
     blocks: list[_PlainStoredBlock]  # type: ignore[assignment]
+
+
+def _hashes(data: TrtData) -> list[int | str]:
+    if isinstance(data, Stored):
+        out: list[int | str] = [b.block_hash for b in data.blocks]
+        if data.parent_hash is not None:
+            out.append(data.parent_hash)
+        return out
+    if isinstance(data, Removed):
+        return list(data.block_hashes)
+    if isinstance(data, Updated):
+        return [data.block_hash]
+    return []
 
 
 class Envelope(msgspec.Struct, gc=False):
@@ -112,6 +173,21 @@ class Envelope(msgspec.Struct, gc=False):
     data: TrtData
     window_size: int | None = None
     attention_dp_rank: int | None = None
+    hash_algo: str | None = None
+    layer_group_id: int | None = None
+
+    def __post_init__(self) -> None:
+        # Only a known algorithm is checked: an unknown (newer) one still keys blocks by
+        # whatever hash it writes, and the canonical identity comes from the tokens anyway.
+        form = HASH_ALGOS.get(self.hash_algo) if self.hash_algo is not None else None
+        if form is None:
+            return
+        for h in _hashes(self.data):
+            if type(h) is not form:
+                raise ValueError(
+                    f"hash_algo {self.hash_algo!r} writes {form.__name__} block hashes, "
+                    f"got {h!r}"
+                )
 
 
 class _PlainEnvelope(Envelope, gc=False):
@@ -123,6 +199,8 @@ class _LooseEnvelope(msgspec.Struct, gc=False):
     data: Any
     window_size: int | None = None
     attention_dp_rank: int | None = None
+    hash_algo: Any = None
+    layer_group_id: Any = None
 
 
 @dataclass(frozen=True, slots=True)

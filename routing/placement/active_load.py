@@ -10,6 +10,15 @@ Prompt blocks of requests on the same worker that share a prefix count once (ref
 engine's prefix cache shares them); generated tokens add a block each time they cross a block
 boundary. Everything is released on finish.
 
+A worker whose engine publishes its own load (``EngineLoad``, on its sidecar's status every
+half second) may carry more than the gateway sent it: other gateways' requests, clients that
+reach the engine directly, a queue the gateway cannot see. At each reading the surplus of the
+engine's figures over the gateway's own is kept (``set_engine_load``) and added to every
+load the scorer reads until the next reading: the gateway's live count stays exact for what
+it sent, the engine's reading covers the rest. Placement does no extra work per request for
+it (the surplus is computed per reading, not per request); a reading lags by up to one
+status interval, so requests that ended in that window may count until the next one.
+
 To tell a candidate how many of a new request's blocks it already holds actively, the
 refcounts themselves are searched: every active request holds a whole prefix of its chain
 and hashes are chained, so a worker's active set is prefix-closed and "block i is active"
@@ -21,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcore.stream import EngineLoad
 from routing.placement.scorer import WorkerLoad
 
 __all__ = ["ActiveLoad", "UnknownRequestError"]
@@ -46,6 +56,10 @@ class _WorkerTotals:
     output_blocks: int = 0
     in_flight: int = 0
     capacity_blocks: int | None = None
+    # What the engine's last reading holds beyond the gateway's own count (set_engine_load).
+    engine_prefill_tokens: int = 0
+    engine_blocks: int = 0
+    engine_in_flight: int = 0
 
 
 class ActiveLoad:
@@ -124,6 +138,19 @@ class ActiveLoad:
     def set_capacity(self, worker_id: str, capacity_blocks: int | None) -> None:
         self._totals(worker_id).capacity_blocks = capacity_blocks
 
+    def set_engine_load(self, worker_id: str, load: EngineLoad | None) -> None:
+        """The engine's own reading of the worker (None: none, or no longer): what it holds
+        beyond the gateway's own count now counts as load until the next reading."""
+        totals = self._totals(worker_id)
+        if load is None:
+            totals.engine_prefill_tokens = totals.engine_blocks = totals.engine_in_flight = 0
+            return
+        own_blocks = len(self._refs.get(worker_id, ())) + totals.output_blocks
+        engine_blocks = -(-load.kv_used_tokens // self.block_size)
+        totals.engine_blocks = max(0, engine_blocks - own_blocks)
+        totals.engine_prefill_tokens = max(0, load.queued_prefill_tokens - totals.prefill_tokens)
+        totals.engine_in_flight = max(0, load.running + load.queued - totals.in_flight)
+
     def load(self, worker_id: str, block_hashes: Sequence[int] = ()) -> WorkerLoad:
         """The worker's load, with ``block_hashes`` (a new request) counted as if added."""
         return self.loads([worker_id], block_hashes)[0]
@@ -139,12 +166,13 @@ class ActiveLoad:
             refs = self._refs.get(worker_id, {})
             out.append(
                 WorkerLoad(
-                    active_prefill_tokens=totals.prefill_tokens,
+                    active_prefill_tokens=totals.prefill_tokens + totals.engine_prefill_tokens,
                     decode_blocks=len(refs)
                     + totals.output_blocks
+                    + totals.engine_blocks
                     + len(block_hashes)
                     - _active_depth(refs, block_hashes),
-                    in_flight=totals.in_flight,
+                    in_flight=totals.in_flight + totals.engine_in_flight,
                     capacity_blocks=totals.capacity_blocks,
                 )
             )

@@ -103,7 +103,8 @@ class TierOverlap:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """A worker's in-flight load, as the gateway accounts it (``active_load.py``)."""
+    """A worker's in-flight load, as the gateway accounts it (``active_load.py``: its own
+    count, plus what the engine's own reading holds beyond it when it publishes one)."""
 
     active_prefill_tokens: int = 0
     decode_blocks: int = 0  # blocks held by active requests, this request's included

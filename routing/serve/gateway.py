@@ -86,7 +86,10 @@ class Gateway:
         self.router = KvRouter(
             block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng
         )
-        self.workers = WorkerRegistry(on_capacity=self.router.load.set_capacity)
+        self.workers = WorkerRegistry(
+            on_capacity=self.router.load.set_capacity,
+            on_engine_load=self.router.load.set_engine_load,
+        )
         for address in cfg.workers:
             self.workers.add(Worker(address.url, address, models=cfg.model_names))
         self.sidecars: SidecarDiscovery | None = None
@@ -321,6 +324,7 @@ class Gateway:
                 for tier in Tier
             }
             health = worker.health
+            engine_load = worker.engine_load
             out.append(
                 {
                     "worker_id": wid,
@@ -335,6 +339,8 @@ class Gateway:
                     "active_blocks": load.decode_blocks,
                     "active_prefill_tokens": load.active_prefill_tokens,
                     "capacity_blocks": worker.capacity_blocks,
+                    "load_source": worker.load_source.value,
+                    "engine_load": None if engine_load is None else engine_load.view(),
                     "cached_blocks": cached,
                     "requests": worker.dispatched,
                     "models": list(worker.models),

@@ -13,7 +13,8 @@ requests, and both must:
   while the probe is failed asks for a probe at once, so a recovered worker is back within
   one status interval instead of one probe interval.
 
-Load is not counted here: ``routing.placement.active_load`` is the one in-flight count.
+Load is not counted here: ``routing.placement.active_load`` is the one in-flight count. A
+status that carries the engine's own load reading is handed on to it (``on_engine_load``).
 Data flows one way: probes, feeds and the pipeline report to the registry; placement reads
 ``routable()``.
 """
@@ -24,12 +25,13 @@ import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import msgspec
 import structlog
 
-from kvcore.stream import WorkerStatus
+from kvcore.stream import EngineLoad, WorkerStatus
 from routing.config import WorkerAddress
 
-__all__ = ["Health", "Parity", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
+__all__ = ["Health", "LoadSource", "Parity", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
 
 log = structlog.get_logger("routing.workers").bind(component="workers")
 
@@ -52,6 +54,13 @@ class Health(enum.StrEnum):
     PROBE_FAILED = "probe_failed"  # /health failed, or a request's connection did
     STREAM_DOWN = "stream_down"  # the sidecar's event stream is not connected
     UNROUTABLE = "unroutable"  # the sidecar says so (draining, engine unhealthy, silent)
+
+
+class LoadSource(enum.StrEnum):
+    """What a worker's load is placed by."""
+
+    ENGINE = "engine"  # the engine's own reading, beside the gateway's in-flight count
+    GATEWAY = "gateway"  # the gateway's in-flight count alone
 
 
 class Parity(enum.StrEnum):
@@ -119,17 +128,32 @@ class Worker:
     def capacity_blocks(self) -> int | None:
         return None if self.status is None else self.status.capacity_blocks
 
+    @property
+    def engine_load(self) -> EngineLoad | None:
+        """The engine's own load reading, from the last status (when it publishes one)."""
+        return None if self.status is None else self.status.engine_load
+
+    @property
+    def load_source(self) -> LoadSource:
+        return LoadSource.GATEWAY if self.engine_load is None else LoadSource.ENGINE
+
 
 class WorkerRegistry:
     """Every worker, in the order they joined, and the routable ones per role."""
 
-    def __init__(self, on_capacity: Callable[[str, int | None], None]) -> None:
+    def __init__(
+        self,
+        on_capacity: Callable[[str, int | None], None],
+        on_engine_load: Callable[[str, EngineLoad | None], None] | None = None,
+    ) -> None:
         """``on_capacity(worker_id, blocks)``: a worker's KV capacity became known (the
-        placement core scores the decode pool by it)."""
+        placement core scores the decode pool by it). ``on_engine_load(worker_id, load)``:
+        a status brought the engine's own load reading, or the reading went away (None)."""
         self._workers: dict[str, Worker] = {}
         self._routable: dict[Role, list[Worker]] | None = None
         self._models: list[str] | None = None
         self._on_capacity = on_capacity
+        self._on_engine_load = on_engine_load
         self.probe_soon: Callable[[Worker], None] = lambda worker: None  # set by the prober
         self.check_parity: Callable[[Worker], None] = lambda worker: None  # by the checker
 
@@ -189,6 +213,12 @@ class WorkerRegistry:
         if worker.stream_connected:
             worker.stream_connected = False
             self._changed()
+        status = worker.status
+        if status is not None and status.engine_load is not None:
+            # No more readings will come on this stream: the last one must not linger.
+            worker.status = msgspec.structs.replace(status, engine_load=None)
+            if self._on_engine_load is not None:
+                self._on_engine_load(worker_id, None)
 
     def mismatched(self, worker_id: str, reason: str) -> None:
         """The worker's stream was refused: it does not hash as the gateway does."""
@@ -207,6 +237,11 @@ class WorkerRegistry:
         worker.status = status
         if before is None or before.capacity_blocks != status.capacity_blocks:
             self._on_capacity(worker.worker_id, status.capacity_blocks)
+        if self._on_engine_load is not None and (
+            status.engine_load is not None
+            or (before is not None and before.engine_load is not None)
+        ):
+            self._on_engine_load(worker.worker_id, status.engine_load)
         if (
             before is None
             or before.routable != status.routable

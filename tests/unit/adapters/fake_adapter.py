@@ -29,6 +29,7 @@ from kvcore.events import KVEvent, Tier
 from kvcore.hashing import BlockHasher
 from kvcore.layout import BlockLayout
 from kvcore.requests import TokenizedRequest
+from kvcore.stream import EngineLoad
 from tests.unit.adapters.fake_engines import Truth
 
 
@@ -62,6 +63,7 @@ class FakeAdapter:
         self._norm = WorkerNormalizer(worker_id, model_id, BlockHasher(block_size), self.metrics)
         self._queue: asyncio.Queue[KVEvent | None] = asyncio.Queue()
         self._info: EngineInfo | None = None
+        self.load: EngineLoad | None = None  # what engine_load answers (the test sets it)
 
     # --- ops (the test plays the engine) ---------------------------------------------------
 
@@ -134,6 +136,9 @@ class FakeAdapter:
 
     async def kv_capacity_blocks(self) -> int | None:
         return None
+
+    def engine_load(self, worker_id: str) -> EngineLoad | None:
+        return self.load if worker_id == self._norm.worker_id else None
 
     async def render_tokens(self, messages: list[dict[str, Any]]) -> list[int] | None:
         return None

@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from adapters.base import LoraAdapter
 from adapters.normalize_openai import error_from_engine
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
@@ -169,7 +170,7 @@ def test_streamed_error_and_abort_raise_openai_errors() -> None:
 def test_completions_body_for_trtllm() -> None:
     """trtllm-serve gets a token-id prompt with OpenAI sampling names and stream options."""
     native = to_completions_request(
-        request(stream=True, include_usage=True, max_tokens=4, top_k=5, cache_salt="s")
+        request(stream=True, include_usage=True, max_tokens=4, top_k=5)
     )
     assert native.path == "/v1/completions"
     assert native.body == {
@@ -179,8 +180,23 @@ def test_completions_body_for_trtllm() -> None:
         "max_tokens": 4,
         "top_k": 5,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False},
-        "cache_salt": "s",
     }
+
+
+def test_trtllm_lora_goes_by_id_and_checkpoint_and_salt_is_refused() -> None:
+    """trtllm-serve selects an adapter by a full lora_request; an adapter the sidecar was not
+    told about, or a cache_salt its completions model lacks, is a clear refusal, never a
+    request served without them."""
+    adapters = {"ad": LoraAdapter("ad", 3, "/ckpt/ad")}
+    native = to_completions_request(request(lora_name="ad"), adapters)
+    assert native.body["lora_request"] == {
+        "lora_name": "ad", "lora_int_id": 3, "lora_path": "/ckpt/ad"}
+    with pytest.raises(ValueError, match=r"'other' is not one this sidecar knows \(known: ad\)"):
+        to_completions_request(request(lora_name="other"), adapters)
+    with pytest.raises(ValueError, match="--lora-adapter NAME=ID"):
+        to_completions_request(request(lora_name="ad"))
+    with pytest.raises(ValueError, match="takes no cache_salt"):
+        to_completions_request(request(cache_salt="tenant-a"), adapters)
 
 
 def test_trtllm_completion_stream_rebuilt_as_chat() -> None:

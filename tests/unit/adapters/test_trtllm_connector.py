@@ -45,6 +45,8 @@ class Request:
 class LlmArgs:
     model: str = "org/model"
     kv_cache_config: Any = field(default_factory=lambda: type("K", (), {"tokens_per_block": BS}))
+    enable_attention_dp: bool = False
+    pipeline_parallel_size: int = 1
 
 
 @dataclass
@@ -110,10 +112,12 @@ def close_engines() -> Iterator[None]:
         _ENGINES.pop().close()
 
 
-def make_engine(socket: Path, *, rank: int = 0, world: int = 1, blocks: int = 16) -> Engine:
+def make_engine(socket: Path, *, rank: int = 0, world: int = 1, blocks: int = 16,
+                args: LlmArgs | None = None) -> Engine:
     env = {"KVSIDECAR_STORE_SOCKET": str(socket), "KVSIDECAR_STORE_RETRY_S": "0"}
-    scheduler = trt.KvSidecarConnectorScheduler(LlmArgs(), environ=env)
-    worker = trt.KvSidecarConnectorWorker(LlmArgs(), environ=env, rank=rank, world_size=world)
+    llm_args = args or LlmArgs()
+    scheduler = trt.KvSidecarConnectorScheduler(llm_args, environ=env)
+    worker = trt.KvSidecarConnectorWorker(llm_args, environ=env, rank=rank, world_size=world)
     kv = torch.zeros((blocks, *BLOCK_SHAPE), dtype=torch.float16)
     engine = Engine(scheduler, worker, kv)
     _ENGINES.append(engine)
@@ -199,6 +203,39 @@ def test_ranks_keep_their_slices_apart(store: Path) -> None:
             got = plain.get((rank_namespace(seed, rank, 2), h)).view("uint16")
             assert torch.equal(torch.from_numpy(got.copy()).view(torch.float16),
                                engine.kv[0].reshape(-1))
+
+
+def test_both_classes_declare_attention_dp_support() -> None:
+    """TRT-LLM refuses a connector under attention DP unless both classes opt in."""
+    assert trt.KvSidecarConnectorScheduler.supports_attention_dp is True
+    assert trt.KvSidecarConnectorWorker.supports_attention_dp is True
+
+
+def test_attention_dp_owners_share_one_pool(store: Path) -> None:
+    """Under attention DP each rank owns whole blocks of its own requests: rank 1 loads what
+    rank 0 saved, under the canonical keys, each owner planning only its own requests."""
+    adp = LlmArgs(enable_attention_dp=True)
+    r0 = make_engine(store, rank=0, world=2, args=adp)
+    r1 = make_engine(store, rank=1, world=2, args=adp)
+    prompt = list(range(3 * BS + 1))
+    _, blocks0 = r0.admit(Request(1, prompt))
+    compute(r0, blocks0, seed=5)
+    assert r0.finish(Request(1, prompt), blocks0) == [1]
+    seed = Namespace("org/model").seed
+    hashes = BlockHasher(BS).hash_tokens(prompt, seed)
+    with BlockStoreClient(store) as plain:
+        assert plain.contains_many([(seed, h) for h in hashes]) == [True] * 3
+    matched, blocks1 = r1.admit(Request(2, prompt))  # rank 1's own scheduler and worker
+    assert matched == 3 * BS
+    assert torch.equal(r1.kv[blocks1[:3]], r0.kv[blocks0[:3]])
+    assert r0.worker.core.link.counters.blocks_loaded == 0
+
+
+def test_attention_dp_with_pipeline_stages_is_refused(store: Path) -> None:
+    """Owners of a slice of the layers cannot share whole blocks: a clear start-up error."""
+    with pytest.raises(ValueError, match="pipeline_parallel_size is 2"):
+        make_engine(store, rank=1, world=4,
+                    args=LlmArgs(enable_attention_dp=True, pipeline_parallel_size=2))
 
 
 def test_an_unreachable_store_never_stops_the_engine(sock_dir: Path) -> None:

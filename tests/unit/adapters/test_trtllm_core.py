@@ -8,7 +8,14 @@ from structlog.testing import capture_logs
 
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.trtllm.adapter import TrtllmNormalizer
-from adapters.trtllm.wire import BadEnvelope, Envelope, PlainStored, Stored, decode_envelopes
+from adapters.trtllm.wire import (
+    BadEnvelope,
+    Envelope,
+    PlainStored,
+    Stored,
+    decode_envelopes,
+    engine_key,
+)
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
@@ -17,8 +24,11 @@ from tests.unit.adapters.trtllm_fixtures import (
     created,
     envelope,
     removed,
+    sha256_64,
     stored,
     updated,
+    v2_block,
+    v2_chain,
 )
 
 BS = 4
@@ -239,3 +249,257 @@ def test_plain_answers_decode_typed_and_extra_ids_fall_back_to_the_general_types
     out = run(norm, *mixed, envelope(2, stored(1, [block(3, [9, 9, 9, 9])])))
     assert [e.block_hashes for e in out] == [canon([1, 2, 3, 4]), canon([1, 2, 3, 4] + [9] * 4)[1:]]
     assert metrics.value("blocks", worker="w", outcome="skipped") == 1
+
+
+# --- the V2 KV cache manager's events (hash_algo, hex hashes, layer groups) -----------------
+
+V2 = "v2_sha256"
+SWA, FULL = 0, 1  # layer groups: a 128-token sliding window, and full attention
+
+
+def v2_run(norm: TrtllmNormalizer, *events: tuple[int, dict, int], algo: str = V2) -> list[KVEvent]:
+    """(event_id, data, layer_group_id) triples as the V2 manager serializes them."""
+    windows = {SWA: 128, FULL: 4096}
+    return run(norm, *(
+        envelope(eid, data, windows[group], hash_algo=algo, layer_group_id=group)
+        for eid, data, group in events
+    ))
+
+
+def v2_opening() -> list[tuple[int, dict, int]]:
+    return [(0, created(), SWA), (1, created(), FULL)]
+
+
+def test_v2_hex_hashes_store_and_remove_under_canonical_hashes() -> None:
+    """v2_sha256 chains normalize to the same canonical hashes as V1 integers would."""
+    norm, metrics = make()
+    tokens = list(range(1, 13))
+    k = [key.hex() for key in v2_chain(tokens, BS)]
+    out = v2_run(
+        norm,
+        *v2_opening(),
+        (2, stored(None, [v2_block(k[0], tokens[:4]), v2_block(k[1], tokens[4:8])]), FULL),
+        (3, stored(None, [v2_block(k[0], tokens[:4]), v2_block(k[1], tokens[4:8])]), SWA),
+        (4, stored(k[1], [v2_block(k[2], tokens[8:])]), FULL),
+        (5, removed([k[0]]), SWA),  # the window slid past it: the full-attention KV stays
+        (6, removed([k[2]]), FULL),
+    )
+    h = canon(tokens)
+    assert out == [
+        BlockStored("w", 0, 0, Tier.GPU, h[:2], None, tokens[:8]),
+        BlockStored("w", 0, 0, Tier.GPU, h[2:], h[1], tokens[8:]),
+        BlockRemoved("w", 0, 0, Tier.GPU, [h[2]]),
+    ]
+    assert metrics.value("blocks", worker="w", outcome="filtered") == 3
+    assert metrics.value("decode_errors", worker="w", kind="envelope") == 0
+
+
+def test_v2_sha256_64_hashes_are_u64_integers() -> None:
+    """v2_sha256_64 writes the key's first 8 bytes big-endian: integers, like V1."""
+    norm, _ = make()
+    tokens = list(range(1, 9))
+    k = [sha256_64(key) for key in v2_chain(tokens, BS)]
+    assert all(0 <= x < 2**64 for x in k)
+    out = v2_run(
+        norm,
+        (0, created(), FULL),
+        (1, stored(None, [v2_block(k[0], tokens[:4])]), FULL),
+        (2, stored(k[0], [v2_block(k[1], tokens[4:])]), FULL),
+        (3, updated(k[1], (0, 1), None), FULL),
+        (4, removed([k[0]]), FULL),
+        algo="v2_sha256_64",
+    )
+    h = canon(tokens)
+    assert [(type(e).__name__, e.tier, e.block_hashes) for e in out] == [
+        ("BlockStored", Tier.GPU, [h[0]]),
+        ("BlockStored", Tier.GPU, [h[1]]),
+        ("BlockRemoved", Tier.GPU, [h[1]]),
+        ("BlockStored", Tier.HOST, [h[1]]),
+        ("BlockRemoved", Tier.GPU, [h[0]]),
+    ]
+
+
+def test_v2_restart_clears_and_rebuilds() -> None:
+    """A restarted V2 engine (ids from 0, one created per group) clears the worker."""
+    norm, metrics = make()
+    tokens = [1, 2, 3, 4]
+    k = v2_chain(tokens, BS)[0].hex()
+    v2_run(norm, *v2_opening(), (2, stored(None, [v2_block(k, tokens)]), FULL))
+    out = v2_run(norm, *v2_opening(), (2, stored(None, [v2_block(k, tokens)]), FULL))
+    assert out == [
+        AllBlocksCleared("w", 0, 0, Tier.GPU),
+        BlockStored("w", 0, 0, Tier.GPU, canon(tokens), None, tokens),
+    ]
+    assert metrics.value("resyncs", worker="w", reason="event_id_reset") == 1
+
+
+@pytest.mark.parametrize(
+    ("algo", "data", "why"),
+    [
+        (V2, stored(None, [v2_block("ABCD", [1, 2, 3, 4])]), "matching regex"),
+        (V2, stored(None, [v2_block("abc", [1, 2, 3, 4])]), "matching regex"),
+        (V2, stored(None, [v2_block("", [1, 2, 3, 4])]), "matching regex"),
+        (V2, stored(None, [v2_block("zz" * 32, [1, 2, 3, 4])]), "matching regex"),
+        (V2, stored(None, [v2_block("ab" * 65, [1, 2, 3, 4])]), "matching regex"),
+        (V2, stored("0x12", [v2_block("abcd", [1, 2, 3, 4])]), "matching regex"),
+        (V2, removed(["ab", "nothex"]), "matching regex"),
+        (V2, stored(None, [v2_block(43981, [1, 2, 3, 4])]), "writes str block hashes"),
+        (V2, updated(43981, (0, 1), None), "writes str block hashes"),
+        ("v1_block_key", removed(["abcd"]), "writes int block hashes"),
+        ("v2_sha256_64", stored("abcd", [v2_block(7, [1, 2, 3, 4])]), "writes int"),
+        (V2, stored(None, [v2_block("abcd", [1.5, 2, 3, 4])]), "Expected `int | str`"),
+    ],
+)
+def test_malformed_v2_hashes_are_decode_errors(algo: str, data: dict, why: str) -> None:
+    """A hash of the wrong form is a counted decode error and a resync, never a crash or a
+    silently dropped block; the envelopes around it still apply."""
+    norm, metrics = make()
+    good = [5, 6, 7, 8]
+    k = v2_chain(good, BS)[0].hex()
+    with capture_logs() as logs:
+        out = run(
+            norm,
+            envelope(0, stored(None, [v2_block(k, good)]), hash_algo=V2, layer_group_id=0),
+            envelope(1, data, hash_algo=algo, layer_group_id=0),
+            envelope(2, stored(None, [v2_block(k, good)]), hash_algo=V2, layer_group_id=0),
+        )
+    assert [type(e) for e in out] == [BlockStored, AllBlocksCleared, BlockStored]
+    assert out[2].block_hashes == canon(good)
+    assert metrics.value("decode_errors", worker="w", kind="envelope") == 1
+    assert metrics.value("resyncs", worker="w", reason="malformed_event") == 1
+    (failure,) = [e for e in logs if e["event"] == "kv_event_decode_failed"]
+    assert why in failure["reason"]
+    bad = decode_envelopes(orjson.dumps([envelope(1, data, hash_algo=algo)]))[0]
+    assert isinstance(bad, BadEnvelope) and bad.event_id == 1 and why in bad.reason
+
+
+def test_hex_and_integer_hashes_never_collide() -> None:
+    """A hex hash and the integer of the same digits are different engine blocks."""
+    assert engine_key("abcd") != engine_key(0xABCD) == 0xABCD
+    assert engine_key("00ab") != engine_key("ab")
+    assert engine_key("ff" * 64) > 2**64 and engine_key(2**64 - 1) == 2**64 - 1
+    norm, metrics = make()
+    out = run(
+        norm,
+        envelope(0, stored(None, [block(0xABCD, [1, 2, 3, 4])])),
+        envelope(1, removed(["abcd"]), hash_algo=V2),  # a mixed stream: not the int block
+        envelope(2, removed([0xABCD])),
+    )
+    assert [type(e) for e in out] == [BlockStored, BlockRemoved]
+    assert metrics.value("blocks", worker="w", outcome="unknown_removed") == 1
+
+
+def test_v1_to_v2_upgrade_is_a_restart() -> None:
+    """An engine restarted on the V2 manager (ids from 0) starts over under hex hashes."""
+    norm, _ = make()
+    tokens = [1, 2, 3, 4]
+    run(norm, envelope(0, created()), envelope(1, stored(None, [block(9, tokens)])))
+    k = v2_chain(tokens, BS)[0].hex()
+    out = v2_run(norm, *v2_opening(), (2, stored(None, [v2_block(k, tokens)]), FULL),
+                 (3, removed([k]), FULL))
+    assert [type(e) for e in out] == [AllBlocksCleared, BlockStored, BlockRemoved]
+
+
+def test_v2_digest_tokens_skip_the_block_and_its_children() -> None:
+    """A multimodal digest token (hex) hides content: that block and later ones are skipped."""
+    norm, metrics = make()
+    digest = "ab" * 32
+    k = [f"{i:02x}" * 32 for i in range(1, 5)]
+    out = v2_run(
+        norm,
+        (0, created(), FULL),
+        (1, stored(None, [v2_block(k[0], [1, 2, 3, 4]), v2_block(k[1], [digest, 9, 9, 9]),
+                          v2_block(k[2], [5, 6, 7, 8])]), FULL),
+        (2, stored(None, [v2_block(k[3], [digest, 1, 2, 3])]), FULL),
+    )
+    assert [e.block_hashes for e in out] == [canon([1, 2, 3, 4])]
+    assert metrics.value("blocks", worker="w", outcome="skipped") == 2 + 1
+    assert metrics.value("decode_errors", worker="w", kind="envelope") == 0
+
+
+def test_a_better_group_after_published_blocks_resyncs() -> None:
+    """Joining mid-stream: blocks of the smaller window were published, then the full-
+    attention group shows up; its blocks replace them after a resync."""
+    norm, metrics = make()
+    k = v2_chain(list(range(1, 9)), BS)
+    out = v2_run(
+        norm,
+        (7, stored(None, [v2_block(k[0].hex(), [1, 2, 3, 4])]), SWA),
+        (8, stored(None, [v2_block(k[0].hex(), [1, 2, 3, 4])]), FULL),
+        (9, removed([k[0].hex()]), SWA),
+    )
+    assert [type(e) for e in out] == [BlockStored, AllBlocksCleared, BlockStored]
+    assert metrics.value("resyncs", worker="w", reason="indexed_group_changed") == 1
+    assert metrics.value("blocks", worker="w", outcome="filtered") == 1
+
+
+def test_equal_windows_index_the_lowest_layer_group() -> None:
+    """Two groups of one window (the same blocks twice): only the lowest group id is kept."""
+    norm, metrics = make()
+    k = v2_chain([1, 2, 3, 4], BS)[0].hex()
+    out = run(norm, *(
+        envelope(eid, data, 4096, hash_algo=V2, layer_group_id=group)
+        for eid, data, group in [
+            (0, created(), 1), (1, created(), 0),
+            (2, stored(None, [v2_block(k, [1, 2, 3, 4])]), 1),
+            (3, stored(None, [v2_block(k, [1, 2, 3, 4])]), 0),
+            (4, removed([k]), 1),
+        ]
+    ))
+    assert [type(e) for e in out] == [BlockStored]
+    assert metrics.value("blocks", worker="w", outcome="filtered") == 2
+
+
+def test_v2_attention_dp_ranks_gathered_on_rank_zero_are_separate_workers() -> None:
+    """The V2 manager gathers every rank's events on rank 0, each tagged with its rank and
+    counting its own ids: one canonical worker per rank."""
+    norm, _ = make(dp_size=2)
+    tokens = [1, 2, 3, 4]
+    k = v2_chain(tokens, BS)[0].hex()
+
+    def env(eid: int, data: dict, rank: int) -> dict:
+        return envelope(eid, data, 4096, rank, hash_algo=V2, layer_group_id=0)
+
+    out = run(
+        norm,
+        env(0, created(), 0), env(1, stored(None, [v2_block(k, tokens)]), 0),
+        env(0, created(), 1), env(1, stored(None, [v2_block(k, tokens)]), 1),
+        env(2, removed([k]), 1),
+    )
+    assert [(e.worker_id, type(e).__name__, e.block_hashes) for e in out] == [
+        ("w/dp0", "BlockStored", canon(tokens)),
+        ("w/dp1", "BlockStored", canon(tokens)),
+        ("w/dp1", "BlockRemoved", canon(tokens)),
+    ]
+
+
+def test_an_event_of_no_group_in_a_grouped_stream_is_about_the_whole_block() -> None:
+    """The V2 manager names no group for a removal of the whole block: it always applies; a
+    created event of no group does not stop the groups from choosing."""
+    norm, metrics = make()
+    k = v2_chain([1, 2, 3, 4], BS)[0].hex()
+    out = run(norm, *(
+        envelope(eid, data, window, hash_algo=V2, layer_group_id=group)
+        for eid, data, window, group in [
+            (0, created(), 4096, None),
+            (1, stored(None, [v2_block(k, [1, 2, 3, 4])]), 128, SWA),
+            (2, stored(None, [v2_block(k, [1, 2, 3, 4])]), 4096, FULL),
+            (3, removed([k]), 4096, None),
+        ]
+    ))
+    assert [type(e) for e in out] == [BlockStored, AllBlocksCleared, BlockStored, BlockRemoved]
+    assert metrics.value("resyncs", worker="w", reason="indexed_group_changed") == 1
+
+
+def test_v2_objects_from_the_llm_api_decode_the_same() -> None:
+    """get_kv_cache_events_async yields the serializer's dicts: the same checks apply."""
+    norm, metrics = make()
+    tokens = [1, 2, 3, 4]
+    k = v2_chain(tokens, BS)[0].hex()
+    out = norm.apply_objects([
+        envelope(0, created(), 4096, hash_algo=V2, layer_group_id=0),
+        envelope(1, stored(None, [v2_block(k, tokens)]), 4096, hash_algo=V2, layer_group_id=0),
+        envelope(2, removed([k.upper()]), 4096, hash_algo=V2, layer_group_id=0),
+    ])
+    assert [type(e) for e in out] == [BlockStored, AllBlocksCleared]
+    assert metrics.value("decode_errors", worker="w", kind="envelope") == 1

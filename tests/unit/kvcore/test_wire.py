@@ -16,7 +16,7 @@ from kvcore.events import (
     TierBlocks,
     WorkerSnapshot,
 )
-from kvcore.stream import ResyncRequired, StreamStart, WorkerStatus
+from kvcore.stream import EngineLoad, ResyncRequired, StreamStart, WorkerStatus
 from kvcore.wire import WIRE_VERSION, WireError, decode, encode
 
 u64 = st.integers(0, 2**64 - 1)
@@ -90,6 +90,13 @@ messages = st.one_of(
         st.text(),
         st.sampled_from(["agg", "prefill", "decode"]),
         st.one_of(st.none(), counters),
+        st.one_of(
+            st.none(),
+            st.builds(
+                EngineLoad, counters, counters, counters, st.one_of(st.none(), counters),
+                counters, counters,
+            ),
+        ),
     ),
     st.builds(ResyncRequired, worker_ids, st.text()),
 )
@@ -157,3 +164,24 @@ class TestGarbage:
         """An unknown version byte is reported with the version expected."""
         with pytest.raises(WireError, match=f"unsupported wire version 7, expected {WIRE_VERSION}"):
             decode(b"\x07\x90")
+
+
+def test_worker_status_with_engine_load_crosses_older_peers() -> None:
+    """The engine load is appended to WorkerStatus: an older sidecar's status (without it)
+    decodes as None, and an older gateway's WorkerStatus decodes ours, ignoring it."""
+    older = msgspec.msgpack.encode([7, "w", 1, True, "", "agg", None])
+    older_status = decode(bytes([WIRE_VERSION]) + older)
+    assert isinstance(older_status, WorkerStatus) and older_status.engine_load is None
+
+    class OlderWorkerStatus(msgspec.Struct, array_like=True, tag=7):
+        worker_id: str
+        ts_ms: int
+        routable: bool = True
+        reason: str = ""
+        role: str = "agg"
+        capacity_blocks: int | None = None
+
+    ours = WorkerStatus("w", 1, capacity_blocks=64, engine_load=EngineLoad(1, 2, 3, 4, 5, 6))
+    seen = msgspec.msgpack.decode(encode(ours)[1:], type=OlderWorkerStatus)
+    assert (seen.worker_id, seen.capacity_blocks) == ("w", 64)
+    assert EngineLoad(1, 2, 3, 4).view()["kv_usage"] == 0.75

@@ -40,3 +40,20 @@ def test_a_missing_or_empty_key_file_is_refused(
         SidecarConfig.from_args([*BASE, "--engine-api-key-file", str(key_file)], {})
     err = capsys.readouterr().err
     assert str(key_file) in err and message in err
+
+
+def test_lora_adapters_parse_and_bad_specs_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--lora-adapter NAME=ID[:PATH]``, repeatable; a malformed or duplicate one stops the
+    sidecar naming the flag."""
+    cfg = SidecarConfig.from_args(
+        [*BASE, "--lora-adapter", "ad=1:/ckpt/ad", "--lora-adapter", "b=2"], {}
+    )
+    assert [(a.name, a.int_id, a.path) for a in cfg.lora_adapters] == [
+        ("ad", 1, "/ckpt/ad"), ("b", 2, "")]
+    for specs, message in ((["ad"], "expected NAME=ID[:PATH]"), (["ad=x"], "integer ID"),
+                           (["ad=1", "ad=2"], "share names"), (["a=1", "b=1"], "share ids")):
+        with pytest.raises(SystemExit):
+            SidecarConfig.from_args([*BASE, *(f"--lora-adapter={s}" for s in specs)], {})
+        assert message in capsys.readouterr().err
