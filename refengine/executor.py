@@ -38,6 +38,29 @@ def _generator(req: Request) -> torch.Generator:
     return torch.Generator().manual_seed(seed + len(req.output_ids))
 
 
+def penalize(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """SGLang's penalties: repetition over prompt and output (a positive logit divided, a
+    negative one multiplied), frequency and presence over the output so far (subtracted per
+    occurrence and once)."""
+    if params.repetition_penalty != 1.0:
+        logits = logits.clone()
+        seen = torch.tensor(sorted({t for t in (*prompt, *output) if t < logits.numel()}))
+        if seen.numel():
+            vals = logits[seen]
+            logits[seen] = torch.where(
+                vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty
+            )
+    if output and (params.frequency_penalty or params.presence_penalty):
+        logits = logits.clone()
+        ids, counts = torch.unique(torch.tensor(output), return_counts=True)
+        keep = ids < logits.numel()
+        ids, counts = ids[keep], counts[keep]
+        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return logits
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
     """Greedy when temperature is 0 (or top_k 1); else temperature, top-k, top-p sampling."""
     if params.greedy:
@@ -71,7 +94,8 @@ class TorchExecutor:
         self.vocab_limit = vocab_limit  # tokenizer vocab; the model may have padding rows
 
     def _pick(self, logits: torch.Tensor, req: Request) -> int:
-        return sample(logits[: self.vocab_limit], req.params, _generator(req))
+        logits = penalize(logits[: self.vocab_limit], req.params, req.prompt, req.output_ids)
+        return sample(logits, req.params, _generator(req))
 
     def _prefill(self, chunks: tuple[PrefillChunk, ...]) -> list[int | None]:
         out: list[int | None] = []

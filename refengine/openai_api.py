@@ -2,8 +2,10 @@
 ``/v1/chat/completions`` (both streaming), ``/v1/models``, and SGLang's ``/v1/tokenize``
 (a prompt, or messages rendered as a chat completion would be).
 
-Usage carries ``prompt_tokens_details.cached_tokens`` (device + host-tier tokens, as SGLang's
-cache report). Errors use SGLang's OpenAI ``ErrorResponse`` shape:
+A field the engine cannot honour (tools, structured output, logprobs, reasoning, images, LoRA
+adapters, ``n`` > 1) is refused with a 400 naming it, never dropped; ``chat_template_kwargs``
+reach the chat template. Usage carries ``prompt_tokens_details.cached_tokens`` (device +
+host-tier tokens, as SGLang's cache report). Errors use SGLang's OpenAI ``ErrorResponse`` shape:
 ``{"object": "error", "message", "type": "BadRequestError", "param", "code"}``.
 """
 
@@ -51,7 +53,8 @@ def _sampling(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
     }
     if raw["max_new_tokens"] is None:  # chat default: up to the context limit, capped
         raw["max_new_tokens"] = 128
-    for key in ("top_k", "min_tokens", "ignore_eos", "stop_token_ids", "seed"):
+    for key in ("top_k", "min_tokens", "ignore_eos", "stop_token_ids", "seed",
+                "presence_penalty", "frequency_penalty", "repetition_penalty"):
         if body.get(key) is not None:
             raw["min_new_tokens" if key == "min_tokens" else key] = body[key]
     return raw
@@ -66,13 +69,35 @@ def _usage(req: Request) -> dict[str, Any]:
     }
 
 
-def _common_checks(body: Any) -> dict[str, Any]:
+def _common_checks(body: Any, served: str) -> dict[str, Any]:
+    """Refuse what the reference engine cannot honour, naming it: a field it would otherwise
+    drop silently (it has no tool-call or reasoning parser, no grammar backend, no LoRA)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise BadRequest("logprobs are not supported by the reference engine")
     if body.get("echo"):
         raise BadRequest("echo is not supported by the reference engine")
+    tool_choice = body.get("tool_choice")
+    if body.get("tools") or tool_choice not in (None, "none", "auto"):
+        raise BadRequest("tools are not supported by the reference engine (no tool-call parser)")
+    response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if kind not in (None, "text"):
+        raise BadRequest(f"response_format {kind!r} is not supported by the reference engine "
+                         "(no grammar backend)")
+    for key in ("regex", "ebnf", "json_schema", "structural_tag"):
+        if body.get(key) is not None:
+            raise BadRequest(f"{key} is not supported by the reference engine "
+                             "(no grammar backend)")
+    if body.get("reasoning_effort") not in (None, "none") or body.get("reasoning"):
+        raise BadRequest("reasoning is not supported by the reference engine "
+                         "(no reasoning parser)")
+    model = body.get("model")
+    if body.get("lora_path") or (
+        isinstance(model, str) and ":" in model and model != served
+    ):
+        raise BadRequest("LoRA adapters are not supported by the reference engine")
     return body
 
 
@@ -106,8 +131,12 @@ def _chat_ids(body: dict[str, Any], engine: Engine) -> list[int]:
         if not isinstance(content, str):
             raise BadRequest("message content must be a string or a list of text parts")
         norm.append({"role": m["role"], "content": content})
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs must be an object")
     try:
-        return engine.tokenizer.encode(engine.tokenizer.apply_chat_template(norm))
+        rendered = engine.tokenizer.apply_chat_template(norm, kwargs)
+        return engine.tokenizer.encode(rendered)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -115,7 +144,7 @@ def _chat_ids(body: dict[str, Any], engine: Engine) -> list[int]:
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
-        body = _common_checks(await read_json(request))
+        body = _common_checks(await read_json(request), engine.cfg.model_name)
         ids = _chat_ids(body, engine) if chat else _prompt_ids(body, engine)
         params = parse_sampling(_sampling(body, engine), engine.tokenizer.vocab_size)
         salt = body.get("cache_salt")

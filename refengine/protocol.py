@@ -19,9 +19,6 @@ __all__ = ["BadRequest", "GenerateInput", "meta_info", "parse_generate", "parse_
 
 # SGLang sampling keys we accept without acting on them (neutral at their defaults here).
 _IGNORED_SAMPLING = {
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
     "min_p",
     "n",
     "skip_special_tokens",
@@ -42,6 +39,9 @@ _SAMPLING = {
     "ignore_eos",
     "sampling_seed",
     "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 }
 _GENERATE_KEYS = {
     "text",
@@ -121,6 +121,9 @@ def parse_sampling(raw: Any, vocab_size: int) -> SamplingParams:
             stop_token_ids=tuple(_int("stop_token_ids[]", t, 0) for t in stop_ids),
             ignore_eos=bool(raw.get("ignore_eos", False)),
             seed=None if seed is None else _int("sampling_seed", seed),
+            presence_penalty=_float("presence_penalty", raw.get("presence_penalty", 0.0)),
+            frequency_penalty=_float("frequency_penalty", raw.get("frequency_penalty", 0.0)),
+            repetition_penalty=_float("repetition_penalty", raw.get("repetition_penalty", 1.0)),
         )
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc

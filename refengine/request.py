@@ -1,9 +1,10 @@
 """A request's parameters and its mutable state inside the engine.
 
-``SamplingParams`` holds SGLang's ``sampling_params`` keys we honour (validated at the HTTP
-boundary); ``Request`` is the scheduler's record: page table, how many tokens have KV, where
-the cached part came from, and the output so far. ``FinishReason`` renders as SGLang's
-``meta_info.finish_reason`` object.
+``SamplingParams`` holds SGLang's ``sampling_params`` keys we honour, validated at the HTTP
+boundary (the penalties act as SGLang's do: presence and frequency over the output so far,
+repetition over prompt and output); ``Request`` is the scheduler's record: page table, how
+many tokens have KV, where the cached part came from, and the output so far.
+``FinishReason`` renders as SGLang's ``meta_info.finish_reason`` object.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 0:
@@ -38,6 +42,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:

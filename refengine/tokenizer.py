@@ -72,12 +72,19 @@ class ChatTokenizer:
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None
+    ) -> str:
+        """The conversation rendered for generation; ``template_kwargs`` (a request's
+        ``chat_template_kwargs``) are extra template variables."""
         if self.chat_template is None:
             raise ValueError("this model directory has no chat_template in tokenizer_config.json")
         return self.chat_template.render(
-            messages=messages,
-            add_generation_prompt=True,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+            {
+                **(template_kwargs or {}),
+                "messages": messages,
+                "add_generation_prompt": True,
+                "bos_token": self.bos_token or "",
+                "eos_token": self.eos_token or "",
+            }
         )

@@ -10,4 +10,8 @@
 - ``store_owner``: real block store owners, in a thread or as ``python -m shm``.
 - ``transfer_peers``: in-process transfer peers (behind the ``make_peer`` fixture).
 - ``tiny_model``: a tiny Llama-3-style model directory (behind ``tiny_model_dir``).
+- ``sglang_standin`` / ``trtllm_standin``: engine stand-ins run as processes (SGLang 0.5.23's
+  HTTP surface validated with SGLang's own request models; trtllm-serve's OpenAI surface),
+  over the deterministic ``standin_model``, with ``standin_http``'s body recorder.
+- ``openai_shapes``: replies checked against SGLang's OpenAI response models.
 """

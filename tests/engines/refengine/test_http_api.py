@@ -144,6 +144,30 @@ def test_malformed_requests_get_sglang_errors(h: Any, engine: Any) -> None:
     assert status == 400 and "messages" in out["message"]
 
 
+def test_fields_it_cannot_honour_are_refused_by_name(h: Any, engine: Any) -> None:
+    """Tools, structured output, reasoning and LoRA adapters get a 400 naming the field, never
+    a reply that silently ignored them; chat_template_kwargs reach the template."""
+    chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for extra, needle in [
+        ({"tools": [tool]}, "tools are not supported"),
+        ({"tool_choice": "required"}, "tools are not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
+        ({"regex": "a|b"}, "regex is not supported"),
+        ({"ebnf": 'root ::= "a"'}, "ebnf is not supported"),
+        ({"reasoning_effort": "high"}, "reasoning is not supported"),
+        ({"model": "tiny:adapter"}, "LoRA adapters are not supported"),
+        ({"lora_path": "adapter"}, "LoRA adapters are not supported"),
+        ({"chat_template_kwargs": "x"}, "chat_template_kwargs must be an object"),
+    ]:
+        status, out = h.http("POST", engine.url + "/v1/chat/completions", {**chat, **extra})
+        assert status == 400 and needle in out["message"], (extra, out)
+    for extra in [{"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"reasoning_effort": "none"}, {"chat_template_kwargs": {"thinking": True}}]:
+        status, out = h.http("POST", engine.url + "/v1/chat/completions", {**chat, **extra})
+        assert status == 200, (extra, out)
+
+
 def test_bad_input_loses_nothing_in_flight(h: Any, engine: Any) -> None:
     """A long request completes normally while malformed requests are rejected beside it."""
     result: dict[str, object] = {}

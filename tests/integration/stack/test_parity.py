@@ -50,8 +50,10 @@ def _gateway(
 async def _verdict(session: aiohttp.ClientSession, url: str, parity: str) -> dict[str, object]:
     async def worker() -> dict[str, object] | None:
         async with session.get(f"{url}/v1/workers") as resp:
-            (w,) = (await resp.json())["workers"]
-        return w if w["parity"] == parity else None
+            workers = (await resp.json())["workers"]
+        assert len(workers) <= 1, workers
+        # none yet: the gateway may answer before its first discovery of the sidecar
+        return workers[0] if workers and workers[0]["parity"] == parity else None
 
     found: dict[str, object] = await eventually(worker, f"the worker to be {parity}", 30)
     return found

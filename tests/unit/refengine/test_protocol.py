@@ -50,3 +50,32 @@ def test_sampling_defaults_match_sglang() -> None:
     sp = parse_sampling(None, 100)
     assert (sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k) == (128, 1.0, 1.0, -1)
     assert parse_sampling({"stop": "x"}, 100).stop == ("x",)
+
+
+def test_penalties_are_parsed_and_bounded() -> None:
+    """SGLang's penalties are honoured (parsed, not ignored), within SGLang's ranges."""
+    sp = parse_sampling(
+        {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.5}, 100
+    )
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -0.5, 1.5)
+    with pytest.raises(BadRequest, match="presence_penalty"):
+        parse_sampling({"presence_penalty": 3}, 100)
+    with pytest.raises(BadRequest, match="repetition_penalty"):
+        parse_sampling({"repetition_penalty": 0}, 100)
+
+
+def test_penalties_lower_the_logits_of_tokens_already_seen() -> None:
+    """Frequency per occurrence and presence once over the output; repetition over prompt and
+    output divides a positive logit and multiplies a negative one; unseen tokens keep theirs."""
+    import torch
+
+    from refengine.executor import penalize
+    from refengine.request import SamplingParams
+
+    logits = torch.tensor([1.0, 2.0, -2.0, 4.0])
+    out = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+                   prompt=[0], output=[1, 1, 2])
+    assert out.tolist() == [1.0, 2.0 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 4.0]
+    out = penalize(logits, SamplingParams(repetition_penalty=2.0), prompt=[0], output=[2])
+    assert out.tolist() == [0.5, 2.0, -4.0, 4.0]
+    assert penalize(logits, SamplingParams(), [0], [1]) is logits  # neutral: untouched
