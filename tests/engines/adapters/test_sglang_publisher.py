@@ -2,9 +2,10 @@
 
 The publisher is SGLang's real class, on loopback with ephemeral ports, publishing batches
 built with SGLang's own event structs, so each fault can be placed exactly (SGLang's own
-RadixCache drives the publisher in ``tests/engines/sidecar/test_sglang_radix_cache.py``). Faults are injected at the engine boundary only: one live send
-is swallowed (a gap the publisher's own replay buffer must fill), and the publisher is shut
-down and replaced by a fresh one on the same ports (an engine restart).
+RadixCache drives the publisher in ``tests/engines/sidecar/test_sglang_radix_cache.py``).
+Faults are injected at the engine boundary only: one live send is swallowed (a gap the
+publisher's own replay buffer must fill), and the publisher is shut down and replaced by a
+fresh one on the same ports (an engine restart).
 """
 
 from __future__ import annotations
