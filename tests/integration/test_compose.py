@@ -11,16 +11,18 @@ import pytest
 import yaml
 
 from refengine.config import EngineConfig
-from routing.config import RouterConfig
+from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 STACKS = sorted((ROOT / "compose").glob("*.yml"))
-STACKS = [p for p in STACKS if p.name != "trtllm-extra.yml"]
+STACKS = [p for p in STACKS if p.name not in ("trtllm-extra.yml", "observability.yml")]
+# The engine images our plugin layer (compose/images/plugin.Containerfile) builds on.
+OFFICIAL = {"sglang": "lmsysorg/sglang:", "trtllm": "nvcr.io/nvidia/tensorrt-llm/release:"}
 # Paths inside the images, mapped to this checkout for parsing.
 PATHS = {"/app/": f"{ROOT}/", "/models/model": f"{ROOT}/refengine/models/tiny"}
 PARSERS = {"engine": EngineConfig.from_args, "sidecar": SidecarConfig.from_args,
-           "gateway": RouterConfig.from_args}
+           "gateway": gateway_config}
 
 
 def resolved(stack: Path) -> dict[str, Any]:
@@ -50,9 +52,9 @@ def test_stack_is_valid_and_our_commands_parse(stack: Path) -> None:
     services = resolved(stack)["services"]
     ours = 0
     for name, service in services.items():
-        if not str(service.get("image", "")).startswith("kvsidecar"):
+        command = [local(str(a)) for a in service.get("command", [])]
+        if not str(service.get("image", "")).startswith("kvsidecar") or command[0] not in PARSERS:
             continue
-        command = [local(str(a)) for a in service["command"]]
         parse = PARSERS[command[0]]
         parse(command[1:])  # exits 2 with a message on a bad flag
         ours += 1
@@ -70,3 +72,37 @@ def test_engines_with_a_store_have_room_for_it(stack: Path) -> None:
         if "--store-capacity-bytes" in command:
             engine = service["ipc"].split(":", 1)[1]
             assert services[engine].get("shm_size"), f"{engine} needs shm_size for {name}'s store"
+
+
+@pytest.mark.parametrize("stack", STACKS, ids=lambda p: p.stem)
+def test_images_are_built_from_our_containerfiles(stack: Path) -> None:
+    """Every kvsidecar image in a stack says how to build it, from a Containerfile that
+    exists; engines from an official image get our plugin layer on it, and nothing mounts our
+    source into a container."""
+    services = resolved(stack)["services"]
+    for name, service in services.items():
+        image = str(service.get("image", ""))
+        if not image.startswith("kvsidecar"):
+            continue
+        build = service["build"]
+        assert (Path(build["context"]) / build["dockerfile"]).is_file(), f"{name}: {build}"
+        if Path(build["dockerfile"]).name == "plugin.Containerfile":
+            engine = image.removeprefix("kvsidecar-").split(":")[0]
+            assert build["args"]["ENGINE_IMAGE"].startswith(OFFICIAL[engine]), f"{name}: {build}"
+        else:
+            assert build.get("target") in ("gateway", "engine"), f"{name}: {build}"
+        assert "PYTHONPATH" not in (service.get("environment") or {}), name
+        for volume in service.get("volumes", []):
+            assert not str(volume).startswith(f"{ROOT}:"), f"{name} mounts the source: {volume}"
+
+
+@pytest.mark.parametrize("stack", STACKS, ids=lambda p: p.stem)
+def test_stack_takes_the_observability_override(stack: Path) -> None:
+    """compose/observability.yml adds Prometheus and Grafana to every stack."""
+    compose = shutil.which("docker-compose")
+    assert compose
+    out = subprocess.run([compose, "-f", str(stack), "-f", str(ROOT / "compose" /
+                          "observability.yml"), "config", "--services"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert {"prometheus", "grafana", "gateway"} <= set(out.stdout.split())
