@@ -210,6 +210,13 @@ class EngineInfo:
     model_path: str | None = None
     server_info: Mapping[str, Any] = field(default_factory=dict)
 
+    @property
+    def reasoning_parser(self) -> str | None:
+        """The engine's reasoning parser (SGLang's ``--reasoning-parser``): it splits the
+        model's thinking into ``reasoning_content`` on the engine's OpenAI server only."""
+        parser = self.server_info.get("reasoning_parser")
+        return parser if isinstance(parser, str) and parser else None
+
 
 # --- request translation ------------------------------------------------------------------
 

@@ -14,12 +14,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("kvsidecar.up", "run the local stack on the embedded CPU default"),
     "kv-size": ("kvsidecar.kv_size", "KV bytes per token and tier sizing from a model config"),
     "gateway": ("routing.__main__", "the OpenAI-compatible gateway with KV-aware placement"),
+    "epp": ("routing.epp.__main__", "Gateway API Inference Extension endpoint picker (ext_proc)"),
     "sidecar": ("sidecar.__main__", "run beside one engine replica: event relay, proxy, health"),
     "engine": ("refengine.__main__", "the CPU reference engine (SGLang-compatible API and events)"),
     "replay": ("replay.__main__", "replay request traces live or offline, with a report"),
+    "top": ("kvsidecar.top", "the fleet live from a gateway: cache, hit rate, load, prediction"),
     "shm": ("shm.__main__", "run a shared-memory KV block store owner (host tier)"),
     "blocks": ("sidecar.transfer.__main__",
                "a block store with sidecar-to-sidecar transfers, no engine (tests, peers)"),
+    "inject": ("kvsidecar.inject", "add the sidecar to Kubernetes manifests of SGLang/TRT-LLM"),
+    "webhook": ("kvsidecar.webhook", "the sidecar injection as a mutating admission webhook"),
 }
 
 

@@ -13,6 +13,7 @@ import uvloop
 
 from kvcore.logs import configure_logging
 from routing.config import RouterConfig
+from routing.flags import gateway_config
 from routing.serve.gateway import Gateway, load_config_summary
 
 __all__ = ["main"]
@@ -27,14 +28,15 @@ async def serve(cfg: RouterConfig) -> int:
         "gateway_started",
         host=cfg.host,
         port=port,
-        url=f"http://{cfg.host}:{port}",
+        url=f"{gateway.scheme}://{cfg.host}:{port}",
         workers=len(cfg.workers),
         sidecars=len(cfg.sidecars),
         healthy_workers=healthy,
         router_mode=cfg.router_mode.value,
     )
     if cfg.ready_file is not None:
-        ready = {"event": "gateway_ready", "url": f"http://{cfg.host}:{port}", "port": port}
+        url = f"{gateway.scheme}://{cfg.host}:{port}"
+        ready = {"event": "gateway_ready", "url": url, "port": port}
         cfg.ready_file.write_bytes(orjson.dumps(ready) + b"\n")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -48,7 +50,7 @@ async def serve(cfg: RouterConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg = RouterConfig.from_args(argv)
+    cfg = gateway_config(argv)
     configure_logging(cfg.log_level.value)
     try:
         return uvloop.run(serve(cfg))

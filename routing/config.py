@@ -1,11 +1,11 @@
-"""The gateway's typed configuration: ``RouterConfig.from_args(argv)`` is the only builder."""
+"""The gateway's typed configuration; ``routing.flags.gateway_config(argv)`` builds it from the
+command line."""
 
 from __future__ import annotations
 
-import argparse
 import enum
 import math
-from collections.abc import Sequence
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -66,6 +66,14 @@ class RouterConfig:
     workers: tuple[WorkerAddress, ...]
     sidecars: tuple[WorkerAddress, ...] = ()
     sidecar_file: Path | None = None
+    # Sidecars found in Kubernetes (routing/workers/k8s_discovery.py): pods by label selector.
+    discover_k8s_selector: str | None = None
+    discover_k8s_namespace: str | None = None  # None: the gateway pod's own namespace
+    discover_k8s_port: str = "kvsidecar"  # the sidecar container port's name, or a number
+    k8s_api_url: str | None = None  # None: in-cluster (KUBERNETES_SERVICE_HOST/PORT)
+    k8s_token_file: Path | None = None  # None: the service account's, when there is one
+    k8s_ca_file: Path | None = None  # None: the service account's CA, else the system's
+    k8s_insecure: bool = False
     dead_after_s: float = 5.0
     ready_file: Path | None = None
     router_mode: RouterMode = RouterMode.KV
@@ -97,14 +105,27 @@ class RouterConfig:
     kv_transfer_timeout_s: float = 10.0
     pd_queue_timeout_s: float = 30.0
     kv_transport: str = "auto"  # auto: shm on one host, else nixl (tcp when nixl is absent)
+    # Security (docs/security.md): client keys → tenants, their limits, TLS, the sidecars' token.
+    api_key_file: Path | None = None
+    rate_limit_rps: float | None = None
+    rate_limit_tps: float | None = None
+    rate_limit_burst_s: float = 1.0
+    tenant_salt_secret_file: Path | None = None
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    sidecar_token_file: Path | None = None
 
     def __post_init__(self) -> None:
-        if not (self.workers or self.sidecars or self.sidecar_file):
-            raise ValueError("give at least one --sidecar URL, --sidecar-file or --worker URL")
+        if not (self.workers or self.sidecars or self.sidecar_file
+                or self.discover_k8s_selector):
+            raise ValueError("give at least one --sidecar URL, --sidecar-file or --worker URL "
+                             "(or --discover-k8s-selector LABELS)")
         urls = [w.url for w in (*self.workers, *self.sidecars)]
         if len(set(urls)) != len(urls):
             raise ValueError(f"a worker or sidecar is listed twice: {urls}")
-        if (self.sidecars or self.sidecar_file) and self.model_path is None:
+        self._check_k8s()
+        if (self.sidecars or self.sidecar_file or self.discover_k8s_selector) \
+                and self.model_path is None:
             raise ValueError(
                 "sidecar workers take token ids: give --model-path (the model's tokenizer and "
                 "chat template) so the gateway tokenizes exactly what the engine caches"
@@ -155,8 +176,47 @@ class RouterConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("give both --tls-cert and --tls-key, or neither")
+        for name in ("rate_limit_rps", "rate_limit_tps"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not math.isfinite(self.rate_limit_burst_s) or self.rate_limit_burst_s <= 0:
+            raise ValueError(f"rate_limit_burst_s must be > 0, got {self.rate_limit_burst_s!r}")
+        if self.api_key_file is None and (
+            self.rate_limit_rps is not None or self.rate_limit_tps is not None
+        ):
+            raise ValueError("rate limits are per tenant: give --api-key-file too")
+        for name in ("api_key_file", "tenant_salt_secret_file", "tls_cert", "tls_key",
+                     "sidecar_token_file"):
+            path = getattr(self, name)
+            if path is not None and not path.is_file():
+                raise ValueError(f"--{name.replace('_', '-')} {path} is not a readable file")
         if self.model_path is not None and not (self.model_path / "tokenizer.json").is_file():
             raise ValueError(f"--model-path {self.model_path} has no tokenizer.json")
+
+    def _check_k8s(self) -> None:
+        if self.discover_k8s_selector is None:
+            return
+        if not self.discover_k8s_selector.strip():
+            raise ValueError("--discover-k8s-selector must not be empty (e.g. "
+                             "kvsidecar.io/inject=enabled)")
+        if self.sidecars or self.sidecar_file:
+            raise ValueError("--discover-k8s-selector replaces --sidecar and --sidecar-file: "
+                             "give one way of finding the sidecars")
+        port = self.discover_k8s_port
+        if port.isdigit():
+            if not 1 <= int(port) <= 65535:
+                raise ValueError(f"--discover-k8s-port must be in [1, 65535], got {port}")
+        elif not re.fullmatch(r"(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?", port):
+            raise ValueError("--discover-k8s-port must be a container port's name (lowercase "
+                             f"letters, digits and '-', at most 15) or a number, got {port!r}")
+        if self.k8s_api_url is not None and urlsplit(self.k8s_api_url).scheme not in (
+            "http", "https"
+        ):
+            raise ValueError(f"--k8s-api-url must be http(s)://host:port, got "
+                             f"{self.k8s_api_url!r}")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -166,242 +226,3 @@ class RouterConfig:
         if self.model_path is not None:
             return (self.model_path.resolve().name,)
         return ()
-
-    @classmethod
-    def from_args(cls, argv: Sequence[str] | None = None) -> RouterConfig:
-        args = _parser().parse_args(argv)
-        try:
-            return cls(
-                workers=tuple(WorkerAddress.parse(u) for u in args.worker or ()),
-                sidecars=tuple(WorkerAddress.parse(u) for u in args.sidecar or ()),
-                sidecar_file=Path(args.sidecar_file) if args.sidecar_file else None,
-                dead_after_s=args.dead_after_s,
-                ready_file=Path(args.ready_file) if args.ready_file else None,
-                router_mode=RouterMode(args.router_mode),
-                model_path=Path(args.model_path) if args.model_path else None,
-                served_model_names=tuple(args.served_model_name or ()),
-                overlap_weight=args.overlap_weight,
-                prefill_load_scale=args.prefill_load_scale,
-                router_temperature=args.router_temperature,
-                host_weight=args.host_weight,
-                disk_weight=args.disk_weight,
-                block_size=args.block_size,
-                approx_ttl_s=args.approx_ttl_s,
-                max_model_len=args.max_model_len,
-                max_in_flight_per_worker=args.max_in_flight_per_worker,
-                host=args.host,
-                port=args.port,
-                log_level=LogLevel(args.log_level),
-                health_check_interval_s=args.health_check_interval_s,
-                parity_interval_s=args.parity_interval_s,
-                connect_timeout_s=args.connect_timeout_s,
-                upstream_timeout_s=args.upstream_timeout_s,
-                max_body_bytes=args.max_body_bytes,
-                forward_authorization=args.forward_authorization,
-                seed=args.seed,
-                pd_mode=args.pd_mode,
-                kv_load_failure_policy=args.kv_load_failure_policy,
-                kv_transfer_timeout_s=args.kv_transfer_timeout_s,
-                pd_queue_timeout_s=args.pd_queue_timeout_s,
-                kv_transport=args.kv_transport,
-            )
-        except ValueError as exc:
-            _parser().error(str(exc))
-            raise  # unreachable: error() exits
-
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvsidecar gateway",
-        description="The OpenAI-compatible entry point: tokenizes, hashes the prompt into KV "
-        "blocks, places each request on a worker and proxies the reply (streaming or not).",
-    )
-    w = p.add_argument_group("workers and model")
-    w.add_argument(
-        "--sidecar",
-        action="append",
-        metavar="URL",
-        help="a kvsidecar sidecar beside an engine replica, e.g. http://10.0.0.5:9000: the "
-        "gateway follows its KV events and sends it token ids; repeat for more",
-    )
-    w.add_argument(
-        "--sidecar-file",
-        metavar="PATH",
-        help="a file of sidecar URLs, one per line (# comments), re-read when it changes",
-    )
-    w.add_argument(
-        "--dead-after-s",
-        type=float,
-        default=5.0,
-        help="a sidecar unreachable this long leaves placement and its blocks leave the "
-        "index until it returns (default 5)",
-    )
-    w.add_argument(
-        "--worker",
-        action="append",
-        metavar="URL",
-        help="a plain OpenAI-compatible engine (no sidecar), e.g. "
-        "http://127.0.0.1:30000; repeat for more workers",
-    )
-    w.add_argument(
-        "--model-path",
-        metavar="DIR",
-        help="local model directory: tokenizer.json, tokenizer_config.json (chat "
-        "template) and config.json (context length); without it the gateway "
-        "does not tokenize and forwards bodies unchanged",
-    )
-    w.add_argument(
-        "--served-model-name",
-        action="append",
-        metavar="NAME",
-        help="model name clients use (default: the model directory's name, or what "
-        "the workers list at /v1/models); repeatable",
-    )
-    w.add_argument(
-        "--max-model-len",
-        type=int,
-        metavar="TOKENS",
-        help="context limit (default: max_position_embeddings of config.json)",
-    )
-    r = p.add_argument_group("placement")
-    r.add_argument(
-        "--router-mode",
-        default=RouterMode.KV.value,
-        choices=[m.value for m in RouterMode],
-        help="kv: prefix overlap + load (without sidecar events it behaves like "
-        "approx); approx: recently routed prefixes count as cached for "
-        "--approx-ttl-s; round-robin, random, least-loaded (in-flight requests)",
-    )
-    r.add_argument(
-        "--overlap-weight",
-        type=float,
-        default=1.0,
-        help="credit per GPU-cached prefix block in the cost, in blocks of prefill work "
-        "(default 1.0, Dynamo's; values of 10-50 keep multi-turn conversations on the "
-        "worker that holds them; docs/bench/replay.md has the sweep)",
-    )
-    r.add_argument(
-        "--prefill-load-scale",
-        type=float,
-        default=1.0,
-        help="weight of a block of prefill work against a block held by decoding requests "
-        "(Dynamo's prefill_load_scale; default 1.0; raise it for long shared prefixes)",
-    )
-    r.add_argument(
-        "--router-temperature",
-        type=float,
-        default=0.0,
-        help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)",
-    )
-    r.add_argument(
-        "--host-weight",
-        type=float,
-        default=0.75,
-        help="credit per prefix block cached in host memory",
-    )
-    r.add_argument(
-        "--disk-weight", type=float, default=0.25, help="credit per prefix block cached on disk"
-    )
-    r.add_argument(
-        "--block-size",
-        type=int,
-        default=16,
-        help="tokens per KV block; must match the engines' page size",
-    )
-    r.add_argument(
-        "--approx-ttl-s",
-        type=float,
-        default=120.0,
-        help="how long a routed prefix counts as cached without events",
-    )
-    r.add_argument(
-        "--max-in-flight-per-worker",
-        type=int,
-        metavar="N",
-        help="a worker with N requests in flight takes no more; 429 when all are "
-        "saturated (default: unlimited)",
-    )
-    r.add_argument("--seed", type=int, help="seed of the random choices (tests)")
-    d = p.add_argument_group("prefill/decode disaggregation (sidecars with --role prefill/decode)")
-    d.add_argument(
-        "--pd-mode",
-        default="auto",
-        choices=["auto", "sglang", "off"],
-        help="auto: when prefill and decode workers exist, serve each request by a pair, the "
-        "KV handed over between their sidecars; sglang: SGLang's own PD transfer (bootstrap "
-        "room), our placement choosing the pair; off: aggregated workers only (default auto)",
-    )
-    d.add_argument(
-        "--kv-load-failure-policy",
-        default="fallback",
-        choices=["fail", "fallback"],
-        help="a failed or timed-out KV handoff: fail (502 kv_transfer_failed; streams get "
-        "their first token as soon as the prefill has it, and a failure ends the stream with "
-        "an error event) or fallback (re-run on an aggregated worker; the first token waits "
-        "for the handoff) (default fallback)",
-    )
-    d.add_argument(
-        "--kv-transfer-timeout-s",
-        type=float,
-        default=10.0,
-        help="longest KV handoff (pull + import) before it counts as failed (default 10)",
-    )
-    d.add_argument(
-        "--kv-transport",
-        default="auto",
-        choices=["auto", "shm", "nixl", "tcp"],
-        help="how decode sidecars pull blocks (--kv-handoff transfer): auto = shm when the "
-        "two sidecars share a host, else nixl, falling back to tcp (default auto)",
-    )
-    d.add_argument(
-        "--pd-queue-timeout-s",
-        type=float,
-        default=30.0,
-        help="how long a request waits for room in a full decode pool before 503 "
-        "(default 30)",
-    )
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument(
-        "--port",
-        type=int,
-        default=8000,
-        help="port to listen on (0: any free port, printed in gateway_started)",
-    )
-    s.add_argument(
-        "--log-level",
-        default=LogLevel.INFO.value,
-        choices=[lv.value for lv in LogLevel],
-        help="debug adds one canonical log line per request",
-    )
-    s.add_argument(
-        "--health-check-interval-s",
-        type=float,
-        default=10.0,
-        help="seconds between GET /health probes of each worker",
-    )
-    s.add_argument(
-        "--parity-interval-s",
-        type=float,
-        default=300.0,
-        help="seconds between checks that each sidecar worker's engine tokenizes and caches "
-        "as the gateway hashes (a canary conversation, and the cached tokens engines report); "
-        "also checked when a worker's stream comes up (default 300)",
-    )
-    s.add_argument("--connect-timeout-s", type=float, default=5.0)
-    s.add_argument(
-        "--upstream-timeout-s",
-        type=float,
-        default=600.0,
-        help="longest silence from a worker before the request is abandoned",
-    )
-    s.add_argument("--max-body-bytes", type=int, default=32 << 20)
-    s.add_argument(
-        "--forward-authorization",
-        action="store_true",
-        help="send the client's Authorization header on to the workers (off by default: a "
-        "client's credential is the gateway's to check, an engine's key is its sidecar's: "
-        "kvsidecar sidecar --engine-api-key-file)",
-    )
-    s.add_argument("--ready-file", help="write {'url': ...} JSON here once listening")
-    return p

@@ -52,6 +52,7 @@ _PLACEMENT_BUCKETS_S = (
     0.01,
     0.05,
 )
+_BLOCK_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 class Histogram:
@@ -86,9 +87,21 @@ class GatewayMetrics:
         self.worker_prompt_tokens: dict[str, int] = {}  # as the gateway counted them
         self.worker_predicted_cached_tokens: dict[str, int] = {}
         self.worker_actual_cached_tokens: dict[str, int] = {}  # from the engines' usage
+        # Achieved vs achievable (scored placements: kv, approx) and the prediction checked
+        # against the engine's usage, per request that carried one (see record.finish).
+        self.placement_reasons: dict[str, int] = {}  # scorer.Reason → count
+        self.best_overlap_blocks = 0
+        self.chosen_overlap_blocks = 0
+        self.missed_overlap = Histogram(_BLOCK_BUCKETS)  # best − chosen, blocks
+        self.worker_usage_prompt_tokens: dict[str, int] = {}
+        self.worker_prediction_checks: dict[str, int] = {}
+        self.worker_overpredicted_tokens: dict[str, int] = {}
+        self.worker_underpredicted_tokens: dict[str, int] = {}
         self.worker_errors: dict[str, int] = {}
         self.retries = 0
         self.client_aborts = 0
+        self.unauthorized = 0  # refused for a missing or unknown API key (--api-key-file)
+        self.rate_limited = 0  # refused with 429 by a tenant's rate limit
         self.upstream_timeouts = 0
         self.predicted_cached_tokens = 0
         self.actual_cached_tokens = 0
@@ -154,13 +167,57 @@ class _Collector:
                 "Cached prompt tokens each worker reported in usage",
                 m.worker_actual_cached_tokens,
             ),
+            (
+                "worker_usage_prompt_tokens",
+                "Prompt tokens each worker reported in usage (hit rate: actual cached over these)",
+                m.worker_usage_prompt_tokens,
+            ),
+            (
+                "worker_prediction_checks",
+                "Requests whose usage set the engine's cached tokens against the prediction",
+                m.worker_prediction_checks,
+            ),
+            (
+                "worker_overpredicted_tokens",
+                "Of those, cached tokens predicted beyond what the engine reported",
+                m.worker_overpredicted_tokens,
+            ),
+            (
+                "worker_underpredicted_tokens",
+                "Of those, cached tokens the engine reported beyond the prediction",
+                m.worker_underpredicted_tokens,
+            ),
         ):
             c = CounterMetricFamily(p + name, doc, labels=["worker"])
             for worker, n in sorted(table.items()):
                 c.add_metric([worker], n)
             yield c
+        c = CounterMetricFamily(
+            p + "placement_reason",
+            "Scored placements (kv, approx) by why the chosen worker won: best (it held the "
+            "deepest overlap), tie, only_candidate, load (a deeper worker was busier), tier "
+            "(the deeper match was in a slower tier), capacity (every deeper worker was "
+            "full), sampled (--temperature)",
+            labels=["reason"],
+        )
+        for reason, n in sorted(m.placement_reasons.items()):
+            c.add_metric([reason], n)
+        yield c
         for name, doc, value in (
+            (
+                "best_overlap_blocks",
+                "Deepest prefix overlap any eligible worker held, summed over scored placements "
+                "(achievable)",
+                m.best_overlap_blocks,
+            ),
+            (
+                "chosen_overlap_blocks",
+                "Prefix overlap of the chosen worker, summed over scored placements (achieved)",
+                m.chosen_overlap_blocks,
+            ),
             ("retries", "Requests retried on another worker before the first byte", m.retries),
+            ("unauthorized", "Requests refused for a missing or unknown API key", m.unauthorized),
+            ("rate_limited", "Requests refused by their tenant's rate limit", m.rate_limited),
             (
                 "client_aborts",
                 "Requests whose client went away (upstream aborted)",
@@ -222,6 +279,11 @@ class _Collector:
             ("itl_seconds", "Mean inter-chunk latency of each stream", m.itl),
             ("request_duration_seconds", "Whole request, as the gateway saw it", m.latency),
             ("placement_seconds", "Parse + tokenize + hash + match + score", m.placement),
+            (
+                "missed_overlap_blocks",
+                "Per scored placement, the deepest overlap on offer less the chosen worker's",
+                m.missed_overlap,
+            ),
         ):
             yield HistogramMetricFamily(p + name, doc, buckets=h.buckets(), sum_value=h.total)
         if m._gauges is None:

@@ -39,9 +39,11 @@ from adapters.base import (
     create_adapter,
 )
 from adapters.normalize_metrics import AdapterMetrics
+from kvcore.control_token import CONTROL_TOKEN_HEADER
 from kvcore.events import KVEvent
 from kvcore.stream import EngineLoad, WorkerStatus
 from sidecar.config import SidecarConfig
+from sidecar.control_guard import token_guard
 from sidecar.disagg import PdRoutes
 from sidecar.engine_watch import EngineWatch
 from sidecar.event_stream import EventStream
@@ -83,6 +85,7 @@ class Sidecar:
         self.url = ""
         self.model_id = cfg.model_id or ""
         self.block_size = 0
+        self.reasoning_parser: str | None = None  # the engine's, once the adapter started
         self.draining = False
         self._adapter: EngineAdapter | None = None
         self._session: aiohttp.ClientSession | None = None  # to peer sidecars
@@ -98,7 +101,11 @@ class Sidecar:
 
     async def __aenter__(self) -> Self:
         cfg = self.cfg
-        self._session = aiohttp.ClientSession()
+        # Peer sidecars (block pulls, handoffs) get the control token; the engine never does.
+        self._session = aiohttp.ClientSession(
+            headers=None if cfg.control_token is None
+            else {CONTROL_TOKEN_HEADER: cfg.control_token}
+        )
         engine_headers = {}
         if cfg.engine_api_key is not None:
             engine_headers["Authorization"] = f"Bearer {cfg.engine_api_key}"
@@ -127,6 +134,7 @@ class Sidecar:
             info = await adapter.start()
             self._adapter = adapter
             self.block_size = info.block_size
+            self.reasoning_parser = info.reasoning_parser
             for worker_id in info.worker_ids:
                 relay = EventRelay(
                     worker_id,
@@ -272,7 +280,8 @@ class Sidecar:
         return (EventEndpoint(0, self.cfg.load_endpoint),)
 
     async def _serve(self) -> None:
-        app = web.Application()
+        token = self.cfg.control_token
+        app = web.Application(middlewares=[] if token is None else [token_guard(token)])
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/load", self._load_view)
@@ -428,6 +437,11 @@ class Sidecar:
                 "role": self.cfg.role,
                 "workers": list(self.streams),
                 "bootstrap": self._bootstrap(),
+                # Where the engine serves OpenAI itself (an endpoint picker's pick; a loopback
+                # host there means "this sidecar's host").
+                "engine_url": self.cfg.engine_url,
+                # Chats go to the engine's OpenAI server, where its parser splits the output.
+                "reasoning_parser": self.reasoning_parser,
             }
         )
 

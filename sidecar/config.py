@@ -1,5 +1,6 @@
 """The sidecar's one typed configuration, built only from the command line (and, for the
-engine's API key alone, the one environment variable ``KVSIDECAR_ENGINE_API_KEY``)."""
+engine's API key and the control token alone, the environment variables
+``KVSIDECAR_ENGINE_API_KEY`` and ``KVSIDECAR_CONTROL_TOKEN``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from adapters.base import LoraAdapter
+from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from shm.config import parse_bytes
 
 __all__ = ["ENGINE_API_KEY_ENV", "SidecarConfig"]
@@ -58,6 +60,8 @@ class SidecarConfig:
     sim_handoff_ms_per_1k_tokens: float = 0.0  # simulated engines: the transport's duration
     # Sent to the engine as "Authorization: Bearer" (its --api-key); never in a log or a repr.
     engine_api_key: str | None = field(default=None, repr=False)
+    # Required of every caller but /health and /metrics (x-kvsidecar-token); sent to peers.
+    control_token: str | None = field(default=None, repr=False)
     lora_adapters: tuple[LoraAdapter, ...] = ()  # for engines that select adapters by id
 
     def __post_init__(self) -> None:
@@ -160,6 +164,14 @@ class SidecarConfig:
             f"'Authorization: Bearer'; or set {ENGINE_API_KEY_ENV}. Never logged",
         )
         s = p.add_argument_group("sidecar")
+        s.add_argument(
+            "--control-token-file",
+            metavar="FILE",
+            help="a shared token every caller of this sidecar must send as "
+            f"'{CONTROL_TOKEN_HEADER}' (the gateway's --sidecar-token-file; peer sidecars "
+            "send theirs): the event stream, block export/import, load, workers and request "
+            f"routes; /health and /metrics stay open. Or set {CONTROL_TOKEN_ENV}. Never logged",
+        )
         s.add_argument(
             "--worker-id",
             help="this worker's name in the fleet (default: <hostname>-<engine port>)",
@@ -277,6 +289,10 @@ class SidecarConfig:
         env = os.environ if environ is None else environ
         try:
             api_key = _engine_api_key(args.engine_api_key_file, env)
+            control_token = (
+                env.get(CONTROL_TOKEN_ENV) or None if args.control_token_file is None
+                else read_secret_file(args.control_token_file, "--control-token-file")
+            )
             loras = tuple(LoraAdapter.parse(spec) for spec in args.lora_adapter)
             return cls(
                 engine=args.engine,
@@ -308,6 +324,7 @@ class SidecarConfig:
                 disaggregation_bootstrap_port=args.disaggregation_bootstrap_port,
                 sim_handoff_ms_per_1k_tokens=args.sim_handoff_ms_per_1k_tokens,
                 engine_api_key=api_key,
+                control_token=control_token,
                 lora_adapters=loras,
             )
         except ValueError as exc:

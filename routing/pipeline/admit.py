@@ -7,9 +7,13 @@ OpenAI-shaped error and still finishes through its record (metrics, log line).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Protocol
+
+import orjson
 
 from kvcore.errors import OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
@@ -21,7 +25,28 @@ from routing.pipeline.record import RequestRecord
 from routing.pipeline.sidecar_body import takes_token_path
 from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
 
-__all__ = ["admit"]
+__all__ = ["TenantAdmission", "admit", "check_model"]
+
+
+class TenantAdmission(Protocol):
+    """The client's tenant (``routing.serve.auth.Tenant``): its cache salt and token budget."""
+
+    name: str
+    salt: str
+
+    def take_tokens(self, tokens: int) -> float: ...
+
+
+class _OverTokenLimit(OpenAIError):
+    def __init__(self, tenant: str, wait_s: float) -> None:
+        super().__init__(
+            429,
+            f"tenant {tenant!r} is over its limit of tokens per second; retry after "
+            f"{wait_s:.2f}s",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+        )
+        self.wait_s = wait_s
 
 
 def admit(
@@ -31,15 +56,29 @@ def admit(
     endpoint: Endpoint,
     key: str,
     request_id: bytes,
+    tenant: TenantAdmission | None = None,
 ) -> None:
-    """Parse, check and prepare ``request``, then start its exchange."""
-    record = RequestRecord(key, request_id, endpoint.value, 0, time.monotonic())
+    """Parse, check and prepare ``request``, then start its exchange. A ``tenant``'s salt
+    joins the request's cache salt (so its namespace) and its prompt tokens plus
+    ``max_tokens`` are taken from its token budget."""
+    # ``_value_``: the member's value without the ``value`` descriptor's two calls
+    record = RequestRecord(key, request_id, endpoint._value_, 0, time.monotonic())
     try:
-        parsed = _check_model(parse_request(endpoint, request.body), ctx.model_names())
+        parsed = check_model(parse_request(endpoint, request.body), ctx.model_names())
+        if tenant is not None and parsed.prompted:
+            parsed = _salted(parsed, tenant.salt)
         prepared = ctx.prompts.prepare(parsed)
+        if tenant is not None:
+            wait_s = tenant.take_tokens(prepared.prompt_tokens + (parsed.max_tokens or 0))
+            if wait_s:
+                ctx.metrics.rate_limited += 1
+                raise _OverTokenLimit(tenant.name, wait_s)
     except OpenAIError as exc:
         record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
-        conn.respond(exc.status, exc.body(), extra_headers=b"x-request-id: %s\r\n" % request_id)
+        reply_headers = b"x-request-id: %s\r\n" % request_id
+        if isinstance(exc, _OverTokenLimit):
+            reply_headers += b"retry-after: %d\r\n" % max(1, math.ceil(exc.wait_s))
+        conn.respond(exc.status, exc.body(), extra_headers=reply_headers)
         return
     if prepared.media:
         ctx.metrics.media_requests += 1
@@ -48,14 +87,18 @@ def admit(
         ctx.metrics.tokenizer_cache_hit_tokens += prepared.cache_hit_tokens
     record.prompt_tokens = prepared.prompt_tokens
     headers = request.headers
-    extra = b"".join(
-        [b"%s: %s\r\n" % (h, v) for h in ctx.forwarded_headers if (v := headers.get(h))]
-    )
+    extra = b""
+    for name in ctx.forwarded_headers:  # a loop, not a comprehension: no call (Python 3.11)
+        if value := headers.get(name):
+            extra += b"%s: %s\r\n" % (name, value)
     token_path = prepared.token_ids is not None and takes_token_path(parsed)
+    body = request.body if prepared.body is None else prepared.body
+    if tenant is not None and prepared.body is None and parsed.prompted:
+        body = orjson.dumps(parsed.body)  # the tenant's salt in the forwarded body too
     target = LegTarget(
         parsed,
         request.path,
-        request.body if prepared.body is None else prepared.body,
+        body,
         prepared.token_ids,
         request_id,
         extra,
@@ -65,7 +108,15 @@ def admit(
     kind(ctx, conn, record, parsed, prepared, target).start()
 
 
-def _check_model(parsed: OpenAIRequest, names: Sequence[str]) -> OpenAIRequest:
+def _salted(parsed: OpenAIRequest, tenant_salt: str) -> OpenAIRequest:
+    """The request in its tenant's namespace: the tenant's salt, then the client's own
+    (a hex salt holds no ``:``, so no client salt can name another tenant's namespace)."""
+    client = parsed.cache_salt
+    salt = tenant_salt if client is None else f"{tenant_salt}:{client}"
+    return replace(parsed, cache_salt=salt, body={**parsed.body, "cache_salt": salt})
+
+
+def check_model(parsed: OpenAIRequest, names: Sequence[str]) -> OpenAIRequest:
     """The request, its model served here; ``<base>:<adapter>`` names a LoRA adapter of a
     served base model (SGLang's form): its blocks live in that adapter's namespace."""
     if not names or parsed.model in names:

@@ -121,7 +121,7 @@ class Exchange:
         except OpenAIError as exc:
             self._reply_error(exc.status, exc.message, exc.type)
             return
-        if worker.kind is WorkerKind.SIDECAR and not self.target.token_path:
+        if worker.kind is WorkerKind.SIDECAR and not self.target.takes_token_path(worker):
             self.ctx.metrics.engine_openai_requests += 1
         self.leg = leg
         self._dispatch(leg, self)

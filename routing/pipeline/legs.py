@@ -15,7 +15,7 @@ from kvcore.requests import Bootstrap, Handoff
 from routing.http.client import UpstreamConnection
 from routing.pipeline.sidecar_body import tokenized_body
 from routing.placement.scorer import Placement
-from routing.prompt.openai_api import OpenAIRequest
+from routing.prompt.openai_api import Endpoint, OpenAIRequest
 from routing.workers.registry import Worker, WorkerKind
 
 __all__ = ["Drain", "Leg", "LegOwner", "LegTarget"]
@@ -49,6 +49,15 @@ class LegTarget:
         self.request_id = request_id
         self.extra_headers = extra_headers  # the client's headers forwarded to workers
 
+    def takes_token_path(self, worker: Worker) -> bool:
+        """Whether a sidecar ``worker`` gets token ids, or else the client's body for its
+        engine's own OpenAI server: without token ids (a batch of prompts, an endpoint the
+        gateway does not tokenize), and for chats to an engine with a reasoning parser,
+        which splits the thinking into ``reasoning_content`` only there."""
+        if not self.token_path or self.token_ids is None:
+            return False
+        return worker.reasoning_parser is None or self.request.endpoint is not Endpoint.CHAT
+
     def for_worker(
         self,
         worker: Worker,
@@ -60,12 +69,9 @@ class LegTarget:
         """(path, body) of a leg to ``worker``; ``OpenAIError`` when it cannot take it."""
         if worker.kind is WorkerKind.PLAIN:
             return self.path, self.body
-        # Without token ids (a batch of prompts, an endpoint the gateway does not tokenize)
-        # the engine's own OpenAI server takes the client's body.
-        token_path = self.token_path and self.token_ids is not None
         body = tokenized_body(self.request, self.token_ids or [], self.request_id.decode(),
                               worker.dp_rank, handoff=handoff, bootstrap=bootstrap,
-                              stream=stream, token_path=token_path)
+                              stream=stream, token_path=self.takes_token_path(worker))
         return (_GENERATE if handoff is None else _PD_GENERATE), body
 
 
@@ -91,7 +97,7 @@ class Leg:
         worker = self.worker
         return (
             b"POST %s%s HTTP/1.1\r\nhost: %s\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nx-request-id: %s\r\n%s\r\n%s"
+            b"content-length: %d\r\nx-request-id: %s\r\n%s%s\r\n%s"
             % (
                 worker.address.base_path.encode(),
                 path,
@@ -99,6 +105,7 @@ class Leg:
                 len(body),
                 request_id,
                 extra_headers,
+                worker.control_header,
                 body,
             )
         )

@@ -6,6 +6,7 @@ when the request goes to a pair, and asks here otherwise (and to re-run a failed
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from routing.pipeline.context import PipelineContext
@@ -26,26 +27,35 @@ class Refusal:
 
 
 def place_aggregated(
-    ctx: PipelineContext, prompt: PreparedPrompt, tried: set[str]
+    ctx: PipelineContext,
+    prompt: PreparedPrompt,
+    tried: set[str],
+    only: Callable[[Worker], bool] | None = None,
 ) -> tuple[Worker, Placement] | Refusal:
     """A worker of the aggregated pool by ``--router-mode``, never one in ``tried``, none
-    past ``--max-in-flight-per-worker``."""
-    workers = ctx.workers.routable(Role.AGG)
-    if not workers:
+    past ``--max-in-flight-per-worker``; with ``only``, among the workers it accepts (the
+    endpoint picker's subset hint)."""
+    if only is None:
+        ids = ctx.workers.routable_ids(Role.AGG)
+    else:
+        ids = [w.worker_id for w in ctx.workers.routable(Role.AGG) if only(w)]
+    if not ids:
         return _none_left(tried, "no healthy worker is available")
     cap = ctx.max_in_flight_per_worker
-    if cap is None:
-        ids = [w.worker_id for w in workers]
-    else:
+    full: Sequence[str] = ()  # at the cap: achievable overlap for a prefix policy, not chosen
+    if cap is not None:
         load = ctx.router.load
-        ids = [w.worker_id for w in workers if load.in_flight_on(w.worker_id) < cap]
-        if not ids:
+        open_ids = [i for i in ids if load.in_flight_on(i) < cap]
+        if not open_ids:
             return Refusal(
                 429,
                 f"every worker is saturated ({cap} requests in flight each); retry later",
                 "rate_limit_exceeded",
             )
-    placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried)
+        if len(open_ids) < len(ids) and ctx.policy.uses_prefix:
+            full = [i for i in ids if load.in_flight_on(i) >= cap]
+        ids = open_ids
+    placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried, full)
     if placement is None:
         return _none_left(tried, "no worker available")
     worker = ctx.workers.get(placement.worker_id)

@@ -18,6 +18,8 @@ from routing.placement.scorer import Placement
 __all__ = ["RequestRecord"]
 
 _HEADERS = b"x-request-id: %s\r\nx-kvsidecar-worker: %s\r\nx-kvsidecar-cached-blocks: %d\r\n"
+# A scored placement (kv, approx) also says what was achievable and why it was not reached.
+_SCORED = b"x-kvsidecar-best-overlap-blocks: %d\r\nx-kvsidecar-placement-reason: %s\r\n"
 
 log = structlog.get_logger("routing.pipeline").bind(component="gateway")
 
@@ -31,6 +33,7 @@ class RequestRecord:
         "key",
         "placement",
         "prompt_tokens",
+        "reported_cached",
         "request_id",
         "retries",
         "status",
@@ -53,6 +56,7 @@ class RequestRecord:
         self.worker_ids: tuple[str, ...] = ()  # every worker that serves it, prefill first
         self.retries = 0
         self.status = 0
+        self.reported_cached = -1  # cached tokens in the engine's usage (-1: none seen)
         self.events = 0  # SSE events relayed
         self.t_first = 0.0
         self.t_last = 0.0
@@ -63,12 +67,16 @@ class RequestRecord:
         return "" if self.placement is None else self.placement.worker_id
 
     def headers(self) -> bytes:
-        """The response headers the gateway adds: request id, workers, cached blocks."""
+        """The response headers the gateway adds: request id, workers, cached blocks (and,
+        for a scored placement, the best overlap on offer and the reason for the choice)."""
         placement = self.placement
         cached = 0 if placement is None else placement.overlap.longest
         ids = self.worker_ids
         workers = ids[0] if len(ids) == 1 else ",".join(ids)
-        return _HEADERS % (self.request_id, workers.encode(), cached)
+        out = _HEADERS % (self.request_id, workers.encode(), cached)
+        if placement is not None and placement.reason:
+            out += _SCORED % (placement.best_overlap, placement.reason.encode())
+        return out
 
     def finish(
         self, status: int, metrics: GatewayMetrics, block_size: int, log_line: bool
@@ -84,16 +92,23 @@ class RequestRecord:
             metrics.worker_requests[wid] = metrics.worker_requests.get(wid, 0) + 1
             tokens = metrics.worker_prompt_tokens
             tokens[wid] = tokens.get(wid, 0) + self.prompt_tokens
-            if placement.overlap.longest:
-                predicted = min(self.prompt_tokens, placement.overlap.longest * block_size)
+            depth = placement.overlap.longest
+            predicted = 0
+            if depth:
+                predicted = min(self.prompt_tokens, depth * block_size)
                 metrics.predicted_cached_tokens += predicted
                 table = metrics.worker_predicted_cached_tokens
                 table[wid] = table.get(wid, 0) + predicted
+            if placement.reason:  # a scored placement (kv, approx): it made a prediction
+                _count_scored(metrics, placement.reason, placement.best_overlap, depth)
+                if self.reported_cached >= 0:
+                    _count_prediction(metrics, wid, predicted, self.reported_cached)
         if self.events:
             metrics.completion_tokens += self.events
             if self.events > 1:
                 metrics.itl.observe((self.t_last - self.t_first) / (self.events - 1))
         if log_line:
+            scored = placement if placement is not None and placement.reason else None
             log.debug(
                 "request_completed",
                 request_id=self.request_id.decode(errors="replace"),
@@ -101,9 +116,33 @@ class RequestRecord:
                 status=status,
                 worker_id=",".join(self.worker_ids) or None,
                 cached_blocks=None if placement is None else placement.overlap.longest,
+                best_overlap_blocks=None if scored is None else scored.best_overlap,
+                placement_reason=None if scored is None else scored.reason,
+                reported_cached_tokens=None if self.reported_cached < 0 else self.reported_cached,
                 prompt_tokens=self.prompt_tokens,
                 events=self.events,
                 retries=self.retries,
                 latency_ms=round((now - self.t_start) * 1e3, 3),
                 ttft_ms=round((self.t_first - self.t_start) * 1e3, 3) if self.t_first else None,
             )
+
+
+def _count_scored(metrics: GatewayMetrics, reason: str, best: int, chosen: int) -> None:
+    """Achieved (``chosen``) against achievable (``best``) overlap blocks, and the reason."""
+    reasons = metrics.placement_reasons
+    reasons[reason] = reasons.get(reason, 0) + 1
+    metrics.best_overlap_blocks += best
+    metrics.chosen_overlap_blocks += chosen
+    metrics.missed_overlap.observe(best - chosen)
+
+
+def _count_prediction(metrics: GatewayMetrics, wid: str, predicted: int, reported: int) -> None:
+    """The cached tokens predicted at placement against those the engine reported."""
+    checks = metrics.worker_prediction_checks
+    checks[wid] = checks.get(wid, 0) + 1
+    if predicted > reported:
+        table = metrics.worker_overpredicted_tokens
+        table[wid] = table.get(wid, 0) + predicted - reported
+    elif reported > predicted:
+        table = metrics.worker_underpredicted_tokens
+        table[wid] = table.get(wid, 0) + reported - predicted

@@ -79,7 +79,9 @@ class Relay:
             for piece in pieces:
                 events += piece.count(b"data:")
                 if self.include_usage and b'"usage":{' in piece:
-                    count_usage_in_sse(self.metrics, self.record.worker_id, piece)
+                    cached = count_usage_in_sse(self.metrics, self.record.worker_id, piece)
+                    if cached >= 0:
+                        self.record.reported_cached = cached
         elif self._body_parts is not None:
             self._body_parts += pieces
             self._scan_bytes += sum(map(len, pieces))
@@ -103,4 +105,7 @@ class Relay:
             self.client.write(self._pending_head)
         self._pending_head = b""
         if self._body_parts:
-            count_usage_in_body(self.metrics, self.record.worker_id, b"".join(self._body_parts))
+            body = b"".join(self._body_parts)
+            self.record.reported_cached = count_usage_in_body(
+                self.metrics, self.record.worker_id, body
+            )

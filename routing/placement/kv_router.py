@@ -92,9 +92,17 @@ class KvRouter:
         workers: Sequence[str],
         pool: Pool = Pool.AGGREGATED,
         exclude: Collection[str] = (),
+        saturated: Sequence[str] = (),
     ) -> Placement | None:
-        """Choose a worker (None: no eligible worker). Does not record anything."""
+        """Choose a worker (None: no eligible worker). Does not record anything.
+        ``saturated``: workers at their in-flight cap, never chosen, whose overlap counts
+        as achievable (``Placement.best_overlap``, reason ``capacity``)."""
         eligible = [w for w in workers if w not in exclude] if exclude else list(workers)
+        if saturated:
+            full = [w for w in saturated if w not in exclude]
+            scored = self.candidates(block_hashes, [*eligible, *full])
+            n = len(eligible)
+            return self.scorer.place(scored[:n], prompt_tokens, pool, scored[n:])
         return self.scorer.place(self.candidates(block_hashes, eligible), prompt_tokens, pool)
 
     def dispatch(

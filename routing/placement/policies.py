@@ -1,6 +1,8 @@
 """Placement policies: which worker a request goes to, one class per ``--router-mode``.
 
-Every policy returns a ``Placement`` (worker, cost, predicted overlap) so the gateway commits
+Every policy returns a ``Placement`` (worker, cost, predicted overlap; for ``kv`` and
+``approx`` also the deepest overlap on offer and why the chosen worker won, tracked while
+scoring; the others leave those unset and do no work for them) so the gateway commits
 every request through ``KvRouter.dispatch`` and releases it through ``router.load``, whatever
 the mode: least-loaded reads the same in-flight figures the KV cost uses.
 
@@ -26,6 +28,9 @@ _NO_OVERLAP = TierOverlap()
 
 
 class Policy(Protocol):
+    """``choose`` picks among ``workers`` less ``exclude``; ``saturated`` (workers at their
+    in-flight cap, never chosen) only tells a prefix policy the overlap it could not reach."""
+
     uses_prefix: bool  # does the policy look at block hashes?
 
     def choose(
@@ -34,6 +39,7 @@ class Policy(Protocol):
         prompt_tokens: int,
         workers: Sequence[str],
         exclude: Collection[str],
+        saturated: Sequence[str] = (),
     ) -> Placement | None: ...
 
 
@@ -53,6 +59,7 @@ class RoundRobin:
         prompt_tokens: int,
         workers: Sequence[str],
         exclude: Collection[str],
+        saturated: Sequence[str] = (),
     ) -> Placement | None:
         eligible = _eligible(workers, exclude)
         if not eligible:
@@ -74,6 +81,7 @@ class RandomChoice:
         prompt_tokens: int,
         workers: Sequence[str],
         exclude: Collection[str],
+        saturated: Sequence[str] = (),
     ) -> Placement | None:
         eligible = _eligible(workers, exclude)
         if not eligible:
@@ -96,6 +104,7 @@ class LeastLoaded:
         prompt_tokens: int,
         workers: Sequence[str],
         exclude: Collection[str],
+        saturated: Sequence[str] = (),
     ) -> Placement | None:
         eligible = _eligible(workers, exclude)
         if not eligible:
@@ -121,8 +130,11 @@ class PrefixAware:
         prompt_tokens: int,
         workers: Sequence[str],
         exclude: Collection[str],
+        saturated: Sequence[str] = (),
     ) -> Placement | None:
-        return self._router.place(block_hashes, prompt_tokens, workers, exclude=exclude)
+        return self._router.place(
+            block_hashes, prompt_tokens, workers, exclude=exclude, saturated=saturated
+        )
 
 
 def make_policy(mode: RouterMode, router: KvRouter, rng: random.Random) -> Policy:

@@ -46,6 +46,7 @@ __all__ = [
     "Candidate",
     "Placement",
     "Pool",
+    "Reason",
     "Scorer",
     "ScoringWeights",
     "TierOverlap",
@@ -119,13 +120,32 @@ class Candidate:
     load: WorkerLoad
 
 
+class Reason:
+    """Why the scorer chose its worker, set against the deepest overlap on offer
+    (``Placement.reason``; the policies that do not score overlap leave it ``""``)."""
+
+    BEST = "best"  # the chosen worker holds the deepest overlap of any eligible worker
+    TIE = "tie"  # as deep as any, and drawn at random among workers of equal cost and depth
+    ONLY_CANDIDATE = "only_candidate"  # one eligible worker
+    LOAD = "load"  # a deeper worker cost more for its queued prefill and held blocks
+    TIER = "tier"  # the deeper match lies in a slower tier, credited less than a shallower one
+    CAPACITY = "capacity"  # every deeper worker was full (in-flight cap, or no room to decode)
+    SAMPLED = "sampled"  # --temperature drew a worker costlier than the cheapest
+
+    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED)
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """The chosen worker, its cost and the overlap predicted for it."""
+    """The chosen worker, its cost and the overlap predicted for it; for a scored placement
+    also the deepest overlap (blocks, any tier) any eligible worker held, and ``reason``, why
+    the chosen worker won (``Reason``; ``""`` when the policy does not score overlap)."""
 
     worker_id: str
     cost: float
     overlap: TierOverlap
+    best_overlap: int = 0
+    reason: str = ""
 
 
 class Scorer:
@@ -180,32 +200,68 @@ class Scorer:
         candidates: Sequence[Candidate],
         prompt_tokens: int,
         pool: Pool = Pool.AGGREGATED,
+        saturated: Sequence[Candidate] = (),
     ) -> Placement | None:
         """The chosen candidate, or None if there is none (or, for a decode pool, none has
-        room for the request's blocks: the caller applies backpressure)."""
+        room for the request's blocks: the caller applies backpressure). ``saturated``: the
+        workers at their in-flight cap, never chosen, whose overlap still counts as the
+        deepest on offer (so a miss they cause reads ``capacity``)."""
+        full = saturated
         if pool is Pool.DECODE:
-            candidates = [
-                c
-                for c in candidates
-                if c.load.capacity_blocks is None or c.load.decode_blocks <= c.load.capacity_blocks
-            ]
+            fits: list[Candidate] = []
+            over = list(saturated)
+            for c in candidates:
+                capacity = c.load.capacity_blocks
+                (fits if capacity is None or c.load.decode_blocks <= capacity else over).append(c)
+            candidates, full = fits, over
         if not candidates:
             return None
         costs = [self.cost(c, prompt_tokens, pool) for c in candidates]
+        tied = False
         if self.weights.temperature > 0:
             index = self._sample(costs)
         else:
-            index = self._argmin(candidates, costs)
+            index, tied = self._argmin(candidates, costs)
         chosen = candidates[index]
-        return Placement(chosen.worker_id, costs[index], chosen.overlap)
+        depth = chosen.overlap.longest
+        best = max(c.overlap.longest for c in candidates)
+        best_full = max((c.overlap.longest for c in full), default=0)
+        if best_full > best:
+            reason = Reason.CAPACITY
+            best = best_full
+        elif len(candidates) == 1:
+            reason = Reason.ONLY_CANDIDATE
+        elif depth >= best:
+            reason = Reason.TIE if tied else Reason.BEST
+        else:
+            reason = self._why_shallower(candidates, costs, index, best)
+        return Placement(chosen.worker_id, costs[index], chosen.overlap, best, reason)
 
-    def _argmin(self, candidates: Sequence[Candidate], costs: list[float]) -> int:
+    def _why_shallower(
+        self, candidates: Sequence[Candidate], costs: list[float], index: int, best: int
+    ) -> str:
+        """Why ``candidates[index]`` won over the cheapest of the deepest candidates."""
+        if costs[index] > min(costs):
+            return Reason.SAMPLED
+        deepest = min(
+            (i for i, c in enumerate(candidates) if c.overlap.longest == best),
+            key=costs.__getitem__,
+        )
+        chosen_credit = self.credit_blocks(candidates[index].overlap)
+        if self.credit_blocks(candidates[deepest].overlap) <= chosen_credit:
+            return Reason.TIER
+        return Reason.LOAD
+
+    def _argmin(self, candidates: Sequence[Candidate], costs: list[float]) -> tuple[int, bool]:
+        """The cheapest candidate, and whether it was drawn at random among equals."""
         best = min(costs)
         tied = [i for i, c in enumerate(costs) if c == best]
         if len(tied) > 1:
             deepest = max(candidates[i].overlap.longest for i in tied)
             tied = [i for i in tied if candidates[i].overlap.longest == deepest]
-        return tied[0] if len(tied) == 1 else self._rng.choice(tied)
+        if len(tied) == 1:
+            return tied[0], False
+        return self._rng.choice(tied), True
 
     def _sample(self, costs: list[float]) -> int:
         low, high = min(costs), max(costs)

@@ -53,6 +53,7 @@ class OpenAIRequest:
     messages: list[dict[str, Any]] | None  # chat
     cache_salt: str | None
     lora_name: str | None = None  # a LoRA adapter named in ``model`` as "<base>:<adapter>"
+    prompted: bool = True  # ``endpoint.prompted``, asked once per request
 
 
 _NUMBER_RANGES: dict[str, tuple[float, float]] = {
@@ -82,7 +83,9 @@ def parse_request(endpoint: Endpoint, raw: bytes) -> OpenAIRequest:
     if type(stream) is not bool:
         raise _bad(f"'stream' must be a boolean, got {stream!r}", "stream")
     if not endpoint.prompted:  # the engine validates the rest
-        return OpenAIRequest(endpoint, body, model, stream, False, None, None, None, None, None)
+        return OpenAIRequest(
+            endpoint, body, model, stream, False, None, None, None, None, None, prompted=False
+        )
     include_usage = _stream_options(body, stream)
     max_tokens = _max_tokens(body)
     for name, (low, high) in _NUMBER_RANGES.items():

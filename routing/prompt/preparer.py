@@ -78,7 +78,7 @@ class PromptPreparer:
         self.hash_cache = PrefixHashCache(hasher)
 
     def prepare(self, req: OpenAIRequest) -> PreparedPrompt:
-        if not req.endpoint.prompted:  # placed by load: nothing to hash
+        if not req.prompted:  # placed by load: nothing to hash
             return PreparedPrompt((), 0, None, False)
         bounds: list[tuple[int, int]] = []
         tokens, body, hits, tokenized = self._tokens(req, bounds)

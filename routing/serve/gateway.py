@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import random
+import ssl
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ import aiohttp
 import orjson
 
 from kvcore import BlockHasher
+from kvcore.control_token import CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.errors import OpenAIError
 from kvcore.events import Tier
 from routing.config import LogLevel, RouterConfig
@@ -37,7 +39,10 @@ from routing.prompt.chat_template import ChatTemplate
 from routing.prompt.openai_api import Endpoint
 from routing.prompt.preparer import PromptPreparer
 from routing.prompt.tokenizer import PromptTokenizer
+from routing.serve.auth import ApiKeys, Tenant
+from routing.serve.rate_limit import RateLimits, retry_after_header
 from routing.workers.discovery import SidecarDiscovery
+from routing.workers.k8s_discovery import K8sApiAccess, K8sPodDiscovery
 from routing.workers.parity import ParityChecker
 from routing.workers.probes import WorkerProber
 from routing.workers.registry import Health, Worker, WorkerRegistry
@@ -49,6 +54,13 @@ _ENDPOINTS = {e.value.encode(): e for e in Endpoint}
 # with --forward-authorization.
 _FORWARDED_HEADERS = (b"traceparent", b"tracestate", b"user-agent")
 _SWEEP_INTERVAL_S = 1.0
+# Open with --api-key-file: liveness and scraping need no client key.
+_OPEN_PATHS = frozenset((b"/health", b"/metrics"))
+_UNAUTHORIZED = OpenAIError(
+    401,
+    "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key')",
+    code="invalid_api_key",
+).body()
 # With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
 # to bridge the prefill and the event's trip.
 _SPECULATIVE_TTL_WITH_EVENTS_S = 2.0
@@ -71,6 +83,7 @@ class Gateway:
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
+        self._served_names = cfg.model_names  # a property of the config: read it once
         rng = random.Random(cfg.seed)
         weights = ScoringWeights(
             overlap_weight=cfg.overlap_weight,
@@ -81,7 +94,7 @@ class Gateway:
         )
         # Plain workers publish no KV events: recent placements are all kv mode can go by.
         # Sidecars do, and their events confirm (or refute) a placement quickly.
-        self.has_sidecars = bool(cfg.sidecars or cfg.sidecar_file)
+        self.has_sidecars = bool(cfg.sidecars or cfg.sidecar_file or cfg.discover_k8s_selector)
         ttl = _SPECULATIVE_TTL_WITH_EVENTS_S if self.has_sidecars else cfg.approx_ttl_s
         self.router = KvRouter(
             block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng
@@ -93,6 +106,10 @@ class Gateway:
         for address in cfg.workers:
             self.workers.add(Worker(address.url, address, models=cfg.model_names))
         self.sidecars: SidecarDiscovery | None = None
+        self.k8s: K8sPodDiscovery | None = None
+        # In-cluster settings resolved now: a gateway outside a pod without --k8s-api-url
+        # stops at once, saying so.
+        self._k8s_access = (K8sApiAccess.resolve(cfg) if cfg.discover_k8s_selector else None)
         self.parity: ParityChecker | None = None
         self._session: aiohttp.ClientSession | None = None
         self.metrics = GatewayMetrics()
@@ -145,6 +162,12 @@ class Gateway:
             discover_models=not cfg.model_names,
             spawn=self.spawn,
         )
+        self.auth = _api_keys(cfg)
+        self.sidecar_token = (
+            None if cfg.sidecar_token_file is None
+            else read_secret_file(cfg.sidecar_token_file, "--sidecar-token-file")
+        )
+        self.scheme = "http" if cfg.tls_cert is None else "https"
         self._key_prefix = os.urandom(4).hex()
         self._next_key = 0
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -160,17 +183,23 @@ class Gateway:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    async def start(self) -> int:
-        """Probe the workers once, start listening; returns the bound port."""
+    async def follow_workers(self) -> None:
+        """Probe the workers once, then keep probing them and following the sidecars (the
+        endpoint picker, ``routing.epp``, runs this without the HTTP front)."""
         await self.prober.probe_all()
         if self.has_sidecars:
             self._start_sidecars()
+        self.spawn(self.prober.run(self.cfg.health_check_interval_s))
+
+    async def start(self) -> int:
+        """Follow the workers, start listening; returns the bound port."""
+        await self.follow_workers()
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._new_connection, self.cfg.host, self.cfg.port, backlog=4096, reuse_address=True
+            self._new_connection, self.cfg.host, self.cfg.port, backlog=4096, reuse_address=True,
+            ssl=_tls_context(self.cfg),
         )
         self.port = self._server.sockets[0].getsockname()[1]
-        self.spawn(self.prober.run(self.cfg.health_check_interval_s))
         self.spawn(self._sweep())
         return self.port
 
@@ -189,6 +218,8 @@ class Gateway:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.pool.close_all()
+        if self.k8s is not None:
+            await self.k8s.aclose()
         if self.sidecars is not None:
             await self.sidecars.aclose()
         if self._session is not None:
@@ -196,7 +227,10 @@ class Gateway:
 
     def _start_sidecars(self) -> None:
         """Follow every configured sidecar: its workers join as they are discovered."""
-        self._session = aiohttp.ClientSession()
+        token = self.sidecar_token
+        self._session = aiohttp.ClientSession(
+            headers=None if token is None else {CONTROL_TOKEN_HEADER: token}
+        )
         self.parity = ParityChecker(
             self.workers, self.prompts, self.metrics, self._session,
             model_id=self.cfg.model_names[0],
@@ -210,11 +244,18 @@ class Gateway:
             model_id=self.cfg.model_names[0],
             models=self.cfg.model_names,
             dead_after_s=self.cfg.dead_after_s,
+            control_header=b"" if token is None
+            else b"%s: %s\r\n" % (CONTROL_TOKEN_HEADER.encode(), token.encode()),
         )
         for address in self.cfg.sidecars:
             self.sidecars.add(address.url)
         if self.cfg.sidecar_file is not None:
             self.sidecars.watch_file(self.cfg.sidecar_file)
+        if self.cfg.discover_k8s_selector is not None and self._k8s_access is not None:
+            self.k8s = K8sPodDiscovery(self.sidecars, self._k8s_access,
+                                       self.cfg.discover_k8s_selector, self.cfg.discover_k8s_port)
+            self.metrics.registry.register(self.k8s.metrics)
+            self.k8s.start()
 
     def _check_parity(self, worker: Worker) -> None:
         if self.parity is not None:
@@ -245,15 +286,25 @@ class Gateway:
 
     def handle(self, conn: ServerConnection, request: HttpRequest) -> None:
         path, method = request.path, request.method
+        tenant: Tenant | None = None
+        if self.auth is not None and path not in _OPEN_PATHS:
+            tenant = self.auth.authenticate(request.headers)
+            if tenant is None:
+                self.metrics.unauthorized += 1
+                conn.respond(401, _UNAUTHORIZED, extra_headers=b"www-authenticate: Bearer\r\n"
+                             + self._id_header(request))
+                return
         endpoint = _ENDPOINTS.get(path)
         if endpoint is not None:
             if method != b"POST":
                 self._plain_error(conn, request, 405, f"{path.decode()} takes POST")
+            elif tenant is not None and (wait_s := tenant.take_request()):
+                self._rate_limited(conn, request, tenant, wait_s)
             else:
                 self._next_key += 1
                 key = f"{self._key_prefix}-{self._next_key}"
                 request_id = request.headers.get(b"x-request-id") or self._new_request_id()
-                admit(self.ctx, conn, request, endpoint, key, request_id)
+                admit(self.ctx, conn, request, endpoint, key, request_id, tenant)
             return
         if method not in (b"GET", b"HEAD"):
             self._plain_error(conn, request, 404, f"no route for {method.decode()} {path.decode()}")
@@ -276,7 +327,7 @@ class Gateway:
 
     def model_names(self) -> Sequence[str]:
         """The names clients may ask for: configured, or learned from the workers."""
-        return self.cfg.model_names or self.workers.models()
+        return self._served_names or self.workers.models()
 
     def _new_request_id(self) -> bytes:
         self._next_key += 1
@@ -293,6 +344,19 @@ class Gateway:
         type_ = "NotFoundError" if status == 404 else "invalid_request_error"
         body = OpenAIError(status, message, type_).body()
         conn.respond(status, body, extra_headers=self._id_header(request))
+
+    def _rate_limited(
+        self, conn: ServerConnection, request: HttpRequest, tenant: Tenant, wait_s: float
+    ) -> None:
+        self.metrics.rate_limited += 1
+        body = OpenAIError(
+            429,
+            f"tenant {tenant.name!r} is over its limit of requests per second; retry after "
+            f"{wait_s:.2f}s",
+            "rate_limit_error",
+            code="rate_limit_exceeded",
+        ).body()
+        conn.respond(429, body, extra_headers=retry_after_header(wait_s) + self._id_header(request))
 
     # --- state views ---------------------------------------------------------------------
 
@@ -329,6 +393,8 @@ class Gateway:
                 {
                     "worker_id": wid,
                     "url": worker.address.url,
+                    # a sidecar's engine, as others reach it (the endpoint picker's pick)
+                    "engine_url": None if worker.engine is None else worker.engine.url,
                     "kind": worker.kind.value,
                     "role": worker.role.value,
                     "health": health.value,
@@ -350,7 +416,37 @@ class Gateway:
                     "idle_connections": self.pool.idle_count(wid),
                 }
             )
-        return {"router_mode": self.cfg.router_mode.value, "workers": out}
+        pending = {} if self.sidecars is None else self.sidecars.pending
+        return {
+            "router_mode": self.cfg.router_mode.value,
+            "workers": out,
+            # Sidecars whose workers are not known yet, and why (unreachable, unauthorized).
+            "pending_sidecars": [{"url": u, "reason": r} for u, r in pending.items()],
+        }
+
+
+def _api_keys(cfg: RouterConfig) -> ApiKeys | None:
+    if cfg.api_key_file is None:
+        return None
+    secret = b""
+    if cfg.tenant_salt_secret_file is not None:
+        secret = read_secret_file(cfg.tenant_salt_secret_file, "--tenant-salt-secret-file").encode()
+    limits = RateLimits(cfg.rate_limit_rps, cfg.rate_limit_tps, cfg.rate_limit_burst_s)
+    return ApiKeys(cfg.api_key_file, limits, secret)
+
+
+def _tls_context(cfg: RouterConfig) -> ssl.SSLContext | None:
+    """The server's TLS context (TLS 1.2 or later), or None for plain HTTP."""
+    if cfg.tls_cert is None or cfg.tls_key is None:
+        return None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
+    except (ssl.SSLError, OSError) as exc:
+        raise ValueError(f"--tls-cert/--tls-key cannot be loaded: {exc}") from exc
+    context.set_alpn_protocols(["http/1.1"])
+    return context
 
 
 def load_config_summary(cfg: RouterConfig) -> dict[str, Any]:
@@ -360,4 +456,7 @@ def load_config_summary(cfg: RouterConfig) -> dict[str, Any]:
         "model_path": str(cfg.model_path) if cfg.model_path else None,
         "block_size": cfg.block_size,
         "max_in_flight_per_worker": cfg.max_in_flight_per_worker,
+        "api_keys": cfg.api_key_file is not None,
+        "tls": cfg.tls_cert is not None,
+        "sidecar_token": cfg.sidecar_token_file is not None,
     }

@@ -24,7 +24,7 @@ from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from routing.workers.registry import Worker, WorkerKind, WorkerRegistry
 
-__all__ = ["SidecarDiscovery", "read_sidecar_file"]
+__all__ = ["SidecarDiscovery", "engine_address", "read_sidecar_file"]
 
 log = structlog.get_logger(component="sidecar_discovery")
 _DISCOVERY_RETRY_S = 0.2
@@ -61,14 +61,17 @@ class SidecarDiscovery:
         model_id: str,
         models: tuple[str, ...],
         dead_after_s: float = 5.0,
+        control_header: bytes = b"",
     ) -> None:
         self.registry = registry
+        self.control_header = control_header  # sent on each request leg to its workers
         self.router = router
         self.model_id = model_id
         self.models = models
         self.dead_after_s = dead_after_s
         self._session = session
         self._sidecars: dict[str, _Sidecar] = {}
+        self.pending: dict[str, str] = {}  # sidecar URL → why its workers are not known yet
         self._file_task: asyncio.Task[None] | None = None
 
     # --- membership ---------------------------------------------------------------------
@@ -85,6 +88,7 @@ class SidecarDiscovery:
     async def remove(self, url: str) -> None:
         """Stop following a sidecar; its workers leave placement and the index."""
         sidecar = self._sidecars.pop(url.rstrip("/"), None)
+        self.pending.pop(url.rstrip("/"), None)
         if sidecar is None:
             return
         tasks = [t for t in (sidecar.discovery, *sidecar.feeds) if t is not None]
@@ -129,21 +133,39 @@ class SidecarDiscovery:
             try:
                 timeout = aiohttp.ClientTimeout(total=5)
                 async with self._session.get(f"{sidecar.url}/v1/workers", timeout=timeout) as r:
+                    if r.status in (401, 403):
+                        raise _Unauthorized(r.status)
                     info: dict[str, Any] = await r.json(content_type=None)
                 worker_ids = [str(w) for w in info["workers"]]
                 bootstrap = _bootstrap(info.get("bootstrap"))
+                engine = engine_address(sidecar.url, info.get("engine_url"))
+                reasoning = info.get("reasoning_parser")
                 break
+            except _Unauthorized as exc:
+                reason = (f"unauthorized: the sidecar answered {exc.status} (its "
+                          "--control-token-file differs from --sidecar-token-file)")
+                if self.pending.get(sidecar.url) != reason:
+                    log.error("sidecar_unauthorized", url=sidecar.url, status=exc.status,
+                              hint="give the gateway the sidecar's token: --sidecar-token-file")
+                self.pending[sidecar.url] = reason
+                await asyncio.sleep(retry)
+                retry = min(retry * 2, 2.0)
             except (aiohttp.ClientError, TimeoutError, KeyError, TypeError, ValueError) as exc:
+                self.pending[sidecar.url] = f"not reachable yet: {exc!r}"
                 log.debug("sidecar_discovery_retry", url=sidecar.url, error=repr(exc))
                 await asyncio.sleep(retry)
                 retry = min(retry * 2, 2.0)
+        self.pending.pop(sidecar.url, None)
         address = WorkerAddress.parse(sidecar.url)
         for rank, worker_id in enumerate(worker_ids):
             if self.registry.get(worker_id) is not None:
                 log.error("worker_id_duplicated", worker_id=worker_id, url=sidecar.url)
                 continue
             self.registry.add(Worker(worker_id, address, WorkerKind.SIDECAR, dp_rank=rank,
-                                     models=self.models, bootstrap=bootstrap))
+                                     models=self.models, bootstrap=bootstrap, engine=engine,
+                                     control_header=self.control_header,
+                                     reasoning_parser=reasoning if isinstance(reasoning, str)
+                                     else None))
             feed = SidecarFeed(sidecar.url, self.router, self._session, model_id=self.model_id,
                                worker=worker_id, dead_after_s=self.dead_after_s,
                                listener=self.registry)
@@ -165,6 +187,33 @@ class SidecarDiscovery:
             except OSError as exc:
                 log.warning("sidecar_file_unreadable", path=str(path), error=str(exc))
             await asyncio.sleep(_FILE_POLL_S)
+
+
+_LOCAL_HOSTS = frozenset({"localhost", "0.0.0.0", "::", "::1"})
+
+
+def engine_address(sidecar_url: str, engine_url: Any) -> WorkerAddress | None:
+    """Where others reach a sidecar's engine: its ``engine_url``, whose loopback or
+    unspecified host (the engine beside the sidecar, in its pod) is the sidecar's host.
+    None when the sidecar does not say (an older sidecar) or says nonsense."""
+    if not isinstance(engine_url, str):
+        return None
+    try:
+        engine = WorkerAddress.parse(engine_url)
+    except ValueError:
+        return None
+    host = engine.host
+    if host in _LOCAL_HOSTS or host.startswith("127."):
+        host = WorkerAddress.parse(sidecar_url).host
+        shown = f"[{host}]" if ":" in host else host
+        engine = WorkerAddress.parse(f"http://{shown}:{engine.port}{engine.base_path}")
+    return engine
+
+
+class _Unauthorized(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status = status
 
 
 def _bootstrap(value: Any) -> tuple[str, int] | None:

@@ -89,11 +89,14 @@ class Worker:
     stream_error: str | None = None
     status: WorkerStatus | None = None
     bootstrap: tuple[str, int] | None = None  # where a prefill engine serves its own transfer
+    engine: WorkerAddress | None = None  # a sidecar's engine as others reach it (routing.epp)
+    reasoning_parser: str | None = None  # its engine's (chats then go to its OpenAI server)
     dispatched: int = 0  # requests (legs) sent to it
     mismatch: str | None = None  # why its stream was refused (page size, model), if it was
     parity: Parity = Parity.UNVERIFIED
     parity_reason: str = "not checked yet"
     host_header: bytes = b""
+    control_header: bytes = b""  # the sidecars' control token line (--sidecar-token-file)
 
     def __post_init__(self) -> None:
         a = self.address
@@ -151,6 +154,7 @@ class WorkerRegistry:
         a status brought the engine's own load reading, or the reading went away (None)."""
         self._workers: dict[str, Worker] = {}
         self._routable: dict[Role, list[Worker]] | None = None
+        self._routable_ids: dict[Role, list[str]] | None = None
         self._models: list[str] | None = None
         self._on_capacity = on_capacity
         self._on_engine_load = on_engine_load
@@ -258,12 +262,26 @@ class WorkerRegistry:
         """The workers of ``role`` that take requests now (cached until something changes)."""
         pools = self._routable
         if pools is None:
-            pools = {r: [] for r in Role}
-            for worker in self._workers.values():
-                if worker.health is Health.ROUTABLE:
-                    pools[worker.role].append(worker)
-            self._routable = pools
+            pools = self._pools()
         return pools[role]
+
+    def routable_ids(self, role: Role = Role.AGG) -> list[str]:
+        """The ids of ``routable(role)`` (cached with it: asked per request)."""
+        ids = self._routable_ids
+        if ids is None:
+            self._pools()
+            ids = self._routable_ids
+            assert ids is not None
+        return ids[role]
+
+    def _pools(self) -> dict[Role, list[Worker]]:
+        pools: dict[Role, list[Worker]] = {r: [] for r in Role}
+        for worker in self._workers.values():
+            if worker.health is Health.ROUTABLE:
+                pools[worker.role].append(worker)
+        self._routable = pools
+        self._routable_ids = {r: [w.worker_id for w in ws] for r, ws in pools.items()}
+        return pools
 
     def has_roles(self) -> bool:
         """Whether any worker serves a prefill or decode pool."""
@@ -288,4 +306,5 @@ class WorkerRegistry:
 
     def _changed(self) -> None:
         self._routable = None
+        self._routable_ids = None
         self._models = None

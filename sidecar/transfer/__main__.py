@@ -24,10 +24,12 @@ import orjson
 import uvloop
 from aiohttp import web
 
+from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.logs import configure_logging
 from shm.config import OwnerConfig, parse_bytes
 from shm.errors import OwnerConflictError
 from shm.server import BlockStoreOwner
+from sidecar.control_guard import token_guard
 from sidecar.transfer.config import TransferConfig
 from sidecar.transfer.service import BlockTransferService
 
@@ -54,21 +56,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl-s", type=float, default=30.0,
                    help="longest an export holds leases without a release (default 30)")
     p.add_argument("--no-nixl", action="store_true", help="do not offer the nixl transport")
+    p.add_argument("--control-token-file", metavar="FILE",
+                   help=f"a token callers must send as '{CONTROL_TOKEN_HEADER}' (and this peer "
+                   f"sends to the peers it pulls from); or set {CONTROL_TOKEN_ENV}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
 
-async def _serve(owner_cfg: OwnerConfig, cfg: TransferConfig, host: str, port: int) -> None:
+async def _serve(
+    owner_cfg: OwnerConfig, cfg: TransferConfig, host: str, port: int, token: str | None
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with (
         BlockStoreOwner(owner_cfg) as owner,
-        aiohttp.ClientSession() as session,
+        aiohttp.ClientSession(
+            headers=None if token is None else {CONTROL_TOKEN_HEADER: token}
+        ) as session,
         BlockTransferService(owner, session, cfg) as service,
     ):
-        app = web.Application()
+        app = web.Application(middlewares=[] if token is None else [token_guard(token)])
         app.add_routes(service.routes())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
@@ -96,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                                 dtype=args.dtype, log_level=args.log_level)
         cfg = TransferConfig(tcp_host=args.host, tcp_port=args.tcp_port,
                              lease_ttl_s=args.lease_ttl_s, enable_nixl=not args.no_nixl)
+        token = (os.environ.get(CONTROL_TOKEN_ENV) or None if args.control_token_file is None
+                 else read_secret_file(args.control_token_file, "--control-token-file"))
     except ValueError as exc:
         parser.error(str(exc))
     configure_logging(args.log_level)
     try:
-        uvloop.run(_serve(owner_cfg, cfg, args.host, args.port))
+        uvloop.run(_serve(owner_cfg, cfg, args.host, args.port, token))
     except OwnerConflictError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 3

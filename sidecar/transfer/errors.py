@@ -16,6 +16,7 @@ __all__ = [
     "BlockFormatMismatchError",
     "ExportGoneError",
     "NoRoomError",
+    "PeerUnauthorizedError",
     "PeerUnavailableError",
     "TransferError",
     "TransferTimeoutError",
@@ -92,6 +93,14 @@ class PeerUnavailableError(TransferError):
     kind = "server_error"
 
 
+class PeerUnauthorizedError(TransferError):
+    """The peer refused this sidecar's control token (``--control-token-file`` differs)."""
+
+    code = "peer_unauthorized"
+    status = 502
+    kind = "server_error"
+
+
 class TransferTimeoutError(TransferError):
     """The pull did not finish within its deadline (nothing was imported)."""
 
@@ -118,6 +127,7 @@ _BY_CODE: dict[str, type[TransferError]] = {
         ExportGoneError,
         TransportUnavailableError,
         PeerUnavailableError,
+        PeerUnauthorizedError,
         TransferTimeoutError,
         NoRoomError,
     )
@@ -132,6 +142,11 @@ def error_body(exc: TransferError) -> dict[str, Any]:
 def error_from_body(status: int, body: Any) -> TransferError:
     """The error an exporter's reply stands for (``TransferError`` when it names none)."""
     detail = body.get("error") if isinstance(body, dict) else None
+    if status in (401, 403):
+        why = detail.get("message") if isinstance(detail, dict) else None
+        return PeerUnauthorizedError(
+            f"the peer refused this sidecar's control token (HTTP {status}): "
+            f"{why or 'no reason given'}; give both sides the same --control-token-file")
     if not isinstance(detail, dict):
         return TransferError(f"peer answered HTTP {status} without an error object")
     message = str(detail.get("message", f"HTTP {status}"))

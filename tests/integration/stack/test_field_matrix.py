@@ -228,6 +228,17 @@ async def check_reasoning(ctx: Ctx, body: dict[str, Any], reply: Reply) -> None:
     assert reply.only.content
 
 
+async def check_thinking(ctx: Ctx, body: dict[str, Any], reply: Reply) -> None:
+    """A chat that asks the template for thinking: an engine with a reasoning parser (the
+    SGLang stand-in's /server_info names one) must get it on its OpenAI server, where the
+    parser splits the thinking out; the others know of no parser and answer plainly."""
+    if ctx.stack.kind == "sglang":
+        assert "Tell me about the weather." in (reply.only.reasoning or ""), reply.only
+    else:
+        assert not reply.only.reasoning, reply.only
+    assert reply.only.content
+
+
 async def check_image(ctx: Ctx, body: dict[str, Any], reply: Reply) -> None:
     assert f"[image sha256:{PNG_DIGEST}]" in reply.only.content, reply.only
 
@@ -291,6 +302,10 @@ CASES = [
          lambda path, b: _sampling(b).get("ignore_eos") is True, check_runs_to(12)),
     Case("reasoning", fixed({"reasoning_effort": "high", "max_tokens": 6}),
          lambda path, b: b.get("reasoning_effort") == "high", check_reasoning),
+    Case("thinking", fixed({"chat_template_kwargs": {"enable_thinking": True}, "max_tokens": 6}),
+         lambda path, b: path in ("/generate", "/v1/completions")  # the gateway's template
+         or (b.get("chat_template_kwargs") or {}).get("enable_thinking") is True,
+         check_thinking),
     Case("image", fixed({**image_chat(), "max_tokens": 6}),
          lambda path, b: PNG_URL in json.dumps(b.get("messages")), check_image),
     Case("lora", fixed({"model": f"tiny:{ADAPTER}", "max_tokens": 6}),

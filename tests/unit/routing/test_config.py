@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 
-from routing.config import RouterConfig, RouterMode, WorkerAddress
+from routing.config import RouterMode, WorkerAddress
+from routing.flags import gateway_config
 
 
 def test_flags_map_to_fields(tiny_model_dir: Path) -> None:
     """Every flag lands in its field; repeated --worker keeps order."""
-    cfg = RouterConfig.from_args(
+    cfg = gateway_config(
         [
             "--worker",
             "http://127.0.0.1:9001",
@@ -57,7 +59,7 @@ def test_bad_flags_exit_2_with_a_message(
 ) -> None:
     """A bad flag is an argparse error (exit 2) naming the problem."""
     with pytest.raises(SystemExit) as info:
-        RouterConfig.from_args(argv)
+        gateway_config(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -66,3 +68,41 @@ def test_worker_address_parse() -> None:
     """Worker URLs keep a base path and get a default port."""
     a = WorkerAddress.parse("http://engine/v2/")
     assert (a.host, a.port, a.base_path, a.url) == ("engine", 80, "/v2", "http://engine:80/v2")
+
+
+def test_security_flags_map_to_fields(tmp_path: Path) -> None:
+    """--api-key-file, the rate limits, TLS and the sidecar token land in their fields."""
+    files = {name: tmp_path / name for name in ("keys", "cert", "key", "token", "secret")}
+    for path in files.values():
+        path.write_text("x y\n")
+    cfg = gateway_config(
+        ["--worker", "http://127.0.0.1:9001", "--api-key-file", str(files["keys"]),
+         "--rate-limit-rps", "5", "--rate-limit-tps", "1000", "--rate-limit-burst-s", "2",
+         "--tenant-salt-secret-file", str(files["secret"]), "--tls-cert", str(files["cert"]),
+         "--tls-key", str(files["key"]), "--sidecar-token-file", str(files["token"])]
+    )
+    assert cfg.api_key_file == files["keys"]
+    assert (cfg.rate_limit_rps, cfg.rate_limit_tps, cfg.rate_limit_burst_s) == (5, 1000, 2)
+    assert (cfg.tls_cert, cfg.tls_key) == (files["cert"], files["key"])
+    assert cfg.sidecar_token_file == files["token"]
+    assert cfg.tenant_salt_secret_file == files["secret"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tls-cert", "{cert}"], "both --tls-cert and --tls-key"),
+        (["--rate-limit-rps", "5"], "give --api-key-file too"),
+        (["--api-key-file", "{missing}"], "--api-key-file .* is not a readable file"),
+        (["--api-key-file", "{cert}", "--rate-limit-tps", "0"], "rate_limit_tps must be"),
+    ],
+)
+def test_security_flags_are_checked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    cert = tmp_path / "cert"
+    cert.write_text("pem")
+    argv = [a.format(cert=cert, missing=tmp_path / "nope") for a in extra]
+    with pytest.raises(SystemExit):
+        gateway_config(["--worker", "http://127.0.0.1:9001", *argv])
+    assert re.search(message, capsys.readouterr().err)

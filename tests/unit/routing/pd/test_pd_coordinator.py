@@ -9,6 +9,7 @@ import pytest
 
 from kvcore.stream import WorkerStatus
 from routing.config import RouterConfig, WorkerAddress
+from routing.flags import gateway_config
 from routing.pd.coordinator import (
     DEFAULT_RESERVE_TOKENS,
     DecodePoolFull,
@@ -29,7 +30,7 @@ SIDECAR = "http://127.0.0.1:9"
 
 
 def _config(*flags: str) -> RouterConfig:
-    return RouterConfig.from_args(["--sidecar", SIDECAR, "--model-path", str(MODEL), *flags])
+    return gateway_config(["--sidecar", SIDECAR, "--model-path", str(MODEL), *flags])
 
 
 class TestConfig:
@@ -99,7 +100,7 @@ class TestCoordinator:
 
     def test_gateway_without_sidecars_has_no_coordinator(self) -> None:
         """Plain workers only: nothing of disaggregation is set up."""
-        cfg = RouterConfig.from_args(["--worker", "http://127.0.0.1:9"])
+        cfg = gateway_config(["--worker", "http://127.0.0.1:9"])
         assert Gateway(cfg).pd is None
 
 
