@@ -88,18 +88,32 @@ class ScoringWeights:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
 
 
-@dataclass(frozen=True, slots=True)
 class TierOverlap:
-    """Leading blocks of the request a worker holds, per tier (each counted from block 0)."""
+    """Leading blocks of the request a worker holds, per tier (each counted from block 0).
 
-    gpu: int = 0
-    host: int = 0
-    disk: int = 0
-    remote: int = 0
+    A plain class, not a dataclass: ``longest`` is read several times per request, so it is
+    computed once here (a frozen dataclass would pay a call per read, and more per build)."""
 
-    @property
-    def longest(self) -> int:
-        return max(self.gpu, self.host, self.disk, self.remote)
+    __slots__ = ("disk", "gpu", "host", "longest", "remote")
+
+    def __init__(self, gpu: int = 0, host: int = 0, disk: int = 0, remote: int = 0) -> None:
+        self.gpu = gpu
+        self.host = host
+        self.disk = disk
+        self.remote = remote
+        self.longest = max(gpu, host, disk, remote)
+
+    def _tiers(self) -> tuple[int, int, int, int]:
+        return (self.gpu, self.host, self.disk, self.remote)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TierOverlap) and self._tiers() == other._tiers()
+
+    def __hash__(self) -> int:
+        return hash(self._tiers())
+
+    def __repr__(self) -> str:
+        return "TierOverlap(gpu={}, host={}, disk={}, remote={})".format(*self._tiers())
 
 
 @dataclass(frozen=True, slots=True)
