@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcore.layout import DTYPE_BYTES
+from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 from shm.segment import check_owner_id
 
 __all__ = ["OwnerConfig"]
@@ -41,6 +42,8 @@ class OwnerConfig:
     log_level: str = "info"
     sched_batch: bool = False
     grant_fraction: float = 0.25
+    disk_dir: Path | None = None  # the disk tier below the store (``shm.disk_tier``)
+    disk_capacity_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_owner_id(self.owner_id)
@@ -59,6 +62,13 @@ class OwnerConfig:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
         if not 0 <= self.grant_fraction <= 1:
             raise ValueError(f"grant_fraction must be within 0..1, got {self.grant_fraction}")
+        if self.disk_dir is not None and self.disk_capacity_bytes < (
+                self.block_bytes + DISK_HEADER_BYTES):
+            raise ValueError(f"a disk tier needs a capacity of at least one block file "
+                             f"({self.block_bytes + DISK_HEADER_BYTES} bytes), got "
+                             f"{self.disk_capacity_bytes}")
+        if self.disk_dir is None and self.disk_capacity_bytes:
+            raise ValueError("a disk tier capacity needs a disk tier directory")
         if len(str(self.socket_path).encode()) > 107:
             raise ValueError(f"socket path {self.socket_path} is longer than 107 bytes")
 
@@ -116,6 +126,14 @@ class OwnerConfig:
                  "that a put copies while its slots are claimed instead of after a reserve "
                  "round trip (default 0.25; 0 turns write-ahead grants off; a granted slot "
                  "holds no block)")
+        parser.add_argument(
+            "--disk-dir", type=Path, default=None, metavar="DIR",
+            help="keep blocks evicted from shared memory in this directory (the disk tier: "
+                 "a get that misses in shared memory reads them back; they survive a "
+                 "restart and are announced as tier 'disk'). Default: none")
+        parser.add_argument(
+            "--disk-capacity-bytes", type=parse_bytes, default=0, metavar="SIZE",
+            help="byte budget of the disk tier, e.g. 64GiB (required with --disk-dir)")
         args = parser.parse_args(argv)
         try:
             return cls(
@@ -130,6 +148,8 @@ class OwnerConfig:
                 log_level=args.log_level,
                 sched_batch=args.sched_batch,
                 grant_fraction=args.grant_fraction,
+                disk_dir=args.disk_dir,
+                disk_capacity_bytes=args.disk_capacity_bytes,
             )
         except ValueError as exc:
             parser.error(str(exc))

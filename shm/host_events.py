@@ -29,10 +29,12 @@ def _uniform_tokens(token_lists: list[list[int] | None]) -> bool:
 
 
 class HostEventLog:
-    """Events recorded since the last ``take``, in sequence order."""
+    """Events recorded since the last ``take``, in sequence order; ``tier``: the host tier,
+    or the disk tier below it (``shm.disk_tier`` keeps its events the same way)."""
 
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, tier: Tier = Tier.HOST) -> None:
         self.worker_id = worker_id
+        self.tier = tier
         self._events: list[KVEvent] = []
 
     def take(self) -> list[KVEvent]:
@@ -42,10 +44,10 @@ class HostEventLog:
     def removed(self, hashes: list[int]) -> None:
         if hashes:
             self._events.append(
-                BlockRemoved(self.worker_id, UNSTAMPED, UNSTAMPED, Tier.HOST, hashes))
+                BlockRemoved(self.worker_id, UNSTAMPED, UNSTAMPED, self.tier, hashes))
 
     def cleared(self) -> None:
-        self._events.append(AllBlocksCleared(self.worker_id, UNSTAMPED, UNSTAMPED, Tier.HOST))
+        self._events.append(AllBlocksCleared(self.worker_id, UNSTAMPED, UNSTAMPED, self.tier))
 
     def stored(
         self, hashes: list[int], parents: list[int | None], token_lists: list[list[int] | None]
@@ -68,4 +70,4 @@ class HostEventLog:
         if token_lists[0] is not None:
             run_tokens = [t for block in token_lists for t in block]  # type: ignore[union-attr]
         self._events.append(BlockStored(
-            self.worker_id, UNSTAMPED, UNSTAMPED, Tier.HOST, hashes, parent_hash, run_tokens))
+            self.worker_id, UNSTAMPED, UNSTAMPED, self.tier, hashes, parent_hash, run_tokens))

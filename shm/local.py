@@ -65,8 +65,8 @@ class LocalSession:
     def _call(self, request: Any, kind: type[R]) -> R:
         if self._session is None:
             raise ClientDetachedError("the local session is closed")
-        frame = self._owner.handle(self._session, encode(request)[4:])
-        if frame is None:
+        frame = self._owner.handle(self._session, encode(request)[4:])  # no deferred reply
+        if not isinstance(frame, bytes):
             raise ClientDetachedError("the owner sent no reply")
         return expect(decode_reply(frame[4:]), kind)
 

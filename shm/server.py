@@ -19,6 +19,12 @@ then its reservations are freed and its leases released. After each request the 
 events go to ``listener``, a plain callable that must not block (the sidecar's puts them
 on a bounded queue); an exception from it is logged and counted, never lost silently and
 never fatal to the store.
+
+With a disk tier (``OwnerConfig.disk_dir``, ``shm.disk_tier``), the blocks the store evicts
+are handed to it before their slots get new holders (``_spill``), and a lease that misses in
+shared memory promotes what the disk tier holds back into slots first (``_lease``; the files
+are read in a worker thread, the connection's reply deferred until they are in): clients
+see one store, through the same protocol. ``Contains`` and ``Remove`` span both tiers.
 """
 
 from __future__ import annotations
@@ -38,7 +44,13 @@ from kvcore.events import KVEvent
 from shm._client_cells import ClientCells
 from shm._connection import Connection
 from shm.config import OwnerConfig
-from shm.errors import BlockStoreError, ClientDetachedError, OwnerConflictError, ProtocolError
+from shm.disk_tier import DiskTier
+from shm.errors import (
+    BlockStoreError,
+    ClientDetachedError,
+    OwnerConflictError,
+    ProtocolError,
+)
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -63,6 +75,7 @@ from shm.protocol import (
     encode,
     is_one_way,
 )
+from shm.read_through import ReadThrough
 from shm.segment import Segment, unlink_stale_segments
 from shm.store import BlockStore, SessionId, StoreStats
 
@@ -99,6 +112,10 @@ class BlockStoreOwner:
         self._poll: asyncio.TimerHandle | None = None  # see ``_poll_published``
         self._loop: asyncio.AbstractEventLoop | None = None  # the one we serve in
         self.num_internal_errors = 0
+        # The disk tier below the store (``--disk-dir``): evicted blocks spill to it, and a
+        # lease that misses in shared memory promotes them back (see ``_lease``).
+        self.disk: DiskTier | None = None
+        self._through: ReadThrough | None = None  # the host store over the disk tier
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> BlockStoreOwner:
@@ -131,6 +148,8 @@ class BlockStoreOwner:
                 max_granted=cfg.max_granted_slots,
             )
             self._cells = ClientCells(self.segment.index, self.store)
+            if cfg.disk_dir is not None:
+                await self._start_disk(cfg)
             self._welcome = Welcome(
                 protocol_version=PROTOCOL_VERSION,
                 owner_id=cfg.owner_id,
@@ -156,11 +175,24 @@ class BlockStoreOwner:
                 self._bound = False
                 cfg.socket_path.unlink(missing_ok=True)
             self.store = self._cells = None
+            if self.disk is not None:
+                await self.disk.aclose()
+                self.disk = None
             self._release_segment()
             raise
         log.info("shm_owner_started", owner_id=cfg.owner_id, socket=str(cfg.socket_path),
                  segment=self.segment.name, num_slots=cfg.num_slots,
                  block_bytes=cfg.block_bytes, epoch=self.epoch)
+        self.drain_events()  # the disk tier's blocks, re-announced
+
+    async def _start_disk(self, cfg: OwnerConfig) -> None:
+        assert self.segment is not None and self.store is not None
+        disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes,  # type: ignore[arg-type]
+                        cfg.block_bytes, worker_id=cfg.effective_worker_id)
+        await disk.start(self.drain_events)
+        self.disk = disk
+        self._through = ReadThrough(disk, self.store, self.segment.slots[:, : cfg.block_bytes],
+                                    lambda: self.store, self.drain_events)
 
     def _claim_socket_path(self) -> None:
         """Remove a socket file left by a dead owner; refuse one a live owner listens on."""
@@ -189,11 +221,17 @@ class BlockStoreOwner:
                 conn.abort()
             await self._server.wait_closed()
             self._server = None
+        if self._through is not None:  # its reads fill slots of the segment: let them finish
+            await self._through.finish()
         if self.store is not None:
+            self.store.spill = None
             self.store.clear()
+            if self.disk is not None:  # what is staged is written; the tier stays on disk
+                await self.disk.aclose()
             self.drain_events()
             # They hold views of the segment's generation table and read index.
             self.store = self._cells = None
+        self.disk = self._through = None
         if self._poll is not None:
             self._poll.cancel()
             self._poll = None
@@ -217,15 +255,24 @@ class BlockStoreOwner:
         self._cells.record_publications()
         stats = self.store.stats()
         optimistic = self._cells.optimistic_hits()
-        return replace(stats, num_hits=stats.num_hits + optimistic,
-                       num_optimistic_hits=optimistic)
+        stats = replace(stats, num_hits=stats.num_hits + optimistic,
+                        num_optimistic_hits=optimistic)
+        if self.disk is None:
+            return stats
+        d = self.disk.stats()
+        return replace(stats, num_disk_blocks=d.num_blocks, num_disk_writes=d.num_writes,
+                       num_disk_reads=d.num_reads, num_disk_corrupt=d.num_corrupt,
+                       num_disk_errors=d.num_errors, num_disk_dropped=d.num_dropped)
 
-    def handle(self, session: SessionId, body: bytes, *, drain: bool = True) -> bytes | None:
+    def handle(self, session: SessionId, body: bytes, *, drain: bool = True,
+               defer: bool = False) -> bytes | asyncio.Task[bytes] | None:
         """One request frame body → one reply frame (``None`` for one-way frames).
 
         ``drain=False`` leaves the store's events, and the books a reservation's reply does
         not need, for ``drain_events``: a connection sends the reply first, so neither the
-        listener's work nor the bookkeeping is on the client's round trip.
+        listener's work nor the bookkeeping is on the client's round trip. ``defer``: the
+        caller takes a task whose result is the reply (a lease that reads the disk tier);
+        without it, the disk is read before this returns.
         """
         store, cells = self.store, self._cells
         if store is None or cells is None:
@@ -241,7 +288,7 @@ class BlockStoreOwner:
             # What writers committed by publishing is visible to every request that follows.
             cells.record_publications()
         try:
-            reply = self._dispatch(store, session, msg)
+            reply = self._dispatch(store, session, msg, defer)
         except (BlockStoreError, ValueError) as exc:
             if isinstance(msg, Release | Publish):
                 self._reject_one_way(session, body[1], exc)
@@ -258,7 +305,8 @@ class BlockStoreOwner:
             self.drain_events()
         return reply
 
-    def _dispatch(self, store: BlockStore, session: SessionId, msg: Request) -> bytes | None:
+    def _dispatch(self, store: BlockStore, session: SessionId, msg: Request,
+                  defer: bool) -> bytes | asyncio.Task[bytes] | None:
         match msg:
             case Reserve(namespaces, hashes, parents, tokens, grant):
                 keys = _keys(namespaces, hashes)
@@ -277,7 +325,10 @@ class BlockStoreOwner:
                 store.commit(session, slots, generations)
                 return None
             case Lease(namespaces, hashes):
-                return encode(Slots(*store.lease(session, _keys(namespaces, hashes))))
+                keys = _keys(namespaces, hashes)
+                if self._through is not None:  # what shared memory misses, read from disk
+                    return self._through.lease(session, keys, defer)
+                return encode(Slots(*store.lease(session, keys)))
             case Release(slots, generations):
                 store.release(session, slots, generations)
                 return None
@@ -285,9 +336,18 @@ class BlockStoreOwner:
                 store.abort(session, slots, generations)
                 return _DONE
             case Contains(namespaces, hashes):
-                return encode(Flags(store.contains(_keys(namespaces, hashes))))
+                keys = _keys(namespaces, hashes)
+                held = store.contains(keys)
+                if self.disk is not None:
+                    held = [h or self.disk.contains(k) for h, k in zip(held, keys, strict=True)]
+                return encode(Flags(held))
             case Remove(namespaces, hashes):
-                return encode(Flags(store.remove(_keys(namespaces, hashes))))
+                keys = _keys(namespaces, hashes)
+                removed = store.remove(keys)
+                if self.disk is not None:
+                    removed = [a or b for a, b in zip(removed, self.disk.remove(keys),
+                                                      strict=True)]
+                return encode(Flags(removed))
             case Stats():
                 return encode(StatsReply(self.stats()))
             case Ping():
@@ -343,6 +403,8 @@ class BlockStoreOwner:
         if self.store is None:
             return
         events = self.store.take_events()  # settles first
+        if self.disk is not None:
+            events += self.disk.take_events()
         if self._poll is None and self._loop is not None and self.store.num_reserved:
             self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
         if not events or self._listener is None:

@@ -51,6 +51,8 @@ class SidecarConfig:
     store_capacity_bytes: int = 0  # 0: no host-tier store
     store_socket: str | None = None
     store_block_bytes: int | None = None  # None: from the model's KV layout
+    disk_tier_dir: str | None = None  # blocks evicted from the store kept here (shm.disk_tier)
+    disk_tier_capacity_bytes: int = 0
     transfer_tcp_port: int = 0  # the TCP block stream to peers (0: any free port)
     advertise_host: str | None = None  # the address peer sidecars dial (default: --host)
     # Prefill/decode disaggregation (sidecar/disagg.py): how a decode worker gets the blocks,
@@ -92,6 +94,11 @@ class SidecarConfig:
             raise ValueError("--store-capacity-bytes must be >= 0")
         if self.store_block_bytes is not None and self.store_block_bytes < 1:
             raise ValueError("--store-block-bytes must be >= 1")
+        if self.disk_tier_dir is not None and not self.store_capacity_bytes:
+            raise ValueError("--disk-tier-dir keeps blocks evicted from the host-tier store: "
+                             "set --store-capacity-bytes too")
+        if (self.disk_tier_dir is None) != (not self.disk_tier_capacity_bytes):
+            raise ValueError("--disk-tier-dir and --disk-tier-capacity-bytes go together")
         LoraAdapter.check_unique(self.lora_adapters)
         if self.load_endpoint is not None and self.engine != "sglang":
             raise ValueError("--load-endpoint is SGLang's load socket; --engine is not sglang")
@@ -243,6 +250,20 @@ class SidecarConfig:
             help="bytes per stored block (default: from the model's KV layout)",
         )
         t.add_argument(
+            "--disk-tier-dir",
+            metavar="DIR",
+            help="keep blocks evicted from the store in this local directory (the disk tier): "
+            "engines' gets that miss in shared memory read them back, and the tier survives "
+            "a restart, announced as 'disk' events (default: none)",
+        )
+        t.add_argument(
+            "--disk-tier-capacity-bytes",
+            type=parse_bytes,
+            default=0,
+            metavar="SIZE",
+            help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)",
+        )
+        t.add_argument(
             "--transfer-tcp-port",
             type=int,
             default=0,
@@ -318,6 +339,8 @@ class SidecarConfig:
                 store_capacity_bytes=args.store_capacity_bytes,
                 store_socket=args.store_socket,
                 store_block_bytes=args.store_block_bytes,
+                disk_tier_dir=args.disk_tier_dir,
+                disk_tier_capacity_bytes=args.disk_tier_capacity_bytes,
                 transfer_tcp_port=args.transfer_tcp_port,
                 advertise_host=args.advertise_host,
                 kv_handoff=args.kv_handoff,

@@ -2,7 +2,9 @@
 transfer service that exports its blocks to peer sidecars and pulls theirs.
 
 The store's puts and evictions become host-tier events on every worker's stream (the tier is
-shared by every DP rank of the replica); each pull is counted in the sidecar's metrics.
+shared by every DP rank of the replica); each pull is counted in the sidecar's metrics. With
+``--disk-tier-dir`` the store keeps what it evicts on disk (``shm.disk_tier``): those blocks
+are ``disk``-tier events, re-announced when the sidecar starts again.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class HostTier:
             dtype=layout.dtype if layout is not None else "uint8",
             layout=layout.kind.value if layout is not None else "raw",
             worker_id=cfg.worker_id,
+            disk_dir=None if cfg.disk_tier_dir is None else Path(cfg.disk_tier_dir),
+            disk_capacity_bytes=cfg.disk_tier_capacity_bytes,
         )
         store = BlockStoreOwner(owner_cfg, listener=on_event)
         await store.start()
@@ -81,6 +85,7 @@ class HostTier:
             socket=str(socket_path),
             block_bytes=block_bytes,
             capacity_bytes=cfg.store_capacity_bytes,
+            disk_tier=cfg.disk_tier_dir,
         )
         return cls(store, transfer)
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from shm.disk_tier import DiskTierStats
 from shm.server import BlockStoreOwner
 from sidecar.event_stream import EventStream
 from sidecar.load import LoadTracker
@@ -92,6 +93,35 @@ class _StreamCollector(Collector):
             blocks.add_metric(["granted"], stats.num_granted)
             blocks.add_metric(["slots"], stats.num_slots)
             yield from (lookups, evictions, blocks)
+            if store.disk is not None:
+                yield from _disk_tier_metrics(store.disk.stats())
+
+
+def _disk_tier_metrics(d: DiskTierStats) -> list[Metric]:
+    blocks = CounterMetricFamily(
+        "kvsidecar_disk_tier_blocks",
+        "Disk-tier blocks written, read back into the store, evicted (LRU), dropped as "
+        "corrupt, and evicted from the store but not kept (the writer fell behind)",
+        labels=["op"],
+    )
+    for op, value in (("written", d.num_writes), ("read", d.num_reads),
+                      ("evicted", d.num_evictions), ("corrupt", d.num_corrupt),
+                      ("dropped", d.num_dropped)):
+        blocks.add_metric([op], value)
+    moved = CounterMetricFamily(
+        "kvsidecar_disk_tier_bytes", "Disk-tier bytes written and read", labels=["op"])
+    moved.add_metric(["written"], d.num_write_bytes)
+    moved.add_metric(["read"], d.num_read_bytes)
+    errors = CounterMetricFamily(
+        "kvsidecar_disk_tier_errors", "Disk-tier I/O errors (each a miss or a block not kept)")
+    errors.add_metric([], d.num_errors)
+    held = GaugeMetricFamily(
+        "kvsidecar_disk_tier_held", "Disk-tier blocks and bytes held, and its capacity",
+        labels=["kind"])
+    held.add_metric(["blocks"], d.num_blocks)
+    held.add_metric(["bytes"], d.num_bytes)
+    held.add_metric(["capacity_bytes"], d.capacity_bytes)
+    return [blocks, moved, errors, held]
 
 
 class SidecarMetrics:

@@ -35,6 +35,13 @@ class StoreStats:
     num_optimistic_hits: int = 0  # of num_hits, read through the read index (the owner's)
     num_granted: int = 0  # slots granted to writers ahead of their puts, not yet claimed
     num_claimed: int = 0  # blocks claimed in granted slots: put with no reserve round trip
+    # The owner's disk tier (``shm.disk_tier``; all 0 without one).
+    num_disk_blocks: int = 0
+    num_disk_writes: int = 0
+    num_disk_reads: int = 0  # blocks promoted back into shared memory
+    num_disk_corrupt: int = 0  # dropped: their file failed its check
+    num_disk_errors: int = 0
+    num_disk_dropped: int = 0  # evicted blocks not kept: the writer fell behind
 
 
 class BlockStore(Grants, Leases):
@@ -120,6 +127,12 @@ class BlockStore(Grants, Leases):
         """Events recorded since the last call, in sequence order."""
         self.settle()
         return self._log.take()
+
+    def room(self) -> int:
+        """How many blocks a reservation could take now: free slots, and unleased blocks
+        to evict."""
+        self.settle()
+        return self._pool.num_free_slots + len(self._lru) - (self._num_leased - self._num_doomed)
 
     @property
     def num_reserved(self) -> int:

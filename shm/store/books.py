@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
 
@@ -83,6 +83,7 @@ class StoreBooks(ABC):
         self._key: list[BlockKey | None] = [None] * num_slots
         self._state = bytearray(num_slots)
         self._leases = [0] * num_slots
+        # A block's parent stays while it is held (an evicted block spills with it).
         self._parent: list[int | None] = [None] * num_slots
         self._tokens: list[list[int] | None] = [None] * num_slots
         # Commit time (monotonic ns), then raised to readers' read times as eviction ranks
@@ -99,6 +100,10 @@ class StoreBooks(ABC):
         self._next_session = 1
         self._log = HostEventLog(worker_id)
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
+        # Called with the blocks an eviction takes, ``(key, slot)``, and their parents, while
+        # their slots still hold their bytes (the owner's disk tier copies them out:
+        # ``shm.disk_tier``).
+        self.spill: Callable[[list[tuple[BlockKey, int]], list[int | None]], None] | None = None
 
     @abstractmethod
     def settle(self) -> None:

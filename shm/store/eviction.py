@@ -4,9 +4,10 @@ Eviction is least-recently-used over committed blocks, skipping leased ones: ``_
 holds every committed block in order of last use (a commit or a lease moves a block to
 the end), and eviction, done only when a reservation or a grant needs slots, takes
 unleased blocks from the front (a lease costs no LRU removal and a release no LRU
-insertion). With a read index, readers also use blocks without telling the store: eviction
-then ranks the oldest blocks by their last use, the store's or a reader's
-(``_pick_victims``).
+insertion). An evicted block's bytes are handed to ``spill`` (the owner's disk tier), when
+set, before its slot gets a new holder. With a read index, readers also use blocks without
+telling the store: eviction then ranks the oldest blocks by their last use, the store's or a
+reader's (``_pick_victims``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class Eviction(StoreBooks):
             )
         evicted = self._pick_victims(count - free)
         reused = [slot for _, slot in evicted]
+        parent = self._parent
+        if self.spill is not None:  # before the slots get new holders
+            self.spill(evicted, [parent[slot] for slot in reused])
+        for slot in reused:
+            parent[slot] = None
         if self._index is not None:
             self._index.retract(reused)
         pool.renew(reused)

@@ -185,9 +185,8 @@ class Reservations(Eviction):
         hashes = [key_of[s][1] for s in slots]  # type: ignore[index]
         parents = [parent[s] for s in slots]
         token_lists = [tokens[s] for s in slots]
-        for slot in slots:  # the events carry them now; the slots need not
-            parent[slot] = None
-            tokens[slot] = None
+        for slot in slots:  # the events carry them now; the slots need not (the parent
+            tokens[slot] = None  # stays: an evicted block spills with it, see ``spill``)
         self._log.stored(hashes, parents, token_lists)
 
 

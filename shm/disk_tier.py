@@ -1,0 +1,480 @@
+"""The disk tier: blocks evicted from the host store, kept in a local directory.
+
+One file per block (``shm.disk_format``), written to ``<name>.tmp`` and renamed into place,
+its checksum verified on every read, so a crash (or a torn page after a power loss) never
+makes a torn block readable: a file that fails its check is dropped, counted, and the read
+is a miss.
+
+The owner's event loop never waits for the disk on the write path: ``spill`` (called by
+the store core while it evicts, before the evicted slots get new holders) copies each
+block into a pre-faulted staging buffer and queues it; one writer thread writes the queued
+blocks in batches and hands the finished ones back to the loop, where they join the tier's
+index and are announced (``BlockStored``, tier ``disk``, one per chain of parent → child
+blocks, as the host tier's: ``shm.host_events``). When the staging buffers are all
+in use (the disk falls behind), further evicted blocks are dropped and counted, never
+waited for. Reads (a get that missed in shared memory) ``preadv`` each file straight into
+the slot the block is promoted to, and check it, in a worker thread (``read_many``).
+
+The tier has a byte capacity and its own LRU (a read makes a block recent); what it evicts
+is unlinked by the writer thread and announced (``BlockRemoved``, tier ``disk``). At start
+it scans its directory (torn ``.tmp`` files are removed; block files are re-indexed in
+modification order), so it survives a restart and re-announces what it holds. A lock file
+keeps two owners off one directory.
+
+Call everything from the owner's event loop; only the writer thread and ``read_many``'s file
+reads (which touch no shared state) run elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import os
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from kvcore.events import KVEvent, Tier
+from shm.disk_format import (
+    HEADER_BYTES,
+    SUFFIX,
+    TMP_SUFFIX,
+    block_file_name,
+    header_for,
+    header_parent,
+    parse_name,
+    problem_of,
+)
+from shm.errors import OwnerConflictError
+from shm.host_events import HostEventLog
+
+__all__ = ["DiskTier", "DiskTierStats"]
+
+log = structlog.get_logger(component="shm")
+
+BlockKey = tuple[int, int]
+_LOCK = ".lock"
+_STAGING_BYTES = 64 << 20  # staging buffers for blocks on their way to disk
+_MIN_STAGING_BLOCKS = 4
+
+
+# What the writer thread does: ("write" | "unlink", key, staging row, parent hash).
+_Job = tuple[str, BlockKey, int, int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierStats:
+    num_blocks: int
+    num_bytes: int
+    capacity_bytes: int
+    num_writes: int  # blocks written
+    num_write_bytes: int
+    num_reads: int  # blocks read back (promoted to shared memory), from disk or staging
+    num_read_bytes: int
+    num_evictions: int  # blocks the tier's LRU dropped
+    num_corrupt: int  # blocks dropped because their file failed its check
+    num_errors: int  # I/O errors (each a miss or a block not kept, and a log line)
+    num_dropped: int  # evicted blocks not kept: the staging buffers were all in use
+    num_pending: int  # blocks staged, not written yet
+
+
+class DiskTier:
+    """A directory of block files with a byte capacity; ``await start()`` before use."""
+
+    def __init__(self, directory: Path, capacity_bytes: int, block_bytes: int, *,
+                 worker_id: str, staging_blocks: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.block_bytes = block_bytes
+        self.file_bytes = HEADER_BYTES + block_bytes
+        if capacity_bytes < self.file_bytes:
+            raise ValueError(f"a disk tier of {capacity_bytes} bytes holds no block file of "
+                             f"{self.file_bytes} bytes")
+        self.capacity_bytes = capacity_bytes
+        self.worker_id = worker_id
+        # Never more than the tier holds, nor than _STAGING_BYTES (unless blocks are huge).
+        self._staging_blocks = staging_blocks or max(_MIN_STAGING_BLOCKS, min(
+            _STAGING_BYTES // block_bytes, capacity_bytes // self.file_bytes))
+        # On disk, by last use: key → parent hash.
+        self._index: OrderedDict[BlockKey, int | None] = OrderedDict()
+        # Staged for writing: key → (staging row, parent hash).
+        self._pending: dict[BlockKey, tuple[int, int | None]] = {}
+        self._cancelled: set[BlockKey] = set()  # staged, then removed: unlink once written
+        self._reading: dict[BlockKey, int] = {}  # files being read: the LRU passes them over
+        self._staging = np.empty((0, block_bytes), np.uint8)
+        self._free_rows: list[int] = []
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._notify: Callable[[], None] = lambda: None
+        self._lock_fd: int | None = None
+        self._log = HostEventLog(worker_id, Tier.DISK)
+        self.num_writes = self.num_write_bytes = self.num_reads = self.num_read_bytes = 0
+        self.num_evictions = self.num_corrupt = self.num_errors = self.num_dropped = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, notify: Callable[[], None]) -> None:
+        """Lock and scan the directory, pre-fault the staging buffers, start the writer.
+        ``notify``: called on the loop when events are waiting (``take_events``)."""
+        self._loop = asyncio.get_running_loop()
+        self._notify = notify
+        await asyncio.to_thread(self._open)
+        try:
+            recovered = await asyncio.to_thread(self._scan)
+        except BaseException:
+            self._unlock()
+            raise
+        for key, _, parent in recovered:
+            self._index[key] = parent
+        self._enforce_capacity()
+        if self._index:  # in written order, so a chain's blocks mostly stay one event
+            self._log.stored([key[1] for key in self._index], list(self._index.values()),
+                             [None] * len(self._index))
+        self._free_rows = list(range(self._staging_blocks - 1, -1, -1))
+        self._writer = threading.Thread(target=self._write_loop, name="disk-tier-writer",
+                                        daemon=True)
+        self._writer.start()
+        log.info("disk_tier_started", directory=str(self.directory), blocks=len(self._index),
+                 capacity_bytes=self.capacity_bytes, staging_blocks=self._staging_blocks)
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OwnerConflictError(
+                f"another block store owner uses the disk tier {self.directory}") from None
+        self._lock_fd = fd
+        # Fresh memory is costly to touch on the eviction path: fault it in now.
+        staging = np.empty((self._staging_blocks, self.block_bytes), np.uint8)
+        staging.fill(0)
+        self._staging = staging
+
+    def _scan(self) -> list[tuple[BlockKey, int, int | None]]:
+        """The block files in the directory (key, mtime, parent), oldest first; torn and
+        foreign files removed."""
+        found: list[tuple[BlockKey, int, int | None]] = []
+        removed = 0
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                name = entry.name
+                if name == _LOCK:
+                    continue
+                key = parse_name(name) if name.endswith(SUFFIX) else None
+                try:
+                    st = entry.stat()
+                    if key is not None and st.st_size == self.file_bytes:
+                        ok, parent = self._read_header(entry.path, key)
+                        if ok:
+                            found.append((key, st.st_mtime_ns, parent))
+                            continue
+                    if name.endswith((SUFFIX, TMP_SUFFIX)):
+                        os.unlink(entry.path)  # torn, or written for another block size
+                        removed += 1
+                except OSError as exc:
+                    self.num_errors += 1
+                    log.warning("disk_tier_scan_error", file=name, error=str(exc))
+        if removed:
+            log.info("disk_tier_files_removed", count=removed, reason="torn or foreign")
+        found.sort(key=lambda item: item[1])
+        return found
+
+    def _read_header(self, path: str, key: BlockKey) -> tuple[bool, int | None]:
+        """Whether a file's header is this tier's for ``key``, and the block's parent."""
+        with open(path, "rb") as f:
+            raw = f.read(HEADER_BYTES)
+        return header_parent(raw, key, self.block_bytes)
+
+    async def aclose(self) -> None:
+        """Write what is staged, stop the writer, unlock; what is on disk stays."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            self._jobs.put(None)
+            await asyncio.to_thread(writer.join)
+            # What the last batch's report queued (unlinks: capacity, removals) after it.
+            await asyncio.to_thread(self._finish_unlinks)
+        self._unlock()
+
+    def _finish_unlinks(self) -> None:
+        while not self._jobs.empty():
+            job = self._jobs.get_nowait()
+            if job is not None and job[0] == "unlink":
+                self._unlink_file(job[1])
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -------------------------------------------------------------------- writes
+    def spill(self, blocks: Sequence[tuple[BlockKey, int]], parents: Sequence[int | None],
+              rows: np.ndarray) -> None:
+        """Keep blocks the host store evicts: ``rows[slot]`` holds each one's bytes now (the
+        caller hands the slots to new holders after this returns). Copies and queues them;
+        a block already on disk, or staged, is only made recent."""
+        if self._writer is None:
+            return
+        index, pending, free = self._index, self._pending, self._free_rows
+        for (key, slot), parent in zip(blocks, parents, strict=True):
+            if key in index:
+                index.move_to_end(key)
+                continue
+            if key in pending:
+                self._cancelled.discard(key)
+                continue
+            if not free:
+                self.num_dropped += 1
+                continue
+            row = free.pop()
+            self._staging[row] = rows[slot]
+            pending[key] = row, parent
+            self._jobs.put(("write", key, row, parent))
+        if not free and self.num_dropped and self.num_dropped % 1024 == 1:
+            log.warning("disk_tier_behind", dropped=self.num_dropped)
+
+    def _write_loop(self) -> None:
+        """The writer thread: take every queued job, do them, report the batch."""
+        jobs = self._jobs
+        while True:
+            batch = [jobs.get()]
+            while not jobs.empty():
+                batch.append(jobs.get_nowait())
+            stop = None in batch
+            done: list[tuple[BlockKey, bool]] = []
+            for job in batch:
+                if job is None:
+                    continue
+                kind, key, row, parent = job
+                if kind == "write":
+                    done.append((key, self._write_file(key, row, parent)))
+                else:
+                    self._unlink_file(key)
+            if done:
+                self._report(done)
+            if stop:
+                return
+
+    def _report(self, done: list[tuple[BlockKey, bool]]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._written, done)
+        except RuntimeError:  # the loop closed meanwhile: the files are there anyway
+            pass
+
+    def _write_file(self, key: BlockKey, row: int, parent: int | None) -> bool:
+        payload = memoryview(self._staging[row])
+        header = header_for(key, parent, self.block_bytes, payload)
+        path = self.directory / block_file_name(key)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                written = os.writev(fd, [header, payload])
+            finally:
+                os.close(fd)
+            if written != self.file_bytes:
+                raise OSError(f"short write: {written} of {self.file_bytes} bytes")
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("disk_tier_write_failed", file=path.name, error=str(exc))
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return False
+        return True
+
+    def _unlink_file(self, key: BlockKey) -> None:
+        try:
+            (self.directory / block_file_name(key)).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("disk_tier_unlink_failed", key=key, error=str(exc))
+
+    def _written(self, done: list[tuple[BlockKey, bool]]) -> None:
+        """On the loop: index what the writer finished, announce it, keep the capacity."""
+        stored: list[int] = []
+        parents: list[int | None] = []
+        for key, ok in done:
+            row, parent = self._pending.pop(key)
+            self._free_rows.append(row)
+            if not ok:
+                self.num_errors += 1
+                continue
+            if key in self._cancelled:
+                self._cancelled.discard(key)
+                self._jobs.put(("unlink", key, -1, None))
+                continue
+            self._index[key] = parent
+            self.num_writes += 1
+            self.num_write_bytes += self.file_bytes
+            stored.append(key[1])
+            parents.append(parent)
+        self._log.stored(stored, parents, [None] * len(stored))
+        self._enforce_capacity()
+        self._notify()
+
+    def _enforce_capacity(self) -> None:
+        limit = self.capacity_bytes // self.file_bytes
+        over = len(self._index) - limit
+        if over <= 0:
+            return
+        gone: list[BlockKey] = []
+        for key in self._index:  # least recently used first, passing over those being read
+            if key not in self._reading:
+                gone.append(key)
+                if len(gone) == over:
+                    break
+        if not gone:
+            return
+        over = len(gone)
+        for key in gone:
+            del self._index[key]
+            self._jobs.put(("unlink", key, -1, None))
+        self.num_evictions += over
+        self._log.removed([key[1] for key in gone])
+
+    # --------------------------------------------------------------------- reads
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index or (key in self._pending and key not in self._cancelled)
+
+    def read_into(self, key: BlockKey, dst: np.ndarray) -> bool:
+        """Copy the block into ``dst`` (uint8, one block), here and now; ``False`` (a miss)
+        if the tier lacks it or its file fails to read or to check (then it is dropped)."""
+        source = self._source(key, dst)
+        if isinstance(source, bool):
+            return source
+        return self._finish_read(key, source, self._read_file(key, source, dst))
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> list[bool]:
+        """``read_into`` for each ``(key, dst)``, the files read and checked in a worker
+        thread, so the loop never waits on the disk."""
+        out = [False] * len(items)
+        todo: list[tuple[int, BlockKey, Path, np.ndarray]] = []
+        for i, (key, dst) in enumerate(items):
+            source = self._source(key, dst)
+            if isinstance(source, bool):
+                out[i] = source
+            else:
+                todo.append((i, key, source, dst))
+        if not todo:
+            return out
+        reading = self._reading
+        for _, key, _, _ in todo:
+            reading[key] = reading.get(key, 0) + 1
+        try:
+            outcomes = await asyncio.to_thread(
+                lambda: [self._read_file(key, path, dst) for _, key, path, dst in todo])
+        finally:
+            for _, key, _, _ in todo:
+                left = reading.pop(key) - 1
+                if left:
+                    reading[key] = left
+        for (i, key, path, _), outcome in zip(todo, outcomes, strict=True):
+            out[i] = self._finish_read(key, path, outcome)
+        self._enforce_capacity()  # what it passed over while they were read
+        return out
+
+    def _source(self, key: BlockKey, dst: np.ndarray) -> Path | bool:
+        """Where a read of ``key`` comes from: its file, or (``True``) the staging buffer it
+        waits in to be written (copied into ``dst`` now), or nowhere (``False``)."""
+        staged = self._pending.get(key)
+        if staged is not None and key not in self._cancelled:
+            dst[:] = self._staging[staged[0]]  # still on its way to disk
+            self.num_reads += 1
+            self.num_read_bytes += self.block_bytes
+            return True
+        if key not in self._index:
+            return False
+        self._index.move_to_end(key)  # a read is a use
+        return self.directory / block_file_name(key)
+
+    def _read_file(self, key: BlockKey, path: Path, dst: np.ndarray) -> str | OSError | None:
+        """Read a block file into ``dst`` and check it: None, a problem, or the error. Reads
+        no state that changes: safe in any thread."""
+        header = bytearray(HEADER_BYTES)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                got = os.preadv(fd, [header, dst.data], 0)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            return exc
+        return self._check(key, got, header, dst)
+
+    def _finish_read(self, key: BlockKey, path: Path, outcome: str | OSError | None) -> bool:
+        """On the loop: count a read, or drop the block its failure shows unreadable."""
+        held = key in self._index  # (the tier may have evicted it while it was read)
+        if isinstance(outcome, OSError):
+            self.num_errors += 1
+            log.warning("disk_tier_read_failed", file=path.name, error=str(outcome))
+            if held:
+                self._drop(key, unlink=not isinstance(outcome, FileNotFoundError))
+            return False
+        if outcome is not None:
+            self.num_corrupt += 1
+            log.warning("disk_tier_block_corrupt", file=path.name, problem=outcome)
+            if held:
+                self._drop(key, unlink=True)
+            return False
+        self.num_reads += 1
+        self.num_read_bytes += self.file_bytes
+        return True
+
+    def _check(self, key: BlockKey, got: int, header: bytearray, dst: np.ndarray) -> str | None:
+        if got != self.file_bytes:
+            return f"{got} bytes, expected {self.file_bytes}"
+        return problem_of(header, key, self.block_bytes, dst.data)
+
+    def _drop(self, key: BlockKey, *, unlink: bool) -> None:
+        del self._index[key]
+        if unlink:
+            self._jobs.put(("unlink", key, -1, None))
+        self._log.removed([key[1]])
+
+    # ------------------------------------------------------------ removal, events
+    def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Drop the keys from the tier; per key, whether it held it."""
+        out: list[bool] = []
+        gone: list[int] = []
+        for key in keys:
+            if key in self._index:
+                del self._index[key]
+                self._jobs.put(("unlink", key, -1, None))
+                gone.append(key[1])
+                out.append(True)
+            elif key in self._pending and key not in self._cancelled:
+                self._cancelled.add(key)  # unlinked once written; never announced
+                out.append(True)
+            else:
+                out.append(False)
+        self._log.removed(gone)
+        return out
+
+    def take_events(self) -> list[KVEvent]:
+        return self._log.take()
+
+    def stats(self) -> DiskTierStats:
+        return DiskTierStats(
+            num_blocks=len(self._index),
+            num_bytes=len(self._index) * self.file_bytes,
+            capacity_bytes=self.capacity_bytes,
+            num_writes=self.num_writes,
+            num_write_bytes=self.num_write_bytes,
+            num_reads=self.num_reads,
+            num_read_bytes=self.num_read_bytes,
+            num_evictions=self.num_evictions,
+            num_corrupt=self.num_corrupt,
+            num_errors=self.num_errors,
+            num_dropped=self.num_dropped,
+            num_pending=len(self._pending),
+        )
