@@ -1,0 +1,396 @@
+"""Benchmark the KV tiers under the torch reference engine: TTFT of a GPU hit, a host hit, a disk
+hit and recompute, and each tier's load rate next to the raw device.
+
+One reference engine (torch compute, ``--model-preset kv-heavy`` by default: 128 KiB of KV per
+token) writes its pages through its HiCache hook (the kvsidecar backend) into a block store
+owner (``python -m shm``) that holds exactly one prompt's pages and has a disk tier below it.
+Each run takes a fresh prompt P and measures, in this order:
+
+* recompute: P's first request (nothing cached anywhere);
+* GPU hit: P again (the engine's device cache);
+* disk hit: P after short fresh prompts pushed all of P's pages out of the store into the
+  disk tier, the tier's files were dropped from the page cache (fsync + POSIX_FADV_DONTNEED)
+  and the device cache was flushed (``/flush_cache``);
+* host hit: P after another ``/flush_cache`` (the pages the disk hit promoted back into the
+  store's shared memory).
+
+The disk hit comes before the host hit on purpose: pages a client has read optimistically
+from the store are not evicted in LRU order (see docs/bench/tiers.md), so P is pushed to disk
+before anything reads it from the store.
+
+Every request is checked against the engine's ``cached_tokens_details`` (device / storage) and
+the store's disk-read counter; a request that did not hit the intended tier aborts the run.
+The remote tier (Redis) is not built yet: its row says so and it has no figures.
+
+Load rate per tier: the prompt's KV bytes / (tier TTFT - GPU-hit TTFT), i.e. the time the tier
+adds over a request whose KV is already on the device. Next to it, measured in the same run:
+a memcpy of the same size (host) and a sequential read of a file of the same size next to the
+disk tier's directory, dropped from the page cache first (disk).
+
+Prints a table; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``; every ratio
+compares with a baseline of this run, oriented so that >= 1 is as good or better:
+``<tier>_hit_ttft_vs_recompute`` = recompute TTFT / tier TTFT (host: >= 5 meets the ≤ 0.2 of
+recompute target; disk: >= 2.86 meets ≤ 0.35), ``host_load_gbps_vs_memcpy`` and
+``disk_load_gbps_vs_seq_read`` (tier rate / raw device rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import structlog
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import Engine, ttft, wait_healthy  # the engine benchmark's helpers
+
+from kvsidecar.launch import ManagedProcess
+from refengine.presets import ModelConfig
+from shm import BlockStoreClient
+
+PAGE_TOKENS = 16
+HEADROOM_PAGES = 8  # store slots beyond one prompt's pages
+PUSH_PAGES = 8  # pages per prompt that pushes a prompt's pages out to disk
+TIERS = ("gpu", "host", "disk")
+TARGETS = {  # ratio recompute / tier TTFT that meets issue #21's target
+    "host": (5.0, ">= 5 (host <= 0.2 of recompute)"),
+    "disk": (1 / 0.35, ">= 2.86 (disk <= 0.35 of recompute)"),
+}
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_tiers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class MislabeledRun(RuntimeError):
+    """A request did not hit the tier it was meant to measure."""
+
+
+@dataclass
+class Samples:
+    ttft: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in
+                                                                  (*TIERS, "recompute")})
+
+
+def kv_bytes_per_token(preset: str) -> int:
+    return ModelConfig(vocab_size=1024).with_preset(preset).kv_bytes_per_token
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Write back and drop these files' pages from the page cache (best effort per file)."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # evicted from the tier meanwhile
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def raw_seq_read_gbps(directory: Path, nbytes: int, runs: int) -> float:
+    """Sequential read of an ``nbytes`` file in ``directory``, out of the page cache; GB/s."""
+    path = directory / f"bench-tiers-raw-{uuid.uuid4().hex[:8]}.bin"
+    chunk = 8 << 20
+    buf = bytearray(chunk)
+    block = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
+    try:
+        with path.open("wb") as f:
+            for off in range(0, nbytes, chunk):
+                f.write(block[: min(chunk, nbytes - off)])
+        rates = []
+        for _ in range(runs):
+            drop_page_cache([path])
+            view = memoryview(buf)
+            t0 = time.perf_counter()
+            with path.open("rb", buffering=0) as f:
+                while f.readinto(view):
+                    pass
+            rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+        return statistics.median(rates)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def memcpy_gbps(nbytes: int, runs: int) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)  # both faulted in before timing
+    rates = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        rates.append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def details(meta: dict[str, Any]) -> tuple[int, int, int]:
+    """(device, host, storage) cached tokens the engine reported; absent: none cached."""
+    d = meta.get("cached_tokens_details") or {}
+    return int(d.get("device", 0)), int(d.get("host", 0)), int(d.get("storage", 0))
+
+
+def check(ok: bool, tier: str, what: str, meta: dict[str, Any]) -> None:
+    if not ok:
+        raise MislabeledRun(
+            f"the {tier} request did not hit the {tier} tier ({what}); engine reported "
+            f"cached_tokens={meta.get('cached_tokens')} details={meta.get('cached_tokens_details')}"
+            " — aborting rather than reporting a mislabeled number"
+        )
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.disk_dir = workdir / "disk"
+        self.tokens: int = args.prompt_tokens
+        self.pages = self.tokens // PAGE_TOKENS
+        self.page_bytes = PAGE_TOKENS * kv_bytes_per_token(args.model_preset)
+        self.rng = random.Random(args.seed)
+        # The store's slots: the owner grants up to a quarter of them to writers ahead of
+        # their puts (--grant-fraction 0.25, the default), so one prompt takes 4/3 of its pages.
+        self.slots = self.pages * 4 // 3 + HEADROOM_PAGES
+        self.socket = workdir / "store.sock"
+        self.samples = Samples()
+
+    def fresh_prompt(self) -> list[int]:
+        return [self.rng.randrange(5, 1000) for _ in range(self.tokens)]
+
+    def start_store(self) -> ManagedProcess:
+        cap = self.slots * self.page_bytes  # one prompt and a little headroom
+        store = ManagedProcess.start("store", [
+            "shm", "--owner-id", f"bt{uuid.uuid4().hex[:8]}", "--socket", str(self.socket),
+            "--capacity-bytes", str(cap), "--block-bytes", str(self.page_bytes),
+            "--disk-dir", str(self.disk_dir),
+            "--disk-capacity-bytes", str(4 * (cap + self.pages * 4096)),
+            "--log-level", "warning"], workdir=self.workdir)
+        store.wait_ready(60)
+        return store
+
+    def start_engine(self) -> Engine:
+        hook = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
+                "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
+                "socket": str(self.socket), "model_id": "bench-tiers"}
+        return Engine(
+            "--model-preset", self.args.model_preset,
+            "--page-size", str(PAGE_TOKENS),
+            "--max-total-tokens", str(max(8192, 2 * (self.slots + 2) * PAGE_TOKENS)),
+            "--hicache-storage-backend", "dynamic",
+            "--hicache-storage-backend-extra-config", json.dumps(hook),
+            "--hicache-host-pages", str(self.pages),
+        )
+
+    async def wait_puts(self, store: BlockStoreClient, target: int, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while store.stats().num_puts < target:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: the store has {store.stats().num_puts} puts, "
+                                   f"expected {target}")
+            await asyncio.sleep(0.02)
+
+    async def one_run(self, s: aiohttp.ClientSession, url: str, store: BlockStoreClient,
+                      i: int) -> None:
+        full = self.tokens - PAGE_TOKENS  # the engine computes at least the last token
+        prompt = self.fresh_prompt()
+        base = store.stats().num_puts
+        t, meta = await ttft(s, url, prompt)
+        check(sum(details(meta)) == 0 and not meta.get("cached_tokens"), "recompute",
+              "something was cached", meta)
+        self.samples.ttft["recompute"].append(t)
+        progress(f"run {i}: recompute {t:.3f} s")
+        await self.wait_puts(store, base + self.pages - 1, "the prompt's pages written through")
+
+        t, meta = await ttft(s, url, prompt)
+        dev, _, sto = details(meta)
+        check(dev >= full and sto == 0, "gpu", f"device {dev} < {full} or storage {sto} > 0",
+              meta)
+        self.samples.ttft["gpu"].append(t)
+        progress(f"run {i}: GPU hit {t:.4f} s ({dev} tokens on device)")
+
+        # Push P out of the store: fresh prompts with a page more than the store's slots in
+        # all, PUSH_PAGES at a time, so that the evictions they cause fit the disk tier's
+        # staging buffer (a larger burst of evictions drops blocks instead of writing them).
+        writes = store.stats().num_disk_writes
+        for _ in range(0, self.slots + 1, PUSH_PAGES):
+            base = store.stats().num_puts
+            push = [self.rng.randrange(5, 1000) for _ in range(PUSH_PAGES * PAGE_TOKENS + 1)]
+            await ttft(s, url, push)
+            await self.wait_puts(store, base + PUSH_PAGES, "the pushing prompt's pages")
+        deadline = time.monotonic() + 120
+        while store.stats().num_disk_writes < writes + self.pages - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the prompt's pages never reached the disk tier")
+            await asyncio.sleep(0.02)
+        drop_page_cache(sorted(self.disk_dir.glob("*.blk")))
+        await self.flush(s, url)
+        reads = store.stats().num_disk_reads
+        t, meta = await ttft(s, url, prompt)
+        dev, _, sto = details(meta)
+        read = store.stats().num_disk_reads - reads
+        stats = store.stats()
+        check(sto >= full and dev == 0, "disk", f"storage {sto} < {full} or device {dev} > 0; "
+              f"store: {stats.num_disk_blocks} blocks on disk, {stats.num_disk_dropped} evicted "
+              f"blocks dropped (writer behind), {stats.num_disk_errors} errors", meta)
+        check(read >= sto // PAGE_TOKENS, "disk",
+              f"only {read} of {sto // PAGE_TOKENS} pages were read from disk", meta)
+        self.samples.ttft["disk"].append(t)
+        progress(f"run {i}: disk hit {t:.4f} s ({read} pages read from disk)")
+        await self.flush(s, url)
+        reads = store.stats().num_disk_reads
+        t, meta = await ttft(s, url, prompt)
+        dev, _, sto = details(meta)
+        check(sto >= full and dev == 0, "host", f"storage {sto} < {full} or device {dev} > 0",
+              meta)
+        check(store.stats().num_disk_reads == reads, "host", "the store read from disk", meta)
+        self.samples.ttft["host"].append(t)
+        progress(f"run {i}: host hit {t:.4f} s ({sto} tokens from the store's memory)")
+
+    async def flush(self, s: aiohttp.ClientSession, url: str) -> None:
+        async with s.post(url + "/flush_cache") as r:
+            if r.status != 200:
+                raise RuntimeError(f"/flush_cache answered {r.status}: {await r.text()}")
+
+    async def attach(self, s: aiohttp.ClientSession, url: str, store: BlockStoreClient) -> None:
+        """The engine's hook retries the store once a second: one-page prompts until one is
+        written through."""
+        deadline = time.monotonic() + 60
+        warm = 0
+        while not store.stats().num_puts:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the engine's HiCache hook never attached to the store")
+            await ttft(s, url, [5 + warm % 900] * (PAGE_TOKENS + 1))
+            warm += 1
+
+    async def run(self) -> None:
+        store_proc = self.start_store()
+        try:
+            progress(f"store up ({self.slots} slots of {self.page_bytes >> 10} KiB, disk tier "
+                     f"in {self.disk_dir}); starting the engine ({self.args.model_preset})")
+            eng = self.start_engine()
+            try:
+                async with aiohttp.ClientSession(
+                        timeout=aiohttp.ClientTimeout(total=600)) as s:
+                    url = eng.urls[0]
+                    await wait_healthy(s, url)
+                    with BlockStoreClient(str(self.socket)) as store:
+                        await self.attach(s, url, store)
+                        progress("engine attached to the store; warm-up prompt")
+                        await ttft(s, url, self.fresh_prompt())  # torch warm-up, not counted
+                        for i in range(1, self.args.runs + 1):
+                            await self.one_run(s, url, store, i)
+            finally:
+                eng.stop()
+        finally:
+            store_proc.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="bench_tiers.py",
+        description=(__doc__ or "").split("\n\n")[0].replace("\n", " "),
+        epilog="Example: python scripts/bench_tiers.py --json tiers.json   "
+        "(a quick check: --quick). Method and figures: docs/bench/tiers.md.",
+    )
+    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    p.add_argument("--prompt-tokens", type=int, default=4096,
+                   help="prompt length in tokens, a multiple of 16 (default: 4096)")
+    p.add_argument("--model-preset", default="kv-heavy", choices=["tiny", "kv-heavy"],
+                   help="reference engine model size (default: kv-heavy, 128 KiB KV/token)")
+    p.add_argument("--runs", type=int, default=5, help="runs per tier; medians (default: 5)")
+    p.add_argument("--dir", type=Path, default=Path("/var/tmp"),
+                   help="where the disk tier's directory and the raw-read file go: put it on "
+                   "the disk to measure (default: /var/tmp)")
+    p.add_argument("--seed", type=int, default=0, help="prompt token seed")
+    p.add_argument("--quick", action="store_true",
+                   help="a fast check: 1,024-token prompts, 1 run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_tokens, args.runs = 1024, 1
+    if args.prompt_tokens < 2 * PAGE_TOKENS or args.prompt_tokens % PAGE_TOKENS:
+        p.error(f"--prompt-tokens must be a multiple of {PAGE_TOKENS}, at least {2 * PAGE_TOKENS}")
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
+    if not args.dir.is_dir():
+        p.error(f"--dir {args.dir} is not a directory")
+
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    workdir = Path(tempfile.mkdtemp(prefix="bench-tiers-", dir=args.dir))
+    bench = Bench(args, workdir)
+    nbytes = bench.pages * bench.page_bytes
+    try:
+        try:
+            asyncio.run(bench.run())
+        except MislabeledRun as exc:
+            print(f"bench_tiers: {exc}", file=sys.stderr)
+            return 2
+        progress(f"raw device: sequential read and memcpy of {nbytes / 2**20:.0f} MiB")
+        seq_read = raw_seq_read_gbps(workdir, nbytes, 3)
+        memcpy = memcpy_gbps(nbytes, 3)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in bench.samples.ttft.items()}
+    figures: dict[str, float] = {
+        "prompt_tokens": args.prompt_tokens,
+        "prompt_kv_bytes": nbytes,
+        "runs": args.runs,
+        "recompute_ttft_s": med["recompute"],
+    }
+    for tier in TIERS:
+        figures[f"{tier}_hit_ttft_s"] = med[tier]
+    raw = {"host": ("memcpy", memcpy), "disk": ("seq_read", seq_read)}
+    figures["memcpy_gbps"] = memcpy
+    figures["disk_seq_read_gbps"] = seq_read
+    ratios = {f"{tier}_hit_ttft_vs_recompute": med["recompute"] / med[tier] for tier in TIERS}
+    for tier in ("host", "disk"):
+        added = med[tier] - med["gpu"]
+        if added > 0:  # else the load is within the noise of a GPU hit: no rate to report
+            figures[f"{tier}_load_gbps"] = nbytes / added / 1e9
+            name, rate = raw[tier]
+            ratios[f"{tier}_load_gbps_vs_{name}"] = figures[f"{tier}_load_gbps"] / rate
+
+    print(f"\n{args.model_preset} preset, {args.prompt_tokens}-token prompt "
+          f"({nbytes / 2**20:.0f} MiB of KV), median of {args.runs} runs\n")
+    print(f"{'tier':<10}{'TTFT s':>10}{'of recompute':>14}{'recompute/tier':>16}  "
+          f"{'target':<38}{'load GB/s':>10}  raw device GB/s")
+    raw_text = {"host": f"{memcpy:.2f} (memcpy)", "disk": f"{seq_read:.2f} (seq. read, cold)"}
+    for tier in TIERS:
+        ratio = ratios[f"{tier}_hit_ttft_vs_recompute"]
+        goal, text = TARGETS.get(tier, (0.0, ""))
+        verdict = ("" if not text else " met" if ratio >= goal else " MISSED")
+        load = figures.get(f"{tier}_load_gbps")
+        rate_text = "-" if tier == "gpu" else "in noise" if load is None else f"{load:.2f}"
+        print(f"{tier + ' hit':<10}{med[tier]:>10.4f}{med[tier] / med['recompute']:>14.3f}"
+              f"{ratio:>16.2f}  {text + verdict:<38}{rate_text:>10}  {raw_text.get(tier, '-')}")
+    print(f"{'remote hit':<10}{'not built':>10}{'':>14}{'':>16}  "
+          f"{'<= 0.5 of recompute (ratio >= 2)':<38}{'-':>10}  - (Redis tier not built)")
+    print(f"{'recompute':<10}{med['recompute']:>10.4f}{1.0:>14.3f}{1.0:>16.2f}")
+    print("\nload GB/s = prompt KV bytes / (tier TTFT - GPU-hit TTFT)\n")
+    print(f"{'ratio (>= 1 is as good or better)':<36}{'value':>10}")
+    for k, v in ratios.items():
+        print(f"{k:<36}{v:>10.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+        progress(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
