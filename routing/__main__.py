@@ -19,7 +19,7 @@ from routing.serve.gateway import Gateway, load_config_summary
 __all__ = ["main"]
 
 async def serve(cfg: RouterConfig) -> int:
-    log = structlog.get_logger("routing").bind(component="gateway")
+    log = structlog.get_logger("routing", component="gateway")
     log.info("config_loaded", **load_config_summary(cfg))
     gateway = Gateway(cfg)
     port = await gateway.start()

@@ -20,7 +20,7 @@ __all__ = ["main"]
 
 
 async def serve(cfg: EppConfig) -> int:
-    log = structlog.get_logger("routing.epp").bind(component="epp")
+    log = structlog.get_logger("routing.epp", component="epp")
     router = cfg.router
     log.info("config_loaded", **load_config_summary(router), grpc_port=cfg.grpc_port,
              body_mode=cfg.body_mode.value)

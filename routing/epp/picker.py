@@ -27,7 +27,7 @@ from routing.workers.registry import Worker, WorkerKind
 
 __all__ = ["EndpointPicker", "Pick", "Refused", "endpoint_of"]
 
-log = structlog.get_logger("routing.epp").bind(component="epp")
+log = structlog.get_logger("routing.epp", component="epp")
 _ENDPOINTS = {e.value: e for e in Endpoint}
 _NO_PROMPT = PreparedPrompt((), 0, None, False)
 

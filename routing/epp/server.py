@@ -29,7 +29,7 @@ from routing.serve.gateway import Gateway
 
 __all__ = ["EppServer"]
 
-log = structlog.get_logger("routing.epp").bind(component="epp")
+log = structlog.get_logger("routing.epp", component="epp")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 _READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 _HEALTH_INTERVAL_S = 0.25

@@ -38,7 +38,7 @@ from routing.epp.picker import EndpointPicker, Pick, Refused
 
 __all__ = ["DESTINATION", "LB_NAMESPACE", "SERVED", "SUBSET", "SUBSET_NAMESPACE", "PickStream"]
 
-log = structlog.get_logger("routing.epp").bind(component="epp")
+log = structlog.get_logger("routing.epp", component="epp")
 
 DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"

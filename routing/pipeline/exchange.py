@@ -39,7 +39,7 @@ from routing.workers.registry import Worker, WorkerKind
 
 __all__ = ["Exchange"]
 
-log = structlog.get_logger("routing.pipeline").bind(component="gateway")
+log = structlog.get_logger("routing.pipeline", component="gateway")
 
 
 

@@ -28,7 +28,7 @@ from routing.pipeline.place import place_rerun
 
 __all__ = ["PairExchange"]
 
-log = structlog.get_logger("routing.pipeline").bind(component="gateway")
+log = structlog.get_logger("routing.pipeline", component="gateway")
 
 _TRANSFER_FAILED_BYTES = b'"code":"%s"' % TRANSFER_FAILED.encode()
 

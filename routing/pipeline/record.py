@@ -21,7 +21,7 @@ _HEADERS = b"x-request-id: %s\r\nx-kvsidecar-worker: %s\r\nx-kvsidecar-cached-bl
 # A scored placement (kv, approx) also says what was achievable and why it was not reached.
 _SCORED = b"x-kvsidecar-best-overlap-blocks: %d\r\nx-kvsidecar-placement-reason: %s\r\n"
 
-log = structlog.get_logger("routing.pipeline").bind(component="gateway")
+log = structlog.get_logger("routing.pipeline", component="gateway")
 
 
 class RequestRecord:

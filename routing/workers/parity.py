@@ -36,7 +36,7 @@ from routing.workers.registry import Parity, Worker, WorkerKind, WorkerRegistry
 
 __all__ = ["CANARY", "Parity", "ParityChecker", "first_difference"]
 
-log = structlog.get_logger("routing.workers").bind(component="parity")
+log = structlog.get_logger("routing.workers", component="parity")
 
 # The conversation every worker is checked with: every role, a turn the assistant took,
 # accents and an emoji (byte-level merges), spaces and a newline at turn edges.

@@ -33,7 +33,7 @@ from routing.config import WorkerAddress
 
 __all__ = ["Health", "LoadSource", "Parity", "Role", "Worker", "WorkerKind", "WorkerRegistry"]
 
-log = structlog.get_logger("routing.workers").bind(component="workers")
+log = structlog.get_logger("routing.workers", component="workers")
 
 
 class WorkerKind(enum.StrEnum):  # str: hashed in C, on the hot path
