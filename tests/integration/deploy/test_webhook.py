@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import datetime
-import ipaddress
 import json
 import ssl
 import uuid
@@ -21,43 +19,14 @@ import aiohttp
 import jsonpatch
 import pytest
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvsidecar.launch import ManagedProcess
 from tests.support.k8s import validate_object
+from tests.support.tls import write_self_signed
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "deploy" / "examples"
 IMAGE = "registry.example/kvsidecar:0.1.0"
-
-
-def _self_signed(cert: Path, key: Path) -> None:
-    """A serving certificate for 127.0.0.1, made for this test run only."""
-    private = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvsidecar-webhook.test")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(private.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(private, hashes.SHA256())
-    )
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
 
 
 @dataclass
@@ -75,7 +44,7 @@ def webhook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Webhook]:
     """One webhook process for the module, on a free port, serving a fresh certificate."""
     tmp = tmp_path_factory.mktemp("webhook")
     cert, key = tmp / "tls.crt", tmp / "tls.key"
-    _self_signed(cert, key)
+    write_self_signed(cert, key, "kvsidecar-webhook.test")
     proc = ManagedProcess.start(
         "webhook",
         ["kvsidecar", "webhook", "--host", "127.0.0.1", "--port", "0",

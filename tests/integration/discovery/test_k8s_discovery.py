@@ -5,8 +5,6 @@ those sidecars. Workers are checked where a client sees them, at the gateway's /
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import ssl
@@ -20,15 +18,12 @@ from urllib.parse import urlsplit
 import aiohttp
 import pytest
 from aiohttp import web
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvsidecar.launch import ManagedProcess
 from tests.support.gateway import routable
 from tests.support.k8s_standin import K8sApiStandin, make_pod
 from tests.support.polling import eventually
+from tests.support.tls import write_self_signed
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "refengine" / "models" / "tiny"
@@ -90,23 +85,7 @@ class Cluster:
 
 def _serving_cert(cert: Path, key: Path) -> None:
     """A self-signed certificate for 127.0.0.1: the API server's, and its own CA."""
-    private = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes.test")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(private.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(private, hashes.SHA256())
-    )
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
+    write_self_signed(cert, key, "kubernetes.test")
 
 
 @pytest.fixture

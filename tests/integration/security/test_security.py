@@ -9,9 +9,7 @@ another's traffic.
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hashlib
-import ipaddress
 import json
 import os
 import shutil
@@ -25,10 +23,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvcore.control_token import CONTROL_TOKEN_HEADER
 from kvsidecar.launch import ManagedProcess
@@ -44,6 +38,7 @@ from sidecar.transfer.messages import (
 )
 from tests.support.polling import eventually
 from tests.support.processes import ProcessGroup
+from tests.support.tls import write_self_signed
 
 pytestmark = pytest.mark.slow
 
@@ -67,32 +62,6 @@ def _key_file(path: Path) -> None:
     )
 
 
-def _self_signed(cert: Path, key: Path) -> None:
-    """A certificate for 127.0.0.1, made for this test run only."""
-    private = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvsidecar test gateway")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(private.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(private, hashes.SHA256())
-    )
-    cert.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key.write_bytes(private.private_bytes(serialization.Encoding.PEM,
-                                          serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()))
-
-
 @dataclass
 class Stack:
     tmp: Path
@@ -111,7 +80,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys, token, cert, key = (tmp / n for n in ("keys", "token", "cert.pem", "key.pem"))
     _key_file(keys)
     token.write_text(TOKEN + "\n")
-    _self_signed(cert, key)
+    write_self_signed(cert, key, "kvsidecar test gateway")
     store_socket = sock_dir / "store.sock"
     with ProcessGroup[ManagedProcess]() as group:
         engine = group.add(ManagedProcess.start(
