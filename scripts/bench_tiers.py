@@ -1,9 +1,11 @@
 """Benchmark the KV tiers under the torch reference engine: TTFT of a GPU hit, a host hit, a disk
-hit and recompute, and each tier's load rate next to the raw device.
+hit, a remote hit and recompute, and each tier's load rate next to the raw device.
 
 One reference engine (torch compute, ``--model-preset kv-heavy`` by default: 128 KiB of KV per
 token) writes its pages through its HiCache hook (the kvsidecar backend) into a block store
-owner (``python -m shm``) that holds exactly one prompt's pages and has a disk tier below it.
+owner (``python -m shm``) that holds exactly one prompt's pages and has a disk tier and a
+remote tier (a local ``redis-server``, every block written through) below it. A
+second engine, with a store of its own on the same remote tier, is the other replica.
 Each run takes a fresh prompt P and measures, in this order:
 
 * recompute: P's first request (nothing cached anywhere);
@@ -12,7 +14,11 @@ Each run takes a fresh prompt P and measures, in this order:
   disk tier, the tier's files were dropped from the page cache (fsync + POSIX_FADV_DONTNEED)
   and the device cache was flushed (``/flush_cache``);
 * host hit: P after another ``/flush_cache`` (the pages the disk hit promoted back into the
-  store's shared memory).
+  store's shared memory);
+* remote hit: P on the second engine, which never saw it: its store loads P's pages from the
+  remote tier, where the first store wrote them.
+
+The remote tier's writes are let finish before each measurement, so none competes with it.
 
 The disk hit comes before the host hit on purpose: pages a client has read optimistically
 from the store are not evicted in LRU order (see docs/bench/tiers.md), so P is pushed to disk
@@ -20,18 +26,18 @@ before anything reads it from the store.
 
 Every request is checked against the engine's ``cached_tokens_details`` (device / storage) and
 the store's disk-read counter; a request that did not hit the intended tier aborts the run.
-The remote tier (Redis) is not built yet: its row says so and it has no figures.
-
 Load rate per tier: the prompt's KV bytes / (tier TTFT - GPU-hit TTFT), i.e. the time the tier
 adds over a request whose KV is already on the device. Next to it, measured in the same run:
-a memcpy of the same size (host) and a sequential read of a file of the same size next to the
-disk tier's directory, dropped from the page cache first (disk).
+a memcpy of the same size (host), a sequential read of a file of the same size next to the
+disk tier's directory, dropped from the page cache first (disk), and ``redis-benchmark``'s
+GET of values of a page's size from the same server (remote).
 
 Prints a table; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``; every ratio
 compares with a baseline of this run, oriented so that >= 1 is as good or better:
 ``<tier>_hit_ttft_vs_recompute`` = recompute TTFT / tier TTFT (host: >= 5 meets the ≤ 0.2 of
-recompute target; disk: >= 2.86 meets ≤ 0.35), ``host_load_gbps_vs_memcpy`` and
-``disk_load_gbps_vs_seq_read`` (tier rate / raw device rate).
+recompute target; disk: >= 2.86 meets ≤ 0.35; remote: >= 2 meets ≤ 0.5),
+``host_load_gbps_vs_memcpy``, ``disk_load_gbps_vs_seq_read`` and
+``remote_load_gbps_vs_redis_benchmark`` (tier rate / raw device rate).
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,17 +68,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import Engine, ttft, wait_healthy  # the engine benchmark's helpers
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_redis import RedisServer
 from refengine.presets import ModelConfig
 from shm import BlockStoreClient
+from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES  # a remote value's header too
 
 PAGE_TOKENS = 16
 HEADROOM_PAGES = 8  # store slots beyond one prompt's pages
 PUSH_PAGES = 8  # pages per prompt that pushes a prompt's pages out to disk
-TIERS = ("gpu", "host", "disk")
+TIERS = ("gpu", "host", "disk", "remote")
 TARGETS = {  # ratio recompute / tier TTFT that meets issue #21's target
     "host": (5.0, ">= 5 (host <= 0.2 of recompute)"),
     "disk": (1 / 0.35, ">= 2.86 (disk <= 0.35 of recompute)"),
+    "remote": (2.0, ">= 2 (remote <= 0.5 of recompute)"),
 }
+SCOPE = "bench-tiers"  # the remote tier's scope (the model id)
 
 
 def progress(msg: str) -> None:
@@ -140,6 +152,28 @@ def memcpy_gbps(nbytes: int, runs: int) -> float:
     return statistics.median(rates)
 
 
+def redis_benchmark_gbps(port: int, value_bytes: int, requests: int) -> float:
+    """``redis-benchmark``'s GET rate of ``value_bytes`` values (SET first, so GETs hit), GB/s."""
+    out = subprocess.run(
+        ["redis-benchmark", "-p", str(port), "-t", "set,get", "-d", str(value_bytes),
+         "-n", str(requests), "-c", "8", "--csv"],
+        capture_output=True, text=True, timeout=600, check=True).stdout
+    for line in out.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if cells[0] == "GET":
+            return float(cells[1]) * value_bytes / 1e9
+    raise RuntimeError(f"redis-benchmark printed no GET line: {out!r}")
+
+
+async def until(done: Callable[[], bool], why: Callable[[], str], timeout_s: float = 120) -> None:
+    """Poll ``done`` until it holds; TimeoutError saying ``why()`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise TimeoutError(why())
+        await asyncio.sleep(0.02)
+
+
 def details(meta: dict[str, Any]) -> tuple[int, int, int]:
     """(device, host, storage) cached tokens the engine reported; absent: none cached."""
     d = meta.get("cached_tokens_details") or {}
@@ -168,26 +202,43 @@ class Bench:
         # their puts (--grant-fraction 0.25, the default), so one prompt takes 4/3 of its pages.
         self.slots = self.pages * 4 // 3 + HEADROOM_PAGES
         self.socket = workdir / "store.sock"
+        self.socket_b = workdir / "store-b.sock"  # the second replica's store
+        self.prompt: list[int] = []  # the run's prompt
         self.samples = Samples()
+        # P's pages, the pushing prompts' and what promotions evict, a few runs' worth (an
+        # LRU past that, as a cache would be configured).
+        self.redis = RedisServer(workdir, maxmemory=str(max(256 << 20,
+                                                            4 * self.slots * self.page_bytes)))
 
     def fresh_prompt(self) -> list[int]:
         return [self.rng.randrange(5, 1000) for _ in range(self.tokens)]
 
-    def start_store(self) -> ManagedProcess:
-        cap = self.slots * self.page_bytes  # one prompt and a little headroom
+    def start_store(self, socket: Path, *tiers: str) -> ManagedProcess:
+        """An owner holding one prompt and a little headroom, on the remote tier too."""
+        cap = self.slots * self.page_bytes
         store = ManagedProcess.start("store", [
-            "shm", "--owner-id", f"bt{uuid.uuid4().hex[:8]}", "--socket", str(self.socket),
+            "shm", "--owner-id", f"bt{uuid.uuid4().hex[:8]}", "--socket", str(socket),
             "--capacity-bytes", str(cap), "--block-bytes", str(self.page_bytes),
-            "--disk-dir", str(self.disk_dir),
-            "--disk-capacity-bytes", str(4 * (cap + self.pages * 4096)),
+            "--remote-url", self.redis.url, "--remote-scope", SCOPE, *tiers,
             "--log-level", "warning"], workdir=self.workdir)
         store.wait_ready(60)
         return store
 
-    def start_engine(self) -> Engine:
+    def start_store_a(self) -> ManagedProcess:
+        """The first replica's store: disk and remote (written through) below it."""
+        cap = self.slots * self.page_bytes
+        return self.start_store(self.socket, "--disk-dir", str(self.disk_dir),
+                                "--disk-capacity-bytes", str(4 * (cap + self.pages * 4096)))
+
+    async def settle(self, store: BlockStoreClient) -> None:
+        """Until the remote tier's writes are done."""
+        await until(lambda: not store.stats().num_remote_pending,
+                    lambda: "the remote tier's writes never finished")
+
+    def start_engine(self, socket: Path) -> Engine:
         hook = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
                 "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
-                "socket": str(self.socket), "model_id": "bench-tiers"}
+                "socket": str(socket), "model_id": SCOPE}
         return Engine(
             "--model-preset", self.args.model_preset,
             "--page-size", str(PAGE_TOKENS),
@@ -198,17 +249,14 @@ class Bench:
         )
 
     async def wait_puts(self, store: BlockStoreClient, target: int, what: str) -> None:
-        deadline = time.monotonic() + 120
-        while store.stats().num_puts < target:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: the store has {store.stats().num_puts} puts, "
-                                   f"expected {target}")
-            await asyncio.sleep(0.02)
+        await until(lambda: store.stats().num_puts >= target,
+                    lambda: f"{what}: the store has {store.stats().num_puts} puts, expected "
+                    f"{target}")
 
     async def one_run(self, s: aiohttp.ClientSession, url: str, store: BlockStoreClient,
                       i: int) -> None:
         full = self.tokens - PAGE_TOKENS  # the engine computes at least the last token
-        prompt = self.fresh_prompt()
+        prompt = self.prompt = self.fresh_prompt()
         base = store.stats().num_puts
         t, meta = await ttft(s, url, prompt)
         check(sum(details(meta)) == 0 and not meta.get("cached_tokens"), "recompute",
@@ -216,6 +264,7 @@ class Bench:
         self.samples.ttft["recompute"].append(t)
         progress(f"run {i}: recompute {t:.3f} s")
         await self.wait_puts(store, base + self.pages - 1, "the prompt's pages written through")
+        await self.settle(store)
 
         t, meta = await ttft(s, url, prompt)
         dev, _, sto = details(meta)
@@ -233,11 +282,9 @@ class Bench:
             push = [self.rng.randrange(5, 1000) for _ in range(PUSH_PAGES * PAGE_TOKENS + 1)]
             await ttft(s, url, push)
             await self.wait_puts(store, base + PUSH_PAGES, "the pushing prompt's pages")
-        deadline = time.monotonic() + 120
-        while store.stats().num_disk_writes < writes + self.pages - 1:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the prompt's pages never reached the disk tier")
-            await asyncio.sleep(0.02)
+        await until(lambda: store.stats().num_disk_writes >= writes + self.pages - 1,
+                    lambda: "the prompt's pages never reached the disk tier")
+        await self.settle(store)
         drop_page_cache(sorted(self.disk_dir.glob("*.blk")))
         await self.flush(s, url)
         reads = store.stats().num_disk_reads
@@ -279,26 +326,54 @@ class Bench:
             warm += 1
 
     async def run(self) -> None:
-        store_proc = self.start_store()
+        self.redis.start()
+        stores: list[ManagedProcess] = []
+        engines: list[Engine] = []
         try:
-            progress(f"store up ({self.slots} slots of {self.page_bytes >> 10} KiB, disk tier "
-                     f"in {self.disk_dir}); starting the engine ({self.args.model_preset})")
-            eng = self.start_engine()
-            try:
-                async with aiohttp.ClientSession(
-                        timeout=aiohttp.ClientTimeout(total=600)) as s:
-                    url = eng.urls[0]
-                    await wait_healthy(s, url)
-                    with BlockStoreClient(str(self.socket)) as store:
-                        await self.attach(s, url, store)
-                        progress("engine attached to the store; warm-up prompt")
-                        await ttft(s, url, self.fresh_prompt())  # torch warm-up, not counted
-                        for i in range(1, self.args.runs + 1):
-                            await self.one_run(s, url, store, i)
-            finally:
-                eng.stop()
+            stores += [self.start_store_a(), self.start_store(self.socket_b)]
+            progress(f"stores up ({self.slots} slots of {self.page_bytes >> 10} KiB, disk tier "
+                     f"in {self.disk_dir}, remote tier {self.redis.url}); starting two engines "
+                     f"({self.args.model_preset})")
+            engines += [self.start_engine(self.socket), self.start_engine(self.socket_b)]
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+                url, url_b = engines[0].urls[0], engines[1].urls[0]
+                for u in (url, url_b):
+                    await wait_healthy(s, u)
+                with BlockStoreClient(str(self.socket)) as store, \
+                        BlockStoreClient(str(self.socket_b)) as store_b:
+                    for u, st in ((url, store), (url_b, store_b)):
+                        await self.attach(s, u, st)
+                        await ttft(s, u, self.fresh_prompt())  # torch warm-up, not counted
+                    progress("engines attached to their stores, warmed up")
+                    for i in range(1, self.args.runs + 1):
+                        await self.one_run(s, url, store, i)
+                        await self.remote_hit(s, url_b, store, store_b, i)
         finally:
-            store_proc.stop()
+            for eng in engines:
+                eng.stop()
+            for proc in stores:
+                proc.stop()
+
+    async def remote_hit(self, s: aiohttp.ClientSession, url: str, store_a: BlockStoreClient,
+                         store_b: BlockStoreClient, i: int) -> None:
+        """The run's prompt on the second replica, which loads it from the remote tier (the
+        first store evicted it there), once every write is in and both indexes agree."""
+        full = self.tokens - PAGE_TOKENS
+        await until(lambda: not store_a.stats().num_remote_pending and (
+            store_b.stats().num_remote_blocks == store_a.stats().num_remote_blocks),
+                    lambda: "the remote tier's writes never settled")
+        reads = store_b.stats().num_remote_reads
+        t, meta = await ttft(s, url, self.prompt)
+        dev, _, sto = details(meta)
+        read = store_b.stats().num_remote_reads - reads
+        stats = store_a.stats()
+        check(sto >= full and dev == 0, "remote", f"storage {sto} < {full} or device {dev} > "
+              f"0; first store: {stats.num_remote_writes} written, {stats.num_remote_dropped} "
+              f"dropped, {stats.num_remote_errors} errors", meta)
+        check(read >= sto // PAGE_TOKENS, "remote",
+              f"only {read} of {sto // PAGE_TOKENS} pages were read from the remote tier", meta)
+        self.samples.ttft["remote"].append(t)
+        progress(f"run {i}: remote hit {t:.4f} s ({read} pages from the remote tier)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,10 +415,14 @@ def main(argv: list[str] | None = None) -> int:
         except MislabeledRun as exc:
             print(f"bench_tiers: {exc}", file=sys.stderr)
             return 2
-        progress(f"raw device: sequential read and memcpy of {nbytes / 2**20:.0f} MiB")
+        progress(f"raw devices: sequential read and memcpy of {nbytes / 2**20:.0f} MiB, "
+                 "redis-benchmark GET of pages")
         seq_read = raw_seq_read_gbps(workdir, nbytes, 3)
         memcpy = memcpy_gbps(nbytes, 3)
+        redis_get = redis_benchmark_gbps(bench.redis.port, bench.page_bytes + DISK_HEADER_BYTES,
+                                         max(64, min(2000, 4 * bench.pages)))
     finally:
+        bench.redis.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in bench.samples.ttft.items()}
@@ -355,11 +434,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     for tier in TIERS:
         figures[f"{tier}_hit_ttft_s"] = med[tier]
-    raw = {"host": ("memcpy", memcpy), "disk": ("seq_read", seq_read)}
+    raw = {"host": ("memcpy", memcpy), "disk": ("seq_read", seq_read),
+           "remote": ("redis_benchmark", redis_get)}
     figures["memcpy_gbps"] = memcpy
     figures["disk_seq_read_gbps"] = seq_read
+    figures["redis_benchmark_get_gbps"] = redis_get
     ratios = {f"{tier}_hit_ttft_vs_recompute": med["recompute"] / med[tier] for tier in TIERS}
-    for tier in ("host", "disk"):
+    for tier in ("host", "disk", "remote"):
         added = med[tier] - med["gpu"]
         if added > 0:  # else the load is within the noise of a GPU hit: no rate to report
             figures[f"{tier}_load_gbps"] = nbytes / added / 1e9
@@ -370,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({nbytes / 2**20:.0f} MiB of KV), median of {args.runs} runs\n")
     print(f"{'tier':<10}{'TTFT s':>10}{'of recompute':>14}{'recompute/tier':>16}  "
           f"{'target':<38}{'load GB/s':>10}  raw device GB/s")
-    raw_text = {"host": f"{memcpy:.2f} (memcpy)", "disk": f"{seq_read:.2f} (seq. read, cold)"}
+    raw_text = {"host": f"{memcpy:.2f} (memcpy)", "disk": f"{seq_read:.2f} (seq. read, cold)",
+                "remote": f"{redis_get:.2f} (redis-benchmark GET)"}
     for tier in TIERS:
         ratio = ratios[f"{tier}_hit_ttft_vs_recompute"]
         goal, text = TARGETS.get(tier, (0.0, ""))
@@ -379,8 +461,6 @@ def main(argv: list[str] | None = None) -> int:
         rate_text = "-" if tier == "gpu" else "in noise" if load is None else f"{load:.2f}"
         print(f"{tier + ' hit':<10}{med[tier]:>10.4f}{med[tier] / med['recompute']:>14.3f}"
               f"{ratio:>16.2f}  {text + verdict:<38}{rate_text:>10}  {raw_text.get(tier, '-')}")
-    print(f"{'remote hit':<10}{'not built':>10}{'':>14}{'':>16}  "
-          f"{'<= 0.5 of recompute (ratio >= 2)':<38}{'-':>10}  - (Redis tier not built)")
     print(f"{'recompute':<10}{med['recompute']:>10.4f}{1.0:>14.3f}{1.0:>16.2f}")
     print("\nload GB/s = prompt KV bytes / (tier TTFT - GPU-hit TTFT)\n")
     print(f"{'ratio (>= 1 is as good or better)':<36}{'value':>10}")

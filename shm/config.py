@@ -44,6 +44,11 @@ class OwnerConfig:
     grant_fraction: float = 0.25
     disk_dir: Path | None = None  # the disk tier below the store (``shm.disk_tier``)
     disk_capacity_bytes: int = 0
+    # The remote tier (``shm.remote_tier``): a Redis-protocol store's URL, the scope its
+    # keys live under (the model), and when blocks are written ("through" or "evict").
+    remote_url: str | None = None
+    remote_scope: str = "default"
+    remote_write: str = "through"
 
     def __post_init__(self) -> None:
         check_owner_id(self.owner_id)
@@ -69,6 +74,13 @@ class OwnerConfig:
                              f"{self.disk_capacity_bytes}")
         if self.disk_dir is None and self.disk_capacity_bytes:
             raise ValueError("a disk tier capacity needs a disk tier directory")
+        if self.remote_write not in ("through", "evict"):
+            raise ValueError(f"remote write policy must be 'through' or 'evict', got "
+                             f"{self.remote_write!r}")
+        if self.remote_url is not None and not self.remote_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"the remote tier's URL must be redis://, rediss:// or unix://, "
+                             f"got {self.remote_url!r}")
         if len(str(self.socket_path).encode()) > 107:
             raise ValueError(f"socket path {self.socket_path} is longer than 107 bytes")
 
@@ -134,6 +146,17 @@ class OwnerConfig:
         parser.add_argument(
             "--disk-capacity-bytes", type=parse_bytes, default=0, metavar="SIZE",
             help="byte budget of the disk tier, e.g. 64GiB (required with --disk-dir)")
+        parser.add_argument(
+            "--remote-url", default=None, metavar="URL",
+            help="a Redis-protocol store shared by every replica of the model (the remote "
+                 "tier), e.g. redis://cache:6379/0: blocks are written to it, gets that miss "
+                 "below read them back, and what it holds is announced as tier 'remote'")
+        parser.add_argument(
+            "--remote-scope", default="default", metavar="NAME",
+            help="what the remote tier's keys are scoped by (the model; default 'default')")
+        parser.add_argument(
+            "--remote-write", choices=("through", "evict"), default="through",
+            help="write every block committed (through, default) or only those evicted")
         args = parser.parse_args(argv)
         try:
             return cls(
@@ -150,6 +173,9 @@ class OwnerConfig:
                 grant_fraction=args.grant_fraction,
                 disk_dir=args.disk_dir,
                 disk_capacity_bytes=args.disk_capacity_bytes,
+                remote_url=args.remote_url,
+                remote_scope=args.remote_scope,
+                remote_write=args.remote_write,
             )
         except ValueError as exc:
             parser.error(str(exc))

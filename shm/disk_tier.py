@@ -346,6 +346,13 @@ class DiskTier:
     def contains(self, key: BlockKey) -> bool:
         return key in self._index or (key in self._pending and key not in self._cancelled)
 
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Make blocks recent (a read of them is coming), so the LRU takes others first."""
+        index = self._index
+        for key in keys:
+            if key in index:
+                index.move_to_end(key)
+
     def read_into(self, key: BlockKey, dst: np.ndarray) -> bool:
         """Copy the block into ``dst`` (uint8, one block), here and now; ``False`` (a miss)
         if the tier lacks it or its file fails to read or to check (then it is dropped)."""

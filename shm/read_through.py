@@ -1,52 +1,69 @@
-"""The host store over the disk tier: evicted blocks spill to disk, and a lease's misses that
-the disk holds are promoted back into shared memory before the lease is answered.
+"""The host store over the tiers below it (disk, remote): evicted blocks spill down, and a
+lease's misses that a lower tier holds are promoted back into shared memory before the lease
+is answered.
 
-The owner (``shm.server``) builds one ``ReadThrough`` when it has a disk tier and hands it
-its leases; without one, a lease is the store's alone. Promotion reserves slots for the
-blocks the disk holds (as many as the store has room for), reads the files into them
-(``DiskTier.read_many`` in a worker thread when the reply may come later, else inline),
-commits them (a host ``BlockStored``) and leases them too. The hits are leased first, so
-promotion's evictions never take them; a promoted block counts as a miss, then a hit.
+The owner (``shm.server``) builds one ``ReadThrough`` when it has lower tiers and hands it
+its leases; without them, a lease is the store's alone. Promotion reserves slots for the
+missed blocks some lower tier holds (as many as the store has room for; each from the first
+tier, in order, that holds it), reads them into those slots (``read_many`` of each tier, in
+parallel, when the reply may come later, else ``read_into`` here: a remote tier misses
+then), commits them (a host ``BlockStored``) and leases them too. The hits are leased first,
+so promotion's evictions never take them; a promoted block counts as a miss, then a hit.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
+import numpy as np
 import structlog
 
-from shm.disk_tier import DiskTier
+from kvcore.events import KVEvent
 from shm.errors import BlockStoreError, StoreFullError
 from shm.protocol import ErrorReply, Slots, encode
 from shm.store import BlockKey, BlockStore, SessionId
 
-__all__ = ["ReadThrough"]
+__all__ = ["LowerTier", "ReadThrough"]
 
 log = structlog.get_logger(component="shm")
 
-# (key, slot, generation) of a block being promoted
-_Planned = tuple[BlockKey, int, int]
+# (index in the lease's keys, key, slot, generation, the tier read from) of a promotion
+_Planned = tuple[int, BlockKey, int, int, "LowerTier"]
+
+
+class LowerTier(Protocol):
+    """A tier below the host store (``shm.disk_tier``, ``shm.remote_tier``)."""
+
+    def contains(self, key: BlockKey) -> bool: ...
+    def touch(self, keys: Sequence[BlockKey]) -> None: ...
+    def read_into(self, key: BlockKey, dst: np.ndarray) -> bool: ...
+    async def read_many(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> list[bool]: ...
+    def spill(self, blocks: Sequence[tuple[BlockKey, int]], parents: Sequence[int | None],
+              rows: np.ndarray) -> None: ...
+    def remove(self, keys: Sequence[BlockKey]) -> list[bool]: ...
+    def take_events(self) -> list[KVEvent]: ...
+    async def aclose(self) -> None: ...
 
 
 class ReadThrough:
-    """Spill and promotion between one ``BlockStore`` and its ``DiskTier``."""
+    """Spill and promotion between one ``BlockStore`` and the tiers below it, in order."""
 
     def __init__(
         self,
-        disk: DiskTier,
+        tiers: Sequence[LowerTier],
         store: BlockStore,
         rows: Any,
         current_store: Callable[[], BlockStore | None],
         drain_events: Callable[[], None],
     ) -> None:
-        self.disk = disk
+        self.tiers = list(tiers)
         self.store = store
         self.rows = rows  # (num_slots, block_bytes) uint8 rows of the segment
         self.session = store.open_session()  # the promotions' store session
         self.num_spill_errors = 0
-        self.promotions: set[asyncio.Task[bytes]] = set()  # leases reading the disk
+        self.promotions: set[asyncio.Task[bytes]] = set()  # leases reading lower tiers
         self._current_store = current_store  # the owner's store (None once it closed)
         self._drain_events = drain_events
         store.spill = self.spill
@@ -59,30 +76,29 @@ class ReadThrough:
     def lease(
         self, session: SessionId, keys: list[BlockKey], defer: bool
     ) -> bytes | asyncio.Task[bytes]:
-        """``store.lease``, reading what shared memory misses through the disk tier.
+        """``store.lease``, reading what shared memory misses through the lower tiers.
 
-        ``defer``: the reply may come later: the files are then read in a worker thread and
-        the reply is the task's result (see ``Connection``); else they are read here.
+        ``defer``: the reply may come later: the tiers then read in the background and the
+        reply is the task's result (see ``Connection``); else they are read here.
         """
-        store, disk = self.store, self.disk
+        store = self.store
         slots, gens = store.lease(session, keys)
         if None not in slots:
             return encode(Slots(slots, gens))
-        missed = [i for i, slot in enumerate(slots) if slot is None and disk.contains(keys[i])]
-        plan = self._reserve([keys[i] for i in missed])
+        plan = self._reserve(keys, [i for i, slot in enumerate(slots) if slot is None])
         if not plan:
             return encode(Slots(slots, gens))
-        items = [(key, self.rows[slot]) for key, slot, _ in plan]
+        rows = self.rows
         if not defer:
-            read = [disk.read_into(key, dst) for key, dst in items]
-            return self._promoted(session, keys, slots, gens, missed, plan, read)
+            read = [tier.read_into(key, rows[slot]) for _, key, slot, _, tier in plan]
+            return self._promoted(session, keys, slots, gens, plan, read)
 
         async def promote() -> bytes:
-            read = await disk.read_many(items)
+            read = await self._read(plan)
             if self._current_store() is not store:  # the owner closed meanwhile
                 return encode(ErrorReply("client_detached", "the owner is shutting down"))
             try:
-                return self._promoted(session, keys, slots, gens, missed, plan, read)
+                return self._promoted(session, keys, slots, gens, plan, read)
             finally:
                 self._drain_events()
 
@@ -91,46 +107,69 @@ class ReadThrough:
         task.add_done_callback(self.promotions.discard)
         return task
 
-    def _reserve(self, keys: list[BlockKey]) -> list[_Planned]:
-        """Slots for blocks the disk tier holds, as many of the first ones as the store has
-        room for (the rest are leased or being written)."""
+    async def _read(self, plan: list[_Planned]) -> list[bool]:
+        """Each tier's share of the plan read at once; per planned block, whether it came."""
+        rows, out = self.rows, [False] * len(plan)
+        parts = [[j for j, item in enumerate(plan) if item[4] is tier] for tier in self.tiers]
+        done = await asyncio.gather(*(
+            tier.read_many([(plan[j][1], rows[plan[j][2]]) for j in part])
+            for tier, part in zip(self.tiers, parts, strict=True) if part))
+        for part, read in zip([p for p in parts if p], done, strict=True):
+            for j, ok in zip(part, read, strict=True):
+                out[j] = ok
+        return out
+
+    def _reserve(self, keys: list[BlockKey], missed: list[int]) -> list[_Planned]:
+        """Slots for the missed blocks a lower tier holds, as many of the first ones as the
+        store has room for (the rest are leased or being written)."""
+        found: list[tuple[int, LowerTier]] = []
+        for i in missed:
+            key = keys[i]
+            for tier in self.tiers:
+                if tier.contains(key):
+                    found.append((i, tier))
+                    break
         store = self.store
-        keys = keys[: store.room()]
-        if not keys:
+        found = found[: store.room()]
+        if not found:
             return []
+        for tier in self.tiers:  # about to be read: kept before the reservation evicts
+            tier.touch([keys[i] for i, t in found if t is tier])
         try:
-            slots, gens = store.reserve(self.session, keys)
+            slots, gens = store.reserve(self.session, [keys[i] for i, _ in found])
         except StoreFullError:  # everything leased or being written: a miss, not an error
-            log.info("disk_promotion_skipped", blocks=len(keys), reason="store full")
+            log.info("promotion_skipped", blocks=len(found), reason="store full")
             return []
-        return [(key, slot, gen) for key, slot, gen in zip(keys, slots, gens, strict=True)
+        return [(i, keys[i], slot, gen, tier)
+                for (i, tier), slot, gen in zip(found, slots, gens, strict=True)
                 if slot is not None and gen is not None]  # None: another writer puts it
 
     def _promoted(self, session: SessionId, keys: list[BlockKey], slots: list[int | None],
-                  gens: list[int | None], missed: list[int], plan: list[_Planned],
-                  read: list[bool]) -> bytes:
+                  gens: list[int | None], plan: list[_Planned], read: list[bool]) -> bytes:
         """Commit the blocks read (abort the rest), lease them too: the lease's reply."""
         store, own = self.store, self.session
         done = [item for item, ok in zip(plan, read, strict=True) if ok]
         failed = [item for item, ok in zip(plan, read, strict=True) if not ok]
         if failed:
-            store.abort(own, [slot for _, slot, _ in failed], [gen for _, _, gen in failed])
+            store.abort(own, [item[2] for item in failed], [item[3] for item in failed])
         if not done:
             return encode(Slots(slots, gens))
-        store.commit(own, [slot for _, slot, _ in done], [gen for _, _, gen in done])
+        store.commit(own, [item[2] for item in done], [item[3] for item in done])
+        promoted = [item[0] for item in done]
         try:
-            again, again_gens = store.lease(session, [keys[i] for i in missed])
+            again, again_gens = store.lease(session, [keys[i] for i in promoted])
         except BlockStoreError as exc:  # the client went away meanwhile
             return encode(ErrorReply(exc.code, str(exc)))
-        for i, slot, gen in zip(missed, again, again_gens, strict=True):
+        for i, slot, gen in zip(promoted, again, again_gens, strict=True):
             slots[i], gens[i] = slot, gen
         return encode(Slots(slots, gens))
 
     def spill(self, evicted: list[tuple[BlockKey, int]], parents: list[int | None]) -> None:
-        """The store's eviction hook: hand evicted blocks to the disk tier. Never raises
+        """The store's eviction hook: hand evicted blocks to the lower tiers. Never raises
         (a failure here would fail the put that evicted them): a block not kept is counted."""
-        try:
-            self.disk.spill(evicted, parents, self.rows)
-        except Exception:
-            self.num_spill_errors += 1
-            log.exception("disk_spill_failed", blocks=len(evicted))
+        for tier in self.tiers:
+            try:
+                tier.spill(evicted, parents, self.rows)
+            except Exception:
+                self.num_spill_errors += 1
+                log.exception("spill_failed", tier=type(tier).__name__, blocks=len(evicted))

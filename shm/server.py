@@ -20,11 +20,11 @@ events go to ``listener``, a plain callable that must not block (the sidecar's p
 on a bounded queue); an exception from it is logged and counted, never lost silently and
 never fatal to the store.
 
-With a disk tier (``OwnerConfig.disk_dir``, ``shm.disk_tier``), the blocks the store evicts
-are handed to it before their slots get new holders (``_spill``), and a lease that misses in
-shared memory promotes what the disk tier holds back into slots first (``_lease``; the files
-are read in a worker thread, the connection's reply deferred until they are in): clients
-see one store, through the same protocol. ``Contains`` and ``Remove`` span both tiers.
+With lower tiers (``OwnerConfig.disk_dir``: ``shm.disk_tier``; ``OwnerConfig.remote_url``:
+``shm.remote_tier``), the blocks the store evicts are handed to them before their slots get
+new holders, and a lease that misses in shared memory promotes what they hold back into
+slots first (``shm.read_through``; the connection's reply deferred until the blocks are in):
+clients see one store, through the same protocol. ``Contains`` and ``Remove`` span the tiers.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ from shm.protocol import (
     encode,
     is_one_way,
 )
-from shm.read_through import ReadThrough
+from shm.read_through import LowerTier, ReadThrough
+from shm.remote_tier import RemoteTier
 from shm.segment import Segment, unlink_stale_segments
 from shm.store import BlockStore, SessionId, StoreStats
 
@@ -112,10 +113,11 @@ class BlockStoreOwner:
         self._poll: asyncio.TimerHandle | None = None  # see ``_poll_published``
         self._loop: asyncio.AbstractEventLoop | None = None  # the one we serve in
         self.num_internal_errors = 0
-        # The disk tier below the store (``--disk-dir``): evicted blocks spill to it, and a
-        # lease that misses in shared memory promotes them back (see ``_lease``).
+        # The tiers below the store (``--disk-dir``, ``--remote-url``): evicted blocks spill
+        # to them, and a lease that misses in shared memory promotes them back.
         self.disk: DiskTier | None = None
-        self._through: ReadThrough | None = None  # the host store over the disk tier
+        self.remote: RemoteTier | None = None
+        self._through: ReadThrough | None = None  # the host store over the lower tiers
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> BlockStoreOwner:
@@ -148,8 +150,7 @@ class BlockStoreOwner:
                 max_granted=cfg.max_granted_slots,
             )
             self._cells = ClientCells(self.segment.index, self.store)
-            if cfg.disk_dir is not None:
-                await self._start_disk(cfg)
+            await self._start_lower_tiers(cfg)
             self._welcome = Welcome(
                 protocol_version=PROTOCOL_VERSION,
                 owner_id=cfg.owner_id,
@@ -175,9 +176,7 @@ class BlockStoreOwner:
                 self._bound = False
                 cfg.socket_path.unlink(missing_ok=True)
             self.store = self._cells = None
-            if self.disk is not None:
-                await self.disk.aclose()
-                self.disk = None
+            await self._close_lower_tiers()
             self._release_segment()
             raise
         log.info("shm_owner_started", owner_id=cfg.owner_id, socket=str(cfg.socket_path),
@@ -185,14 +184,34 @@ class BlockStoreOwner:
                  block_bytes=cfg.block_bytes, epoch=self.epoch)
         self.drain_events()  # the disk tier's blocks, re-announced
 
-    async def _start_disk(self, cfg: OwnerConfig) -> None:
+    async def _start_lower_tiers(self, cfg: OwnerConfig) -> None:
         assert self.segment is not None and self.store is not None
-        disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes,  # type: ignore[arg-type]
-                        cfg.block_bytes, worker_id=cfg.effective_worker_id)
-        await disk.start(self.drain_events)
-        self.disk = disk
-        self._through = ReadThrough(disk, self.store, self.segment.slots[:, : cfg.block_bytes],
-                                    lambda: self.store, self.drain_events)
+        store, rows = self.store, self.segment.slots[:, : cfg.block_bytes]
+        if cfg.disk_dir is not None:
+            disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes, cfg.block_bytes,
+                            worker_id=cfg.effective_worker_id)
+            await disk.start(self.drain_events)
+            self.disk = disk
+        if cfg.remote_url is not None:
+            remote = RemoteTier(cfg.remote_url, cfg.remote_scope, cfg.block_bytes,
+                                worker_id=cfg.effective_worker_id, write=cfg.remote_write)
+            await remote.start(self.drain_events, rows, store.slots_of)
+            self.remote = remote
+            if cfg.remote_write == "through":
+                store.committed = remote.committed
+        if self.lower_tiers:
+            self._through = ReadThrough(self.lower_tiers, store, rows, lambda: self.store,
+                                        self.drain_events)
+
+    @property
+    def lower_tiers(self) -> list[LowerTier]:
+        return [t for t in (self.disk, self.remote) if t is not None]
+
+    async def _close_lower_tiers(self) -> None:
+        """What is staged is written (the disk tier stays on disk), then they stop."""
+        for tier in self.lower_tiers:
+            await tier.aclose()
+        self.disk = self.remote = None
 
     def _claim_socket_path(self) -> None:
         """Remove a socket file left by a dead owner; refuse one a live owner listens on."""
@@ -224,14 +243,13 @@ class BlockStoreOwner:
         if self._through is not None:  # its reads fill slots of the segment: let them finish
             await self._through.finish()
         if self.store is not None:
-            self.store.spill = None
+            self.store.spill = self.store.committed = None
+            await self._close_lower_tiers()  # a remote tier's queue is read from the slots
             self.store.clear()
-            if self.disk is not None:  # what is staged is written; the tier stays on disk
-                await self.disk.aclose()
             self.drain_events()
             # They hold views of the segment's generation table and read index.
             self.store = self._cells = None
-        self.disk = self._through = None
+        self._through = None
         if self._poll is not None:
             self._poll.cancel()
             self._poll = None
@@ -257,12 +275,19 @@ class BlockStoreOwner:
         optimistic = self._cells.optimistic_hits()
         stats = replace(stats, num_hits=stats.num_hits + optimistic,
                         num_optimistic_hits=optimistic)
-        if self.disk is None:
-            return stats
-        d = self.disk.stats()
-        return replace(stats, num_disk_blocks=d.num_blocks, num_disk_writes=d.num_writes,
-                       num_disk_reads=d.num_reads, num_disk_corrupt=d.num_corrupt,
-                       num_disk_errors=d.num_errors, num_disk_dropped=d.num_dropped)
+        if self.disk is not None:
+            d = self.disk.stats()
+            stats = replace(stats, num_disk_blocks=d.num_blocks, num_disk_writes=d.num_writes,
+                            num_disk_reads=d.num_reads, num_disk_corrupt=d.num_corrupt,
+                            num_disk_errors=d.num_errors, num_disk_dropped=d.num_dropped)
+        if self.remote is not None:
+            r = self.remote.stats()
+            stats = replace(stats, remote_connected=r.connected, num_remote_blocks=r.num_blocks,
+                            num_remote_writes=r.num_writes, num_remote_reads=r.num_reads,
+                            num_remote_misses=r.num_misses, num_remote_corrupt=r.num_corrupt,
+                            num_remote_errors=r.num_errors, num_remote_dropped=r.num_dropped,
+                            num_remote_pending=r.num_pending)
+        return stats
 
     def handle(self, session: SessionId, body: bytes, *, drain: bool = True,
                defer: bool = False) -> bytes | asyncio.Task[bytes] | None:
@@ -271,8 +296,8 @@ class BlockStoreOwner:
         ``drain=False`` leaves the store's events, and the books a reservation's reply does
         not need, for ``drain_events``: a connection sends the reply first, so neither the
         listener's work nor the bookkeeping is on the client's round trip. ``defer``: the
-        caller takes a task whose result is the reply (a lease that reads the disk tier);
-        without it, the disk is read before this returns.
+        caller takes a task whose result is the reply (a lease that reads a lower tier);
+        without it, the disk is read before this returns (a remote tier misses).
         """
         store, cells = self.store, self._cells
         if store is None or cells is None:
@@ -326,7 +351,7 @@ class BlockStoreOwner:
                 return None
             case Lease(namespaces, hashes):
                 keys = _keys(namespaces, hashes)
-                if self._through is not None:  # what shared memory misses, read from disk
+                if self._through is not None:  # what shared memory misses, read below
                     return self._through.lease(session, keys, defer)
                 return encode(Slots(*store.lease(session, keys)))
             case Release(slots, generations):
@@ -338,15 +363,14 @@ class BlockStoreOwner:
             case Contains(namespaces, hashes):
                 keys = _keys(namespaces, hashes)
                 held = store.contains(keys)
-                if self.disk is not None:
-                    held = [h or self.disk.contains(k) for h, k in zip(held, keys, strict=True)]
+                for tier in self.lower_tiers:
+                    held = [h or tier.contains(k) for h, k in zip(held, keys, strict=True)]
                 return encode(Flags(held))
             case Remove(namespaces, hashes):
                 keys = _keys(namespaces, hashes)
                 removed = store.remove(keys)
-                if self.disk is not None:
-                    removed = [a or b for a, b in zip(removed, self.disk.remove(keys),
-                                                      strict=True)]
+                for tier in self.lower_tiers:
+                    removed = [a or b for a, b in zip(removed, tier.remove(keys), strict=True)]
                 return encode(Flags(removed))
             case Stats():
                 return encode(StatsReply(self.stats()))
@@ -405,6 +429,8 @@ class BlockStoreOwner:
         events = self.store.take_events()  # settles first
         if self.disk is not None:
             events += self.disk.take_events()
+        if self.remote is not None:
+            events += self.remote.take_events()
         if self._poll is None and self._loop is not None and self.store.num_reserved:
             self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
         if not events or self._listener is None:

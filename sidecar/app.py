@@ -148,7 +148,8 @@ class Sidecar:
                 )
             if cfg.store_capacity_bytes:
                 self.host_tier = await HostTier.start(
-                    cfg, adapter, self._session, on_event=self._on_store_event,
+                    cfg, adapter, self._session, model_id=self.model_id,
+                    on_event=self._on_store_event,
                     on_pull=self._on_pull,
                 )
             self.load = LoadTracker(info.block_size)

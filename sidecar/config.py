@@ -53,6 +53,10 @@ class SidecarConfig:
     store_block_bytes: int | None = None  # None: from the model's KV layout
     disk_tier_dir: str | None = None  # blocks evicted from the store kept here (shm.disk_tier)
     disk_tier_capacity_bytes: int = 0
+    # A Redis-protocol store shared by the model's replicas (shm.remote_tier), and when
+    # blocks are written to it: "through" (each one committed) or "evict".
+    remote_tier_url: str | None = field(default=None, repr=False)  # may carry a password
+    remote_tier_write: str = "through"
     transfer_tcp_port: int = 0  # the TCP block stream to peers (0: any free port)
     advertise_host: str | None = None  # the address peer sidecars dial (default: --host)
     # Prefill/decode disaggregation (sidecar/disagg.py): how a decode worker gets the blocks,
@@ -99,6 +103,15 @@ class SidecarConfig:
                              "set --store-capacity-bytes too")
         if (self.disk_tier_dir is None) != (not self.disk_tier_capacity_bytes):
             raise ValueError("--disk-tier-dir and --disk-tier-capacity-bytes go together")
+        if self.remote_tier_url is not None and not self.store_capacity_bytes:
+            raise ValueError("--remote-tier-url shares the host-tier store's blocks: set "
+                             "--store-capacity-bytes too")
+        if self.remote_tier_url is not None and not self.remote_tier_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError("--remote-tier-url must be a redis://, rediss:// or unix:// URL")
+        if self.remote_tier_write not in ("through", "evict"):
+            raise ValueError(f"--remote-tier-write must be through or evict, got "
+                             f"{self.remote_tier_write!r}")
         LoraAdapter.check_unique(self.lora_adapters)
         if self.load_endpoint is not None and self.engine != "sglang":
             raise ValueError("--load-endpoint is SGLang's load socket; --engine is not sglang")
@@ -264,6 +277,23 @@ class SidecarConfig:
             help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)",
         )
         t.add_argument(
+            "--remote-tier-url",
+            metavar="URL",
+            help="a Redis-protocol store (Redis, Valkey) shared by every replica of the model "
+            "(the remote tier), e.g. redis://kv-cache:6379/0: blocks are written to it, gets "
+            "that miss in shared memory and on disk load from it, and what it holds is "
+            "announced as 'remote' events, so the gateway credits it on every worker. Needs "
+            "keyspace notifications (turned on with CONFIG SET when allowed; else set "
+            "notify-keyspace-events K$gxe). Default: none",
+        )
+        t.add_argument(
+            "--remote-tier-write",
+            choices=("through", "evict"),
+            default="through",
+            help="write every block the store commits to the remote tier (through, default: "
+            "a prefix computed once is shared at once) or only those it evicts",
+        )
+        t.add_argument(
             "--transfer-tcp-port",
             type=int,
             default=0,
@@ -341,6 +371,8 @@ class SidecarConfig:
                 store_block_bytes=args.store_block_bytes,
                 disk_tier_dir=args.disk_tier_dir,
                 disk_tier_capacity_bytes=args.disk_tier_capacity_bytes,
+                remote_tier_url=args.remote_tier_url,
+                remote_tier_write=args.remote_tier_write,
                 transfer_tcp_port=args.transfer_tcp_port,
                 advertise_host=args.advertise_host,
                 kv_handoff=args.kv_handoff,

@@ -4,7 +4,9 @@ transfer service that exports its blocks to peer sidecars and pulls theirs.
 The store's puts and evictions become host-tier events on every worker's stream (the tier is
 shared by every DP rank of the replica); each pull is counted in the sidecar's metrics. With
 ``--disk-tier-dir`` the store keeps what it evicts on disk (``shm.disk_tier``): those blocks
-are ``disk``-tier events, re-announced when the sidecar starts again.
+are ``disk``-tier events, re-announced when the sidecar starts again. With
+``--remote-tier-url`` its blocks are shared with the model's other replicas through a
+Redis-protocol store (``shm.remote_tier``), scoped by the model id: ``remote``-tier events.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class HostTier:
         adapter: EngineAdapter,
         session: aiohttp.ClientSession,
         *,
+        model_id: str,
         on_event: Callable[[KVEvent], None],
         on_pull: Callable[[PullRecord], None],
     ) -> HostTier:
@@ -62,6 +65,9 @@ class HostTier:
             worker_id=cfg.worker_id,
             disk_dir=None if cfg.disk_tier_dir is None else Path(cfg.disk_tier_dir),
             disk_capacity_bytes=cfg.disk_tier_capacity_bytes,
+            remote_url=cfg.remote_tier_url,
+            remote_scope=model_id,
+            remote_write=cfg.remote_tier_write,
         )
         store = BlockStoreOwner(owner_cfg, listener=on_event)
         await store.start()
@@ -86,6 +92,7 @@ class HostTier:
             block_bytes=block_bytes,
             capacity_bytes=cfg.store_capacity_bytes,
             disk_tier=cfg.disk_tier_dir,
+            remote_tier=cfg.remote_tier_url is not None,
         )
         return cls(store, transfer)
 

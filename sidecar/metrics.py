@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shm.disk_tier import DiskTierStats
+from shm.remote_tier import RemoteTierStats
 from shm.server import BlockStoreOwner
 from sidecar.event_stream import EventStream
 from sidecar.load import LoadTracker
@@ -95,6 +96,8 @@ class _StreamCollector(Collector):
             yield from (lookups, evictions, blocks)
             if store.disk is not None:
                 yield from _disk_tier_metrics(store.disk.stats())
+            if store.remote is not None:
+                yield from _remote_tier_metrics(store.remote.stats())
 
 
 def _disk_tier_metrics(d: DiskTierStats) -> list[Metric]:
@@ -121,6 +124,34 @@ def _disk_tier_metrics(d: DiskTierStats) -> list[Metric]:
     held.add_metric(["blocks"], d.num_blocks)
     held.add_metric(["bytes"], d.num_bytes)
     held.add_metric(["capacity_bytes"], d.capacity_bytes)
+    return [blocks, moved, errors, held]
+
+
+def _remote_tier_metrics(r: RemoteTierStats) -> list[Metric]:
+    blocks = CounterMetricFamily(
+        "kvsidecar_remote_tier_blocks",
+        "Remote-tier blocks written, read back into the store, listed but gone when read "
+        "(missed), dropped as corrupt, and not written (queue full or the store away)",
+        labels=["op"],
+    )
+    for op, value in (("written", r.num_writes), ("read", r.num_reads),
+                      ("missed", r.num_misses), ("corrupt", r.num_corrupt),
+                      ("dropped", r.num_dropped)):
+        blocks.add_metric([op], value)
+    moved = CounterMetricFamily(
+        "kvsidecar_remote_tier_bytes", "Remote-tier bytes written and read", labels=["op"])
+    moved.add_metric(["written"], r.num_write_bytes)
+    moved.add_metric(["read"], r.num_read_bytes)
+    errors = CounterMetricFamily(
+        "kvsidecar_remote_tier_errors",
+        "Failed remote-store calls (each a miss or a block not written)")
+    errors.add_metric([], r.num_errors)
+    held = GaugeMetricFamily(
+        "kvsidecar_remote_tier_held",
+        "Blocks the shared store holds for this model, and whether it is reachable",
+        labels=["kind"])
+    held.add_metric(["blocks"], r.num_blocks)
+    held.add_metric(["connected"], int(r.connected))
     return [blocks, moved, errors, held]
 
 

@@ -42,6 +42,16 @@ class StoreStats:
     num_disk_corrupt: int = 0  # dropped: their file failed its check
     num_disk_errors: int = 0
     num_disk_dropped: int = 0  # evicted blocks not kept: the writer fell behind
+    # The owner's remote tier (``shm.remote_tier``; all 0 without one).
+    remote_connected: bool = False
+    num_remote_blocks: int = 0  # what the shared store holds in this scope
+    num_remote_writes: int = 0
+    num_remote_reads: int = 0  # blocks promoted back into shared memory
+    num_remote_misses: int = 0  # listed, then gone when read
+    num_remote_corrupt: int = 0  # values that failed their check (deleted)
+    num_remote_errors: int = 0  # failed calls to the store (each a miss or a block not written)
+    num_remote_dropped: int = 0  # blocks not written: queue full or the store away
+    num_remote_pending: int = 0  # blocks queued for writing
 
 
 class BlockStore(Grants, Leases):
@@ -76,6 +86,12 @@ class BlockStore(Grants, Leases):
         self.settle()
         blocks = self._blocks
         return [key in blocks for key in keys]
+
+    def slots_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
+        """Where committed keys are held now (no lease, no use: their bytes may be read
+        until the next call that can evict)."""
+        self.settle()
+        return list(map(self._blocks.get, keys))
 
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Drop held keys now (a leased one's slot is freed on its last release)."""

@@ -104,6 +104,10 @@ class StoreBooks(ABC):
         # their slots still hold their bytes (the owner's disk tier copies them out:
         # ``shm.disk_tier``).
         self.spill: Callable[[list[tuple[BlockKey, int]], list[int | None]], None] | None = None
+        # Called with the blocks a commit makes visible, ``(key, slot)``, and their parents
+        # (the owner's write-through remote tier queues them: ``shm.remote_tier``).
+        self.committed: Callable[[list[tuple[BlockKey, int]], list[int | None]], None] | None = (
+            None)
 
     @abstractmethod
     def settle(self) -> None:

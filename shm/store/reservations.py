@@ -165,6 +165,10 @@ class Reservations(Eviction):
                 index.publish_slot(slot, key)  # type: ignore[arg-type]
         state.reserved.difference_update(slots)
         self._num_puts += len(slots)
+        if self.committed is not None:
+            parent = self._parent
+            self.committed([(key_of[slot], slot) for slot in slots],  # type: ignore[misc]
+                           [parent[slot] for slot in slots])
         self._emit_stored(slots)
 
     def abort(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:

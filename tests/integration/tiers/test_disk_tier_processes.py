@@ -4,9 +4,7 @@ engine) restarted on the same directory; a gateway feed sees the ``disk`` tier."
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,10 +22,17 @@ from shm.disk_format import HEADER_BYTES
 from tests.support.polling import eventually, wait_until
 from tests.support.processes import ProcessGroup
 from tests.support.store_owner import OwnerProcess, owner_config
+from tests.support.tier_stack import (
+    EVENTS,
+    PAGE_BYTES,
+    PAGE_TOKENS,
+    engine_argv,
+    generate,
+    hook_attached,
+    start,
+)
 
 BLOCK = 4096
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 
 
 def data(i: int) -> np.ndarray:
@@ -81,19 +86,6 @@ def test_owner_process_keeps_evicted_blocks_across_a_restart(
         assert stats.num_disk_corrupt == 1 and not store.contains((ns, h))
 
 
-@pytest.fixture
-def procs() -> Iterator[ProcessGroup[ManagedProcess]]:
-    with ProcessGroup[ManagedProcess]() as group:
-        yield group
-
-
-def start(procs: ProcessGroup[ManagedProcess], name: str, argv: list[str],
-          tmp: Path) -> ManagedProcess:
-    proc = procs.add(ManagedProcess.start(name, argv, workdir=tmp))
-    proc.wait_ready(60)
-    return proc
-
-
 @pytest.mark.slow
 async def test_a_sidecar_restart_reannounces_its_disk_tier(
         tmp_path: Path, procs: ProcessGroup[ManagedProcess],
@@ -145,22 +137,6 @@ async def test_a_sidecar_restart_reannounces_its_disk_tier(
     assert sc.stop() == 0, sc.log_tail()
 
 
-ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "refengine" / "models" / "tiny"
-PAGE_TOKENS = 16
-PAGE_BYTES = PAGE_TOKENS * 2048  # the tiny model's KV: 2 KiB per token (fp32)
-
-
-async def generate(session: aiohttp.ClientSession, url: str, ids: list[int]) -> dict[str, int]:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0,
-                                                  "ignore_eos": True}}
-    async with session.post(url + "/generate", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        meta = (await resp.json())["meta_info"]
-    details: dict[str, int] = meta.get("cached_tokens_details", {})  # absent: none cached
-    return details
-
-
 @pytest.mark.slow
 async def test_the_reference_engine_loads_its_prefix_back_through_disk(
         tmp_path: Path, procs: ProcessGroup[ManagedProcess],
@@ -169,13 +145,7 @@ async def test_the_reference_engine_loads_its_prefix_back_through_disk(
     to disk by a second prompt's; after a device flush the first prompt's prefill loads all
     12 pages from the store (engine-reported ``storage`` tokens), most through disk."""
     sock = tmp_path / f"s{uuid.uuid4().hex[:6]}.sock"
-    hook = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
-            "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "socket": str(sock),
-            "model_id": "tiny"}
-    eng = start(procs, "engine", [
-        "refengine", "--compute", "sim", "--model-path", str(MODEL), "--port", "0",
-        "--kv-events-config", EVENTS, "--hicache-storage-backend", "dynamic",
-        "--hicache-storage-backend-extra-config", json.dumps(hook)], tmp_path)
+    eng = start(procs, "engine", engine_argv(sock), tmp_path)
     start(procs, "sidecar", [
         "sidecar", "--engine-url", eng.url, "--worker-id", "r0", "--port", "0",
         "--store-block-bytes", str(PAGE_BYTES), "--store-capacity-bytes", str(16 * PAGE_BYTES),
@@ -184,14 +154,7 @@ async def test_the_reference_engine_loads_its_prefix_back_through_disk(
     first = [(i * 37 + 11) % 1000 for i in range(12 * PAGE_TOKENS + 5)]
     second = [(i * 53 + 7) % 1000 for i in range(12 * PAGE_TOKENS + 5)]
     with BlockStoreClient(str(sock)) as store:
-        # The engine's hook retries the store once a second: one-page prompts until one is
-        # written through (the hook is attached).
-        for warmup in range(1000):
-            await generate(session, eng.url, [warmup] * (PAGE_TOKENS + 1))
-            if store.stats().num_puts:
-                break
-        assert store.stats().num_puts, "the engine's HiCache hook never attached"
-        base = store.stats().num_puts
+        base = await hook_attached(session, eng.url, store)
         assert await generate(session, eng.url, first) == {}
         wait_until(lambda: store.stats().num_puts >= base + 12, "the first prompt's pages")
         await generate(session, eng.url, second)

@@ -1,0 +1,470 @@
+"""The remote tier: blocks in a Redis-protocol store (Redis, Valkey) shared by every replica of
+a model, so a prefix computed on one replica is loaded on any other.
+
+Writes: with ``write="through"`` (the default) every block the host store commits is sent
+to the store soon after (the writer task copies it out of its slot on the loop, where no
+eviction can interleave, then ``SET``s a batch); with ``write="evict"`` only the blocks the
+host store evicts are, copied out while the store core evicts them (``spill``) into a bounded
+queue (past ``max_pending_bytes`` they are dropped and counted, never waited for). A block
+the store already holds is not sent again.
+
+The index: which blocks the store holds, kept from the store itself, not from our writes
+alone: at connect the tier subscribes to the scope's keyspace notifications (``set``,
+``del``, ``expired``, ``evicted``; it turns them on with ``CONFIG SET`` when they are off),
+then ``SCAN``s the scope, reading each block's parent from its value's header; from then on
+each notification updates it. So blocks other replicas write, and blocks the store evicts
+under ``maxmemory``, reach every replica's index, which the sidecar announces as ``remote``
+events on its own workers' streams: the router credits them on every worker.
+
+Reads (a get that missed in shared memory and on disk: ``read_many``) ``MGET`` the values
+and check each one (its header names the key and the size, an xxh3-64 covers the payload)
+before it is promoted into a slot. A value that fails its check is deleted from the store.
+
+The store going away is a miss, never a failed request: a read or write that fails is
+counted and logged; the watcher reconnects with backoff and, while the store is away,
+the tier holds nothing (``AllBlocksCleared`` for ``remote``), then announces what it finds
+once back. Call everything from the owner's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import structlog
+
+from kvcore.events import KVEvent, Tier
+from shm.disk_format import HEADER_BYTES
+from shm.host_events import HostEventLog
+from shm.remote_keys import KEYSPACE_EVENTS, RemoteKeys, check_value, pack_value, value_parent
+
+__all__ = ["WRITE_POLICIES", "RemoteTier", "RemoteTierStats", "load_redis"]
+
+log = structlog.get_logger(component="shm")
+
+BlockKey = tuple[int, int]
+WRITE_POLICIES = ("through", "evict")
+_BATCH_BYTES = 32 << 20  # per MGET or pipeline of SETs
+_RETRY_S = (0.1, 5.0)  # the watcher's reconnect backoff, first and longest
+_REMOVED = (b"del", b"expired", b"evicted")
+# A queued write: key, parent, and its value (None: read from its slot when sent).
+_Write = tuple[BlockKey, int | None, bytes | None]
+
+
+def load_redis() -> Any:
+    """``redis.asyncio``, or an ImportError naming the extra to install."""
+    try:
+        return importlib.import_module("redis.asyncio")
+    except ImportError as exc:
+        raise ImportError("the remote tier needs the 'redis' package: pip install "
+                          f"'kvsidecar[remote-tier]' ({exc})") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteTierStats:
+    connected: bool
+    num_blocks: int  # blocks the store holds in this scope, as far as the index knows
+    num_writes: int
+    num_write_bytes: int
+    num_reads: int  # blocks read back (promoted into shared memory)
+    num_read_bytes: int
+    num_misses: int  # the index listed it, the store no longer had it
+    num_corrupt: int  # values that failed their check (deleted)
+    num_errors: int  # failed store calls (each a miss or a block not written, and a log line)
+    num_dropped: int  # blocks not written: the queue was full or the store away
+    num_pending: int  # blocks queued for writing
+
+
+class RemoteTier:
+    """One scope of a shared store; ``await start()`` before use, ``aclose()`` after."""
+
+    def __init__(self, url: str, model_id: str, block_bytes: int, *, worker_id: str,
+                 write: str = "through", max_pending_bytes: int = 256 << 20,
+                 timeout_s: float = 5.0) -> None:
+        if write not in WRITE_POLICIES:
+            raise ValueError(f"remote tier write policy must be one of {WRITE_POLICIES}, "
+                             f"got {write!r}")
+        self._redis = load_redis()
+        self.url = url
+        self.block_bytes = block_bytes
+        self.value_bytes = HEADER_BYTES + block_bytes
+        self.write = write
+        self.max_pending_bytes = max_pending_bytes
+        self.timeout_s = timeout_s
+        db = int(self._redis.Redis.from_url(url).connection_pool.connection_kwargs.get("db", 0))
+        self.keys = RemoteKeys(model_id, block_bytes, db)
+        self._index: dict[BlockKey, int | None] = {}  # held by the store → parent
+        self._queue: deque[_Write] = deque()
+        self._queued: set[BlockKey] = set()
+        self._pending_bytes = 0  # of values copied into the queue
+        self._sending = 0  # blocks of the batch being sent
+        self._wake = asyncio.Event()
+        self._client: Any = None  # for reads and writes; None while the store is away
+        self._tasks: list[asyncio.Task[None]] = []
+        self._notify: Callable[[], None] = lambda: None
+        self._rows: Any = None  # (num_slots, block_bytes) rows of the segment
+        self._slots_of: Callable[[list[BlockKey]], list[int | None]] = lambda keys: []
+        self._log = HostEventLog(worker_id, Tier.REMOTE)
+        self.num_writes = self.num_write_bytes = self.num_reads = self.num_read_bytes = 0
+        self.num_misses = self.num_corrupt = self.num_errors = self.num_dropped = 0
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self, notify: Callable[[], None], rows: Any,
+                    slots_of: Callable[[list[BlockKey]], list[int | None]]) -> None:
+        """Start the watcher and the writer; returns at once (the store may be away).
+        ``notify``: called when events wait (``take_events``); ``rows``: the segment's
+        block rows; ``slots_of``: where the host store holds keys (write-through reads)."""
+        self._notify, self._rows, self._slots_of = notify, rows, slots_of
+        self._tasks = [asyncio.create_task(self._watch(), name="remote-tier-watch"),
+                       asyncio.create_task(self._write_loop(), name="remote-tier-write")]
+        log.info("remote_tier_started", url=_redacted(self.url), scope=self.keys.prefix.decode(),
+                 write=self.write)
+
+    async def aclose(self) -> None:
+        """Send what is queued (within the timeout), stop, disconnect."""
+        if self._client is not None and self._queue:
+            try:
+                await asyncio.wait_for(self._flush(), self.timeout_s)
+            except (TimeoutError, Exception):  # a miss for later, not a failed shutdown
+                log.warning("remote_tier_unflushed", blocks=len(self._queue))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._rows = None  # a view of the segment, which is unmapped next, and the store,
+        self._slots_of = lambda keys: [None] * len(keys)  # which holds views of it
+        await self._disconnect()
+
+    async def _disconnect(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.aclose()
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    # ------------------------------------------------------------------ watcher
+    async def _watch(self) -> None:
+        """Follow the store; reconnect with backoff while it is away."""
+        delay = _RETRY_S[0]
+        while True:
+            try:
+                await self._follow()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store went away, or refused us
+                if self._client is not None or delay == _RETRY_S[0]:
+                    log.warning("remote_tier_unreachable", url=_redacted(self.url),
+                                error=f"{type(exc).__name__}: {exc}")
+                self.num_errors += 1
+            if self._went_away():
+                delay = _RETRY_S[0]
+            await self._disconnect()
+            await asyncio.sleep(delay)  # a backoff between attempts, not a wait for an event
+            delay = min(2 * delay, _RETRY_S[1])
+
+    def _went_away(self) -> bool:
+        """Forget what the store held (announced): True if the tier was connected."""
+        was = self._client is not None
+        if self._index:
+            self._index.clear()
+            self._log.cleared()
+            self._notify()
+        return was
+
+    async def _follow(self) -> None:
+        redis = self._redis
+        client = redis.Redis.from_url(self.url, socket_timeout=self.timeout_s,
+                                      socket_connect_timeout=self.timeout_s)
+        watcher = redis.Redis.from_url(self.url, socket_connect_timeout=self.timeout_s)
+        pubsub = watcher.pubsub()
+        try:
+            await self._turn_on_notifications(client)
+            await pubsub.psubscribe(self.keys.channel_pattern)
+            held = await self._scan(client)
+            self._client = client
+            self._index = held
+            if held:
+                self._log.stored(list(k[1] for k in held), list(held.values()), [None] * len(held))
+                self._notify()
+            log.info("remote_tier_connected", url=_redacted(self.url), blocks=len(held))
+            while True:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+                batch = [msg]
+                while (more := await pubsub.get_message(ignore_subscribe_messages=True)):
+                    batch.append(more)
+                await self._apply(client, [m for m in batch if m is not None])
+        finally:
+            await pubsub.aclose()
+            await watcher.aclose()
+            if self._client is not client:
+                await client.aclose()
+
+    async def _turn_on_notifications(self, client: Any) -> None:
+        have = (await client.config_get("notify-keyspace-events")).get(
+            b"notify-keyspace-events", b"").decode()
+        if "A" in have:  # "A" stands for "g$lshzxet"
+            have = have.replace("A", "g$lshzxet")
+        missing = "".join(c for c in KEYSPACE_EVENTS if c not in have)
+        if missing:
+            await client.config_set("notify-keyspace-events", have + missing)
+            log.info("remote_tier_notifications_on", flags=have + missing)
+
+    async def _scan(self, client: Any) -> dict[BlockKey, int | None]:
+        """What the store holds in our scope, with each block's parent."""
+        held: dict[BlockKey, int | None] = {}
+        names: list[bytes] = []
+        async for name in client.scan_iter(match=self.keys.match, count=1000):
+            names.append(name)
+            if len(names) == 1000:
+                held.update(await self._parents(client, names))
+                names = []
+        held.update(await self._parents(client, names))
+        return held
+
+    async def _parents(self, client: Any, names: Sequence[bytes]) -> dict[BlockKey, int | None]:
+        keyed = [(key, name) for name in names if (key := self.keys.key_of(name)) is not None]
+        if not keyed:
+            return {}
+        pipe = client.pipeline(transaction=False)
+        for _, name in keyed:
+            pipe.getrange(name, 0, HEADER_BYTES - 1)
+        heads = await pipe.execute()
+        out: dict[BlockKey, int | None] = {}
+        for (key, _), head in zip(keyed, heads, strict=True):
+            ok, parent = value_parent(head, key, self.block_bytes)
+            if ok:  # else: gone meanwhile, or written by another layout
+                out[key] = parent
+        return out
+
+    async def _apply(self, client: Any, batch: list[dict[str, Any]]) -> None:
+        """Keyspace notifications, in order: a ``set`` of a block not held reads its
+        parent; a removal of a held one drops it."""
+        named = [(self.keys.key_of_channel(m["channel"]), m["data"]) for m in batch]
+        new = {key for key, what in named if what == b"set" and key is not None
+               and key not in self._index}
+        parents = await self._parents(client, [self.keys.name(k) for k in new]) if new else {}
+        index, log_ = self._index, self._log
+        stored: list[BlockKey] = []
+        for key, what in named:
+            if key is None:
+                continue
+            if what == b"set" and key in parents and key not in index:
+                index[key] = parents[key]
+                stored.append(key)
+            elif what in _REMOVED and key in index:
+                self._announce(stored)
+                stored = []
+                del index[key]
+                log_.removed([key[1]])
+        self._announce(stored)
+        self._notify()
+
+    def _announce(self, keys: list[BlockKey]) -> None:
+        if keys:
+            self._log.stored([k[1] for k in keys], [self._index[k] for k in keys],
+                             [None] * len(keys))
+
+    # ------------------------------------------------------------------- writes
+    def committed(self, blocks: Sequence[tuple[BlockKey, int]],
+                  parents: Sequence[int | None]) -> None:
+        """The host store's commit hook (write-through): queue blocks the store lacks."""
+        if self._client is None:
+            self.num_dropped += len(blocks)
+            return
+        index, queued, queue = self._index, self._queued, self._queue
+        for (key, _), parent in zip(blocks, parents, strict=True):
+            if key not in index and key not in queued:
+                queued.add(key)
+                queue.append((key, parent, None))
+        self._wake.set()
+
+    def spill(self, blocks: Sequence[tuple[BlockKey, int]], parents: Sequence[int | None],
+              rows: np.ndarray) -> None:
+        """The host store's eviction hook (write on eviction): ``rows[slot]`` holds each
+        block's bytes only until this returns, so they are copied into the queue."""
+        if self.write != "evict":
+            return
+        if self._client is None:
+            self.num_dropped += len(blocks)
+            return
+        for (key, slot), parent in zip(blocks, parents, strict=True):
+            if key in self._index or key in self._queued:
+                continue
+            if self._pending_bytes + self.value_bytes > self.max_pending_bytes:
+                self.num_dropped += 1
+                continue
+            self._queued.add(key)
+            self._queue.append((key, parent, pack_value(key, parent, rows[slot])))
+            self._pending_bytes += self.value_bytes
+        self._wake.set()
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._flush()
+
+    async def _flush(self) -> None:
+        per_batch = max(1, _BATCH_BYTES // self.value_bytes)
+        while self._queue:
+            n = min(per_batch, len(self._queue))
+            batch = [self._queue.popleft() for _ in range(n)]
+            await self._send(batch)
+
+    async def _send(self, batch: list[_Write]) -> None:
+        """``SET`` a batch; what it wrote joins the index (announced) at once."""
+        for key, _, value in batch:
+            self._queued.discard(key)
+            if value is not None:
+                self._pending_bytes -= self.value_bytes
+        # Values still in their slots are copied out here, with no await in between.
+        slots = self._slots_of([key for key, _, value in batch if value is None])
+        rows, it = self._rows, iter(slots)
+        ready: list[tuple[BlockKey, int | None, bytes]] = []
+        for key, parent, queued in batch:
+            value = queued
+            if value is None:
+                slot = next(it)
+                if slot is None:  # evicted before it could be sent
+                    self.num_dropped += 1
+                    continue
+                value = pack_value(key, parent, rows[slot])
+            ready.append((key, parent, value))
+        client = self._client
+        if not ready:
+            return
+        if client is None:
+            self.num_dropped += len(ready)
+            return
+        pipe = client.pipeline(transaction=False)
+        for key, _, value in ready:
+            pipe.set(self.keys.name(key), value)
+        self._sending = len(ready)
+        try:
+            await pipe.execute()
+        except Exception as exc:
+            self.num_errors += 1
+            self.num_dropped += len(ready)
+            log.warning("remote_tier_write_failed", blocks=len(ready),
+                        error=f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            self._sending = 0
+        if self._client is not client:  # it went away meanwhile: the index was cleared
+            return
+        fresh = [(key, parent) for key, parent, _ in ready if key not in self._index]
+        for key, parent in fresh:
+            self._index[key] = parent
+        self.num_writes += len(ready)
+        self.num_write_bytes += len(ready) * self.value_bytes
+        if fresh:
+            self._log.stored([k[1] for k, _ in fresh], [p for _, p in fresh], [None] * len(fresh))
+            self._notify()
+
+    # -------------------------------------------------------------------- reads
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._index
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """The store keeps its own LRU (a read is a use there)."""
+
+    def read_into(self, key: BlockKey, dst: np.ndarray) -> bool:
+        """A read that cannot wait for the network: always a miss (see ``read_many``)."""
+        return False
+
+    async def read_many(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> list[bool]:
+        """Fetch, check and copy each ``(key, dst)``; False for a miss (not held, gone,
+        corrupt, or the store away)."""
+        out = [False] * len(items)
+        per_batch = max(1, _BATCH_BYTES // self.value_bytes)
+        for start in range(0, len(items), per_batch):
+            chunk = items[start : start + per_batch]
+            client = self._client
+            if client is None:
+                return out
+            try:
+                values = await client.mget([self.keys.name(key) for key, _ in chunk])
+            except Exception as exc:
+                self.num_errors += 1
+                log.warning("remote_tier_read_failed", blocks=len(chunk),
+                            error=f"{type(exc).__name__}: {exc}")
+                return out
+            problems = await asyncio.to_thread(self._unpack, chunk, values)
+            for i, ((key, _), value, problem) in enumerate(
+                    zip(chunk, values, problems, strict=True)):
+                out[start + i] = self._finish_read(key, value, problem)
+        return out
+
+    def _unpack(self, chunk: Sequence[tuple[BlockKey, np.ndarray]],
+                values: list[bytes | None]) -> list[str | None]:
+        """Check each value and copy its payload into its slot (a worker thread)."""
+        return [None if value is None else check_value(value, key, self.block_bytes, dst)
+                for (key, dst), value in zip(chunk, values, strict=True)]
+
+    def _finish_read(self, key: BlockKey, value: bytes | None, problem: str | None) -> bool:
+        if value is None:  # the notification of its removal is on its way
+            self.num_misses += 1
+            return False
+        if problem is not None:
+            self.num_corrupt += 1
+            log.warning("remote_tier_block_corrupt", key=key, problem=problem)
+            self.remove([key])
+            return False
+        self.num_reads += 1
+        self.num_read_bytes += self.value_bytes
+        return True
+
+    # ------------------------------------------------------------ removal, events
+    def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Delete the keys from the store (in the background); per key, whether it held it."""
+        out = [key in self._index for key in keys]
+        gone = [key for key, held in zip(keys, out, strict=True) if held]
+        if gone and self._client is not None:
+            for key in gone:
+                del self._index[key]
+            self._log.removed([key[1] for key in gone])
+            task = asyncio.get_running_loop().create_task(self._delete(self._client, gone))
+            self._tasks.append(task)
+            task.add_done_callback(self._tasks.remove)
+        return out
+
+    async def _delete(self, client: Any, keys: list[BlockKey]) -> None:
+        try:
+            await client.delete(*[self.keys.name(key) for key in keys])
+        except Exception as exc:
+            self.num_errors += 1
+            log.warning("remote_tier_delete_failed", blocks=len(keys), error=str(exc))
+
+    def take_events(self) -> list[KVEvent]:
+        return self._log.take()
+
+    def stats(self) -> RemoteTierStats:
+        return RemoteTierStats(
+            connected=self._client is not None,
+            num_blocks=len(self._index),
+            num_writes=self.num_writes,
+            num_write_bytes=self.num_write_bytes,
+            num_reads=self.num_reads,
+            num_read_bytes=self.num_read_bytes,
+            num_misses=self.num_misses,
+            num_corrupt=self.num_corrupt,
+            num_errors=self.num_errors,
+            num_dropped=self.num_dropped,
+            num_pending=len(self._queue) + self._sending,
+        )
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password (``redis://:secret@host`` → ``redis://:***@host``)."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not at or ":" not in creds:
+        return url
+    return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
