@@ -3,10 +3,10 @@
 Built from the normalized events of many workers (``kvcore.events``). It is a
 pure, synchronous core: no I/O, no asyncio; the gateway feeds it and asks it.
 
-Data layout, per tier: ``holders`` maps a canonical block hash to a bitmask of the workers
-holding it (one bit per worker). Per worker and tier we keep the block → parent map and a
-count of held children per parent, which is what makes eviction of a parent before its
-children visible.
+Data layout, per tier: one ``BlockTable`` (``block_table.py``) maps each block hash to one
+packed int: the workers holding it, the workers holding a child of it, and its parent. Per
+worker and tier only two counters remain (blocks held, orphans), so a block costs one dict
+entry however many workers hold it.
 
 Why matching is not a walk over every block: block hashes are chained, so a worker that holds
 block ``i`` of a request stored blocks ``0..i-1`` with it. As long as it has not since lost
@@ -20,11 +20,9 @@ instead, so answers are always exact (the property tests compare with brute forc
 
 from __future__ import annotations
 
-import enum
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvcore.events import (
     BlockRemoved,
@@ -36,42 +34,12 @@ from kvcore.events import (
     WorkerSnapshot,
 )
 from kvcore.wire import WireError, decode, encode
+from routing.placement.block_table import BlockTable, Held
+from routing.placement.index_stats import ApplyOutcome, IndexStats
 
 __all__ = ["ApplyOutcome", "IndexStats", "PrefixIndex"]
 
 _NUM_TIERS = len(Tier)
-_MISSING: Any = object()
-
-
-class ApplyOutcome(enum.Enum):
-    """What ``PrefixIndex.apply`` did with an event."""
-
-    APPLIED = "applied"
-    NEW_EPOCH = "new_epoch"  # the worker restarted: its blocks were cleared, then applied
-    GAP = "gap"  # applied, but events were missed before it: the worker needs a resync
-    DUPLICATE = "duplicate"  # seq already applied (a replay overlap or out-of-order): dropped
-    STALE_EPOCH = "stale_epoch"  # from an epoch older than the worker's current one: dropped
-
-
-@dataclass(slots=True)
-class IndexStats:
-    """Counters of everything unusual the index has seen (never reset)."""
-
-    events_applied: int = 0
-    events_duplicate: int = 0
-    events_stale_epoch: int = 0
-    gaps: int = 0
-    new_epochs: int = 0
-    duplicate_blocks: int = 0  # stored blocks the worker already held
-    unknown_removals: int = 0  # removed blocks the worker did not hold
-    self_parented_blocks: int = 0  # corrupt: a block named as its own parent (skipped)
-
-
-@dataclass(slots=True)
-class _WorkerTier:
-    parents: dict[int, int | None] = field(default_factory=dict)  # held block → its parent
-    children: dict[int, int] = field(default_factory=dict)  # parent → held children count
-    orphans: int = 0  # held blocks whose parent is set but not held
 
 
 @dataclass(slots=True)
@@ -81,24 +49,18 @@ class _Worker:
     epoch: int = 0
     seq: int = 0
     needs_resync: bool = False
-    tiers: list[_WorkerTier] = field(default_factory=lambda: [_WorkerTier() for _ in Tier])
-
-
-@dataclass(slots=True)
-class _TierTable:
-    holders: dict[int, int] = field(default_factory=dict)  # block hash → worker bitmask
-    dirty: int = 0  # bitmask of workers with orphans in this tier (matched linearly)
+    tiers: list[Held] = field(default_factory=lambda: [Held() for _ in Tier])
 
 
 class PrefixIndex:
     """Leading-block overlap of a request with every worker's cache, per tier."""
 
     def __init__(self) -> None:
-        self._tables = [_TierTable() for _ in Tier]
+        self.stats = IndexStats()
+        self._tables = [BlockTable(self.stats) for _ in Tier]
         self._workers: dict[str, _Worker] = {}
         self._names: list[str | None] = []  # bit index → worker id (None: free slot)
         self._free_slots: list[int] = []
-        self.stats = IndexStats()
 
     # --- events -----------------------------------------------------------------------
 
@@ -165,8 +127,8 @@ class PrefixIndex:
         if not block_hashes:
             return {}
         table = self._tables[tier]
-        get = table.holders.get
-        first = get(block_hashes[0], 0)
+        get = table.nodes.get
+        first = get(block_hashes[0], 0) & table.holders  # the holders bits only
         if not first:
             return {}
         names = self._names
@@ -206,7 +168,7 @@ class PrefixIndex:
         """``match`` for every tier that has any block; tiers with no holder are left out."""
         out: dict[Tier, dict[str, int]] = {}
         for tier in Tier:
-            if self._tables[tier].holders:
+            if self._tables[tier].nodes:
                 scores = self.match(block_hashes, tier)
                 if scores:
                     out[tier] = scores
@@ -216,32 +178,31 @@ class PrefixIndex:
         """Indexed (worker, block) pairs, optionally for one worker and/or one tier."""
         workers = self._workers.values() if worker_id is None else [self._workers[worker_id]]
         tiers = list(Tier) if tier is None else [tier]
-        return sum(len(w.tiers[t].parents) for w in workers for t in tiers)
+        return sum(w.tiers[t].blocks for w in workers for t in tiers)
 
     def orphan_blocks(self) -> int:
         """Held blocks whose parent the same worker no longer holds (prefix-property breaks)."""
         return sum(wt.orphans for w in self._workers.values() for wt in w.tiers)
 
     def memory_bytes(self) -> int:
-        """An estimate of the index's Python heap: dict tables plus the int objects they own."""
-        int_bytes = sys.getsizeof(1 << 63)
-        # Hash keys are 64-bit ints (one object each); masks of up to 8 workers are cached ints.
-        total = sum(sys.getsizeof(t.holders) + len(t.holders) * int_bytes for t in self._tables)
-        for worker in self._workers.values():
-            for wt in worker.tiers:
-                total += sys.getsizeof(wt.parents) + sys.getsizeof(wt.children)
-        return total
+        """An estimate of the index's Python heap: the tables plus the int objects they own."""
+        int_bytes = sys.getsizeof(1 << 63)  # a 64-bit hash key; a packed value is as large
+        return sum(
+            sys.getsizeof(t.nodes) + len(t.nodes) * 2 * int_bytes + sys.getsizeof(t.multi)
+            for t in self._tables
+        )
 
     # --- snapshots --------------------------------------------------------------------
 
     def worker_snapshot(self, worker_id: str) -> WorkerSnapshot:
         """Everything one worker holds, at its current (epoch, seq)."""
         worker = self._workers[worker_id]
-        tiers = [
-            TierBlocks(Tier(t), list(wt.parents), list(wt.parents.values()))
-            for t, wt in enumerate(worker.tiers)
-            if wt.parents
-        ]
+        tiers = []
+        for t, held in enumerate(worker.tiers):
+            if held.blocks:
+                table = self._tables[t]
+                blocks = table.blocks_of(worker.bit)
+                tiers.append(TierBlocks(Tier(t), blocks, list(table.parents(blocks))))
         return WorkerSnapshot(worker.worker_id, worker.epoch, worker.seq, tiers)
 
     def load_worker_snapshot(self, snapshot: WorkerSnapshot) -> None:
@@ -290,6 +251,12 @@ class PrefixIndex:
         else:
             slot = len(self._names)
             self._names.append(worker_id)
+        width = self._tables[0].width
+        if slot >= width:
+            while slot >= width:
+                width *= 2
+            for table in self._tables:
+                table.widen(width)
         worker = _Worker(worker_id, 1 << slot, epoch=first.epoch)
         self._workers[worker_id] = worker
         return worker
@@ -297,80 +264,31 @@ class PrefixIndex:
     def _store(
         self, worker: _Worker, tier: int, block_hashes: Sequence[int], parent: int | None
     ) -> None:
-        wt = worker.tiers[tier]
-        holders = self._tables[tier].holders
-        parents, children = wt.parents, wt.children
-        bit = worker.bit
-        orphans = wt.orphans
         if block_hashes and block_hashes[0] == parent:
             self.stats.self_parented_blocks += 1
             block_hashes = block_hashes[1:]
-        for block in block_hashes:
-            if block in parents:
-                self.stats.duplicate_blocks += 1
-                parent = block
-                continue
-            holders[block] = holders.get(block, 0) | bit
-            parents[block] = parent
-            if parent is not None:
-                children[parent] = children.get(parent, 0) + 1
-                if parent not in parents:
-                    orphans += 1
-            adopted = children.get(block)
-            if adopted:
-                orphans -= adopted  # children stored before this parent are no longer orphans
-            parent = block
-        self._set_orphans(wt, tier, bit, orphans)
+        held = worker.tiers[tier]
+        orphans = self._tables[tier].store(held, worker.bit, block_hashes, parent)
+        if orphans != held.orphans:
+            self._set_orphans(held, tier, worker.bit, orphans)
 
     def _remove(self, worker: _Worker, tier: int, block_hashes: Sequence[int]) -> None:
-        wt = worker.tiers[tier]
-        holders = self._tables[tier].holders
-        parents, children = wt.parents, wt.children
-        clear = ~worker.bit
-        orphans = wt.orphans
-        missing = _MISSING
-        for block in block_hashes:
-            parent = parents.pop(block, missing)
-            if parent is missing:
-                self.stats.unknown_removals += 1
-                continue
-            mask = holders[block] & clear
-            if mask:
-                holders[block] = mask
-            else:
-                del holders[block]
-            if parent is not None:
-                count = children[parent] - 1
-                if count:
-                    children[parent] = count
-                else:
-                    del children[parent]
-                if parent not in parents:
-                    orphans -= 1
-            abandoned = children.get(block)
-            if abandoned:
-                orphans += abandoned
-        self._set_orphans(wt, tier, worker.bit, orphans)
+        held = worker.tiers[tier]
+        orphans = self._tables[tier].remove(held, worker.bit, block_hashes)
+        if orphans != held.orphans:
+            self._set_orphans(held, tier, worker.bit, orphans)
 
-    def _set_orphans(self, wt: _WorkerTier, tier: int, bit: int, orphans: int) -> None:
-        if orphans != wt.orphans:
-            wt.orphans = orphans
-            table = self._tables[tier]
-            table.dirty = (table.dirty | bit) if orphans else (table.dirty & ~bit)
+    def _set_orphans(self, held: Held, tier: int, bit: int, orphans: int) -> None:
+        held.orphans = orphans
+        table = self._tables[tier]
+        table.dirty = (table.dirty | bit) if orphans else (table.dirty & ~bit)
 
     def _clear_tier(self, worker: _Worker, tier: int) -> None:
-        wt = worker.tiers[tier]
-        holders = self._tables[tier].holders
-        clear = ~worker.bit
-        for block in wt.parents:
-            mask = holders[block] & clear
-            if mask:
-                holders[block] = mask
-            else:
-                del holders[block]
-        wt.parents.clear()
-        wt.children.clear()
-        self._set_orphans(wt, tier, worker.bit, 0)
+        held = worker.tiers[tier]
+        if held.blocks:
+            blocks = self._tables[tier].blocks_of(worker.bit)
+            blocks.reverse()  # children first: nothing is orphaned on the way
+            self._remove(worker, tier, blocks)
 
     def _clear_worker(self, worker: _Worker) -> None:
         for tier in range(_NUM_TIERS):
