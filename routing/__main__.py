@@ -14,6 +14,7 @@ import uvloop
 from kvcore.logs import configure_logging
 from routing.config import RouterConfig
 from routing.flags import gateway_config
+from routing.replicas.deps import MissingExtraError
 from routing.serve.gateway import Gateway, load_config_summary
 
 __all__ = ["main"]
@@ -54,7 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(cfg.log_level.value)
     try:
         return uvloop.run(serve(cfg))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, MissingExtraError) as exc:
         print(f"kvsidecar gateway: {exc}", file=sys.stderr)
         return 2
 

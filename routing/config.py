@@ -88,6 +88,14 @@ class RouterConfig:
     approx_ttl_s: float = 120.0
     max_model_len: int | None = None
     max_in_flight_per_worker: int | None = None
+    # Admission control (routing/pipeline/admission.py): busy thresholds, the waiting queue,
+    # and x-session-id affinity.
+    busy_kv_fraction: float | None = None
+    busy_prefill_tokens: int | None = None
+    queue_timeout_s: float = 0.0  # 0: a request finding every worker busy is refused at once
+    queue_max: int = 1024
+    session_affinity: bool = False
+    session_ttl_s: float = 600.0
     host: str = "127.0.0.1"
     port: int = 8000
     log_level: LogLevel = LogLevel.INFO
@@ -114,6 +122,10 @@ class RouterConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     sidecar_token_file: Path | None = None
+    # Replicas that agree over NATS (routing/replicas, docs/replicas.md); None: alone.
+    nats_url: str | None = None
+    nats_subject_prefix: str | None = None  # None: kvsidecar.<model>
+    nats_peer_timeout_s: float = 3.0  # a replica silent this long has its load dropped
 
     def __post_init__(self) -> None:
         if not (self.workers or self.sidecars or self.sidecar_file
@@ -160,6 +172,16 @@ class RouterConfig:
             raise ValueError(
                 f"max_in_flight_per_worker must be >= 1, got {self.max_in_flight_per_worker}"
             )
+        if self.busy_kv_fraction is not None and not 0 < self.busy_kv_fraction <= 1:
+            raise ValueError(f"busy_kv_fraction must be in (0, 1], got {self.busy_kv_fraction}")
+        if self.busy_prefill_tokens is not None and self.busy_prefill_tokens < 1:
+            raise ValueError(f"busy_prefill_tokens must be >= 1, got {self.busy_prefill_tokens}")
+        if not math.isfinite(self.queue_timeout_s) or self.queue_timeout_s < 0:
+            raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s!r}")
+        if self.queue_max < 1:
+            raise ValueError(f"queue_max must be >= 1, got {self.queue_max}")
+        if not math.isfinite(self.session_ttl_s) or self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
@@ -193,8 +215,23 @@ class RouterConfig:
             path = getattr(self, name)
             if path is not None and not path.is_file():
                 raise ValueError(f"--{name.replace('_', '-')} {path} is not a readable file")
+        self._check_nats()
         if self.model_path is not None and not (self.model_path / "tokenizer.json").is_file():
             raise ValueError(f"--model-path {self.model_path} has no tokenizer.json")
+
+    def _check_nats(self) -> None:
+        if self.nats_url is not None:
+            for url in self.nats_url.split(","):
+                parts = urlsplit(url.strip())
+                if parts.scheme not in ("nats", "tls") or not parts.hostname:
+                    raise ValueError(f"--nats must be nats://HOST:PORT (or tls://, comma-"
+                                     f"separated for a cluster), got {self.nats_url!r}")
+        prefix = self.nats_subject_prefix
+        if prefix is not None and not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", prefix):
+            raise ValueError("--nats-subject-prefix must be dot-separated tokens of letters, "
+                             f"digits, '_' and '-', got {prefix!r}")
+        if not math.isfinite(self.nats_peer_timeout_s) or self.nats_peer_timeout_s <= 0:
+            raise ValueError(f"nats_peer_timeout_s must be > 0, got {self.nats_peer_timeout_s!r}")
 
     def _check_k8s(self) -> None:
         if self.discover_k8s_selector is None:

@@ -45,6 +45,12 @@ def gateway_config(
             approx_ttl_s=args.approx_ttl_s,
             max_model_len=args.max_model_len,
             max_in_flight_per_worker=args.max_in_flight_per_worker,
+            busy_kv_fraction=args.busy_kv_fraction,
+            busy_prefill_tokens=args.busy_prefill_tokens,
+            queue_timeout_s=args.queue_timeout_s,
+            queue_max=args.queue_max,
+            session_affinity=args.session_affinity,
+            session_ttl_s=args.session_ttl_s,
             host=args.host,
             port=args.port,
             log_level=LogLevel(args.log_level),
@@ -68,6 +74,9 @@ def gateway_config(
             tls_cert=_path(args.tls_cert),
             tls_key=_path(args.tls_key),
             sidecar_token_file=_path(args.sidecar_token_file),
+            nats_url=args.nats,
+            nats_subject_prefix=args.nats_subject_prefix,
+            nats_peer_timeout_s=args.nats_peer_timeout_s,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -229,12 +238,55 @@ def _parser() -> argparse.ArgumentParser:
         default=120.0,
         help="how long a routed prefix counts as cached without events",
     )
-    r.add_argument(
+    a = p.add_argument_group("admission control (when a worker is busy, and what then)")
+    a.add_argument(
         "--max-in-flight-per-worker",
         type=int,
         metavar="N",
-        help="a worker with N requests in flight takes no more; 429 when all are "
-        "saturated (default: unlimited)",
+        help="a worker with N requests in flight (from this gateway) is busy "
+        "(default: unlimited)",
+    )
+    a.add_argument(
+        "--busy-kv-fraction",
+        type=float,
+        metavar="F",
+        help="a worker whose active requests hold F of its KV capacity (0 < F <= 1; from its "
+        "engine's load report where it publishes one) is busy (default: off)",
+    )
+    a.add_argument(
+        "--busy-prefill-tokens",
+        type=int,
+        metavar="N",
+        help="a worker with N prompt tokens waiting for prefill is busy (default: off)",
+    )
+    a.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="when every worker is busy, a request waits up to S seconds for one (FIFO, "
+        "higher x-kvsidecar-priority first), then gets 503 with retry-after; 0 (default): "
+        "429 with retry-after at once",
+    )
+    a.add_argument(
+        "--queue-max",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="requests that may wait at once; past it, 429 with retry-after (default 1024)",
+    )
+    a.add_argument(
+        "--session-affinity",
+        action="store_true",
+        help="keep a client's x-session-id on the worker that served it last, while that "
+        "worker is routable and not busy (placement reason 'affinity')",
+    )
+    a.add_argument(
+        "--session-ttl-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="how long a session stays pinned after its last request (default 600)",
     )
     r.add_argument("--seed", type=int, help="seed of the random choices (tests)")
     d = p.add_argument_group("prefill/decode disaggregation (sidecars with --role prefill/decode)")
@@ -274,6 +326,25 @@ def _parser() -> argparse.ArgumentParser:
         default=30.0,
         help="how long a request waits for room in a full decode pool before 503 "
         "(default 30)",
+    )
+    n = p.add_argument_group("gateway replicas (docs/replicas.md)")
+    n.add_argument(
+        "--nats",
+        metavar="URL",
+        help="nats://HOST:PORT: share placements and in-flight load with the other gateway "
+        "replicas on this NATS server, so replicas behind one balancer place like one gateway "
+        "(the 'nats' extra; default: alone)",
+    )
+    n.add_argument(
+        "--nats-subject-prefix",
+        metavar="PREFIX",
+        help="subjects of this fleet's replicas (default: kvsidecar.<model name>)",
+    )
+    n.add_argument(
+        "--nats-peer-timeout-s",
+        type=float,
+        default=3.0,
+        help="a replica not heard from this long has its load dropped here (default 3)",
     )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import (
@@ -102,6 +102,8 @@ class GatewayMetrics:
         self.client_aborts = 0
         self.unauthorized = 0  # refused for a missing or unknown API key (--api-key-file)
         self.rate_limited = 0  # refused with 429 by a tenant's rate limit
+        self.session_affinity_hits = 0  # placed on their x-session-id's worker
+        self.admission: AdmissionCounts | None = None  # the admission queue, when there is one
         self.upstream_timeouts = 0
         self.predicted_cached_tokens = 0
         self.actual_cached_tokens = 0
@@ -110,6 +112,7 @@ class GatewayMetrics:
         self.completion_tokens = 0
         self.tokenizer_cache_hit_tokens = 0
         self.tokenized_tokens = 0
+        self.tokenized_off_loop = 0  # requests whose long prompt was tokenized in a thread
         self.engine_openai_requests = 0  # sent on with the client's body (see sidecar_body)
         self.media_requests = 0  # prompts with images: hashed in their media's namespace
         self.ttft = Histogram(_LATENCY_BUCKETS_S)
@@ -197,7 +200,7 @@ class _Collector:
             "Scored placements (kv, approx) by why the chosen worker won: best (it held the "
             "deepest overlap), tie, only_candidate, load (a deeper worker was busier), tier "
             "(the deeper match was in a slower tier), capacity (every deeper worker was "
-            "full), sampled (--temperature)",
+            "full), sampled (--temperature), affinity (the client's x-session-id)",
             labels=["reason"],
         )
         for reason, n in sorted(m.placement_reasons.items()):
@@ -218,6 +221,11 @@ class _Collector:
             ("retries", "Requests retried on another worker before the first byte", m.retries),
             ("unauthorized", "Requests refused for a missing or unknown API key", m.unauthorized),
             ("rate_limited", "Requests refused by their tenant's rate limit", m.rate_limited),
+            (
+                "session_affinity_hits",
+                "Requests placed on the worker their x-session-id was pinned to",
+                m.session_affinity_hits,
+            ),
             (
                 "client_aborts",
                 "Requests whose client went away (upstream aborted)",
@@ -268,6 +276,11 @@ class _Collector:
                 m.tokenized_tokens,
             ),
             (
+                "tokenized_off_loop",
+                "Requests whose long uncached prompt was tokenized in a worker thread",
+                m.tokenized_off_loop,
+            ),
+            (
                 "tokenizer_cache_hit_tokens",
                 "Of those, tokens reused from the segment cache",
                 m.tokenizer_cache_hit_tokens,
@@ -286,6 +299,8 @@ class _Collector:
             ),
         ):
             yield HistogramMetricFamily(p + name, doc, buckets=h.buckets(), sum_value=h.total)
+        if m.admission is not None:
+            yield from _admission_metrics(p, m.admission)
         if m._gauges is None:
             return
         state = m._gauges()
@@ -341,3 +356,30 @@ class _Collector:
                     if reading[key] is not None:
                         family.add_metric([wid], reading[key])
         yield from (healthy, in_flight, blocks, prefill, parity, source, *engine.values())
+
+
+class AdmissionCounts(Protocol):
+    """What the admission queue counts (``routing.pipeline.admission.AdmissionQueue``)."""
+
+    num_queued: int
+    num_admitted: int
+    num_expired: int
+    num_full: int
+
+    def __len__(self) -> int: ...
+
+
+def _admission_metrics(p: str, q: AdmissionCounts) -> list[Metric]:
+    c = CounterMetricFamily(
+        p + "admission_requests",
+        "Requests that found every worker busy, by outcome: queued (waited), admitted "
+        "(placed after waiting), expired (503 after --queue-timeout-s), full (429: the queue "
+        "was full)",
+        labels=["outcome"],
+    )
+    for outcome, n in (("queued", q.num_queued), ("admitted", q.num_admitted),
+                       ("expired", q.num_expired), ("full", q.num_full)):
+        c.add_metric([outcome], n)
+    waiting = GaugeMetricFamily(p + "admission_waiting", "Requests waiting for a worker now",
+                                value=len(q))
+    return [c, waiting]

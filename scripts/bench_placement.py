@@ -17,6 +17,11 @@ text: the same ``tokenizers`` tokenizer on the whole text + Dynamo's
 ``compute_block_hash_for_seq`` + ``RadixTree.find_matches`` (no scoring) from
 ``ai-dynamo-runtime``. Ratios are baseline / ours (>= 1: we are as fast or faster).
 
+Also the event loop's hold for a cold prompt: the gateway tokenizes an uncached text of
+8,192 characters or more in a worker thread (``routing.pipeline.admit``), so the loop is held
+only for the passes before and after it; ``loop_hold_*_vs_inline`` sets that against doing
+it all on the loop.
+
     scripts/bench_placement.py [--model-path DIR] [--json FILE]
 """
 
@@ -36,10 +41,11 @@ sys.path.insert(0, str(ROOT))
 
 from kvcore import BlockHasher, Namespace  # noqa: E402
 from kvcore.events import BlockStored, Tier  # noqa: E402
+from routing.pipeline.admit import DEFER_CHARS  # noqa: E402
 from routing.placement.kv_router import KvRouter  # noqa: E402
 from routing.prompt.chat_template import ChatTemplate  # noqa: E402
 from routing.prompt.hash_cache import PrefixHashCache  # noqa: E402
-from routing.prompt.tokenizer import PromptTokenizer  # noqa: E402
+from routing.prompt.tokenizer import PromptTokenizer, TokenizeLater  # noqa: E402
 
 BLOCK_SIZE = 16
 WORKERS = [f"worker-{i}" for i in range(8)]
@@ -157,11 +163,28 @@ class Bench:
             out.append(self.template.render(self.chat(system, turns)))
         return out
 
-    def ours(self, text: str) -> object:
+    def ours(self, text: str, defer_chars: int | None = None) -> object:
         bounds: list[tuple[int, int]] = []
-        tokens = self.tok.encode_chat(text, bounds)
+        tokens = self.tok.encode_chat(text, bounds, defer_chars)
         hashes = self.hash_cache.hash_tokens(tokens, bounds, self.seed)
         return self.router.place(hashes, len(tokens), WORKERS)
+
+    def loop_hold(self, text: str) -> float:
+        """µs the event loop is held placing ``text`` as the gateway does: the pass that
+        hands a long uncached text off, then the pass with its ids (the tokenizing in a
+        thread between them is not on the loop)."""
+        t0 = time.perf_counter()
+        try:
+            self.ours(text, DEFER_CHARS)
+        except TokenizeLater as later:
+            hold = time.perf_counter() - t0
+            ids = self.tok.encode_off_loop(later.text, later.add_special_tokens)
+            self.tok.offer(later.text, later.add_special_tokens, ids)
+            t1 = time.perf_counter()
+            self.ours(text, DEFER_CHARS)
+            self.tok.withdraw()
+            return (hold + time.perf_counter() - t1) * 1e6
+        return (time.perf_counter() - t0) * 1e6
 
     def theirs(self, text: str) -> object:
         tokens = self.tok.encode_full(text, False)
@@ -195,6 +218,18 @@ def run(model_path: Path, sessions: int, reps: int) -> dict[str, float]:
                 theirs = [timed(lambda q=q: bench.theirs(q)) for q in queries]
                 fig[f"dynamo_placement_{label}_{kind}_p50_us"] = percentile(theirs, 0.5)
                 fig[f"dynamo_placement_{label}_{kind}_p99_us"] = percentile(theirs, 0.99)
+        # The event loop's longest hold for a cold prompt: all of it inline, against the
+        # gateway's way (a long uncached text tokenized in a thread).
+        inline, deferred = [], []
+        for q in bench.queries(size, max(10, reps // 8), warm=False):
+            bench.tok.clear_cache()
+            bench.hash_cache.clear()
+            inline.append(timed(lambda q=q: bench.ours(q)))
+            bench.tok.clear_cache()
+            bench.hash_cache.clear()
+            deferred.append(bench.loop_hold(q))
+        fig[f"loop_hold_{label}_cold_inline_p50_us"] = percentile(inline, 0.5)
+        fig[f"loop_hold_{label}_cold_p50_us"] = percentile(deferred, 0.5)
         # Where the time goes, on one cold prompt: each step alone.
         q = bench.queries(size, 1, warm=False)[0]
         toks = bench.tok.encode_full(q, False)
@@ -224,7 +259,9 @@ COMPARED = [
 
 
 def ratios(fig: dict[str, float]) -> dict[str, float]:
-    out = {}
+    out = {f"loop_hold_{s}_cold_p50_us_vs_inline": fig[f"loop_hold_{s}_cold_inline_p50_us"]
+           / fig[f"loop_hold_{s}_cold_p50_us"] for s in ("1k", "16k")
+           if fig.get(f"loop_hold_{s}_cold_p50_us")}
     for name in COMPARED:
         ours = fig.get(
             name if not name.startswith("match") else name.replace("match", "match_score")
@@ -265,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{ours_name:<32}{ours:>12,.1f}{(f'{theirs:,.1f}' if theirs else '-'):>12}"
             f"{(f'{r:.2f}' if r else '-'):>8}"
         )
+    for label in ("1k", "16k"):
+        inline = fig[f"loop_hold_{label}_cold_inline_p50_us"]
+        held = fig[f"loop_hold_{label}_cold_p50_us"]
+        print(f"{'loop hold ' + label + ' cold (inline)':<32}{held:>12,.1f}{inline:>12,.1f}"
+              f"{inline / held:>8.2f}")
     for label in ("1k", "16k"):
         name = f"tokenize_{label}_p50_us"
         print(f"{name + ' (same lib)':<32}{fig[name]:>12,.1f}")

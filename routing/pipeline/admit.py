@@ -7,6 +7,7 @@ OpenAI-shaped error and still finishes through its record (metrics, log line).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ import orjson
 
 from kvcore.errors import OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
+from routing.pipeline.admission import PRIORITY_HEADER, parse_priority
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.exchange import Exchange
 from routing.pipeline.legs import LegTarget
@@ -24,8 +26,16 @@ from routing.pipeline.pair import PairExchange
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.sidecar_body import takes_token_path
 from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
+from routing.prompt.preparer import PreparedPrompt
+from routing.prompt.tokenizer import TokenizeLater
 
-__all__ = ["TenantAdmission", "admit", "check_model"]
+__all__ = ["SESSION_HEADER", "TenantAdmission", "admit", "check_model"]
+
+SESSION_HEADER = b"x-session-id"
+# Uncached prompt text this long (about 2,000 tokens, a few ms of tokenizing) is tokenized in
+# a worker thread; a pass that meets another such text tries again, at most this many times.
+DEFER_CHARS = 8192
+_DEFER_ATTEMPTS = 3
 
 
 class TenantAdmission(Protocol):
@@ -60,26 +70,74 @@ def admit(
 ) -> None:
     """Parse, check and prepare ``request``, then start its exchange. A ``tenant``'s salt
     joins the request's cache salt (so its namespace) and its prompt tokens plus
-    ``max_tokens`` are taken from its token budget."""
+    ``max_tokens`` are taken from its token budget. A long uncached prompt is tokenized in
+    a worker thread (``_tokenize_off_loop``), so the event loop never waits on it."""
     # ``_value_``: the member's value without the ``value`` descriptor's two calls
     record = RequestRecord(key, request_id, endpoint._value_, 0, time.monotonic())
     try:
+        priority = 0 if ctx.admission is None else _priority(request.headers.get(PRIORITY_HEADER))
         parsed = check_model(parse_request(endpoint, request.body), ctx.model_names())
         if tenant is not None and parsed.prompted:
             parsed = _salted(parsed, tenant.salt)
-        prepared = ctx.prompts.prepare(parsed)
-        if tenant is not None:
-            wait_s = tenant.take_tokens(prepared.prompt_tokens + (parsed.max_tokens or 0))
-            if wait_s:
-                ctx.metrics.rate_limited += 1
-                raise _OverTokenLimit(tenant.name, wait_s)
-    except OpenAIError as exc:
-        record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
-        reply_headers = b"x-request-id: %s\r\n" % request_id
-        if isinstance(exc, _OverTokenLimit):
-            reply_headers += b"retry-after: %d\r\n" % max(1, math.ceil(exc.wait_s))
-        conn.respond(exc.status, exc.body(), extra_headers=reply_headers)
+        prepared = ctx.prompts.prepare(parsed, DEFER_CHARS)
+    except TokenizeLater as later:
+        ctx.metrics.tokenized_off_loop += 1
+        ctx.spawn(_tokenize_off_loop(ctx, conn, request, record, parsed, priority, tenant,
+                                     later))
         return
+    except OpenAIError as exc:
+        _refuse(ctx, conn, record, exc)
+        return
+    _start(ctx, conn, request, record, parsed, prepared, priority, tenant)
+
+
+async def _tokenize_off_loop(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
+                             record: RequestRecord, parsed: OpenAIRequest, priority: int,
+                             tenant: TenantAdmission | None, later: TokenizeLater) -> None:
+    """Tokenize ``later``'s text in a thread, then prepare again (its ids offered to the
+    tokenizer, taken by that pass, with no await in between) and start the exchange."""
+    tok = ctx.prompts.tokenizer
+    assert tok is not None  # only a tokenizer defers
+    for attempt in range(_DEFER_ATTEMPTS):
+        ids = await asyncio.to_thread(tok.encode_off_loop, later.text, later.add_special_tokens)
+        if conn.closed:  # the client went away meanwhile
+            record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
+            return
+        tok.offer(later.text, later.add_special_tokens, ids)
+        try:
+            last = attempt == _DEFER_ATTEMPTS - 1
+            prepared = ctx.prompts.prepare(parsed, None if last else DEFER_CHARS)
+        except TokenizeLater as again:  # another long text (the cache changed meanwhile)
+            later = again
+            continue
+        except OpenAIError as exc:
+            _refuse(ctx, conn, record, exc)
+            return
+        finally:
+            tok.withdraw()
+        _start(ctx, conn, request, record, parsed, prepared, priority, tenant)
+        return
+
+
+def _refuse(ctx: PipelineContext, conn: ServerConnection, record: RequestRecord,
+            exc: OpenAIError) -> None:
+    record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
+    reply_headers = b"x-request-id: %s\r\n" % record.request_id
+    if isinstance(exc, _OverTokenLimit):
+        reply_headers += b"retry-after: %d\r\n" % max(1, math.ceil(exc.wait_s))
+    conn.respond(exc.status, exc.body(), extra_headers=reply_headers)
+
+
+def _start(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
+           record: RequestRecord, parsed: OpenAIRequest, prepared: PreparedPrompt,
+           priority: int, tenant: TenantAdmission | None) -> None:
+    """Take the tenant's tokens, count, and start the exchange."""
+    if tenant is not None:
+        wait_s = tenant.take_tokens(prepared.prompt_tokens + (parsed.max_tokens or 0))
+        if wait_s:
+            ctx.metrics.rate_limited += 1
+            _refuse(ctx, conn, record, _OverTokenLimit(tenant.name, wait_s))
+            return
     if prepared.media:
         ctx.metrics.media_requests += 1
     if prepared.timed:
@@ -100,12 +158,24 @@ def admit(
         request.path,
         body,
         prepared.token_ids,
-        request_id,
+        record.request_id,
         extra,
         token_path,
     )
     kind = Exchange if ctx.pd is None else PairExchange
-    kind(ctx, conn, record, parsed, prepared, target).start()
+    exchange = kind(ctx, conn, record, parsed, prepared, target)
+    exchange.priority = priority
+    if ctx.sessions is not None:
+        exchange.session = headers.get(SESSION_HEADER)
+    exchange.start()
+
+
+def _priority(raw: bytes | None) -> int:
+    try:
+        return parse_priority(raw)
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), "invalid_request_error",
+                          param=PRIORITY_HEADER.decode()) from None
 
 
 def _salted(parsed: OpenAIRequest, tenant_salt: str) -> OpenAIRequest:

@@ -10,8 +10,10 @@ from typing import Any, Protocol
 from routing.http.client import UpstreamPool
 from routing.metrics import GatewayMetrics
 from routing.pd.coordinator import PdCoordinator
+from routing.pipeline.admission import AdmissionQueue, Busy
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import Policy
+from routing.placement.sessions import SessionAffinity
 from routing.prompt.preparer import PromptPreparer
 from routing.workers.registry import WorkerRegistry
 
@@ -40,6 +42,8 @@ class PipelineContext:
     spawn: Callable[[Coroutine[Any, Any, None]], asyncio.Task[None]]
     in_flight: dict[str, InFlightRequest]  # by key: the sweep times them out, stop drains them
     model_names: Callable[[], Sequence[str]]  # the names clients may ask for (empty: any)
-    max_in_flight_per_worker: int | None
+    busy: Busy | None  # when a worker takes no more (None: never busy)
+    admission: AdmissionQueue | None  # where requests wait when every worker is busy
+    sessions: SessionAffinity | None  # x-session-id → worker (None: no affinity)
     forwarded_headers: tuple[bytes, ...]  # client headers the workers see too (lower-case)
     log_requests: bool  # one canonical log line per request (debug level)

@@ -53,10 +53,12 @@ class Exchange:
         "done",
         "last_activity",
         "leg",
+        "priority",
         "prompt",
         "record",
         "relay",
         "request",
+        "session",
         "stale_retry_used",
         "target",
         "tried",
@@ -84,6 +86,8 @@ class Exchange:
         self.done = False
         self.last_activity = record.t_start
         self._error_parts: list[bytes] | None = None  # an error reply held (``_holds_errors``)
+        self.priority = 0  # x-kvsidecar-priority: its place in the admission queue
+        self.session: bytes | None = None  # x-session-id, with --session-affinity
 
     # --- place ---------------------------------------------------------------------------
 
@@ -93,14 +97,47 @@ class Exchange:
         self._place()
 
     def _place_aggregated(self) -> None:
-        placed = place_aggregated(self.ctx, self.prompt, self.tried)
+        placed = place_aggregated(self.ctx, self.prompt, self.tried, session=self.session)
         self._placed()
+        if isinstance(placed, Refusal) and placed.busy:
+            queue = self.ctx.admission
+            if queue is not None and queue.offer(self):
+                return  # it waits: ``admit_waiting`` places it, or ``wait_expired`` answers
+            retry_after = 1 if queue is None else queue.retry_after_s
+            message = placed.message if queue is None else (
+                f"{placed.message}; {len(queue)} requests are already waiting")
+            self._reply_error(placed.status, message, placed.type,
+                              b"retry-after: %d\r\n" % retry_after)
+            return
+        self._go(placed)
+
+    def _go(self, placed: tuple[Worker, Placement] | Refusal) -> None:
         if isinstance(placed, Refusal):
             self._reply_error(placed.status, placed.message, placed.type)
             return
         worker, placement = placed
         self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
         self._run_leg(worker, placement, "a")
+
+    # --- the admission queue's ``Waiter`` -------------------------------------------------
+
+    def admit_waiting(self) -> bool:
+        """Place it now, unless every worker is still busy."""
+        if self.done:
+            return True
+        placed = place_aggregated(self.ctx, self.prompt, self.tried, session=self.session)
+        if isinstance(placed, Refusal) and placed.busy:
+            return False
+        self.last_activity = time.monotonic()
+        self._go(placed)
+        return True
+
+    def wait_expired(self, waited_s: float) -> None:
+        queue = self.ctx.admission
+        assert queue is not None
+        self._reply_error(503, f"every worker stayed busy for {waited_s:.1f}s "
+                          f"(--queue-timeout-s {queue.timeout_s:g}); retry later",
+                          "service_unavailable", b"retry-after: %d\r\n" % queue.retry_after_s)
 
     _place = _place_aggregated  # a pair's exchange places a pair first (``pair.py``)
 
@@ -174,6 +211,8 @@ class Exchange:
                 self.ctx.router.load.finish(leg.key)
             except UnknownRequestError:  # its worker left meanwhile, and its accounting
                 pass
+            if self.ctx.admission is not None:  # room for a waiting request, maybe
+                self.ctx.admission.wake()
 
     def leg_failed(self, leg: Leg, why: str, stale: bool) -> None:
         """``leg`` failed before the first byte of its reply: try again, elsewhere."""

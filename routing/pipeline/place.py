@@ -6,11 +6,13 @@ when the request goes to a pair, and asks here otherwise (and to re-run a failed
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from routing.pipeline.context import PipelineContext
-from routing.placement.scorer import Placement
+from routing.placement.scorer import Placement, Reason
+from routing.placement.sessions import SessionAffinity
 from routing.prompt.preparer import PreparedPrompt
 from routing.workers.registry import Role, Worker
 
@@ -19,11 +21,13 @@ __all__ = ["Refusal", "place_aggregated", "place_rerun"]
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
-    """No worker for the request: the error the client gets."""
+    """No worker for the request: the error the client gets. ``busy``: every worker was
+    busy (the request may wait for one: ``routing.pipeline.admission``)."""
 
     status: int
     message: str
     type: str
+    busy: bool = False
 
 
 def place_aggregated(
@@ -31,36 +35,56 @@ def place_aggregated(
     prompt: PreparedPrompt,
     tried: set[str],
     only: Callable[[Worker], bool] | None = None,
+    session: bytes | None = None,
 ) -> tuple[Worker, Placement] | Refusal:
     """A worker of the aggregated pool by ``--router-mode``, never one in ``tried``, none
-    past ``--max-in-flight-per-worker``; with ``only``, among the workers it accepts (the
-    endpoint picker's subset hint)."""
+    busy (``ctx.busy``); with ``only``, among the workers it accepts (the endpoint picker's
+    subset hint); with ``session``, the session's worker while it is eligible."""
     if only is None:
         ids = ctx.workers.routable_ids(Role.AGG)
     else:
         ids = [w.worker_id for w in ctx.workers.routable(Role.AGG) if only(w)]
     if not ids:
         return _none_left(tried, "no healthy worker is available")
-    cap = ctx.max_in_flight_per_worker
-    full: Sequence[str] = ()  # at the cap: achievable overlap for a prefix policy, not chosen
-    if cap is not None:
-        load = ctx.router.load
-        open_ids = [i for i in ids if load.in_flight_on(i) < cap]
-        if not open_ids:
-            return Refusal(
-                429,
-                f"every worker is saturated ({cap} requests in flight each); retry later",
-                "rate_limit_exceeded",
-            )
-        if len(open_ids) < len(ids) and ctx.policy.uses_prefix:
-            full = [i for i in ids if load.in_flight_on(i) >= cap]
-        ids = open_ids
-    placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried, full)
+    full: Sequence[str] = ()  # busy: achievable overlap for a prefix policy, not chosen
+    if ctx.busy is not None:
+        full = ctx.busy.of(ctx.router.load, ids)
+        if full:
+            if len(full) == len(ids):
+                return Refusal(429, f"every worker is busy ({ctx.busy.describe()}); retry "
+                               "later", "rate_limit_exceeded", busy=True)
+            busy = set(full)
+            ids = [i for i in ids if i not in busy]
+            if not ctx.policy.uses_prefix:
+                full = ()
+    sessions = ctx.sessions if session is not None else None
+    placement = None
+    if sessions is not None:
+        placement = _pinned(ctx, sessions, session, prompt, ids, tried)  # type: ignore[arg-type]
+    if placement is None:
+        placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried,
+                                      full)
     if placement is None:
         return _none_left(tried, "no worker available")
+    if sessions is not None:
+        sessions.placed(session, placement.worker_id, time.monotonic())  # type: ignore[arg-type]
     worker = ctx.workers.get(placement.worker_id)
     assert worker is not None  # placed among the registry's workers, synchronously
     return worker, placement
+
+
+def _pinned(ctx: PipelineContext, sessions: SessionAffinity, session: bytes,
+            prompt: PreparedPrompt, ids: list[str], tried: set[str]) -> Placement | None:
+    """The session's worker, if it is among the eligible ``ids``."""
+    worker_id = sessions.worker_of(session, time.monotonic())
+    if worker_id is None or worker_id not in ids or worker_id in tried:
+        return None
+    placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, [worker_id],
+                                  tried, ())
+    if placement is None:
+        return None
+    ctx.metrics.session_affinity_hits += 1
+    return replace(placement, reason=Reason.AFFINITY)
 
 
 def place_rerun(ctx: PipelineContext, prompt: PreparedPrompt) -> tuple[Worker, Placement] | None:

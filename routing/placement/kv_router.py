@@ -35,11 +35,14 @@ class KvRouter:
         speculative_ttl_s: float = 2.0,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        load: ActiveLoad | None = None,
     ) -> None:
+        """``load``: the active load to keep (a subclass shares it with other gateway
+        replicas: ``routing.replicas``); a plain ``ActiveLoad`` by default."""
         self.block_size = block_size
         self.index = PrefixIndex()
         self.pending = PendingPrefixes(speculative_ttl_s)
-        self.load = ActiveLoad(block_size)
+        self.load = ActiveLoad(block_size) if load is None else load
         self.scorer = Scorer(weights or ScoringWeights(), block_size, rng)
         self._clock = clock
 

@@ -145,8 +145,9 @@ class Reason:
     TIER = "tier"  # the deeper match lies in a slower tier, credited less than a shallower one
     CAPACITY = "capacity"  # every deeper worker was full (in-flight cap, or no room to decode)
     SAMPLED = "sampled"  # --temperature drew a worker costlier than the cheapest
+    AFFINITY = "affinity"  # the client's session (x-session-id) is pinned to the worker
 
-    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED)
+    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED, AFFINITY)
 
 
 @dataclass(frozen=True, slots=True)

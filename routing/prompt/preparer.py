@@ -77,11 +77,14 @@ class PromptPreparer:
         self.max_model_len = max_model_len
         self.hash_cache = PrefixHashCache(hasher)
 
-    def prepare(self, req: OpenAIRequest) -> PreparedPrompt:
+    def prepare(self, req: OpenAIRequest, defer_chars: int | None = None) -> PreparedPrompt:
+        """The request's tokens and block hashes. ``defer_chars``: an uncached text at least
+        this long is not tokenized here but raises ``TokenizeLater`` (tokenize it in a
+        thread, ``offer`` the ids to the tokenizer, and prepare again)."""
         if not req.prompted:  # placed by load: nothing to hash
             return PreparedPrompt((), 0, None, False)
         bounds: list[tuple[int, int]] = []
-        tokens, body, hits, tokenized = self._tokens(req, bounds)
+        tokens, body, hits, tokenized = self._tokens(req, bounds, defer_chars)
         if tokens is None:
             return PreparedPrompt((), len(req.body.get("prompt") or "") // 4, None, False)
         if tokenized or req.prompt_ids is not None:  # real token ids, not pseudo-tokens
@@ -99,7 +102,7 @@ class PromptPreparer:
                               media is not None)
 
     def _tokens(
-        self, req: OpenAIRequest, bounds: list[tuple[int, int]]
+        self, req: OpenAIRequest, bounds: list[tuple[int, int]], defer_chars: int | None
     ) -> tuple[list[int] | None, bytes | None, int, int]:
         """(tokens or None, rewritten body, cache-hit tokens, tokens produced); fills
         ``bounds`` with the prefix keys of the text that was tokenized."""
@@ -120,11 +123,11 @@ class PromptPreparer:
             return _pseudo_tokens(text), None, 0, 0
         before = tok.hit_tokens
         if req.endpoint is Endpoint.CHAT:
-            tokens = tok.encode_chat(self.render(req), bounds)
+            tokens = tok.encode_chat(self.render(req), bounds, defer_chars)
             return tokens, None, tok.hit_tokens - before, len(tokens)
         if req.prompt_text is None:
             return None, None, 0, 0  # a batch of prompts: forwarded as is, not placed by prefix
-        tokens = tok.encode_completion(req.prompt_text)
+        tokens = tok.encode_completion(req.prompt_text, defer_chars)
         bounds.append((hash(req.prompt_text), len(tokens)))
         body = dict(req.body)
         body["prompt"] = tokens

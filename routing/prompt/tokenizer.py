@@ -20,7 +20,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-__all__ = ["PromptTokenizer"]
+__all__ = ["PromptTokenizer", "TokenizeLater"]
 
 _PROBE = (
     "{s0}system{s1}\n\nYou are helpful.  Be brief{s2}{s0}user{s1}\n\n hello  world\n"
@@ -40,6 +40,16 @@ def _prepends_to_first_piece_only(node: Any) -> bool:
     return False
 
 
+class TokenizeLater(Exception):
+    """A text too long to tokenize on the event loop (the ``defer_chars`` of an encode): the
+    caller runs ``encode_off_loop`` in a thread, ``offer``s the ids and prepares again."""
+
+    def __init__(self, text: str, add_special_tokens: bool) -> None:
+        super().__init__(f"{len(text)} characters to tokenize off the event loop")
+        self.text = text
+        self.add_special_tokens = add_special_tokens
+
+
 class PromptTokenizer:
     """Text → token ids for completions (with the tokenizer's special tokens) and for
     rendered chats (the template already holds them)."""
@@ -50,6 +60,9 @@ class PromptTokenizer:
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
         self._cached_tokens = 0
         self.hit_tokens = 0  # tokens served from the cache (a counter, never reset)
+        # Long texts tokenized in a worker thread, waiting for the pass that asked for them
+        # (``TokenizeLater``), by (text, add_special_tokens).
+        self._ready: dict[tuple[str, bool], list[int]] = {}
         cut_tokens = {
             token_id: t.content
             for token_id, t in tokenizer.get_added_tokens_decoder().items()
@@ -81,29 +94,57 @@ class PromptTokenizer:
 
     def encode_full(self, text: str, add_special_tokens: bool) -> list[int]:
         """Uncached tokenization of the whole text (the reference the cache must equal)."""
+        return self._encode(text, add_special_tokens)
+
+    def encode_off_loop(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Tokenize in any thread: the library's batch call, which releases the GIL (its
+        single-text call holds it); touches none of this object's state."""
+        ids: list[int] = self._tok.encode_batch(
+            [text], add_special_tokens=add_special_tokens)[0].ids
+        return ids
+
+    def offer(self, text: str, add_special_tokens: bool, ids: list[int]) -> None:
+        """Ids ``encode_off_loop`` made, for the pass that runs next (then ``withdraw``)."""
+        self._ready[(text, add_special_tokens)] = ids
+
+    def withdraw(self) -> None:
+        """Drop offered ids that the pass did not take."""
+        self._ready.clear()
+
+    def _encode(self, text: str, add_special_tokens: bool, defer_chars: int | None = None
+                ) -> list[int]:
+        if self._ready:
+            ready = self._ready.pop((text, add_special_tokens), None)
+            if ready is not None:
+                return ready
+        if defer_chars is not None and len(text) >= defer_chars:
+            raise TokenizeLater(text, add_special_tokens)
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def encode_completion(self, text: str) -> list[int]:
-        """A completion prompt: with the special tokens the tokenizer adds (BOS)."""
+    def encode_completion(self, text: str, defer_chars: int | None = None) -> list[int]:
+        """A completion prompt: with the special tokens the tokenizer adds (BOS).
+        ``defer_chars``: an uncached text this long raises ``TokenizeLater``."""
         cached = self._lookup(text)
         if cached is not None:
             return list(cached)
-        ids = self.encode_full(text, True)
+        ids = self._encode(text, True, defer_chars)
         self._store(text, ids)
         return ids
 
-    def encode_chat(self, rendered: str, bounds: list[tuple[int, int]] | None = None) -> list[int]:
+    def encode_chat(self, rendered: str, bounds: list[tuple[int, int]] | None = None,
+                    defer_chars: int | None = None) -> list[int]:
         """A rendered chat (no special tokens added): cached piece by piece.
 
         With ``bounds`` given, appends ``(prefix key, tokens so far)`` at every piece boundary:
         equal keys mean equal rendered prefixes, so a caller can cache per-prefix results
-        (the gateway caches block hashes that way).
+        (the gateway caches block hashes that way). ``defer_chars``: an uncached text this
+        long raises ``TokenizeLater``.
         """
         if not self.segmented:
             ids = self._lookup(rendered)
             if ids is None:
-                ids = self.encode_full(rendered, False)
+                ids = self._encode(rendered, False, defer_chars)
                 self._store(rendered, ids)
             if bounds is not None:
                 bounds.append((hash(rendered), len(ids)))
@@ -114,7 +155,7 @@ class PromptTokenizer:
         for k, piece in enumerate(pieces):
             hit = self._lookup(piece)
             if hit is None:  # tokenize the rest in one call, from this safe cut point
-                tail = self._encode_tail(pieces[k:], ends[k:], open_tail)
+                tail = self._encode_tail(pieces[k:], ends[k:], open_tail, defer_chars)
                 if bounds is not None:
                     base = len(out)
                     for piece_k, end in tail[1]:
@@ -148,12 +189,12 @@ class PromptTokenizer:
         return pieces, ends, False
 
     def _encode_tail(
-        self, pieces: list[str], ends: list[str], open_tail: bool
+        self, pieces: list[str], ends: list[str], open_tail: bool, defer_chars: int | None
     ) -> tuple[list[int], list[tuple[str, int]]]:
         """Tokenize pieces as one text (one library call, cheaper than a batch of small ones),
         then cut the ids after each special token to cache every piece. Returns the ids and
         (piece, end offset in the ids) for every piece that could be cut out."""
-        ids: list[int] = self._tok.encode("".join(pieces), add_special_tokens=False).ids
+        ids = self._encode("".join(pieces), False, defer_chars)
         wanted = [self._id_of[content] for content in ends]
         # The cut tokens must appear exactly where the text has them, and nowhere else.
         if sum(ids.count(t) for t in set(wanted)) != len(wanted):

@@ -30,15 +30,19 @@ from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.metrics import GatewayMetrics
 from routing.pd.coordinator import FailurePolicy, PdCoordinator, PdMode
+from routing.pipeline.admission import AdmissionQueue, Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
 from routing.placement.scorer import ScoringWeights
+from routing.placement.sessions import SessionAffinity
 from routing.prompt.chat_template import ChatTemplate
 from routing.prompt.openai_api import Endpoint
 from routing.prompt.preparer import PromptPreparer
 from routing.prompt.tokenizer import PromptTokenizer
+from routing.replicas.link import ReplicaLink
+from routing.replicas.shared_load import SharedLoad
 from routing.serve.auth import ApiKeys, Tenant
 from routing.serve.rate_limit import RateLimits, retry_after_header
 from routing.workers.discovery import SidecarDiscovery
@@ -96,9 +100,13 @@ class Gateway:
         # Sidecars do, and their events confirm (or refute) a placement quickly.
         self.has_sidecars = bool(cfg.sidecars or cfg.sidecar_file or cfg.discover_k8s_selector)
         ttl = _SPECULATIVE_TTL_WITH_EVENTS_S if self.has_sidecars else cfg.approx_ttl_s
+        # With --nats the load is shared with the other replicas (routing/replicas).
+        shared = None if cfg.nats_url is None else SharedLoad(cfg.block_size)
         self.router = KvRouter(
-            block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng
+            block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng, load=shared
         )
+        self.replicas = None if shared is None else ReplicaLink.for_gateway(
+            cfg, self.router, shared)
         self.workers = WorkerRegistry(
             on_capacity=self.router.load.set_capacity,
             on_engine_load=self.router.load.set_engine_load,
@@ -114,6 +122,8 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None
         self.metrics = GatewayMetrics()
         self.metrics.set_gauge_source(self.workers_state)
+        if self.replicas is not None:
+            self.metrics.registry.register(self.replicas.metrics)
         # Prefill/decode pairs; the registry's pools keep aggregated requests off them.
         self.pd: PdCoordinator | None = None
         if self.has_sidecars:
@@ -140,6 +150,7 @@ class Gateway:
             max_model_len=_max_model_len(cfg),
         )
         self.pool = UpstreamPool(cfg.max_idle_connections_per_worker, cfg.connect_timeout_s)
+        busy = Busy(cfg.max_in_flight_per_worker, cfg.busy_kv_fraction, cfg.busy_prefill_tokens)
         self.ctx = PipelineContext(
             router=self.router,
             policy=policy,
@@ -151,11 +162,15 @@ class Gateway:
             spawn=self.spawn,
             in_flight={},
             model_names=self.model_names,
-            max_in_flight_per_worker=cfg.max_in_flight_per_worker,
+            busy=busy if busy.any else None,
+            admission=(AdmissionQueue(cfg.queue_timeout_s, cfg.queue_max)
+                       if cfg.queue_timeout_s > 0 and busy.any else None),
+            sessions=(SessionAffinity(cfg.session_ttl_s) if cfg.session_affinity else None),
             forwarded_headers=_FORWARDED_HEADERS
             + ((b"authorization",) if cfg.forward_authorization else ()),
             log_requests=cfg.log_level is LogLevel.DEBUG,
         )
+        self.metrics.admission = self.ctx.admission
         self.prober = WorkerProber(
             self.workers,
             timeout_s=cfg.connect_timeout_s,
@@ -186,6 +201,8 @@ class Gateway:
     async def follow_workers(self) -> None:
         """Probe the workers once, then keep probing them and following the sidecars (the
         endpoint picker, ``routing.epp``, runs this without the HTTP front)."""
+        if self.replicas is not None:
+            self.spawn(self.replicas.run())
         await self.prober.probe_all()
         if self.has_sidecars:
             self._start_sidecars()
@@ -214,6 +231,8 @@ class Gateway:
             await asyncio.sleep(0.05)
         for conn in list(self._connections):
             conn.abort()
+        if self.ctx.admission is not None:
+            self.ctx.admission.close()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -456,6 +475,10 @@ def load_config_summary(cfg: RouterConfig) -> dict[str, Any]:
         "model_path": str(cfg.model_path) if cfg.model_path else None,
         "block_size": cfg.block_size,
         "max_in_flight_per_worker": cfg.max_in_flight_per_worker,
+        "busy_kv_fraction": cfg.busy_kv_fraction,
+        "busy_prefill_tokens": cfg.busy_prefill_tokens,
+        "queue_timeout_s": cfg.queue_timeout_s,
+        "session_affinity": cfg.session_affinity,
         "api_keys": cfg.api_key_file is not None,
         "tls": cfg.tls_cert is not None,
         "sidecar_token": cfg.sidecar_token_file is not None,

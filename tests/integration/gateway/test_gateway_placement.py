@@ -164,3 +164,22 @@ async def test_prompt_over_context_limit_is_400(spawn, tiny_model_dir) -> None: 
     assert (await h.get_json(engine.url, "/_stats"))["requests"] == 0
     models = await h.get_json(gateway.url, "/v1/models")
     assert models["data"][0]["max_model_len"] == 128
+
+
+async def test_a_long_prompt_is_tokenized_off_the_event_loop(spawn, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """A prompt past 8,192 uncached characters is tokenized in a worker thread: the engine
+    still gets exactly the tokenizer's ids; the same prompt again comes from the cache."""
+    engine = spawn.engine()
+    gateway = spawn.gateway([engine], "--router-mode", "kv", "--model-path",
+                            str(tiny_model_dir), "--served-model-name", "fake-model",
+                            "--max-model-len", "65536")
+    text = "The quick brown fox jumps over the lazy dog. " * 200  # 9,000 characters
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    for _ in range(2):
+        status, _, body = await h.post(gateway.url, "/v1/completions",
+                                       {"model": "fake-model", "prompt": text, "max_tokens": 2})
+        assert status == 200, body
+        seen = (await h.get_json(engine.url, "/_stats"))["seen"][-1]["body"]
+        assert seen["prompt"] == tok.encode(text).ids
+    _, metrics = await h.get(gateway.url, "/metrics")
+    assert b"kvsidecar_gateway_tokenized_off_loop_total 1.0" in metrics

@@ -16,6 +16,7 @@ from routing.config import RouterMode, WorkerAddress
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.metrics import GatewayMetrics
+from routing.pipeline.admission import Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.legs import Leg, LegTarget
@@ -156,7 +157,9 @@ def context(*workers: Worker, cap: int | None = None) -> PipelineContext:
         spawn=asyncio.ensure_future,  # type: ignore[arg-type]
         in_flight={},
         model_names=lambda: ["m"],
-        max_in_flight_per_worker=cap,
+        busy=None if cap is None else Busy(max_in_flight=cap),
+        admission=None,
+        sessions=None,
         forwarded_headers=(b"traceparent",),
         log_requests=False,
     )

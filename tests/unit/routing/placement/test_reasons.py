@@ -110,7 +110,8 @@ class TestReasons:
         assert reasons == {"deep": Reason.BEST, "shallow": Reason.SAMPLED}
 
     def test_every_reason_is_listed(self) -> None:
-        assert len(set(Reason.ALL)) == 7
+        named = {v for k, v in vars(Reason).items() if k.isupper() and k != "ALL"}
+        assert set(Reason.ALL) == named and len(Reason.ALL) == len(named) == 8
 
 
 class TestRouter:

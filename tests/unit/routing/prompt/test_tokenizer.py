@@ -8,7 +8,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from routing.prompt.chat_template import ChatTemplate
-from routing.prompt.tokenizer import PromptTokenizer
+from routing.prompt.tokenizer import PromptTokenizer, TokenizeLater
 
 WORDS = [
     "the",
@@ -135,3 +135,31 @@ def test_reference_engine_model_if_present() -> None:
     messages = _conversation(random.Random(3), 5)
     text = template.render(messages)
     assert tok.encode_chat(text) == tok.encode_full(text, False)
+
+
+def test_a_long_text_is_handed_off_and_its_ids_taken_back(tiny_model_dir: Path) -> None:
+    """Past ``defer_chars`` an uncached text raises ``TokenizeLater``; the ids tokenized off
+    the loop (the GIL-releasing batch call) equal the whole-text ids, and the next pass takes
+    them; a cached text never defers."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    rng = random.Random(3)
+    long_chat = template.render(_conversation(rng, 40))
+    text = " ".join(rng.choices(WORDS, k=400))
+    for encode, special, source in (
+        (lambda d: tok.encode_chat(long_chat, None, d), False, long_chat),
+        (lambda d: tok.encode_completion(text, d), True, text),
+    ):
+        try:
+            encode(100)
+        except TokenizeLater as later:
+            assert later.add_special_tokens is special and later.text in source
+            ids = tok.encode_off_loop(later.text, later.add_special_tokens)
+            assert ids == tok.encode_full(later.text, special)
+            tok.offer(later.text, later.add_special_tokens, ids)
+            got = encode(100)
+            tok.withdraw()
+        else:
+            raise AssertionError("a long uncached text was tokenized on the caller's thread")
+        assert got == tok.encode_full(source, special)
+        assert encode(100) == got  # cached now: no deferral

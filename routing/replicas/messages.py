@@ -1,0 +1,111 @@
+"""What gateway replicas tell each other: placements and their lifecycle, batched per tick.
+
+A frame is one version byte and one msgpack ``ReplicaBatch`` (msgspec, array-like structs:
+no field names on the wire), as ``kvcore.wire`` frames events. Every batch carries its
+replica's id and a per-replica ``seq`` so a receiver sees a gap and asks for a snapshot
+(``ResyncRequest``); a batch with ``snapshot`` set lists every request the replica has in
+flight and replaces what the receiver knew of it. An empty batch is a heartbeat.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from kvcore.wire import WireError
+
+__all__ = [
+    "REPLICA_WIRE_VERSION",
+    "Finished",
+    "FirstToken",
+    "Placed",
+    "ReplicaBatch",
+    "ReplicaEvent",
+    "ResyncRequest",
+    "decode_batch",
+    "decode_resync",
+    "encode",
+]
+
+REPLICA_WIRE_VERSION = 1
+
+T = TypeVar("T")
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Placed(msgspec.Struct, frozen=True, array_like=True, tag=0):
+    """A request (leg) dispatched to ``worker_id``: its prompt blocks and uncached tokens."""
+
+    key: str
+    worker_id: str
+    block_hashes: Sequence[int]
+    prompt_tokens: _Count
+    prefill_tokens: _Count  # uncached prompt tokens, loading the worker until the first token
+
+
+class FirstToken(msgspec.Struct, frozen=True, array_like=True, tag=1):
+    """The request's prefill is done."""
+
+    key: str
+
+
+class Finished(msgspec.Struct, frozen=True, array_like=True, tag=2):
+    """The request ended (finished, failed or aborted)."""
+
+    key: str
+
+
+ReplicaEvent = Placed | FirstToken | Finished
+
+
+class ReplicaBatch(msgspec.Struct, frozen=True, array_like=True):
+    """One replica's events of one event-loop tick, in order."""
+
+    replica_id: str
+    seq: _Count
+    snapshot: bool
+    events: list[ReplicaEvent]
+
+
+class ResyncRequest(msgspec.Struct, frozen=True, array_like=True):
+    """Asks ``replica_id`` to publish a snapshot (a receiver missed some of its batches)."""
+
+    replica_id: str
+
+
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(ReplicaBatch)
+_resync_decoder = msgspec.msgpack.Decoder(ResyncRequest)
+
+
+def encode(message: ReplicaBatch | ResyncRequest) -> bytes:
+    """One frame: the version byte, then the message as msgpack."""
+    buf = bytearray(b"\x00")
+    buf[0] = REPLICA_WIRE_VERSION
+    _encoder.encode_into(message, buf, 1)
+    return bytes(buf)
+
+
+def decode_batch(frame: bytes) -> ReplicaBatch:
+    """The batch in ``frame``; ``WireError`` on anything else."""
+    return _decode(frame, _batch_decoder)
+
+
+def decode_resync(frame: bytes) -> ResyncRequest:
+    """The resync request in ``frame``; ``WireError`` on anything else."""
+    return _decode(frame, _resync_decoder)
+
+
+def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder[T]) -> T:
+    if len(frame) < 2:
+        raise WireError(f"replica frame of {len(frame)} bytes is too short")
+    if frame[0] != REPLICA_WIRE_VERSION:
+        raise WireError(
+            f"unsupported replica wire version {frame[0]}, expected {REPLICA_WIRE_VERSION}"
+        )
+    try:
+        return decoder.decode(memoryview(frame)[1:])
+    except (msgspec.MsgspecError, ValueError, TypeError, RecursionError) as exc:
+        raise WireError(f"invalid replica message: {exc} (head: {frame[:32].hex()})") from exc

@@ -1,0 +1,223 @@
+"""Gateway replicas that agree over NATS, through real processes: a nats-server (JetStream
+on), simulated engines with their sidecars, and two ``kvsidecar gateway --nats``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_nats import NatsServer
+from tests.support.gateway import routable
+from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[3]
+MODEL = ROOT / "refengine" / "models" / "tiny"
+EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
+                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
+WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory"]
+PEER_TIMEOUT_S = "1"
+
+
+@dataclass
+class Fleet:
+    nats: NatsServer
+    sidecar_urls: list[str]
+    tmp: Path
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """NATS and two simulated engines with sidecars, shared by the module's gateways. A
+    prompt's prefill takes seconds (2 ms a token), so it is still running while a second
+    gateway places the same prefix: only the first gateway's message can tell it where."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    procs: list[ManagedProcess] = []
+    nats = NatsServer(tmp).start()
+    try:
+        engines = ManagedProcess.start(
+            "engines",
+            ["refengine", "--compute", "sim", "--replicas", "2", "--port", "0",
+             "--sim-prefill-us-per-token", "2000", "--kv-events-config", EVENTS],
+            workdir=tmp,
+        )
+        procs.append(engines)
+        urls = [r["url"] for r in engines.wait_ready(60, count=2)]
+        for i, url in enumerate(urls):
+            procs.append(ManagedProcess.start(
+                f"sidecar-{i}",
+                ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}", "--port", "0"],
+                workdir=tmp,
+            ))
+        for sc in procs[1:]:
+            sc.wait_ready(60)
+        yield Fleet(nats, [sc.url for sc in procs[1:]], tmp)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+        nats.stop()
+
+
+@pytest.fixture
+def gateways(fleet: Fleet, tmp_path: Path) -> Iterator[list[ManagedProcess]]:
+    started: list[ManagedProcess] = []
+
+    def start(name: str, *extra: str) -> ManagedProcess:
+        flags = [f for url in fleet.sidecar_urls for f in ("--sidecar", url)]
+        gw = ManagedProcess.start(
+            name,
+            ["routing", "--port", "0", "--model-path", str(MODEL), "--seed", "1",
+             "--health-check-interval-s", "0.5", *flags, *extra],
+            workdir=tmp_path,
+        )
+        started.append(gw)
+        gw.wait_ready(60)
+        return gw
+
+    nats = ("--nats", fleet.nats.url, "--nats-peer-timeout-s", PEER_TIMEOUT_S)
+    start("gateway-a", *nats)
+    start("gateway-b", *nats)
+    yield started
+    for gw in reversed(started):
+        gw.stop()
+
+
+def text(seed: int, words: int) -> str:
+    return " ".join(WORDS[(seed * 7 + i * 3) % len(WORDS)] + str((seed + i) % 97)
+                    for i in range(words))
+
+
+def body(system: str, max_tokens: int, stream: bool) -> dict[str, object]:
+    return {"model": "tiny", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "hello"}]}
+
+
+async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        page = await resp.text()
+    found = re.search(rf"^{name} (\S+)$", page, re.MULTILINE)
+    assert found is not None, f"{name} is not in {url}/metrics"
+    return float(found.group(1))
+
+
+async def reaches(session: aiohttp.ClientSession, url: str, name: str, value: float) -> None:
+    async def check() -> bool:
+        seen = await metric(session, url, name)
+        assert seen == value, f"{name} is {seen}, waiting for {value}"
+        return True
+
+    await eventually(check, f"{name} == {value} at {url}", timeout_s=20)
+
+
+@asynccontextmanager
+async def streaming(session: aiohttp.ClientSession, url: str, system: str) -> AsyncIterator[str]:
+    """A long stream held open through ``url``; yields the worker it was placed on."""
+    async with session.post(f"{url}/v1/chat/completions",
+                            json=body(system, 4000, stream=True)) as resp:
+        assert resp.status == 200
+        yield resp.headers["x-kvsidecar-worker"]
+
+
+async def chat(session: aiohttp.ClientSession, url: str, system: str) -> tuple[str, int]:
+    """(the worker, the blocks the gateway predicted cached there)."""
+    async with session.post(f"{url}/v1/chat/completions", json=body(system, 2, False)) as resp:
+        assert resp.status == 200, await resp.text()
+        return resp.headers["x-kvsidecar-worker"], int(resp.headers["x-kvsidecar-cached-blocks"])
+
+
+async def test_peer_placement_shows_up_and_draws_the_same_prefix(
+    gateways: list[ManagedProcess], session: aiohttp.ClientSession
+) -> None:
+    """A request placed through A counts in B's load at once, and B, while the prefix is
+    still being prefilled (no stored event yet), predicts it cached on A's worker and sends
+    the same prefix there."""
+    a, b = gateways
+    await routable(session, a.url, 2)
+    await routable(session, b.url, 2)
+    await reaches(session, b.url, "kvsidecar_gateway_replica_peers", 1)
+    for seed in range(3):
+        system = text(seed, 300)
+        through_a = asyncio.create_task(chat(session, a.url, system))
+        await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 1)
+        worker_b, predicted_b = await chat(session, b.url, system)
+        worker_a, predicted_a = await through_a
+        assert (worker_b, predicted_a) == (worker_a, 0)
+        assert predicted_b > 0  # only A's message could have told B
+        await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
+
+
+async def test_killed_gateway_leaves_no_load(
+    gateways: list[ManagedProcess], session: aiohttp.ClientSession
+) -> None:
+    """A gateway killed with requests in flight has its load dropped by the other."""
+    a, b = gateways
+    await routable(session, a.url, 2)
+    await reaches(session, b.url, "kvsidecar_gateway_replica_peers", 1)
+    async with streaming(session, a.url, text(11, 50)):
+        await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 1)
+        a.kill()
+    await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
+    await reaches(session, b.url, "kvsidecar_gateway_replica_peers", 0)
+    assert await metric(session, b.url, "kvsidecar_gateway_replica_peers_lost_total") == 1
+
+
+async def test_nats_down_both_keep_serving(
+    fleet: Fleet, gateways: list[ManagedProcess], session: aiohttp.ClientSession
+) -> None:
+    """NATS killed mid-run: both replicas keep serving alone, count it, and reconnect."""
+    a, b = gateways
+    for gw in gateways:
+        await routable(session, gw.url, 2)
+        await reaches(session, gw.url, "kvsidecar_gateway_replica_peers", 1)
+    fleet.nats.kill()
+    for gw in gateways:
+        await reaches(session, gw.url, "kvsidecar_gateway_replica_nats_connected", 0)
+    for seed in range(4):
+        for gw in gateways:
+            await chat(session, gw.url, text(20 + seed, 20))
+    assert await metric(session, a.url, "kvsidecar_gateway_replica_nats_disconnects_total") == 1
+    assert await metric(session, a.url, "kvsidecar_gateway_replica_events_dropped_total") > 0
+    fleet.nats.start()  # on the same port
+    for gw in gateways:
+        await reaches(session, gw.url, "kvsidecar_gateway_replica_nats_connected", 1)
+        await reaches(session, gw.url, "kvsidecar_gateway_replica_peers", 1)
+    async with streaming(session, a.url, text(30, 50)):
+        await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 1)
+
+
+async def test_unreachable_nats_at_start_and_no_nats(
+    fleet: Fleet, tmp_path: Path, session: aiohttp.ClientSession
+) -> None:
+    """A gateway whose NATS never answers serves alone; one without --nats has no link."""
+    flags = [f for url in fleet.sidecar_urls for f in ("--sidecar", url)]
+    started = []
+    try:
+        for name, extra in (("alone", []), ("unreachable", ["--nats", "nats://127.0.0.1:9"])):
+            gw = ManagedProcess.start(
+                name, ["routing", "--port", "0", "--model-path", str(MODEL), *flags, *extra],
+                workdir=tmp_path)
+            started.append(gw)
+            gw.wait_ready(60)
+            await routable(session, gw.url, 2)
+            await chat(session, gw.url, text(40, 20))
+        alone, unreachable = started
+        async with session.get(f"{alone.url}/metrics") as resp:
+            assert "replica_" not in await resp.text()
+        assert await metric(session, unreachable.url,
+                            "kvsidecar_gateway_replica_nats_connected") == 0
+        assert await metric(session, unreachable.url,
+                            "kvsidecar_gateway_replica_nats_errors_total") >= 1
+    finally:
+        for gw in reversed(started):
+            gw.stop()

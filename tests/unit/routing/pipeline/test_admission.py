@@ -1,0 +1,102 @@
+"""Admission control's parts: what makes a worker busy, the waiting queue's order and
+deadlines, the priority header, and session affinity's TTL and bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvcore.stream import EngineLoad
+from routing.pipeline.admission import AdmissionQueue, Busy, parse_priority
+from routing.placement.active_load import ActiveLoad
+from routing.placement.sessions import SessionAffinity
+from tests.support.polling import wait_for
+
+
+def test_each_threshold_makes_a_worker_busy() -> None:
+    load = ActiveLoad(block_size=16)
+    load.set_capacity("a", 100)
+    load.set_capacity("b", 100)
+    load.add("r1", "a", list(range(60)), prompt_tokens=960)  # 60 blocks, 960 to prefill
+    load.add("r2", "b", list(range(1000, 1010)), prompt_tokens=160)
+    assert Busy(max_in_flight=1).of(load, ["a", "b", "c"]) == ["a", "b"]
+    assert Busy(max_in_flight=2).of(load, ["a", "b"]) == []
+    assert Busy(kv_fraction=0.5).of(load, ["a", "b", "c"]) == ["a"]  # c reports no capacity
+    assert Busy(prefill_tokens=500).of(load, ["a", "b"]) == ["a"]
+    load.first_token("r1")  # prefilled: its tokens no longer wait
+    assert Busy(prefill_tokens=500).of(load, ["a", "b"]) == []
+    # The engine's own report counts what other clients put there.
+    load.set_engine_load("b", EngineLoad(running=1, queued=3, kv_used_tokens=16 * 90,
+                                         kv_capacity_tokens=1600, queued_prefill_tokens=4000))
+    assert Busy(kv_fraction=0.8).of(load, ["a", "b"]) == ["b"]
+    assert Busy(prefill_tokens=500).of(load, ["a", "b"]) == ["b"]
+    assert not Busy().any and Busy(prefill_tokens=1).any
+    with pytest.raises(ValueError, match="busy-kv-fraction"):
+        Busy(kv_fraction=1.5)
+
+
+def test_priority_header() -> None:
+    assert parse_priority(None) == 0 and parse_priority(b"-7") == -7
+    for bad in (b"high", b"1.5", b"100000"):
+        with pytest.raises(ValueError, match="x-kvsidecar-priority"):
+            parse_priority(bad)
+
+
+class _Waiter:
+    def __init__(self, name: str, priority: int, log: list[str]) -> None:
+        self.name, self.priority, self.done, self.log = name, priority, False, log
+        self.room = False
+
+    def admit_waiting(self) -> bool:
+        if not self.room:
+            return False
+        self.done = True
+        self.log.append(self.name)
+        return True
+
+    def wait_expired(self, waited_s: float) -> None:
+        self.done = True
+        self.log.append(f"{self.name} expired")
+
+
+async def test_the_queue_admits_by_priority_then_arrival_and_expires_the_rest() -> None:
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=0.3, max_waiting=3)
+    waiters = [_Waiter("a", 0, log), _Waiter("b", 2, log), _Waiter("c", 0, log)]
+    assert all(queue.offer(w) for w in waiters)
+    assert not queue.offer(_Waiter("d", 9, log)) and queue.num_full == 1
+    queue.wake()
+    await asyncio.sleep(0)  # one loop pass: every worker still busy
+    assert log == [] and len(queue) == 3
+    waiters[1].room = waiters[0].room = True  # room for two: b (priority 2), then a
+    queue.wake()
+    await wait_for(lambda: len(queue) == 1, "two admitted")
+    assert log == ["b", "a"]
+    await wait_for(lambda: not len(queue), "c to expire")
+    assert log == ["b", "a", "c expired"] and queue.num_expired == 1
+    assert (queue.num_queued, queue.num_admitted) == (3, 2)
+    queue.close()
+
+
+async def test_a_gone_client_leaves_the_queue_unanswered() -> None:
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=30, max_waiting=2)
+    gone = _Waiter("gone", 0, log)
+    assert queue.offer(gone)
+    gone.done = True  # its client went away (answered 499 by the exchange)
+    queue.wake()
+    await wait_for(lambda: not len(queue), "the gone request dropped")
+    assert log == [] and queue.num_admitted == 0
+    queue.close()
+
+
+def test_sessions_expire_and_stay_bounded() -> None:
+    sessions = SessionAffinity(ttl_s=10, max_sessions=2)
+    sessions.placed(b"s1", "w1", now=0)
+    sessions.placed(b"s2", "w2", now=1)
+    assert sessions.worker_of(b"s1", now=5) == "w1"
+    sessions.placed(b"s1", "w1", now=5)  # placed there again: the most recent now
+    sessions.placed(b"s3", "w1", now=6)  # past the bound: the least recent (s2) goes
+    assert sessions.worker_of(b"s2", now=6) is None and len(sessions) == 2
+    assert sessions.worker_of(b"s1", now=16) is None  # past the TTL
