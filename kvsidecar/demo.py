@@ -1,8 +1,14 @@
 """The demo workload of ``kvsidecar up --demo``: multi-turn chats sharing system prompts.
 
+Chosen so that placement matters, as in a fleet whose caches are full: more conversations
+than one replica's KV cache holds (``kvsidecar up --demo`` sizes each replica's KV pool to
+``DEMO_KV_TOKENS``), so a policy that keeps each conversation where its history is cached
+hits, and one that spreads its turns over the replicas evicts what the next turn needs.
+
 Each policy runs the same conversations against the same engines, with the engines' caches
-flushed in between, so the hit rates and TTFTs compare placement and nothing else. Hit rate
-is what the engines report: cached prompt tokens over prompt tokens, from ``usage``.
+flushed in between, so the hit rates, TTFTs and throughputs compare placement and nothing
+else. Hit rate is what the engines report: cached prompt tokens over prompt tokens, from
+``usage``.
 """
 
 from __future__ import annotations
@@ -17,7 +23,14 @@ from typing import Any
 import aiohttp
 import orjson
 
-__all__ = ["DemoResult", "run_demo"]
+__all__ = ["DEMO_KV_TOKENS", "DemoResult", "run_demo"]
+
+DEMO_KV_TOKENS = 16384  # each replica's KV pool in the demo: a few conversations' worth
+_SYSTEM_PROMPTS = 8
+_SYSTEM_WORDS = 400
+_TURNS = 4
+_TURN_WORDS = 300
+_THINK_S = (0.1, 0.4)  # between a reply and the next turn
 
 _WORDS = (
     "cache",
@@ -47,6 +60,7 @@ class DemoResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     workers_used: int
+    requests_per_s: float
 
 
 def _text(rng: random.Random, words: int) -> str:
@@ -55,8 +69,10 @@ def _text(rng: random.Random, words: int) -> str:
 
 def _conversations(count: int, seed: int = 3) -> list[tuple[str, list[str]]]:
     rng = random.Random(seed)
-    systems = [f"You are assistant {i}. " + _text(rng, 150) for i in range(4)]
-    return [(systems[i % len(systems)], [_text(rng, 120) for _ in range(4)]) for i in range(count)]
+    systems = [f"You are assistant {i}. " + _text(rng, _SYSTEM_WORDS)
+               for i in range(_SYSTEM_PROMPTS)]
+    return [(systems[i % len(systems)], [_text(rng, _TURN_WORDS) for _ in range(_TURNS)])
+            for i in range(count)]
 
 
 async def _chat(
@@ -103,11 +119,15 @@ async def _run_policy(
     workers: set[str] = set()
     gate = asyncio.Semaphore(concurrency)
 
+    think = random.Random(7)
+
     async def converse(session: aiohttp.ClientSession, system: str, turns: list[str]) -> None:
         nonlocal prompt, cached
         async with gate:
             messages = [{"role": "system", "content": system}]
-            for turn in turns:
+            for i, turn in enumerate(turns):
+                if i:  # the user reads the reply and types: other sessions' turns come between
+                    await asyncio.sleep(think.uniform(*_THINK_S))
                 messages.append({"role": "user", "content": turn})
                 reply, ttft, p, c, worker = await _chat(session, url, model, messages)
                 messages.append({"role": "assistant", "content": reply})
@@ -116,9 +136,11 @@ async def _run_policy(
                 cached += c
                 workers.add(worker)
 
+    started = time.monotonic()
     async with aiohttp.ClientSession() as session, asyncio.TaskGroup() as tg:
         for system, turns in _conversations(conversations):
             tg.create_task(converse(session, system, turns))
+    wall = time.monotonic() - started
     ttfts.sort()
     return DemoResult(
         name,
@@ -127,6 +149,7 @@ async def _run_policy(
         statistics.median(ttfts) * 1e3,
         ttfts[min(len(ttfts) - 1, int(len(ttfts) * 0.99))] * 1e3,
         len(workers),
+        len(ttfts) / wall,
     )
 
 
@@ -141,8 +164,8 @@ async def run_demo(
     gateways: dict[str, str],
     engine_urls: list[str],
     model: str,
-    conversations: int = 12,
-    concurrency: int = 4,
+    conversations: int = 32,
+    concurrency: int = 8,
 ) -> list[DemoResult]:
     """Run the workload once per gateway (policy name → URL), flushing caches in between."""
     results = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvsidecar.demo import DemoResult, run_demo
+from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
 from kvsidecar.launch import LaunchError, ManagedProcess
 
 _ROOT = Path(__file__).resolve().parent.parent
@@ -101,8 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-total-tokens",
         type=int,
-        default=32768,
-        help="KV pool of each engine, in tokens (default 32768)",
+        default=None,
+        help=f"KV pool of each engine, in tokens (default 32768; with --demo "
+        f"{DEMO_KV_TOKENS}, so that its conversations outgrow one replica's cache)",
     )
     p.add_argument(
         "--speedup",
@@ -113,8 +114,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--demo",
         action="store_true",
-        help="run a short workload through kv and round-robin placement and print "
-        "hit rate and TTFT side by side",
+        help="run a short multi-turn chat workload through kv, round-robin and "
+        "least-loaded placement and print hit rate, TTFT and throughput side by side",
     )
     p.add_argument(
         "--exit-after-demo",
@@ -291,16 +292,17 @@ def _print_status(url: str, workers: list[dict[str, object]], workdir: Path) -> 
     print(f"logs: {workdir}")
 
 
-def _print_demo(results: list[DemoResult]) -> None:
-    print("\ndemo: the same multi-turn chat workload through each placement policy")
+def _print_demo(results: list[DemoResult], kv_tokens: int) -> None:
+    print("\ndemo: the same multi-turn chats through each placement policy, more of them than "
+          f"one replica's KV cache ({kv_tokens:,} tokens) holds")
     print(
         f"{'policy':<14}{'requests':>9}{'hit rate':>10}{'TTFT p50 ms':>13}{'TTFT p99 ms':>13}"
-        f"{'workers used':>14}"
+        f"{'requests/s':>12}{'workers used':>14}"
     )
     for r in results:
         print(
             f"{r.policy:<14}{r.requests:>9}{r.hit_rate:>10.1%}{r.ttft_p50_ms:>13.1f}"
-            f"{r.ttft_p99_ms:>13.1f}{r.workers_used:>14}"
+            f"{r.ttft_p99_ms:>13.1f}{r.requests_per_s:>12.1f}{r.workers_used:>14}"
         )
 
 
@@ -329,23 +331,19 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             print("--demo compares aggregated placement policies; it is skipped with "
                   "--prefill/--decode (scripts/bench_disagg.py measures those)", file=sys.stderr)
         elif args.demo:
-            rr_url = await asyncio.to_thread(
-                _start_gateway,
-                "gateway-round-robin",
-                0,
-                "round-robin",
-                args,
-                sidecars,
-                workdir,
-                procs,
-            )
-            await _wait_routable(rr_url, args.replicas)
+            gateways = {args.router_mode: url}
+            for mode in ("round-robin", "least-loaded"):
+                if mode not in gateways:
+                    gateways[mode] = await asyncio.to_thread(
+                        _start_gateway, f"gateway-{mode}", 0, mode, args, sidecars, workdir,
+                        procs)
+                    await _wait_routable(gateways[mode], args.replicas)
             results = await run_demo(
-                {args.router_mode: url, "round-robin": rr_url},
+                gateways,
                 [engine_url for _, engine_url in engines],
                 model=Path(args.model_path).resolve().name,
             )
-            _print_demo(results)
+            _print_demo(results, args.max_total_tokens)
             if args.exit_after_demo:
                 return 0
         print("\nCtrl-C stops the stack.", flush=True)
@@ -366,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         args.replicas = 0 if args.prefill else 2
     if args.replicas < (0 if args.prefill else 1):
         _parser().error("--replicas must be >= 1 (>= 0 with --prefill/--decode)")
+    if args.max_total_tokens is None:
+        args.max_total_tokens = DEMO_KV_TOKENS if args.demo else 32768
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvsidecar-up-"))
     try:
         return asyncio.run(_serve(args, workdir))

@@ -90,8 +90,11 @@ class Engine:
             kv_store: TorchKVStore | SimKVStore = torch_kv
         else:
             kv_store = SimKVStore(model_cfg, cfg.num_pages, cfg.page_size)
-            avoid = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-            self.executor = SimExecutor(cfg.timing, tokenizer.vocab_size, avoid)
+            bare, spaced = tokenizer.word_token_ids()
+            if not bare or not spaced:  # a vocabulary without whole words: any but EOS
+                bare = spaced = [t for t in range(tokenizer.vocab_size)
+                                 if t != tokenizer.eos_token_id]
+            self.executor = SimExecutor(cfg.timing, bare, spaced)
         self.kv_store = kv_store
         self.host: HostTier | None = None
         if cfg.hicache_storage_backend:

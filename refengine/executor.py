@@ -144,20 +144,23 @@ class TorchExecutor:
 
 
 class SimExecutor:
-    def __init__(self, timing: TimingModel, vocab_size: int, avoid: set[int]) -> None:
+    def __init__(self, timing: TimingModel, first: list[int], rest: list[int]) -> None:
+        """``first``, ``rest``: the ids a reply starts with, and goes on with (never EOS,
+        so simulated requests run to max_new_tokens); from ``ChatTokenizer.word_token_ids``
+        where the tokenizer has them: replies that tokenize back to themselves."""
+        if not first or not rest:
+            raise ValueError("a simulated engine needs token ids to emit")
         self.timing = timing
-        self.vocab_size = vocab_size
-        self.avoid = avoid  # e.g. EOS: simulated requests run to max_new_tokens
+        self.first = first
+        self.rest = rest
         self.busy_s = 0.0
 
-    def _token(self, req: Request) -> int:
+    def _token(self, req: Request, first: bool = False) -> int:
+        """A deterministic function of the sequence so far: the same prompt, the same reply."""
         tail = req.all_tokens()[-4:]
-        token = (sum((i + 1) * t for i, t in enumerate(tail)) * 31 + req.num_tokens) % (
-            self.vocab_size
-        )
-        while token in self.avoid:
-            token = (token + 1) % self.vocab_size
-        return token
+        vocab = self.first if first else self.rest
+        return vocab[(sum((i + 1) * t for i, t in enumerate(tail)) * 31 + req.num_tokens)
+                     % len(vocab)]
 
     async def _sleep(self, seconds: float) -> None:
         self.busy_s += seconds
@@ -165,7 +168,7 @@ class SimExecutor:
 
     async def prefill(self, chunks: tuple[PrefillChunk, ...]) -> list[int | None]:
         await self._sleep(self.timing.prefill([(c.end - c.start, c.end) for c in chunks]))
-        return [self._token(c.req) if c.completes_prompt else None for c in chunks]
+        return [self._token(c.req, True) if c.completes_prompt else None for c in chunks]
 
     async def decode(self, reqs: tuple[Request, ...]) -> list[int]:
         await self._sleep(self.timing.decode([r.num_tokens for r in reqs]))

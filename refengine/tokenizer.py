@@ -68,6 +68,23 @@ class ChatTokenizer:
                 ids.insert(0, bos)
         return ids
 
+    def word_token_ids(self) -> tuple[list[int], list[int]]:
+        """Ids of whole ASCII words that encode back to themselves: (bare words, space-led
+        words). A reply made of a bare word then space-led ones tokenizes to the same ids
+        again, leading whitespace trimmed as chat templates do (as a real model's replies
+        mostly do), so a simulated reply sent back in a chat's history is a cacheable
+        prefix."""
+        tok = self.tokenizer
+        bare: list[int] = []
+        spaced: list[int] = []
+        for token_id in range(self.vocab_size):
+            text = tok.decode([token_id])
+            word = text[1:] if text.startswith(" ") else text
+            if (word.isalpha() and word.isascii()
+                    and tok.encode(text, add_special_tokens=False).ids == [token_id]):
+                (spaced if text.startswith(" ") else bare).append(token_id)
+        return bare, spaced
+
     def decode(self, ids: Sequence[int]) -> str:
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text

@@ -311,7 +311,8 @@ async def test_dead_sidecar_leaves_placement(tmp_path: Path, session) -> None:  
 
 @pytest.mark.slow
 def test_kvsidecar_up_demo(tmp_path: Path) -> None:
-    """`kvsidecar up --demo --exit-after-demo` starts the stack, prints both policies, stops."""
+    """`kvsidecar up --demo --exit-after-demo` starts the stack, prints the three policies
+    side by side (hit rate, TTFT, throughput), stops."""
     import subprocess
     import sys
 
@@ -339,11 +340,11 @@ def test_kvsidecar_up_demo(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "kvsidecar is up: http://127.0.0.1:" in run.stdout
-    rows = [
-        line.split() for line in run.stdout.splitlines() if line.startswith(("kv ", "round-robin"))
-    ]
-    assert [r[0] for r in rows] == ["kv", "round-robin"]
-    assert all(int(r[1]) == 48 for r in rows)
+    rows = [line.split() for line in run.stdout.splitlines()
+            if line.startswith(("kv ", "round-robin", "least-loaded"))]
+    assert [r[0] for r in rows] == ["kv", "round-robin", "least-loaded"]
+    assert all(int(r[1]) == 128 and float(r[5]) > 0 for r in rows)  # requests, requests/s
+    assert "more of them than one replica's KV cache (16,384 tokens) holds" in run.stdout
 
 
 @pytest.mark.slow
