@@ -44,6 +44,7 @@ from routing.prompt.tokenizer import PromptTokenizer
 from routing.replicas.link import ReplicaLink
 from routing.replicas.shared_load import SharedLoad
 from routing.serve.auth import ApiKeys, Tenant
+from routing.serve.openapi import openapi_json
 from routing.serve.rate_limit import RateLimits, retry_after_header
 from routing.workers.discovery import SidecarDiscovery
 from routing.workers.k8s_discovery import K8sApiAccess, K8sPodDiscovery
@@ -341,6 +342,9 @@ class Gateway:
             )
         elif path == b"/metrics":
             conn.respond(200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8")
+        elif path == b"/openapi.json":
+            body = openapi_json(tuple(self.model_names()))
+            conn.respond(200, body, extra_headers=self._id_header(request))
         else:
             self._plain_error(conn, request, 404, f"no route for GET {path.decode()}")
 
