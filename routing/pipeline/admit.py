@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Protocol
 
 import orjson
+import structlog
 
 from kvcore.errors import OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
@@ -32,6 +33,7 @@ from routing.prompt.tokenizer import TokenizeLater
 __all__ = ["SESSION_HEADER", "TenantAdmission", "admit", "check_model"]
 
 SESSION_HEADER = b"x-session-id"
+log = structlog.get_logger("routing.pipeline", component="gateway")
 # Uncached prompt text this long (about 2,000 tokens, a few ms of tokenizing) is tokenized in
 # a worker thread; a pass that meets another such text tries again, at most this many times.
 DEFER_CHARS = 8192
@@ -99,7 +101,14 @@ async def _tokenize_off_loop(ctx: PipelineContext, conn: ServerConnection, reque
     tok = ctx.prompts.tokenizer
     assert tok is not None  # only a tokenizer defers
     for attempt in range(_DEFER_ATTEMPTS):
-        ids = await asyncio.to_thread(tok.encode_off_loop, later.text, later.add_special_tokens)
+        try:
+            ids = await asyncio.to_thread(tok.encode_off_loop, later.text,
+                                          later.add_special_tokens)
+        except Exception as exc:  # the library's error: this request's, nobody else's
+            log.exception("tokenize_off_loop_failed", request_id=record.request_id.decode())
+            _refuse(ctx, conn, record, OpenAIError(500, f"tokenizing failed: {exc}",
+                                                   "internal_error"))
+            return
         if conn.closed:  # the client went away meanwhile
             record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
             return
