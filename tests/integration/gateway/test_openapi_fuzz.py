@@ -37,7 +37,7 @@ async def test_fuzzed_requests_get_clear_answers_and_lose_nothing_in_flight(
         "--max-examples", "100", "--workers", "1", "--seed", "1",
         "--phases", "examples,coverage,fuzzing", "--request-timeout", "20",
         "--report-dir", str(tmp_path / "st"),
-    ], capture_output=True, text=True, timeout=600)
+    ], capture_output=True, text=True, timeout=600, cwd=tmp_path)  # its state stays there
     assert run.returncode == 0, run.stdout[-6000:]
     assert " passed" in run.stdout and " failed" not in run.stdout
     status, _, body = await stream
