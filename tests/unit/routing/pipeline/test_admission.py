@@ -3,8 +3,6 @@ deadlines, the priority header, and session affinity's TTL and bound."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from kvcore.stream import EngineLoad
@@ -47,8 +45,10 @@ class _Waiter:
     def __init__(self, name: str, priority: int, log: list[str]) -> None:
         self.name, self.priority, self.done, self.log = name, priority, False, log
         self.room = False
+        self.tries = 0
 
     def admit_waiting(self) -> bool:
+        self.tries += 1
         if not self.room:
             return False
         self.done = True
@@ -67,8 +67,8 @@ async def test_the_queue_admits_by_priority_then_arrival_and_expires_the_rest() 
     assert all(queue.offer(w) for w in waiters)
     assert not queue.offer(_Waiter("d", 9, log)) and queue.num_full == 1
     queue.wake()
-    await asyncio.sleep(0)  # one loop pass: every worker still busy
-    assert log == [] and len(queue) == 3
+    await wait_for(lambda: waiters[1].tries, "a pass over the queue")  # its head: priority 2
+    assert log == [] and len(queue) == 3  # every worker still busy: nobody admitted
     waiters[1].room = waiters[0].room = True  # room for two: b (priority 2), then a
     queue.wake()
     await wait_for(lambda: len(queue) == 1, "two admitted")
