@@ -96,7 +96,7 @@ class RemoteTier:
         self.write = write
         self.max_pending_bytes = max_pending_bytes
         self.timeout_s = timeout_s
-        db = int(self._redis.Redis.from_url(url).connection_pool.connection_kwargs.get("db", 0))
+        db = int(self._redis.connection.parse_url(url).get("db", 0))  # ValueError: a bad URL
         self.keys = RemoteKeys(model_id, block_bytes, db)
         self._index: dict[BlockKey, int | None] = {}  # held by the store → parent
         self._queue: deque[_Write] = deque()

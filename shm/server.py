@@ -117,6 +117,7 @@ class BlockStoreOwner:
         # to them, and a lease that misses in shared memory promotes them back.
         self.disk: DiskTier | None = None
         self.remote: RemoteTier | None = None
+        self.lower_tiers: tuple[LowerTier, ...] = ()  # those of the two that run, in order
         self._through: ReadThrough | None = None  # the host store over the lower tiers
 
     # ---------------------------------------------------------------- lifecycle
@@ -192,24 +193,23 @@ class BlockStoreOwner:
                             worker_id=cfg.effective_worker_id)
             await disk.start(self.drain_events)
             self.disk = disk
+            self.lower_tiers += (disk,)
         if cfg.remote_url is not None:
             remote = RemoteTier(cfg.remote_url, cfg.remote_scope, cfg.block_bytes,
                                 worker_id=cfg.effective_worker_id, write=cfg.remote_write)
             await remote.start(self.drain_events, rows, store.slots_of)
             self.remote = remote
+            self.lower_tiers += (remote,)
             if cfg.remote_write == "through":
                 store.committed = remote.committed
         if self.lower_tiers:
             self._through = ReadThrough(self.lower_tiers, store, rows, lambda: self.store,
                                         self.drain_events)
 
-    @property
-    def lower_tiers(self) -> list[LowerTier]:
-        return [t for t in (self.disk, self.remote) if t is not None]
-
     async def _close_lower_tiers(self) -> None:
         """What is staged is written (the disk tier stays on disk), then they stop."""
-        for tier in self.lower_tiers:
+        tiers, self.lower_tiers = self.lower_tiers, ()
+        for tier in tiers:
             await tier.aclose()
         self.disk = self.remote = None
 
@@ -427,10 +427,8 @@ class BlockStoreOwner:
         if self.store is None:
             return
         events = self.store.take_events()  # settles first
-        if self.disk is not None:
-            events += self.disk.take_events()
-        if self.remote is not None:
-            events += self.remote.take_events()
+        for tier in self.lower_tiers:
+            events += tier.take_events()
         if self._poll is None and self._loop is not None and self.store.num_reserved:
             self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
         if not events or self._listener is None:
