@@ -329,6 +329,11 @@ class ResponseTranslator(Protocol):
         """OpenAI stream chunks for one engine SSE ``data:`` object (may be none)."""
         ...
 
+    def token_ids(self) -> list[int] | None:
+        """The output token ids of the chunks returned since the last call (None when the
+        engine's answers do not say them)."""
+        ...
+
     def finish(self) -> list[dict[str, Any]]:
         """Chunks to send after the engine's stream ended (the usage chunk, if asked)."""
         ...

@@ -51,8 +51,22 @@ class OpenAIBuilder:
             if request.request_id.startswith(prefix)
             else (prefix + request.request_id)
         )
+        cont = request.continuation
+        if created is None and cont is not None:
+            created = cont.created
         self.created = int(time.time()) if created is None else created
-        self._role_sent = False
+        self._role_sent = cont is not None  # a continued stream: the client has the role
+        self._resumed = 0 if cont is None else len(cont.output_token_ids)
+
+    def usage(self, engine: Usage) -> Usage:
+        """The client's usage from the engine's: a continuation's engine took the tokens
+        already streamed as prompt; the client counts them as completion."""
+        done = self._resumed
+        if not done:
+            return engine
+        prompt = max(engine.prompt_tokens - done, 0)
+        cached = None if engine.cached_tokens is None else min(engine.cached_tokens, prompt)
+        return Usage(prompt, engine.completion_tokens + done, cached)
 
     def _envelope(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.request.model}
@@ -85,7 +99,7 @@ class OpenAIBuilder:
         """The final chunk of a stream with ``stream_options.include_usage``."""
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion")
         body["choices"] = []
-        body["usage"] = usage.body()
+        body["usage"] = self.usage(usage).body()
         return body
 
     def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
@@ -102,7 +116,7 @@ class OpenAIBuilder:
             body = self._envelope("text_completion")
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         body["choices"] = [choice]
-        body["usage"] = usage.body()
+        body["usage"] = self.usage(usage).body()
         return body
 
 

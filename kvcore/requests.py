@@ -15,6 +15,11 @@ A request served by a prefill/decode pair carries how the pair shares the KV: ``
 (through our sidecars: the decode worker's sidecar drives the prefill leg and pulls the
 prompt's blocks) or ``bootstrap`` (through the engine's own transfer, e.g. SGLang's bootstrap
 room); each engine's adapter turns them into what its engine speaks.
+
+A streamed request may ask for the output token ids of each event (``stream_token_ids``:
+an SSE comment line before the event, which clients ignore and the gateway strips), and a
+stream whose worker died goes on elsewhere as a ``Continuation``: the engine continues after
+the tokens the client already has, and the chunks read as the rest of the first stream.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import msgspec
 __all__ = [
     "TRANSFER_FAILED",
     "Bootstrap",
+    "Continuation",
     "EngineOpenAI",
     "Handoff",
     "RequestKind",
@@ -78,6 +84,15 @@ class EngineOpenAI(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     body: dict[str, Any]
 
 
+class Continuation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A stream resumed on another worker (request migration): the engine runs the prompt
+    plus ``output_token_ids`` and the chunks continue the first stream (no role again, the
+    stream's ``created``, usage counted from the original prompt)."""
+
+    output_token_ids: list[int]  # what the client already has, after the prompt
+    created: int | None = None  # the first stream's ``created``
+
+
 class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     """An OpenAI completions/chat request after the gateway tokenized it (chat template
     applied): what every adapter translates into its engine's native request."""
@@ -108,6 +123,8 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     handoff: Handoff | None = None
     bootstrap: Bootstrap | None = None
     openai: EngineOpenAI | None = None
+    stream_token_ids: bool = False  # each streamed event's output ids, as an SSE comment
+    continuation: Continuation | None = None
     # Engine-specific fields passed through verbatim.
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
@@ -118,4 +135,29 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"n={self.n} is not supported; send n separate requests")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.continuation is not None:
+            self._check_continuation(self.continuation)
+
+    def _check_continuation(self, c: Continuation) -> None:
+        if not self.stream or self.openai is not None or self.handoff is not None:
+            raise ValueError("a continuation resumes a stream of token ids on one worker")
+        if not c.output_token_ids:
+            raise ValueError("a continuation needs the output token ids already streamed")
+        if self.max_tokens is not None and len(c.output_token_ids) >= self.max_tokens:
+            raise ValueError(f"a continuation of {len(c.output_token_ids)} tokens leaves "
+                             f"nothing of max_tokens={self.max_tokens} to generate")
+
+    def for_engine(self) -> TokenizedRequest:
+        """What the engine runs: a continuation's prompt and output so far as its prompt,
+        the tokens left of ``max_tokens`` (the request itself otherwise)."""
+        c = self.continuation
+        if c is None:
+            return self
+        done = len(c.output_token_ids)
+        return msgspec.structs.replace(
+            self,
+            prompt_token_ids=self.prompt_token_ids + c.output_token_ids,
+            max_tokens=None if self.max_tokens is None else self.max_tokens - done,
+            continuation=None,
+        )
 

@@ -103,6 +103,7 @@ class RouterConfig:
     parity_interval_s: float = 300.0  # hash parity check of each sidecar worker
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
+    migration_limit: int = 0  # times a stream may go on on another worker (0: never)
     max_body_bytes: int = 32 << 20
     forward_authorization: bool = False  # the client's Authorization header to the workers
     max_idle_connections_per_worker: int = 256
@@ -166,6 +167,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not 0 <= self.migration_limit <= 100:
+            raise ValueError(f"migration_limit must be in [0, 100], got {self.migration_limit}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_in_flight_per_worker is not None and self.max_in_flight_per_worker < 1:

@@ -58,6 +58,7 @@ def gateway_config(
             parity_interval_s=args.parity_interval_s,
             connect_timeout_s=args.connect_timeout_s,
             upstream_timeout_s=args.upstream_timeout_s,
+            migration_limit=args.migration_limit,
             max_body_bytes=args.max_body_bytes,
             forward_authorization=args.forward_authorization,
             seed=args.seed,
@@ -379,7 +380,16 @@ def _parser() -> argparse.ArgumentParser:
         "--upstream-timeout-s",
         type=float,
         default=600.0,
-        help="longest silence from a worker before the request is abandoned",
+        help="longest silence from a worker before the request is abandoned (or, a stream "
+        "with --migration-limit, continued elsewhere)",
+    )
+    s.add_argument(
+        "--migration-limit",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a stream whose worker dies mid-reply goes on on another worker, from the "
+        "tokens the client already has, up to N times (0, the default: it is cut)",
     )
     s.add_argument("--max-body-bytes", type=int, default=32 << 20)
     s.add_argument(

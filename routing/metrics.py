@@ -99,6 +99,8 @@ class GatewayMetrics:
         self.worker_underpredicted_tokens: dict[str, int] = {}
         self.worker_errors: dict[str, int] = {}
         self.retries = 0
+        self.migrations = 0  # streams that went on on another worker (--migration-limit)
+        self.streams_lost = 0  # replies cut by their worker mid-way, not migrated
         self.client_aborts = 0
         self.unauthorized = 0  # refused for a missing or unknown API key (--api-key-file)
         self.rate_limited = 0  # refused with 429 by a tenant's rate limit
@@ -219,6 +221,17 @@ class _Collector:
                 m.chosen_overlap_blocks,
             ),
             ("retries", "Requests retried on another worker before the first byte", m.retries),
+            (
+                "migrations",
+                "Streams whose worker died mid-reply, continued on another worker",
+                m.migrations,
+            ),
+            (
+                "streams_lost",
+                "Replies cut mid-way by their worker and not continued (no --migration-limit, "
+                "past it, or not resumable)",
+                m.streams_lost,
+            ),
             ("unauthorized", "Requests refused for a missing or unknown API key", m.unauthorized),
             ("rate_limited", "Requests refused by their tenant's rate limit", m.rate_limited),
             (

@@ -101,12 +101,13 @@ class RequestProxy:
                 ),
                 tokenized.request_id,
             )
+        engine_view = tokenized.for_engine()  # a continuation: prompt and output so far
         try:
-            native = self._adapter.translate_request(tokenized)
+            native = self._adapter.translate_request(engine_view)
         except ValueError as exc:
             return openai_error_response(OpenAIError(400, str(exc)), tokenized.request_id)
         self._silence.on_request(self._first_block_hash(tokenized))
-        self._load.start(tokenized.request_id, worker_id, len(tokenized.prompt_token_ids))
+        self._load.start(tokenized.request_id, worker_id, len(engine_view.prompt_token_ids))
         started = time.perf_counter()
         ok = False
         try:
@@ -150,7 +151,8 @@ class RequestProxy:
                     return web.json_response(
                         answer, headers=headers, dumps=lambda o: orjson.dumps(o).decode()
                     )
-                return await self._stream(request, upstream, translator, rid, headers)
+                return await self._stream(request, upstream, translator, rid, headers,
+                                          tokenized.stream_token_ids)
         except (aiohttp.ClientConnectionError, TimeoutError) as exc:
             log.warning("engine_request_failed", request_id=rid, error=repr(exc))
             return openai_error_response(
@@ -167,27 +169,41 @@ class RequestProxy:
         translator: Any,
         rid: str,
         headers: dict[str, str],
+        with_ids: bool,
     ) -> web.StreamResponse:
+        """The engine's stream as OpenAI chunks; ``with_ids``: each write led by an SSE
+        comment of the output token ids it carries (``: kvs-ids 1,2``). An engine that
+        fails mid-stream cuts the connection, as its own death would: the client (the
+        gateway) must not take a cut stream for a whole one."""
         response = web.StreamResponse(
             headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        async for raw in upstream.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                break
-            try:
-                data = orjson.loads(payload)
-            except orjson.JSONDecodeError:
-                log.warning("engine_chunk_invalid", request_id=rid, head=payload[:64])
-                continue
-            chunks = translator.chunk(data)
-            if chunks:
-                self._load.tokens(rid, 1)
-                await response.write(b"".join(sse(c) for c in chunks))
+        try:
+            async for raw in upstream.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                try:
+                    data = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    log.warning("engine_chunk_invalid", request_id=rid, head=payload[:64])
+                    continue
+                chunks = translator.chunk(data)
+                if chunks:
+                    self._load.tokens(rid, 1)
+                    out = b"".join(sse(c) for c in chunks)
+                    if with_ids and (ids := translator.token_ids()) is not None:
+                        out = ids_comment(ids) + out
+                    await response.write(out)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.warning("engine_stream_lost", request_id=rid, error=repr(exc))
+            if request.transport is not None:
+                request.transport.abort()
+            return response
         tail = translator.finish()
         await response.write(b"".join(sse(c) for c in tail) + _SSE_DONE)
         await response.write_eof()
@@ -255,6 +271,11 @@ class RequestProxy:
 def sse(chunk: dict[str, Any]) -> bytes:
     """One SSE event of an OpenAI chunk."""
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+
+def ids_comment(ids: list[int]) -> bytes:
+    """The SSE comment line that says which output tokens the next event carries."""
+    return b": kvs-ids " + ",".join(map(str, ids)).encode() + b"\n"
 
 
 def _usage_completion_tokens(raw: bytes) -> int:

@@ -85,6 +85,8 @@ class SGLangResponseTranslator:
         self._sent = 0  # characters of cumulative text already sent
         self._usage: Usage | None = None
         self._finished = False
+        self._ids_seen = 0  # cumulative output_ids already taken
+        self._ids: list[int] | None = []  # taken, not yet handed out (None: not reported)
 
     def response(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if "error" in body:
@@ -99,6 +101,7 @@ class SGLangResponseTranslator:
         if self._finished:
             return []
         meta = _meta(data)
+        self._take_ids(data.get("output_ids"))
         text = str(data.get("text") or "")
         if not self._incremental:
             delta = text[self._sent :]
@@ -112,6 +115,24 @@ class SGLangResponseTranslator:
         if not delta and finish is None:
             return []
         return [self.builder.chunk(delta, finish)]
+
+    def _take_ids(self, ids: Any) -> None:
+        if self._ids is None:
+            return
+        if not isinstance(ids, list):
+            self._ids = None  # this engine does not say which tokens it streamed
+        elif self._incremental:
+            self._ids += ids
+        else:
+            self._ids += ids[self._ids_seen:]
+            self._ids_seen = max(self._ids_seen, len(ids))
+
+    def token_ids(self) -> list[int] | None:
+        ids = self._ids
+        if ids is None:
+            return None
+        self._ids = []
+        return ids
 
     def finish(self) -> list[dict[str, Any]]:
         if self.builder.request.include_usage and self._usage is not None:

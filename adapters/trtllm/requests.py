@@ -129,6 +129,10 @@ class TrtllmResponseTranslator:
             return []
         return [self.builder.chunk(text, finish)]
 
+    def token_ids(self) -> list[int] | None:
+        """None: trtllm-serve's completions stream text, not the ids it generated."""
+        return None
+
     def finish(self) -> list[dict[str, Any]]:
         if self.builder.request.include_usage and self._usage is not None:
             return [self.builder.usage_chunk(self._usage)]

@@ -47,3 +47,4 @@ class PipelineContext:
     sessions: SessionAffinity | None  # x-session-id → worker (None: no affinity)
     forwarded_headers: tuple[bytes, ...]  # client headers the workers see too (lower-case)
     log_requests: bool  # one canonical log line per request (debug level)
+    migration_limit: int = 0  # times a stream may go on on another worker

@@ -15,6 +15,11 @@ byte of its reply excludes its worker (marked failed in the registry) and the re
 placed again; a stale keep-alive connection is first retried once on a fresh one. A client
 that goes away aborts every leg by closing its connection; an engine stops generating when
 its client disconnects.
+
+A stream whose worker dies after its first byte (or goes silent past ``--upstream-timeout-s``)
+*migrates*, up to ``--migration-limit`` times: placed again, away from the workers that
+failed it, with the tokens the client already has (``stream_tokens.StreamTokens``) as a
+``Continuation``, and relayed on under the head already written.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from routing.pipeline.legs import Drain, Leg, LegTarget
 from routing.pipeline.place import Refusal, place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
+from routing.pipeline.stream_tokens import StreamTokens
 from routing.placement.active_load import UnknownRequestError
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
@@ -88,6 +94,10 @@ class Exchange:
         self._error_parts: list[bytes] | None = None  # an error reply held (``_holds_errors``)
         self.priority = 0  # x-kvsidecar-priority: its place in the admission queue
         self.session: bytes | None = None  # x-session-id, with --session-affinity
+        if (ctx.migration_limit and request.stream and target.token_path
+                and target.token_ids is not None):
+            self.relay.tokens = StreamTokens()
+            target.stream_token_ids = True
 
     # --- place ---------------------------------------------------------------------------
 
@@ -241,7 +251,7 @@ class Exchange:
 
     def upstream_head(self, status: int, content_type: bytes, content_length: int | None) -> None:
         self.record.status = status
-        if status != 200 and self._holds_errors():
+        if status != 200 and (self._holds_errors() or self.relay.resuming):
             self._error_parts = []  # a failed handoff may still be re-run: hold the reply
             return
         self.relay.head(status, content_type, content_length)
@@ -289,10 +299,50 @@ class Exchange:
         if not got_head:
             self.leg_failed(leg, f"connection lost before the reply: {exc!r}", stale)
             return
+        if self._migrate(f"connection lost mid-reply: {exc!r}"):
+            return
         errors = self.ctx.metrics.worker_errors
         errors[leg.worker.worker_id] = errors.get(leg.worker.worker_id, 0) + 1
+        self.ctx.metrics.streams_lost += 1
         self._finish(502)
         self.client.abort()  # the reply is cut: the client must see the connection end
+
+    def _migrate(self, why: str) -> bool:
+        """The relayed leg died mid-reply: go on on another worker, from what the client
+        has, when the stream may migrate and its limit allows (False: it ends here)."""
+        tokens, leg, ctx = self.relay.tokens, self.leg, self.ctx
+        if tokens is None or leg is None:
+            return False
+        if tokens.finished:  # the client has the whole answer but its end
+            self._release(leg)
+            self.relay.end_stream()
+            self._finish(200)
+            self.client.finish()
+            return True
+        resumable = tokens.resumable and (bool(tokens.ids) or not self.relay.started)
+        if self.record.migrations >= ctx.migration_limit or not resumable:
+            log.warning("stream_lost", request_id=self.record.request_id.decode(),
+                        worker_id=leg.worker.worker_id, error=why,
+                        migrations=self.record.migrations, resumable=resumable)
+            return False
+        worker_id = leg.worker.worker_id
+        leg.abandon()
+        self._release(leg)
+        ctx.metrics.worker_errors[worker_id] = ctx.metrics.worker_errors.get(worker_id, 0) + 1
+        ctx.workers.probed(leg.worker, False, why)
+        self.tried.add(worker_id)
+        self.record.migrations += 1
+        ctx.metrics.migrations += 1
+        tokens.tail = b""  # the dead worker's half event: the client never sees it
+        if tokens.ids:
+            self.target = self.target.continued(tokens.ids, tokens.created)
+            self.relay.resuming = True
+        log.warning("request_migrated", request_id=self.record.request_id.decode(),
+                    from_worker=worker_id, error=why, tokens_streamed=len(tokens.ids),
+                    migration=self.record.migrations)
+        self._end_pair()
+        self._place()
+        return True
 
     def side_done(self, leg: Leg, status: int) -> None:
         """A drained leg answered (its body is of no use)."""
@@ -342,8 +392,11 @@ class Exchange:
         if self.done:
             return
         self.ctx.metrics.upstream_timeouts += 1
+        if self.relay_started and self._migrate("no byte for --upstream-timeout-s"):
+            return
         self._abandon()
         if self.relay_started:
+            self.ctx.metrics.streams_lost += 1
             self._finish(504)
             self.client.abort()
         else:
@@ -373,5 +426,11 @@ class Exchange:
     def _reply_raw(self, status: int, body: bytes, headers: bytes = b"") -> None:
         self._abandon()
         self._finish(status)
+        if self.relay.started:  # a migrated stream that found no way on: cut it
+            log.warning("stream_lost", request_id=self.record.request_id.decode(),
+                        status=status, error=body[:200].decode(errors="replace"))
+            self.ctx.metrics.streams_lost += 1
+            self.client.abort()
+            return
         extra = b"x-request-id: %s\r\n%s" % (self.record.request_id, headers)
         self.client.respond(status, body, extra_headers=extra)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Protocol
 
-from kvcore.requests import Bootstrap, Handoff
+from kvcore.errors import OpenAIError
+from kvcore.requests import Bootstrap, Continuation, Handoff
 from routing.http.client import UpstreamConnection
 from routing.pipeline.sidecar_body import tokenized_body
 from routing.placement.scorer import Placement
@@ -27,8 +28,8 @@ _PD_GENERATE = b"/v1/kvsidecar/pd/generate"
 class LegTarget:
     """What the legs of one request send: built once at admission."""
 
-    __slots__ = ("body", "extra_headers", "path", "request", "request_id", "token_ids",
-                 "token_path")
+    __slots__ = ("body", "continuation", "extra_headers", "path", "request", "request_id",
+                 "stream_token_ids", "token_ids", "token_path")
 
     def __init__(
         self,
@@ -48,6 +49,16 @@ class LegTarget:
         self.token_ids = token_ids
         self.request_id = request_id
         self.extra_headers = extra_headers  # the client's headers forwarded to workers
+        self.stream_token_ids = False  # a stream that may migrate: its events' ids, please
+        self.continuation: Continuation | None = None  # a migrated stream's resumption
+
+    def continued(self, output_ids: list[int], created: int | None) -> LegTarget:
+        """The same request, resumed after ``output_ids`` (request migration)."""
+        target = LegTarget(self.request, self.path, self.body, self.token_ids,
+                           self.request_id, self.extra_headers, self.token_path)
+        target.stream_token_ids = True
+        target.continuation = Continuation(list(output_ids), created)
+        return target
 
     def takes_token_path(self, worker: Worker) -> bool:
         """Whether a sidecar ``worker`` gets token ids, or else the client's body for its
@@ -67,11 +78,17 @@ class LegTarget:
         stream: bool | None = None,
     ) -> tuple[bytes, bytes]:
         """(path, body) of a leg to ``worker``; ``OpenAIError`` when it cannot take it."""
+        token_path = worker.kind is WorkerKind.SIDECAR and self.takes_token_path(worker)
+        if self.continuation is not None and not token_path:
+            raise OpenAIError(502, f"the stream cannot resume on {worker.worker_id}: it does "
+                              "not take token ids", "server_error")
         if worker.kind is WorkerKind.PLAIN:
             return self.path, self.body
         body = tokenized_body(self.request, self.token_ids or [], self.request_id.decode(),
                               worker.dp_rank, handoff=handoff, bootstrap=bootstrap,
-                              stream=stream, token_path=self.takes_token_path(worker))
+                              stream=stream, token_path=token_path,
+                              stream_token_ids=self.stream_token_ids,
+                              continuation=self.continuation)
         return (_GENERATE if handoff is None else _PD_GENERATE), body
 
 

@@ -53,8 +53,10 @@ class PairExchange(Exchange):
 
     def _place(self) -> None:
         self._transfer_failed = False
-        if not self.target.token_path or not self.pd.takes(self.prompt):
-            self._place_aggregated()  # the pair's legs speak token ids only
+        if (not self.target.token_path or self.target.continuation is not None
+                or not self.pd.takes(self.prompt)):
+            # The pair's legs speak token ids only; a migrated stream resumes on one worker.
+            self._place_aggregated()
             return
         try:
             placed = self.pd.place(self.prompt, self.request.max_tokens)

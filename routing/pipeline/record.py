@@ -31,6 +31,7 @@ class RequestRecord:
         "endpoint",
         "events",
         "key",
+        "migrations",
         "placement",
         "prompt_tokens",
         "reported_cached",
@@ -55,6 +56,7 @@ class RequestRecord:
         self.placement: Placement | None = None
         self.worker_ids: tuple[str, ...] = ()  # every worker that serves it, prefill first
         self.retries = 0
+        self.migrations = 0  # times its stream went on on another worker
         self.status = 0
         self.reported_cached = -1  # cached tokens in the engine's usage (-1: none seen)
         self.events = 0  # SSE events relayed
@@ -122,6 +124,7 @@ class RequestRecord:
                 prompt_tokens=self.prompt_tokens,
                 events=self.events,
                 retries=self.retries,
+                migrations=self.migrations,
                 latency_ms=round((now - self.t_start) * 1e3, 3),
                 ttft_ms=round((self.t_first - self.t_start) * 1e3, 3) if self.t_first else None,
             )

@@ -4,7 +4,9 @@ One head (the worker's status and content type, the gateway's headers from the r
 record, the framing), then the body one write per socket read: chunked when the worker did
 not say its length. SSE events are counted as they pass (the record's events, the load's
 generated tokens); ``usage`` objects are picked out for the metrics (streamed: from the
-events that carry one; otherwise from bodies up to 1 MiB). Nothing is rewritten.
+events that carry one; otherwise from bodies up to 1 MiB). Nothing is rewritten, except in a
+stream that may migrate (``tokens``): whole events only, their token-id comments taken out;
+its continuation on another worker (``resuming``) goes on under the head already written.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from routing.http.server import ServerConnection, reason
 from routing.metrics import GatewayMetrics
 from routing.pipeline.record import RequestRecord
+from routing.pipeline.stream_tokens import StreamTokens
 from routing.pipeline.usage import count_usage_in_body, count_usage_in_sse
 
 __all__ = ["Relay"]
@@ -32,7 +35,10 @@ class Relay:
         "include_usage",
         "metrics",
         "record",
+        "resuming",
         "sse",
+        "started",
+        "tokens",
     )
 
     def __init__(
@@ -51,8 +57,13 @@ class Relay:
         self._pending_head = b""  # written with the first body piece (one write, not two)
         self._body_parts: list[bytes] | None = None
         self._scan_bytes = 0
+        self.started = False  # the client has the head
+        self.tokens: StreamTokens | None = None  # a stream that may migrate
+        self.resuming = False  # a migrated stream's continuation: its head is written
 
     def head(self, status: int, content_type: bytes, content_length: int | None) -> None:
+        if self.resuming:
+            return  # the first leg's head stands
         self.sse = content_type.startswith(b"text/event-stream")
         self._chunked = content_length is None
         framing = (
@@ -75,6 +86,11 @@ class Relay:
     def body(self, pieces: list[bytes]) -> int:
         """Write ``pieces``; returns how many SSE events they held."""
         events = 0
+        if self.tokens is not None and self.sse:
+            whole = self.tokens.feed(pieces)
+            if not whole:
+                return 0
+            pieces = [whole]
         if self.sse:
             for piece in pieces:
                 events += piece.count(b"data:")
@@ -94,6 +110,7 @@ class Relay:
         if self._pending_head:
             out = self._pending_head + out
             self._pending_head = b""
+            self.started = True
         self.client.write(out)
         return events
 
@@ -104,8 +121,16 @@ class Relay:
         elif self._pending_head:
             self.client.write(self._pending_head)
         self._pending_head = b""
+        self.started = True
         if self._body_parts:
             body = b"".join(self._body_parts)
             self.record.reported_cached = count_usage_in_body(
                 self.metrics, self.record.worker_id, body
             )
+
+    def end_stream(self) -> None:
+        """End a stream whose worker died after its last event (the finish reason): the
+        ``[DONE]`` the worker did not send, and the end of the body."""
+        done = b"data: [DONE]\n\n"
+        self.client.write(b"%x\r\n%s\r\n%s" % (len(done), done, _TRAILER) if self._chunked
+                          else done)

@@ -19,7 +19,14 @@ from typing import Any
 import msgspec
 
 from kvcore.errors import OpenAIError
-from kvcore.requests import Bootstrap, EngineOpenAI, Handoff, RequestKind, TokenizedRequest
+from kvcore.requests import (
+    Bootstrap,
+    Continuation,
+    EngineOpenAI,
+    Handoff,
+    RequestKind,
+    TokenizedRequest,
+)
 from routing.prompt.openai_api import Endpoint, OpenAIRequest, media_parts
 
 __all__ = ["takes_token_path", "tokenized_body"]
@@ -76,10 +83,13 @@ def tokenized_body(
     bootstrap: Bootstrap | None = None,
     stream: bool | None = None,
     token_path: bool = True,
+    stream_token_ids: bool = False,
+    continuation: Continuation | None = None,
 ) -> bytes:
     """The JSON body of one leg to a sidecar (``/v1/kvsidecar/generate``, or with
     ``handoff`` ``/v1/kvsidecar/pd/generate``); ``stream`` overrides the client's; without
-    ``token_path`` the client's body goes along for the engine's OpenAI server."""
+    ``token_path`` the client's body goes along for the engine's OpenAI server;
+    ``stream_token_ids`` and ``continuation``: a stream that may migrate, and its resumption."""
     body = req.body
     openai = None if token_path else EngineOpenAI(req.endpoint.value, body)
     fields: dict[str, Any] = {}
@@ -115,6 +125,8 @@ def tokenized_body(
             handoff=handoff,
             bootstrap=bootstrap,
             openai=openai,
+            stream_token_ids=stream_token_ids and token_path,
+            continuation=continuation,
             **fields,
         )
     except (ValueError, TypeError) as exc:

@@ -170,6 +170,7 @@ class Gateway:
             forwarded_headers=_FORWARDED_HEADERS
             + ((b"authorization",) if cfg.forward_authorization else ()),
             log_requests=cfg.log_level is LogLevel.DEBUG,
+            migration_limit=cfg.migration_limit,
         )
         self.metrics.admission = self.ctx.admission
         self.prober = WorkerProber(

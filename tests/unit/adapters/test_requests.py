@@ -12,7 +12,13 @@ from adapters.normalize_openai import error_from_engine
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
 from kvcore.errors import OpenAIError
-from kvcore.requests import Bootstrap, EngineOpenAI, RequestKind, TokenizedRequest
+from kvcore.requests import (
+    Bootstrap,
+    Continuation,
+    EngineOpenAI,
+    RequestKind,
+    TokenizedRequest,
+)
 
 
 def request(**kw: Any) -> TokenizedRequest:
@@ -246,3 +252,51 @@ def test_an_openai_body_goes_to_the_engines_own_openai_server() -> None:
     assert trtllm.path == "/v1/chat/completions" and "rid" not in trtllm.body
     with pytest.raises(ValueError, match="token ids"):
         to_generate_request(request(openai=openai, bootstrap=Bootstrap("prefill", "h", 1, 2)))
+
+
+def test_sglang_stream_says_which_tokens_each_chunk_carries() -> None:
+    """Cumulative or incremental output_ids become the ids of each returned chunk; ids of
+    a chunk held back (no text yet) go with the next; no output_ids: not reported."""
+    tr = SGLangResponseTranslator(request(stream=True), created=1)
+    assert tr.chunk({"text": "He", "output_ids": [7], "meta_info": meta()})
+    assert tr.token_ids() == [7]
+    assert tr.chunk({"text": "He", "output_ids": [7, 8], "meta_info": meta()}) == []
+    assert tr.chunk({"text": "Hello", "output_ids": [7, 8, 9], "meta_info": meta()})
+    assert tr.token_ids() == [8, 9]
+    inc = SGLangResponseTranslator(request(stream=True), incremental=True, created=1)
+    inc.chunk({"text": "a", "output_ids": [4], "meta_info": meta()})
+    inc.chunk({"text": "b", "output_ids": [5], "meta_info": meta()})
+    assert inc.token_ids() == [4, 5]
+    blind = SGLangResponseTranslator(request(stream=True), created=1)
+    blind.chunk({"text": "a", "meta_info": meta()})
+    assert blind.token_ids() is None
+    assert TrtllmResponseTranslator(request(stream=True)).token_ids() is None
+
+
+def test_a_continuation_reads_as_the_rest_of_the_first_stream() -> None:
+    """The engine runs prompt + streamed tokens with what is left of max_tokens; the chunks
+    keep the stream's created, send no role again, and usage counts from the prompt."""
+    cont = Continuation([10, 11], created=42)
+    req = request(kind=RequestKind.CHAT, stream=True, include_usage=True, max_tokens=5,
+                  continuation=cont)
+    engine = req.for_engine()
+    assert engine.prompt_token_ids == [1, 2, 3, 10, 11] and engine.max_tokens == 3
+    assert engine.continuation is None and request().for_engine() == request()
+    tr = SGLangResponseTranslator(req, incremental=True)
+    first = tr.chunk({"text": "x", "output_ids": [12], "meta_info": meta()})[0]
+    assert first["created"] == 42 and first["choices"][0]["delta"] == {"content": "x"}
+    tr.chunk({"text": "y", "output_ids": [13], "meta_info": {
+        **meta({"type": "length"}, cached=5, completion=3), "prompt_tokens": 5}})
+    usage = tr.finish()[0]["usage"]
+    assert usage == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8,
+                     "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+def test_a_continuation_is_checked() -> None:
+    """Only a token-id stream resumes, from some tokens, with tokens left to generate."""
+    with pytest.raises(ValueError, match="resumes a stream"):
+        request(continuation=Continuation([1]))
+    with pytest.raises(ValueError, match="output token ids"):
+        request(stream=True, continuation=Continuation([]))
+    with pytest.raises(ValueError, match="nothing of max_tokens=2"):
+        request(stream=True, max_tokens=2, continuation=Continuation([1, 2]))
