@@ -45,7 +45,7 @@ async def serve(cfg: RouterConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("gateway_stopping", in_flight=gateway.in_flight)
-    await gateway.stop()
+    await gateway.stop(cfg.drain_timeout_s)
     log.info("gateway_stopped")
     return 0
 

@@ -104,6 +104,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     upstream_timeout_s: float = 600.0
     migration_limit: int = 0  # times a stream may go on on another worker (0: never)
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
     max_body_bytes: int = 32 << 20
     forward_authorization: bool = False  # the client's Authorization header to the workers
     max_idle_connections_per_worker: int = 256
@@ -167,6 +168,8 @@ class RouterConfig:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if not math.isfinite(self.drain_timeout_s) or self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
         if not 0 <= self.migration_limit <= 100:
             raise ValueError(f"migration_limit must be in [0, 100], got {self.migration_limit}")
         if self.max_model_len is not None and self.max_model_len < 1:

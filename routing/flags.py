@@ -59,6 +59,7 @@ def gateway_config(
             connect_timeout_s=args.connect_timeout_s,
             upstream_timeout_s=args.upstream_timeout_s,
             migration_limit=args.migration_limit,
+            drain_timeout_s=args.drain_timeout_s,
             max_body_bytes=args.max_body_bytes,
             forward_authorization=args.forward_authorization,
             seed=args.seed,
@@ -390,6 +391,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="a stream whose worker dies mid-reply goes on on another worker, from the "
         "tokens the client already has, up to N times (0, the default: it is cut)",
+    )
+    s.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM the gateway stops accepting, reports draining, and gives the "
+        "requests in flight this long to finish before it cuts them (default 30)",
     )
     s.add_argument("--max-body-bytes", type=int, default=32 << 20)
     s.add_argument(

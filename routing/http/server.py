@@ -62,6 +62,7 @@ class ServerConnection(asyncio.Protocol):
         "_body",
         "_body_bytes",
         "_busy",
+        "_draining",
         "_handler",
         "_headers",
         "_keep_alive",
@@ -94,6 +95,7 @@ class ServerConnection(asyncio.Protocol):
         self._queue: deque[HttpRequest] = deque()
         self._busy = False
         self._keep_alive = True
+        self._draining = False
         self._reading_paused = False
         self.transport: asyncio.Transport | None = None
         self.in_flight: InFlight | None = None
@@ -188,7 +190,7 @@ class ServerConnection(asyncio.Protocol):
 
     def _dispatch(self, request: HttpRequest) -> None:
         self._busy = True
-        self._keep_alive = request.keep_alive
+        self._keep_alive = request.keep_alive and not self._draining
         self._handler.handle(self, request)
 
     def write(self, data: bytes) -> None:
@@ -203,11 +205,26 @@ class ServerConnection(asyncio.Protocol):
         extra_headers: bytes = b"",
     ) -> None:
         """Answer the current request in full and move on to the next one."""
+        if not self._keep_alive:
+            extra_headers += b"connection: close\r\n"
         self.write(
             b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n%s"
             % (status, reason(status), content_type, len(body), extra_headers, body)
         )
         self.finish()
+
+    @property
+    def closing(self) -> bool:
+        """The connection closes after the current response (say so in its head)."""
+        return not self._keep_alive
+
+    def drain(self) -> None:
+        """The server is stopping: close now if idle, else after the current response (whose
+        head, if not yet written, says ``connection: close``)."""
+        self._draining = True
+        self._keep_alive = False
+        if not self._busy and not self.closed and self.transport is not None:
+            self.transport.close()
 
     def finish(self) -> None:
         """The current response is complete: close, or serve the next queued request."""

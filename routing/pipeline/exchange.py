@@ -11,10 +11,11 @@ with the pair's placement and legs where this class has hooks (``_place``,
 
 A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its load is
 counted in the placement core from dispatch to release. A leg that fails before the first
-byte of its reply excludes its worker (marked failed in the registry) and the request is
-placed again; a stale keep-alive connection is first retried once on a fresh one. A client
-that goes away aborts every leg by closing its connection; an engine stops generating when
-its client disconnects.
+byte of its reply (or whose sidecar answers 502 ``engine_unreachable``: its engine is gone)
+excludes its worker (marked failed in the registry) and the request is placed again; a
+stale keep-alive connection is first retried once on a fresh one. A client that goes away
+aborts every leg by closing its connection; an engine stops generating when its client
+disconnects.
 
 A stream whose worker dies after its first byte (or goes silent past ``--upstream-timeout-s``)
 *migrates*, up to ``--migration-limit`` times: placed again, away from the workers that
@@ -46,6 +47,7 @@ from routing.workers.registry import Worker, WorkerKind
 __all__ = ["Exchange"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
+_ENGINE_LOST = b'"type":"engine_unreachable"'  # a sidecar's 502 when its engine is gone
 
 
 
@@ -251,7 +253,9 @@ class Exchange:
 
     def upstream_head(self, status: int, content_type: bytes, content_length: int | None) -> None:
         self.record.status = status
-        if status != 200 and (self._holds_errors() or self.relay.resuming):
+        if status != 200 and (self._holds_errors() or self.relay.resuming or (
+                status == 502 and self.leg is not None
+                and self.leg.worker.kind is WorkerKind.SIDECAR)):
             self._error_parts = []  # a failed handoff may still be re-run: hold the reply
             return
         self.relay.head(status, content_type, content_length)
@@ -279,6 +283,10 @@ class Exchange:
         leg.conn = None
         if self._error_parts is not None:
             raw, self._error_parts = b"".join(self._error_parts), None
+            if self.record.status == 502 and _ENGINE_LOST in raw:
+                # The sidecar is up but its engine is not: as if it failed before its reply.
+                self.leg_failed(leg, "its engine is unreachable", False)
+                return
             self._held_error(raw)
             return
         self.relay.complete()

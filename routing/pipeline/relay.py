@@ -71,6 +71,8 @@ class Relay:
             if content_length is None
             else b"content-length: %d\r\n" % content_length
         )
+        if self.client.closing:
+            framing += b"connection: close\r\n"
         if self.sse:
             framing += b"cache-control: no-cache\r\n"
         elif content_length is None or content_length <= _USAGE_BODY_LIMIT:

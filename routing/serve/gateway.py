@@ -228,6 +228,8 @@ class Gateway:
         self.draining = True
         if self._server is not None:
             self._server.close()
+        for conn in list(self._connections):
+            conn.drain()  # idle ones close now, busy ones after their response
         deadline = time.monotonic() + timeout_s
         while self.ctx.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
