@@ -2,9 +2,13 @@
 
 A frame is one version byte followed by one msgpack message; ``decode`` turns anything that
 is not a valid frame into ``WireError`` naming what was wrong, never another exception.
+Frames travel in batches, each prefixed by its 4-byte big-endian length (``join_frames``,
+``split_frames``): the sidecar's event stream body, a JetStream message of events.
 """
 
 from __future__ import annotations
+
+import struct
 
 import msgspec
 
@@ -17,7 +21,16 @@ from kvcore.events import (
 )
 from kvcore.stream import ResyncRequired, StreamStart, WorkerStatus
 
-__all__ = ["WIRE_VERSION", "Message", "WireError", "decode", "encode"]
+__all__ = [
+    "FRAME_HEADER",
+    "WIRE_VERSION",
+    "Message",
+    "WireError",
+    "decode",
+    "encode",
+    "join_frames",
+    "split_frames",
+]
 
 WIRE_VERSION = 2  # 2: WorkerStatus (routability, capacity) replaced LoadReport
 
@@ -35,6 +48,7 @@ Message = (
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _HEAD_BYTES = 32
+FRAME_HEADER = struct.Struct(">I")  # a frame's length, before it in a batch
 
 
 class WireError(ValueError):
@@ -65,3 +79,31 @@ def decode(frame: bytes | bytearray | memoryview) -> Message:
         raise WireError(
             f"invalid kvsidecar message: {exc} (head: {bytes(view[:_HEAD_BYTES]).hex()})"
         ) from exc
+
+
+def join_frames(frames: list[bytes]) -> bytes:
+    """Frames as one batch, each after its length."""
+    out = bytearray()
+    pack = FRAME_HEADER.pack
+    for frame in frames:
+        out += pack(len(frame))
+        out += frame
+    return bytes(out)
+
+
+def split_frames(batch: bytes | bytearray | memoryview) -> list[memoryview]:
+    """The frames of a batch (undecoded); raises ``WireError`` if it does not split exactly."""
+    view = memoryview(batch)
+    frames = []
+    pos, end, size = 0, len(view), FRAME_HEADER.size
+    unpack = FRAME_HEADER.unpack_from
+    while pos < end:
+        if end - pos < size:
+            raise WireError(f"batch ends inside a frame header at byte {pos} of {end}")
+        (length,) = unpack(view, pos)
+        pos += size
+        if length > end - pos:
+            raise WireError(f"frame of {length} bytes at byte {pos} overruns a batch of {end}")
+        frames.append(view[pos : pos + length])
+        pos += length
+    return frames

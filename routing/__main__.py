@@ -12,9 +12,9 @@ import structlog
 import uvloop
 
 from kvcore.logs import configure_logging
+from kvcore.nats_extra import MissingExtraError
 from routing.config import RouterConfig
 from routing.flags import gateway_config
-from routing.replicas.deps import MissingExtraError
 from routing.serve.gateway import Gateway, load_config_summary
 
 __all__ = ["main"]

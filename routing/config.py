@@ -128,6 +128,10 @@ class RouterConfig:
     nats_url: str | None = None
     nats_subject_prefix: str | None = None  # None: kvsidecar.<model>
     nats_peer_timeout_s: float = 3.0  # a replica silent this long has its load dropped
+    # Durable events (routing/replicas/durable.py): KV events read from JetStream, the index
+    # snapshotted to its object store every interval (0: never) and loaded at start.
+    events_via: str = "direct"
+    snapshot_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not (self.workers or self.sidecars or self.sidecar_file
@@ -238,6 +242,15 @@ class RouterConfig:
                              f"digits, '_' and '-', got {prefix!r}")
         if not math.isfinite(self.nats_peer_timeout_s) or self.nats_peer_timeout_s <= 0:
             raise ValueError(f"nats_peer_timeout_s must be > 0, got {self.nats_peer_timeout_s!r}")
+        if self.events_via not in ("direct", "nats"):
+            raise ValueError(f"events_via must be direct or nats, got {self.events_via!r}")
+        if self.events_via == "nats" and self.nats_url is None:
+            raise ValueError("--events-via nats reads the events from NATS: give --nats URL")
+        if self.events_via == "nats" and not (self.sidecars or self.sidecar_file
+                                              or self.discover_k8s_selector):
+            raise ValueError("--events-via nats reads sidecars' events: give --sidecar URLs")
+        if not math.isfinite(self.snapshot_interval_s) or self.snapshot_interval_s < 0:
+            raise ValueError(f"snapshot_interval_s must be >= 0, got {self.snapshot_interval_s!r}")
 
     def _check_k8s(self) -> None:
         if self.discover_k8s_selector is None:

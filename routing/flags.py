@@ -79,6 +79,8 @@ def gateway_config(
             nats_url=args.nats,
             nats_subject_prefix=args.nats_subject_prefix,
             nats_peer_timeout_s=args.nats_peer_timeout_s,
+            events_via=args.events_via,
+            snapshot_interval_s=args.snapshot_interval_s,
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -347,6 +349,21 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=3.0,
         help="a replica not heard from this long has its load dropped here (default 3)",
+    )
+    n.add_argument(
+        "--events-via",
+        choices=["direct", "nats"],
+        default="direct",
+        help="nats: read the KV events from the model's JetStream stream (sidecars with "
+        "--events-via nats), start from the newest index snapshot; the sidecars' streams "
+        "carry status, resyncs, and the events while NATS is away (default: direct)",
+    )
+    n.add_argument(
+        "--snapshot-interval-s",
+        type=float,
+        default=30.0,
+        help="with --events-via nats: write the index to JetStream's object store this often, "
+        "for gateways that start later (0: never; default 30)",
     )
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")

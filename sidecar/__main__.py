@@ -14,6 +14,7 @@ import orjson
 import uvloop
 
 from kvcore.logs import configure_logging
+from kvcore.nats_extra import MissingExtraError
 from sidecar.app import Sidecar
 from sidecar.config import SidecarConfig
 from sidecar.engine_watch import EngineUnavailableError
@@ -36,7 +37,7 @@ async def _run(cfg: SidecarConfig) -> int:
             sys.stdout.write(orjson.dumps(ready).decode() + "\n")
             sys.stdout.flush()
             await stop.wait()
-    except EngineUnavailableError as exc:
+    except (EngineUnavailableError, MissingExtraError) as exc:
         print(f"kvsidecar sidecar: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -49,6 +49,7 @@ from sidecar.engine_watch import EngineWatch
 from sidecar.event_stream import EventStream
 from sidecar.health import SilenceDetector
 from sidecar.host_tier import HostTier
+from sidecar.jetstream_publisher import JetStreamPublisher
 from sidecar.load import LoadTracker
 from sidecar.metrics import SidecarMetrics
 from sidecar.pd_handoff import (
@@ -164,7 +165,9 @@ class Sidecar:
                 upstream_timeout_s=cfg.upstream_timeout_s,
                 observe_latency=self.metrics.proxy_latency.observe,
             )
-            self._tasks = [
+            self._tasks = [] if cfg.nats_url is None else [asyncio.create_task(
+                self._jetstream(cfg.nats_url).run(), name="publish_jetstream")]
+            self._tasks += [
                 asyncio.create_task(self._pump_events(), name="pump_events"),
                 asyncio.create_task(self._report_status(), name="report_status"),
                 asyncio.create_task(self._engine.run(), name="probe_engine"),
@@ -269,6 +272,13 @@ class Sidecar:
         # The host tier is shared by every DP rank of this replica.
         for stream in self.streams.values():
             stream.publish(event)
+
+    def _jetstream(self, url: str) -> JetStreamPublisher:
+        publisher = JetStreamPublisher(self.streams, url=url, model_id=self.model_id,
+                                       max_age_s=self.cfg.events_max_age_s,
+                                       max_bytes=self.cfg.events_max_bytes)
+        self.metrics.registry.register(publisher.metrics)
+        return publisher
 
     def _flag_endpoints(self) -> tuple[EventEndpoint, ...]:
         if not self.cfg.kv_events_endpoint:

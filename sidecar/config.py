@@ -69,6 +69,11 @@ class SidecarConfig:
     # Required of every caller but /health and /metrics (x-kvsidecar-token); sent to peers.
     control_token: str | None = field(default=None, repr=False)
     lora_adapters: tuple[LoraAdapter, ...] = ()  # for engines that select adapters by id
+    # Durable events (sidecar/jetstream_publisher.py): also publish to NATS JetStream.
+    events_via: Literal["direct", "nats"] = "direct"
+    nats_url: str | None = field(default=None, repr=False)  # may carry a password
+    events_max_age_s: float = 3600.0
+    events_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         if self.engine not in ("sglang", "trtllm"):
@@ -113,6 +118,7 @@ class SidecarConfig:
             raise ValueError(f"--remote-tier-write must be through or evict, got "
                              f"{self.remote_tier_write!r}")
         LoraAdapter.check_unique(self.lora_adapters)
+        self._check_events_via()
         if self.load_endpoint is not None and self.engine != "sglang":
             raise ValueError("--load-endpoint is SGLang's load socket; --engine is not sglang")
         if self.block_size is not None and not 1 <= self.block_size <= 4096:
@@ -128,6 +134,17 @@ class SidecarConfig:
                 "--kv-handoff transfer pulls blocks into this sidecar's block store: "
                 "set --store-capacity-bytes (and point the engine's storage hook at its socket)"
             )
+
+    def _check_events_via(self) -> None:
+        if self.events_via not in ("direct", "nats"):
+            raise ValueError(f"--events-via must be direct or nats, got {self.events_via!r}")
+        if (self.events_via == "nats") != (self.nats_url is not None):
+            raise ValueError("--events-via nats and --nats URL go together")
+        if self.nats_url is not None and urlsplit(self.nats_url.split(",")[0]).scheme not in (
+                "nats", "tls"):
+            raise ValueError(f"--nats must be nats://HOST:PORT (or tls://), got {self.nats_url!r}")
+        if not 0 < self.events_max_age_s < float("inf") or self.events_max_bytes < 1 << 20:
+            raise ValueError("--events-max-age-s must be > 0 and --events-max-bytes >= 1MiB")
 
     @classmethod
     def parser(cls) -> argparse.ArgumentParser:
@@ -326,6 +343,28 @@ class SidecarConfig:
             help="for simulated engines (pages without bytes): make each KV handoff take this "
             "long per 1,000 prompt tokens, as a transport of that speed would (default 0)",
         )
+        n = p.add_argument_group("durable events (docs/replicas.md)")
+        n.add_argument(
+            "--events-via",
+            choices=["direct", "nats"],
+            default="direct",
+            help="nats: also publish the event stream to the model's NATS JetStream stream, "
+            "where gateways with --events-via nats read it and restart warm; the HTTP stream "
+            "keeps working (the 'nats' extra; default: direct only)",
+        )
+        n.add_argument("--nats", metavar="URL", help="nats://HOST:PORT (with --events-via nats)")
+        n.add_argument(
+            "--events-max-age-s",
+            type=float,
+            default=3600.0,
+            help="the stream keeps events this long (default 3600), when this sidecar creates it",
+        )
+        n.add_argument(
+            "--events-max-bytes",
+            type=parse_bytes,
+            default=1 << 30,
+            help="and at most this much of them, oldest dropped first (default 1GiB)",
+        )
         s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         s.add_argument("--ready-file", help="write {'url': ...} JSON here once serving")
         return p
@@ -381,6 +420,10 @@ class SidecarConfig:
                 engine_api_key=api_key,
                 control_token=control_token,
                 lora_adapters=loras,
+                events_via=args.events_via,
+                nats_url=args.nats,
+                events_max_age_s=args.events_max_age_s,
+                events_max_bytes=args.events_max_bytes,
             )
         except ValueError as exc:
             parser.error(str(exc))

@@ -6,24 +6,28 @@ never waits for a subscriber. One that falls ``queue_frames`` behind is dropped 
 ``ResyncRequired`` frame, counted, and reconnects on its own from its last position — the
 replay buffer usually still covers it, otherwise it gets a snapshot. Other subscribers and
 the engine are unaffected.
+
+With ``--events-via nats`` each frame is first offered to the JetStream publisher (the
+``outlet``). A subscriber that asked ``events=0`` (a gateway reading events from JetStream)
+gets the start, the backlog and the status frames, and of the live events only those the
+outlet refused (NATS unreachable): it loses none either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
 from kvcore.events import KVEvent
 from kvcore.stream import ResyncRequired
-from kvcore.wire import Message, encode
+from kvcore.wire import FRAME_HEADER, Message, encode, join_frames
 from sidecar.relay import EventRelay
 
 __all__ = ["FRAME_HEADER", "STREAM_CONTENT_TYPE", "EventStream"]
 
-FRAME_HEADER = struct.Struct(">I")
 STREAM_CONTENT_TYPE = "application/x-kvsidecar-stream"
 _WRITE_BATCH_FRAMES = 256
 
@@ -31,10 +35,11 @@ log = structlog.get_logger(component="event_stream")
 
 
 class _Subscriber:
-    __slots__ = ("overrun", "peer", "queue")
+    __slots__ = ("events", "overrun", "peer", "queue")
 
-    def __init__(self, peer: str, queue_frames: int) -> None:
+    def __init__(self, peer: str, queue_frames: int, events: bool = True) -> None:
         self.peer = peer
+        self.events = events  # False: live events only when the outlet refused them
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=queue_frames)
         self.overrun = False
 
@@ -46,6 +51,9 @@ class EventStream:
         self.relay = relay
         self.queue_frames = queue_frames
         self._subscribers: set[_Subscriber] = set()
+        self._direct: set[_Subscriber] = set()  # those that take every live event here
+        # The JetStream publisher: True when it took the frame (--events-via nats).
+        self.outlet: Callable[[bytes], bool] | None = None
         self.events_relayed = 0
         self.subscribers_dropped = 0
         self.replays_served = 0
@@ -56,15 +64,26 @@ class EventStream:
     def num_subscribers(self) -> int:
         return len(self._subscribers)
 
+    @property
+    def num_status_only(self) -> int:
+        """Subscribers that read the live events from JetStream."""
+        return len(self._subscribers) - len(self._direct)
+
     def publish(self, event: KVEvent) -> None:
-        """Stamp, record and send one event to every live subscriber."""
-        self._fanout(self.relay.publish(event))
+        """Stamp, record and send one event to every live subscriber (those reading
+        JetStream only when the outlet refused it)."""
+        frame = self.relay.publish(event)
+        outlet = self.outlet
+        if outlet is not None and outlet(frame):
+            self._fanout(frame, self._direct)
+        else:
+            self._fanout(frame, self._subscribers)
         self.events_relayed += 1
 
     def broadcast(self, message: Message) -> None:
         """Send an unsequenced message (a load report) to every live subscriber."""
         if self._subscribers:
-            self._fanout(encode(message))
+            self._fanout(encode(message), self._subscribers)
 
     def close(self) -> None:
         """End every subscriber's stream (shutdown)."""
@@ -72,8 +91,8 @@ class EventStream:
         for sub in self._subscribers:
             self._end(sub)
 
-    def _fanout(self, frame: bytes) -> None:
-        for sub in self._subscribers:
+    def _fanout(self, frame: bytes, subscribers: set[_Subscriber]) -> None:
+        for sub in subscribers:
             if sub.overrun:
                 continue
             try:
@@ -102,10 +121,13 @@ class EventStream:
             ) from exc
         if self._closing:
             raise web.HTTPServiceUnavailable(text='{"error": "sidecar is shutting down"}')
-        sub = _Subscriber(request.remote or "?", self.queue_frames)
+        events = request.query.get("events") != "0"
+        sub = _Subscriber(request.remote or "?", self.queue_frames, events)
         # plan() and registration happen with no await between them, so no frame is lost.
         plan = self.relay.plan(epoch, seq)
         self._subscribers.add(sub)
+        if events:
+            self._direct.add(sub)
         if plan.start.mode == "replay":
             self.replays_served += 1
         else:
@@ -113,12 +135,13 @@ class EventStream:
         response = web.StreamResponse(headers={"Content-Type": STREAM_CONTENT_TYPE})
         try:
             await response.prepare(request)
-            await response.write(_frames([encode(plan.start), *plan.backlog]))
+            await response.write(join_frames([encode(plan.start), *plan.backlog]))
             await self._pump(sub, response)
         except (ConnectionResetError, ConnectionError):
             log.info("subscriber_disconnected", peer=sub.peer)
         finally:
             self._subscribers.discard(sub)
+            self._direct.discard(sub)
         return response
 
     async def _pump(self, sub: _Subscriber, response: web.StreamResponse) -> None:
@@ -132,21 +155,13 @@ class EventStream:
                     break
                 frame = queue.get_nowait()
             if batch:
-                await response.write(_frames(batch))
+                await response.write(join_frames(batch))
             if frame is None:
                 reason = "shutting down" if self._closing else "subscriber fell behind"
                 resync = ResyncRequired(self.relay.worker_id, reason)
-                await response.write(_frames([encode(resync)]))
+                await response.write(join_frames([encode(resync)]))
                 await response.write_eof()
                 return
-
-
-def _frames(frames: list[bytes]) -> bytes:
-    out = bytearray()
-    for frame in frames:
-        out += FRAME_HEADER.pack(len(frame))
-        out += frame
-    return bytes(out)
 
 
 def _optional_int(raw: str | None) -> int | None:

@@ -41,6 +41,11 @@ class _StreamCollector(Collector):
             "Gateways subscribed to the event stream",
             labels=["worker"],
         )
+        status_only = GaugeMetricFamily(
+            "kvsidecar_event_subscribers_status_only",
+            "Subscribers reading the live events from JetStream (--events-via nats)",
+            labels=["worker"],
+        )
         replays = CounterMetricFamily(
             "kvsidecar_stream_replays",
             "Subscribers resumed from the replay buffer",
@@ -59,10 +64,11 @@ class _StreamCollector(Collector):
         for worker, stream in self._streams().items():
             relayed.add_metric([worker], stream.events_relayed)
             subscribers.add_metric([worker], stream.num_subscribers)
+            status_only.add_metric([worker], stream.num_status_only)
             replays.add_metric([worker], stream.replays_served)
             snapshots.add_metric([worker], stream.snapshots_served)
             dropped.add_metric([worker], stream.subscribers_dropped)
-        yield from (relayed, subscribers, replays, snapshots, dropped)
+        yield from (relayed, subscribers, status_only, replays, snapshots, dropped)
         load = self._load()
         if load is not None:
             in_flight = GaugeMetricFamily(

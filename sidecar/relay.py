@@ -76,6 +76,11 @@ class EventRelay:
         snapshot = self.mirror.snapshot(self.worker_id, self.epoch, self.seq)
         return StreamPlan(self._start("snapshot", self.seq), [encode(snapshot)])
 
+    def marker(self) -> StreamStart:
+        """Where the stream stands: a start frame at the last stamped event (what a
+        JetStream consumer behind it learns it missed)."""
+        return self._start("replay", self.seq)
+
     def _start(self, mode: str, seq: int) -> StreamStart:
         return StreamStart(
             self.worker_id,

@@ -199,6 +199,17 @@ class BlockTable:
             parent = nodes[block] >> shift
             yield None if parent == block else parent
 
+    def copy(self, stats: IndexStats) -> BlockTable:
+        """An independent copy (``dict.copy`` of a compact dict is one memcpy)."""
+        table = BlockTable(stats, self.width)
+        table.adopt(self.nodes.copy(), {b: dict(c) for b, c in self.multi.items()}, self.dirty)
+        return table
+
+    def adopt(self, nodes: dict[int, int], multi: dict[int, dict[int, int]], dirty: int) -> None:
+        """Take over entries packed for this table's width (a loaded ``IndexImage``)."""
+        self.nodes, self.multi, self.dirty = nodes, multi, dirty
+        self._cap = sys.getsizeof(nodes)
+
     def widen(self, width: int) -> None:
         """Repack every entry for ``width`` worker slots (when a slot past the old width opens)."""
         old, live = self.width, self.holders

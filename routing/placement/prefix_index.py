@@ -35,6 +35,13 @@ from kvcore.events import (
 )
 from kvcore.wire import WireError, decode, encode
 from routing.placement.block_table import BlockTable, Held
+from routing.placement.index_image import (
+    IMAGE_VERSION,
+    IndexImage,
+    WorkerImage,
+    pack_tables,
+    unpack_tables,
+)
 from routing.placement.index_stats import ApplyOutcome, IndexStats
 
 __all__ = ["ApplyOutcome", "IndexStats", "PrefixIndex"]
@@ -241,6 +248,40 @@ class PrefixIndex:
             if worker_id in index._workers:
                 index._workers[worker_id].needs_resync = True
         return index
+
+    def copy(self) -> PrefixIndex:
+        """An independent copy, cheap next to ``to_image``: what a snapshot packs off the
+        event loop while this one goes on changing."""
+        other = PrefixIndex()
+        other._tables = [t.copy(other.stats) for t in self._tables]
+        for worker_id, w in self._workers.items():
+            other._workers[worker_id] = _Worker(w.worker_id, w.bit, w.epoch, w.seq,
+                                                w.needs_resync,
+                                                [Held(h.blocks, h.orphans) for h in w.tiers])
+        other._names, other._free_slots = list(self._names), list(self._free_slots)
+        return other
+
+    def to_image(self) -> IndexImage:
+        """The whole index as its tables' own arrays (``index_image.py``): what a restarting
+        gateway loads in a fraction of the time ``snapshot()`` takes to replay."""
+        workers = [
+            WorkerImage(w.worker_id, w.bit.bit_length() - 1, w.epoch, w.seq, w.needs_resync,
+                        [h.blocks for h in w.tiers], [h.orphans for h in w.tiers])
+            for w in self._workers.values()
+        ]
+        return IndexImage(IMAGE_VERSION, self._tables[0].width, workers, pack_tables(self._tables))
+
+    def load_image(self, image: IndexImage) -> None:
+        """Replace the whole index with an image's; on ``WireError`` it is left as it was."""
+        self._tables = unpack_tables(image, self.stats)
+        self._workers = {}
+        self._names = [None] * (max((w.slot for w in image.workers), default=-1) + 1)
+        for w in image.workers:
+            held = [Held(b, o) for b, o in zip(w.blocks, w.orphans, strict=True)]
+            self._workers[w.worker_id] = _Worker(w.worker_id, 1 << w.slot, w.epoch, w.seq,
+                                                 w.needs_resync, held)
+            self._names[w.slot] = w.worker_id
+        self._free_slots = [slot for slot, name in enumerate(self._names) if name is None]
 
     # --- internals ----------------------------------------------------------------------
 

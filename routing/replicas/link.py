@@ -25,10 +25,10 @@ from typing import Any
 
 import structlog
 
+from kvcore import nats_extra
 from kvcore.wire import WireError
 from routing.config import RouterConfig
 from routing.placement.kv_router import KvRouter
-from routing.replicas import deps
 from routing.replicas.messages import (
     ReplicaBatch,
     ReplicaEvent,
@@ -70,7 +70,7 @@ class ReplicaLink:
         peer_timeout_s: float,
         replica_id: str | None = None,
     ) -> None:
-        self._nats = deps.load()
+        self._nats = nats_extra.load("kvsidecar gateway --nats")
         self.replica_id = replica_id or os.urandom(6).hex()
         self.url = url
         self._load = load

@@ -1,4 +1,4 @@
-"""Counters of the replica link, exported on the gateway's ``/metrics``."""
+"""Counters of the replica link and of the durable events, on the gateway's ``/metrics``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-__all__ = ["ReplicaMetrics"]
+__all__ = ["DurableMetrics", "ReplicaMetrics"]
 
 
 def _zero() -> int:
@@ -58,3 +58,44 @@ class ReplicaMetrics:
         yield GaugeMetricFamily(p + "remote_requests",
                                 "Other replicas' requests in flight, counted in the load here",
                                 value=self.remote_requests())
+
+
+class DurableMetrics:
+    """What the durable events did (``routing/replicas/durable.py``)."""
+
+    def __init__(self) -> None:
+        self.live = False  # reading JetStream: the sidecars' streams carry status only
+        self.stream_seq = 0  # the last stream message applied
+        self.messages = 0
+        self.events_applied = 0
+        self.messages_rejected = 0  # undecodable messages: logged, counted, skipped
+        self.gaps = 0  # workers found behind (a gap, a marker ahead): resynced from the sidecar
+        self.snapshots_written = 0
+        self.snapshot_failures = 0
+        self.snapshot_loaded_blocks = 0  # what the newest snapshot held at start (0: none)
+        self.warm_start_s = 0.0  # start to caught up: snapshot loaded, stream replayed
+        self.nats_errors = 0
+
+    def collect(self) -> Iterator[Metric]:
+        p = "kvsidecar_gateway_durable_"
+        for name, doc, value in (
+            ("messages", "JetStream messages of KV events read", self.messages),
+            ("events_applied", "KV events applied from JetStream", self.events_applied),
+            ("messages_rejected", "JetStream messages that did not decode (skipped)",
+             self.messages_rejected),
+            ("gaps", "Workers found behind on JetStream, resynced from their sidecar", self.gaps),
+            ("snapshots_written", "Index snapshots written to the object store",
+             self.snapshots_written),
+            ("snapshot_failures", "Index snapshots not written or not loadable",
+             self.snapshot_failures),
+            ("nats_errors", "Failed NATS connects and connection errors", self.nats_errors),
+        ):
+            yield CounterMetricFamily(p + name, doc, value=value)
+        for name, doc, gauge in (
+            ("live", "1 while the KV events come from JetStream", int(self.live)),
+            ("stream_seq", "The last JetStream message applied", self.stream_seq),
+            ("snapshot_loaded_blocks", "Blocks of the snapshot loaded at start",
+             self.snapshot_loaded_blocks),
+            ("warm_start_seconds", "Start to caught up with the stream", self.warm_start_s),
+        ):
+            yield GaugeMetricFamily(p + name, doc, value=gauge)

@@ -41,6 +41,7 @@ from routing.prompt.chat_template import ChatTemplate
 from routing.prompt.openai_api import Endpoint
 from routing.prompt.preparer import PromptPreparer
 from routing.prompt.tokenizer import PromptTokenizer
+from routing.replicas.durable import DurableEvents
 from routing.replicas.link import ReplicaLink
 from routing.replicas.shared_load import SharedLoad
 from routing.serve.auth import ApiKeys, Tenant
@@ -125,6 +126,7 @@ class Gateway:
         self.metrics.set_gauge_source(self.workers_state)
         if self.replicas is not None:
             self.metrics.registry.register(self.replicas.metrics)
+        self.durable = DurableEvents.build(cfg, self.router, self.replicas, self.metrics.registry)
         # Prefill/decode pairs; the registry's pools keep aggregated requests off them.
         self.pd: PdCoordinator | None = None
         if self.has_sidecars:
@@ -205,6 +207,8 @@ class Gateway:
         endpoint picker, ``routing.epp``, runs this without the HTTP front)."""
         if self.replicas is not None:
             self.spawn(self.replicas.run())
+        if self.durable is not None:  # warm first: the feeds then resume, not resync
+            await self.durable.start(self.spawn)
         await self.prober.probe_all()
         if self.has_sidecars:
             self._start_sidecars()
@@ -269,6 +273,7 @@ class Gateway:
             dead_after_s=self.cfg.dead_after_s,
             control_header=b"" if token is None
             else b"%s: %s\r\n" % (CONTROL_TOKEN_HEADER.encode(), token.encode()),
+            live_events=self.durable,
         )
         for address in self.cfg.sidecars:
             self.sidecars.add(address.url)

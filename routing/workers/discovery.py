@@ -21,7 +21,7 @@ import structlog
 
 from routing.config import WorkerAddress
 from routing.placement.kv_router import KvRouter
-from routing.workers.event_feed import SidecarFeed
+from routing.workers.event_feed import LiveEvents, SidecarFeed
 from routing.workers.registry import Worker, WorkerKind, WorkerRegistry
 
 __all__ = ["SidecarDiscovery", "engine_address", "read_sidecar_file"]
@@ -62,6 +62,7 @@ class SidecarDiscovery:
         models: tuple[str, ...],
         dead_after_s: float = 5.0,
         control_header: bytes = b"",
+        live_events: LiveEvents | None = None,
     ) -> None:
         self.registry = registry
         self.control_header = control_header  # sent on each request leg to its workers
@@ -69,6 +70,7 @@ class SidecarDiscovery:
         self.model_id = model_id
         self.models = models
         self.dead_after_s = dead_after_s
+        self.live_events = live_events  # --events-via nats: the events' other source
         self._session = session
         self._sidecars: dict[str, _Sidecar] = {}
         self.pending: dict[str, str] = {}  # sidecar URL → why its workers are not known yet
@@ -168,7 +170,7 @@ class SidecarDiscovery:
                                      else None))
             feed = SidecarFeed(sidecar.url, self.router, self._session, model_id=self.model_id,
                                worker=worker_id, dead_after_s=self.dead_after_s,
-                               listener=self.registry)
+                               listener=self.registry, live_events=self.live_events)
             sidecar.worker_ids.append(worker_id)
             sidecar.feeds.append(asyncio.create_task(feed.run(), name=f"feed {worker_id}"))
         log.info("sidecar_discovered", url=sidecar.url, worker_ids=worker_ids)

@@ -6,12 +6,17 @@ and when the sidecar stays unreachable for ``dead_after_s`` removes the worker's
 the index until it comes back. Decoding errors are counted and end in a resync; they never
 stop the feed. What the stream says of the worker (connected or not, its role, its
 ``WorkerStatus``) goes to a ``FeedListener``: the gateway's worker registry.
+
+With ``--events-via nats`` the live events come from JetStream (``LiveEvents``,
+``routing/replicas/durable.py``) while it is live: the feed then asks its sidecar for
+``events=0`` (the start, the backlog since its position, status frames, and live events
+only while the sidecar cannot publish them to NATS). It reconnects, at the next status
+frame, when that changes or when the worker was found behind on JetStream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,19 +32,19 @@ from kvcore.events import (
     WorkerSnapshot,
 )
 from kvcore.stream import ResyncRequired, StreamStart, WorkerStatus
-from kvcore.wire import WireError, decode
+from kvcore.wire import FRAME_HEADER, WireError, decode
 from routing.placement.kv_router import KvRouter
 from routing.placement.prefix_index import ApplyOutcome
 
 __all__ = [
     "FeedListener",
     "FeedStats",
+    "LiveEvents",
     "SidecarFeed",
     "StreamMismatchError",
     "StreamProtocolError",
 ]
 
-_FRAME_HEADER = struct.Struct(">I")
 _MAX_FRAME_BYTES = 256 << 20
 _EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
@@ -61,6 +66,13 @@ class FeedListener(Protocol):
     def stream_down(self, worker_id: str, error: str | None) -> None: ...
     def reported(self, status: WorkerStatus) -> None: ...
     def mismatched(self, worker_id: str, reason: str) -> None: ...
+
+
+class LiveEvents(Protocol):
+    """Where the live events come from instead of the stream (``--events-via nats``)."""
+
+    def live(self) -> bool: ...
+    def take_resync(self, worker_id: str) -> bool: ...
 
 
 class _Resync(Exception):
@@ -94,6 +106,7 @@ class SidecarFeed:
         retry_s: float = 0.2,
         listener: FeedListener | None = None,
         clock: Callable[[], float] = time.monotonic,
+        live_events: LiveEvents | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.router = router
@@ -102,6 +115,7 @@ class SidecarFeed:
         self.idle_timeout_s = idle_timeout_s
         self.retry_s = retry_s
         self.listener = listener
+        self.live_events = live_events
         self._session = session
         self._clock = clock
         self.worker_id: str | None = worker  # learned from the stream when not given
@@ -158,6 +172,12 @@ class SidecarFeed:
         resumable = position is not None and not self._removed
         if resumable and not self.router.index.needs_resync(self.worker_id):  # type: ignore[arg-type]
             params.update(epoch=str(position[0]), seq=str(position[1]))  # type: ignore[index]
+        live = self.live_events
+        status_only = live is not None and live.live()
+        if live is not None and status_only:
+            params["events"] = "0"
+            if self.worker_id is not None:
+                live.take_resync(self.worker_id)  # this connect resyncs it
         timeout = aiohttp.ClientTimeout(total=None, connect=2.0, sock_read=self.idle_timeout_s)
         async with self._session.get(
             f"{self.url}/v1/kv-events", params=params, timeout=timeout
@@ -192,6 +212,9 @@ class SidecarFeed:
                 elif isinstance(message, WorkerStatus):
                     if self.listener is not None:
                         self.listener.reported(message)
+                    if live is not None and (live.live() != status_only or (
+                            status_only and live.take_resync(start.worker_id))):
+                        raise _Resync("events now via " + ("nats" if live.live() else "stream"))
                 elif isinstance(message, ResyncRequired):
                     raise _Resync(message.reason)
                 else:
@@ -216,10 +239,10 @@ class SidecarFeed:
 
     async def _read(self, resp: aiohttp.ClientResponse) -> object:
         try:
-            header = await resp.content.readexactly(_FRAME_HEADER.size)
+            header = await resp.content.readexactly(FRAME_HEADER.size)
         except asyncio.IncompleteReadError as exc:
             raise ConnectionError("stream ended") from exc
-        (length,) = _FRAME_HEADER.unpack(header)
+        (length,) = FRAME_HEADER.unpack(header)
         if length > _MAX_FRAME_BYTES:
             raise StreamProtocolError(f"frame of {length} bytes exceeds {_MAX_FRAME_BYTES}")
         try:

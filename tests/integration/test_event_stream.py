@@ -9,8 +9,9 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from kvcore.events import BlockRemoved, BlockStored, Tier
-from kvcore.stream import WorkerStatus
+from kvcore.events import BlockRemoved, BlockStored, Tier, WorkerSnapshot
+from kvcore.stream import StreamStart, WorkerStatus
+from kvcore.wire import FRAME_HEADER, decode
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from sidecar.event_stream import EventStream
@@ -209,3 +210,34 @@ class TestStream:
         async with Sidecar() as sc, session.get(f"{sc.url}/v1/kv-events?epoch=x&seq=-1") as resp:
             assert resp.status == 400
             assert "non-negative integers" in await resp.text()
+
+
+async def next_frame(resp: aiohttp.ClientResponse) -> object:
+    (length,) = FRAME_HEADER.unpack(await resp.content.readexactly(FRAME_HEADER.size))
+    return decode(await resp.content.readexactly(length))
+
+
+async def test_status_only_subscriber_gets_what_the_outlet_refused(
+    session: aiohttp.ClientSession,
+) -> None:
+    """``events=0`` (a gateway reading JetStream): the start, status frames, and of the live
+    events only those the JetStream outlet refused; a plain subscriber gets every event."""
+    async with Sidecar() as sc:
+        taken = [True]
+        sc.stream.outlet = lambda frame: taken[0]
+        url = f"{sc.url}/v1/kv-events"
+        async with session.get(url, params={"events": "0"}) as quiet, session.get(url) as plain:
+            assert isinstance(await next_frame(quiet), StreamStart)
+            assert isinstance(await next_frame(plain), StreamStart)
+            for resp in (quiet, plain):  # no position: a snapshot (of nothing yet)
+                assert isinstance(await next_frame(resp), WorkerSnapshot)
+            assert sc.stream.num_status_only == 1
+            sc.store(0, 4)  # taken by JetStream: the quiet one does not see it
+            sc.stream.broadcast(WorkerStatus("w0", 1))
+            taken[0] = False
+            sc.store(4, 8)  # refused (NATS away): everyone gets it
+            assert [type(await next_frame(quiet)) for _ in range(2)] == [WorkerStatus,
+                                                                        BlockStored]
+            assert [type(await next_frame(plain)) for _ in range(3)] == [BlockStored,
+                                                                        WorkerStatus,
+                                                                        BlockStored]

@@ -57,3 +57,17 @@ def test_lora_adapters_parse_and_bad_specs_are_refused(
         with pytest.raises(SystemExit):
             SidecarConfig.from_args([*BASE, *(f"--lora-adapter={s}" for s in specs)], {})
         assert message in capsys.readouterr().err
+
+
+def test_events_via_nats_and_its_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    """--events-via nats goes with --nats (kept out of the repr: it may hold a password);
+    the stream's limits parse sizes; a half-given pair stops the sidecar."""
+    cfg = SidecarConfig.from_args([*BASE, "--events-via", "nats", "--nats",
+                                   "nats://u:pw@h:4222", "--events-max-bytes", "2GiB"], {})
+    assert (cfg.events_via, cfg.events_max_bytes, cfg.events_max_age_s) == (
+        "nats", 2 << 30, 3600.0)
+    assert "pw" not in repr(cfg)
+    for flags in (["--events-via", "nats"], ["--nats", "nats://h:4222"]):
+        with pytest.raises(SystemExit):
+            SidecarConfig.from_args([*BASE, *flags], {})
+        assert "go together" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from routing.flags import gateway_config
 from routing.replicas.link import default_subject_prefix
 
 WORKER = ["--worker", "http://127.0.0.1:9001"]
+TINY = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
 
 
 def test_nats_flags_map_to_fields() -> None:
@@ -37,6 +39,28 @@ def test_bad_values_are_refused(flags: list[str], capsys: pytest.CaptureFixture[
     with pytest.raises(SystemExit):
         gateway_config([*WORKER, *flags])
     assert "nats" in capsys.readouterr().err
+
+
+def test_events_via_flags_map_to_fields() -> None:
+    """--events-via nats (with --nats) and --snapshot-interval-s land in their fields."""
+    cfg = gateway_config(["--sidecar", "http://127.0.0.1:9000", "--model-path", str(TINY),
+                          "--nats", "nats://h:4222", "--events-via", "nats",
+                          "--snapshot-interval-s", "0"])
+    assert (cfg.events_via, cfg.snapshot_interval_s) == ("nats", 0.0)
+    assert gateway_config(WORKER).events_via == "direct"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--events-via", "nats"], "give --nats URL"),
+    (["--events-via", "nats", "--nats", "nats://h:4222"], "sidecars' events"),
+    (["--nats", "nats://h:4222", "--snapshot-interval-s", "-1"], "snapshot_interval_s"),
+])
+def test_bad_events_via_is_refused(flags: list[str], message: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--events-via nats without --nats, or a negative interval, stops the gateway."""
+    with pytest.raises(SystemExit):
+        gateway_config([*WORKER, *flags])
+    assert message in capsys.readouterr().err
 
 
 def test_default_subject_prefix() -> None:
