@@ -15,7 +15,8 @@ from kvcore.logs import configure_logging
 from kvcore.nats_extra import MissingExtraError
 from routing.config import RouterConfig
 from routing.flags import gateway_config
-from routing.serve.gateway import Gateway, load_config_summary
+from routing.serve.gateway import Gateway
+from routing.serve.startup import load_config_summary
 
 __all__ = ["main"]
 

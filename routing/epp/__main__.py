@@ -14,7 +14,7 @@ from kvcore.logs import configure_logging
 from routing.epp.config import EppConfig
 from routing.epp.deps import MissingExtraError, load
 from routing.epp.server import EppServer
-from routing.serve.gateway import load_config_summary
+from routing.serve.startup import load_config_summary
 
 __all__ = ["main"]
 

@@ -13,7 +13,6 @@ import asyncio
 import json
 import os
 import random
-import ssl
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -44,16 +43,17 @@ from routing.prompt.tokenizer import PromptTokenizer
 from routing.replicas.durable import DurableEvents
 from routing.replicas.link import ReplicaLink
 from routing.replicas.shared_load import SharedLoad
-from routing.serve.auth import ApiKeys, Tenant
+from routing.serve.auth import Tenant
 from routing.serve.openapi import openapi_json
-from routing.serve.rate_limit import RateLimits, retry_after_header
+from routing.serve.rate_limit import retry_after_header
+from routing.serve.startup import api_keys, tls_context
 from routing.workers.discovery import SidecarDiscovery
 from routing.workers.k8s_discovery import K8sApiAccess, K8sPodDiscovery
 from routing.workers.parity import ParityChecker
 from routing.workers.probes import WorkerProber
 from routing.workers.registry import Health, Worker, WorkerRegistry
 
-__all__ = ["Gateway", "load_config_summary"]
+__all__ = ["Gateway"]
 
 _ENDPOINTS = {e.value.encode(): e for e in Endpoint}
 # Client headers a worker sees too: tracing and the client's identity; its credential only
@@ -181,7 +181,7 @@ class Gateway:
             discover_models=not cfg.model_names,
             spawn=self.spawn,
         )
-        self.auth = _api_keys(cfg)
+        self.auth = api_keys(cfg)
         self.sidecar_token = (
             None if cfg.sidecar_token_file is None
             else read_secret_file(cfg.sidecar_token_file, "--sidecar-token-file")
@@ -220,7 +220,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             self._new_connection, self.cfg.host, self.cfg.port, backlog=4096, reuse_address=True,
-            ssl=_tls_context(self.cfg),
+            ssl=tls_context(self.cfg),
         )
         self.port = self._server.sockets[0].getsockname()[1]
         self.spawn(self._sweep())
@@ -454,44 +454,3 @@ class Gateway:
             # Sidecars whose workers are not known yet, and why (unreachable, unauthorized).
             "pending_sidecars": [{"url": u, "reason": r} for u, r in pending.items()],
         }
-
-
-def _api_keys(cfg: RouterConfig) -> ApiKeys | None:
-    if cfg.api_key_file is None:
-        return None
-    secret = b""
-    if cfg.tenant_salt_secret_file is not None:
-        secret = read_secret_file(cfg.tenant_salt_secret_file, "--tenant-salt-secret-file").encode()
-    limits = RateLimits(cfg.rate_limit_rps, cfg.rate_limit_tps, cfg.rate_limit_burst_s)
-    return ApiKeys(cfg.api_key_file, limits, secret)
-
-
-def _tls_context(cfg: RouterConfig) -> ssl.SSLContext | None:
-    """The server's TLS context (TLS 1.2 or later), or None for plain HTTP."""
-    if cfg.tls_cert is None or cfg.tls_key is None:
-        return None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        context.load_cert_chain(cfg.tls_cert, cfg.tls_key)
-    except (ssl.SSLError, OSError) as exc:
-        raise ValueError(f"--tls-cert/--tls-key cannot be loaded: {exc}") from exc
-    context.set_alpn_protocols(["http/1.1"])
-    return context
-
-
-def load_config_summary(cfg: RouterConfig) -> dict[str, Any]:
-    return {
-        "workers": [w.url for w in cfg.workers],
-        "router_mode": cfg.router_mode.value,
-        "model_path": str(cfg.model_path) if cfg.model_path else None,
-        "block_size": cfg.block_size,
-        "max_in_flight_per_worker": cfg.max_in_flight_per_worker,
-        "busy_kv_fraction": cfg.busy_kv_fraction,
-        "busy_prefill_tokens": cfg.busy_prefill_tokens,
-        "queue_timeout_s": cfg.queue_timeout_s,
-        "session_affinity": cfg.session_affinity,
-        "api_keys": cfg.api_key_file is not None,
-        "tls": cfg.tls_cert is not None,
-        "sidecar_token": cfg.sidecar_token_file is not None,
-    }
