@@ -58,6 +58,7 @@ class FleetConfig:
     chunk_size: int = 512
     max_running: int = 64
     weights: ScoringWeights = field(default_factory=ScoringWeights)
+    learn_weights: bool = False  # the gateway's default: weights learned from feedback
     approx_ttl_s: float = 120.0  # the gateway's --approx-ttl-s (speculative prefixes)
     event_delay_s: float = 0.0  # sidecar → gateway latency of KV events
     speedup: float = 1.0  # arrivals compressed by this factor
@@ -107,6 +108,8 @@ def _router(cfg: FleetConfig, rng: random.Random, clock: list[float]) -> KvRoute
         speculative_ttl_s=cfg.approx_ttl_s,
         rng=rng,
         clock=lambda: clock[0],
+        learn_overlap_weight=cfg.learn_weights,
+        learn_prefill_load_scale=cfg.learn_weights,
     )
 
 

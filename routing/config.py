@@ -79,8 +79,9 @@ class RouterConfig:
     router_mode: RouterMode = RouterMode.KV
     model_path: Path | None = None
     served_model_names: tuple[str, ...] = ()
-    overlap_weight: float = 1.0
-    prefill_load_scale: float = 1.0
+    # None: learned from the fleet's feedback (routing/placement/tuning.py); a number fixes it.
+    overlap_weight: float | None = None
+    prefill_load_scale: float | None = None
     router_temperature: float = 0.0
     host_weight: float = 0.75
     disk_weight: float = 0.25
@@ -158,6 +159,8 @@ class RouterConfig:
             "disk_weight",
         ):
             value = getattr(self, name)
+            if value is None and name in ("overlap_weight", "prefill_load_scale"):
+                continue  # learned
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not 1 <= self.block_size <= 4096:

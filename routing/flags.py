@@ -203,17 +203,18 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--overlap-weight",
         type=float,
-        default=1.0,
+        default=None,
         help="credit per GPU-cached prefix block in the cost, in blocks of prefill work "
-        "(default 1.0, Dynamo's; values of 10-50 keep multi-turn conversations on the "
-        "worker that holds them; docs/bench/replay.md has the sweep)",
+        "(default: learned, from 1 while the engines evict nothing up to 21 when every "
+        "store evicts; a number fixes it; docs/bench/pressure.md)",
     )
     r.add_argument(
         "--prefill-load-scale",
         type=float,
-        default=1.0,
+        default=None,
         help="weight of a block of prefill work against a block held by decoding requests "
-        "(Dynamo's prefill_load_scale; default 1.0; raise it for long shared prefixes)",
+        "(Dynamo's prefill_load_scale; default: learned from time to first token; a number "
+        "fixes it)",
     )
     r.add_argument(
         "--router-temperature",

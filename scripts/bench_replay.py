@@ -49,15 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         default=0.2,
         help="share of the trace's distinct blocks all replicas hold together",
     )
-    # The gateway's defaults are Dynamo's (1 and 1); on long-prompt, multi-turn traffic like
-    # Mooncake's the placement we recommend values a cached block above queued work and
-    # prefill above decode. The sweep in docs/bench/replay.md shows a wide plateau around
-    # these values.
+    # Fixed weights from the plateau of the sweep in docs/bench/replay.md (a cached block above
+    # queued work, prefill above decode); --learned runs the gateway's default instead, both
+    # weights learned from the fleet's feedback (routing/placement/tuning.py).
     p.add_argument("--overlap-weight", type=float, default=20.0,
-                   help="credit per cached block (default 20; the gateway's default is 1)")
+                   help="credit per cached block (default 20; the gateway learns it)")
     p.add_argument("--prefill-load-scale", type=float, default=100.0,
-                   help="prefill against decode blocks (default 100; the gateway's is 1)")
+                   help="prefill against decode blocks (default 100; the gateway learns it)")
     p.add_argument("--router-temperature", type=float, default=0.0)
+    p.add_argument("--learned", action="store_true",
+                   help="the gateway's default instead: both weights learned from feedback")
     p.add_argument("--limit", type=int, help="first N requests only")
     p.add_argument("--quick", action="store_true", help="first 1,500 requests (smoke run)")
     p.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill_load_scale=args.prefill_load_scale,
         temperature=args.router_temperature,
     )
-    cfg = FleetConfig(replicas=args.replicas, capacity_tokens=capacity, weights=weights)
+    cfg = FleetConfig(replicas=args.replicas, capacity_tokens=capacity, weights=weights,
+                      learn_weights=args.learned)
     report = run_offline(Path(args.trace).name, records, cfg, list(Policy), bounds=True)
     print(
         f"{report.settings}\n{distinct:,} distinct blocks; capacity share {args.capacity_share:g}\n"

@@ -27,7 +27,7 @@ is monotone in i — a binary search over the request's blocks finds the depth.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcore.stream import EngineLoad
@@ -70,6 +70,7 @@ class ActiveLoad:
         self._requests: dict[str, _Request] = {}
         self._workers: dict[str, _WorkerTotals] = {}
         self._refs: dict[str, dict[int, int]] = {}  # worker → active prompt block → refcount
+        self.on_first_token: Callable[[str], None] | None = None  # feedback (tuning.py)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -98,6 +99,8 @@ class ActiveLoad:
         request = self._get(request_id)
         self._workers[request.worker_id].prefill_tokens -= request.prefill_tokens
         request.prefill_tokens = 0
+        if self.on_first_token is not None:
+            self.on_first_token(request_id)
 
     def tokens_generated(self, request_id: str, count: int = 1) -> None:
         """The request produced ``count`` more tokens (its KV grows by whole blocks)."""

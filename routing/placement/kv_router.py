@@ -6,6 +6,10 @@ Pure and synchronous like its parts; the gateway drives it from its event loop::
     placement = router.place(block_hashes, prompt_tokens, workers)   # choose
     router.dispatch(request_id, placement, block_hashes, prompt_tokens)  # commit
     router.load.first_token(request_id) ... router.load.finish(request_id)
+
+Self-tuning: unless fixed by the caller, the scorer's overlap weight and prefill load scale
+follow the fleet's feedback (``tuning.py``), fed here from the events, the dispatches and the
+first tokens.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
-from kvcore.events import BlockStored, KVEvent, Tier
+from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
 from routing.placement.active_load import ActiveLoad
 from routing.placement.pending import PendingPrefixes
 from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
 from routing.placement.scorer import Candidate, Placement, Pool, Scorer, ScoringWeights, TierOverlap
+from routing.placement.tuning import WeightTuner
 
 __all__ = ["KvRouter"]
+
+_DROPPED = (ApplyOutcome.DUPLICATE, ApplyOutcome.STALE_EPOCH)  # events the index ignored
 
 
 class KvRouter:
@@ -36,21 +43,43 @@ class KvRouter:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         load: ActiveLoad | None = None,
+        learn_overlap_weight: bool = False,
+        learn_prefill_load_scale: bool = False,
     ) -> None:
         """``load``: the active load to keep (a subclass shares it with other gateway
-        replicas: ``routing.replicas``); a plain ``ActiveLoad`` by default."""
+        replicas: ``routing.replicas``); a plain ``ActiveLoad`` by default. ``learn_*``:
+        the weight is tuned from feedback (``tuning.py``) instead of taken from ``weights``."""
         self.block_size = block_size
         self.index = PrefixIndex()
         self.pending = PendingPrefixes(speculative_ttl_s)
         self.load = ActiveLoad(block_size) if load is None else load
-        self.scorer = Scorer(weights or ScoringWeights(), block_size, rng)
+        weights = weights or ScoringWeights()
+        self.scorer = Scorer(weights, block_size, rng)
         self._clock = clock
+        self.tuner: WeightTuner | None = None
+        if learn_overlap_weight or learn_prefill_load_scale:
+            self.tuner = WeightTuner(
+                self.scorer,
+                fixed_overlap=None if learn_overlap_weight else weights.overlap_weight,
+                fixed_scale=None if learn_prefill_load_scale else weights.prefill_load_scale,
+            )
+            self.load.on_first_token = self._first_token
 
     def apply(self, event: KVEvent) -> ApplyOutcome:
         """Feed one normalized event; a GPU store confirms speculative blocks."""
         outcome = self.index.apply(event)
-        if type(event) is BlockStored and event.tier is Tier.GPU:
-            self.pending.confirm(event.worker_id, event.block_hashes)
+        if event.tier is not Tier.GPU:
+            return outcome
+        kind = type(event)
+        if kind is BlockStored:
+            self.pending.confirm(event.worker_id, event.block_hashes)  # type: ignore[union-attr]
+        tuner = self.tuner
+        if tuner is None or outcome in _DROPPED:
+            return outcome
+        if kind is BlockStored:
+            tuner.blocks_stored(len(event.block_hashes))  # type: ignore[union-attr]
+        elif kind is BlockRemoved:
+            tuner.blocks_removed(len(event.block_hashes))  # type: ignore[union-attr]
         return outcome
 
     def remove_worker(self, worker_id: str) -> list[str]:
@@ -117,5 +146,14 @@ class KvRouter:
     ) -> None:
         """Commit a placement: count its load and speculate its prefix onto the worker."""
         cached_tokens = min(prompt_tokens, placement.overlap.longest * self.block_size)
+        tuner = self.tuner
+        if tuner is not None and tuner.learns_scale:
+            wl = self.load.load(placement.worker_id, block_hashes)
+            prefill = wl.active_prefill_tokens + prompt_tokens - cached_tokens
+            tuner.dispatched(request_id, prefill, wl.decode_blocks, self._clock())
         self.load.add(request_id, placement.worker_id, block_hashes, prompt_tokens, cached_tokens)
         self.pending.record(placement.worker_id, block_hashes, self._clock())
+
+    def _first_token(self, request_id: str) -> None:
+        if self.tuner is not None:
+            self.tuner.first_token(request_id, self._clock())

@@ -92,8 +92,8 @@ class Gateway:
         self._served_names = cfg.model_names  # a property of the config: read it once
         rng = random.Random(cfg.seed)
         weights = ScoringWeights(
-            overlap_weight=cfg.overlap_weight,
-            prefill_load_scale=cfg.prefill_load_scale,
+            overlap_weight=1.0 if cfg.overlap_weight is None else cfg.overlap_weight,
+            prefill_load_scale=1.0 if cfg.prefill_load_scale is None else cfg.prefill_load_scale,
             host_weight=cfg.host_weight,
             disk_weight=cfg.disk_weight,
             temperature=cfg.router_temperature,
@@ -105,7 +105,10 @@ class Gateway:
         # With --nats the load is shared with the other replicas (routing/replicas).
         shared = None if cfg.nats_url is None else SharedLoad(cfg.block_size)
         self.router = KvRouter(
-            block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng, load=shared
+            block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng, load=shared,
+            # Unless the operator fixed them, the weights follow the fleet (tuning.py).
+            learn_overlap_weight=cfg.overlap_weight is None,
+            learn_prefill_load_scale=cfg.prefill_load_scale is None,
         )
         self.replicas = None if shared is None else ReplicaLink.for_gateway(
             cfg, self.router, shared)
@@ -450,7 +453,26 @@ class Gateway:
         pending = {} if self.sidecars is None else self.sidecars.pending
         return {
             "router_mode": self.cfg.router_mode.value,
+            "scorer": self._scorer_state(),
             "workers": out,
             # Sidecars whose workers are not known yet, and why (unreachable, unauthorized).
             "pending_sidecars": [{"url": u, "reason": r} for u, r in pending.items()],
+        }
+
+    def _scorer_state(self) -> dict[str, Any]:
+        """The scorer's weights now, and whether each is learned (``tuning.py``)."""
+        weights = self.router.scorer.weights
+        tuner = self.router.tuner
+        return {
+            "overlap_weight": weights.overlap_weight,
+            "prefill_load_scale": weights.prefill_load_scale,
+            "learned": [
+                name
+                for name, value in (
+                    ("overlap_weight", self.cfg.overlap_weight),
+                    ("prefill_load_scale", self.cfg.prefill_load_scale),
+                )
+                if value is None
+            ],
+            "eviction_pressure": None if tuner is None else tuner.pressure,
         }

@@ -170,6 +170,7 @@ async def test_models_health_workers_metrics(stack) -> None:  # type: ignore[no-
     workers = await h.get_json(gateway.url, "/v1/workers")
     assert [w["worker_id"] for w in workers["workers"]] == [e.url for e in engines]
     assert all(w["healthy"] and w["in_flight"] == 0 for w in workers["workers"])
+    assert workers["scorer"]["learned"] == ["overlap_weight", "prefill_load_scale"]
     status, text = await h.get(gateway.url, "/metrics")
     assert status == 200
     assert (

@@ -40,6 +40,13 @@ def test_flags_map_to_fields(tiny_model_dir: Path) -> None:
     assert (cfg.overlap_weight, cfg.router_temperature, cfg.block_size) == (2.0, 0.5, 32)
     assert cfg.port == 0 and cfg.max_in_flight_per_worker == 4
     assert cfg.model_names == (tiny_model_dir.name,)
+    assert cfg.prefill_load_scale is None  # not given: learned from the fleet's feedback
+
+
+def test_weights_are_learned_unless_given() -> None:
+    """Without --overlap-weight / --prefill-load-scale both weights are learned (None)."""
+    cfg = gateway_config(["--worker", "http://127.0.0.1:9001"])
+    assert (cfg.overlap_weight, cfg.prefill_load_scale) == (None, None)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Placement under memory pressure, live: our stack against Dynamo's own (frontend + mocker)
+on the shared-prefix multi-turn chat workload, at two KV capacities, in one run.
+
+The workload and both stacks are those of the Dynamo comparison kit in the shared bench folder
+(``bench/dynamo/``: ``dynamo_stack.sh``, ``kvsidecar_stack.sh``, ``load.py``; read-only, so
+they are driven through their environment knobs): 20 system prompts × 2,000 tokens, 3 turns of
+64 user tokens and 64 output tokens, 256 sessions, 64 in flight, 4 workers, block 16,
+mocker-like timing. At 4,096 blocks per worker every worker can hold every system prompt; at
+1,024 a worker holds fewer than half of them, and the fleet only so many copies.
+
+Per stack × capacity, each on a fresh stack (cold caches):
+  * hit rate: the cached tokens the engines report (``usage.prompt_tokens_details``) over the
+    prompt tokens;
+  * predicted: what the router expected cached, token-weighted: ours
+    ``kvsidecar_gateway_predicted_cached_tokens_total`` over the engines' prompt tokens,
+    Dynamo's ``dynamo_component_router_kv_selected_cached_prefix_tokens_total`` over its
+    frontend's input tokens (the per-request mean ``dynamo_component_router_kv_hit_rate`` is
+    kept too);
+  * gap: |predicted − hit rate|, in points; TTFT p50/p99 (ms) from the load driver.
+
+Ours runs with its defaults, with ``least-loaded`` (the p99 TTFT reference), and, unless
+``--quick``, over a sweep of ``--overlap-weight`` × ``--prefill-load-scale``. Ratios (≥ 1 is
+as good or better): ``hit_rate_vs_dynamo_<cap>``, ``prediction_gap_vs_dynamo_<cap>`` (Dynamo's
+gap over ours; a gap under half a point counts as half a point, the run-to-run resolution),
+``defaults_vs_best_sweep_<cap>`` (our default hit rate over the sweep's best) and
+``ttft_p99_vs_least_loaded_<cap>``.
+
+    python scripts/bench_pressure.py [--quick] [--capacities 4096,1024] [--json FILE]
+
+Needs the Dynamo venv of ``bench/dynamo/setup_dynamo.sh`` under ``$BENCH_HOME`` (default
+``~/.cache/kvsidecar-bench``); without it the Dynamo rows are skipped and say why. Each stack
+run takes about a minute here; the default sweep (3 × 3) makes the whole bench ~25 minutes,
+``--quick`` ~6.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KIT = ROOT.parent / "shared" / "bench" / "dynamo"
+GAP_FLOOR = 0.005  # half a point: below it a gap is run-to-run noise
+_OURS = re.compile(rb"^kvsidecar_gateway_(predicted_cached_tokens|actual_cached_tokens|"
+                   rb"usage_prompt_tokens)_total (\S+)$", re.MULTILINE)
+
+
+def progress(msg: str) -> None:
+    print(f"[bench_pressure {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Run:
+    """One stack brought up by the kit's script, loaded by ``load.py``, and stopped."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, label: str) -> None:
+        self.args, self.label = args, label
+        self.state = workdir / label
+        self.port = free_port()
+
+    def env(self, capacity: int, extra: dict[str, str]) -> dict[str, str]:
+        return {**os.environ, "BENCH_HOME": str(self.args.bench_home),
+                "STATE_DIR": str(self.state), "PORT": str(self.port),
+                "NUM_GPU_BLOCKS": str(capacity), "NUM_WORKERS": str(self.args.workers),
+                "MAIN": str(self.args.main), "PYTHONPATH": str(self.args.main), **extra}
+
+    def go(self, stack: str, capacity: int, extra: dict[str, str]) -> dict[str, float]:
+        env = self.env(capacity, extra)
+        start = subprocess.run([str(KIT / f"{stack}_stack.sh")], env=env, capture_output=True,
+                               text=True, timeout=300)
+        try:
+            if start.returncode:
+                raise RuntimeError(f"{stack} stack did not start: {start.stderr[-800:]}")
+            url = f"http://127.0.0.1:{self.port}"
+            out = self.state / "load.json"
+            cmd = [sys.executable, str(KIT / "load.py"), "--url", url, "--model", "tiny",
+                   "--concurrency", str(self.args.concurrency), "--users", str(self.args.users),
+                   "--json", str(out), "--label", self.label, "--request-timeout", "120"]
+            if stack == "dynamo":
+                cmd += ["--metrics-url", url + "/metrics"]
+            load = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+            if load.returncode:
+                raise RuntimeError(f"load.py failed: {load.stderr[-800:]}")
+            res = json.loads(out.read_text())
+            if res["requests_failed"]:
+                raise RuntimeError(f"{res['requests_failed']} requests failed: "
+                                   f"{res['errors_sample']}")
+            fig = {"hit_rate": float(res["client_cache_hit_rate"] or 0.0),
+                   "ttft_p50_ms": float(res["ttft_p50_ms"]),
+                   "ttft_p99_ms": float(res["ttft_p99_ms"]), "wall_s": float(res["wall_s"])}
+            if extra.get("ROUTER_MODE") == "kv":  # the other modes predict nothing
+                fig["predicted"] = (ours_predicted(url) if stack == "kvsidecar"
+                                    else dynamo_predicted(res, fig))
+                if stack == "kvsidecar":
+                    fig.update(ours_weights(url))
+                fig["gap"] = abs(fig["predicted"] - fig["hit_rate"])
+            return fig
+        finally:
+            subprocess.run([str(KIT / f"stop_{stack}_stack.sh")], env=env, capture_output=True,
+                           timeout=120)
+
+
+def ours_predicted(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        found = {m.group(1).decode(): float(m.group(2)) for m in _OURS.finditer(resp.read())}
+    prompt = found.get("usage_prompt_tokens", 0.0)
+    return found.get("predicted_cached_tokens", 0.0) / prompt if prompt else 0.0
+
+
+def ours_weights(url: str) -> dict[str, float]:
+    """The scorer's weights at the end of the run (learned ones included), if reported."""
+    with urllib.request.urlopen(url + "/v1/workers", timeout=10) as resp:
+        scorer = json.loads(resp.read()).get("scorer") or {}
+    return {f"final_{k}": float(scorer[k]) for k in ("overlap_weight", "prefill_load_scale")
+            if isinstance(scorer.get(k), (int, float))}
+
+
+def dynamo_predicted(res: dict[str, object], fig: dict[str, float]) -> float:
+    delta = res.get("metrics_delta") or {}
+    assert isinstance(delta, dict)
+    mean = res.get("router_predicted_hit_rate_mean")
+    if isinstance(mean, float):
+        fig["predicted_request_mean"] = mean
+    tokens = delta.get("dynamo_frontend_input_sequence_tokens_sum") or 0.0
+    selected = delta.get("dynamo_component_router_kv_selected_cached_prefix_tokens_total")
+    if tokens and selected is not None:
+        return float(selected) / float(tokens)
+    return float(mean) if isinstance(mean, float) else float("nan")
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, str]]]:
+    """(label, stack, extra env) for each run at one capacity."""
+    out: list[tuple[str, str, dict[str, str]]] = []
+    if args.dynamo:
+        out.append(("dynamo", "dynamo", {"ROUTER_MODE": "kv"}))
+    out.append(("ours", "kvsidecar", {"ROUTER_MODE": "kv"}))
+    out.append(("ours_least_loaded", "kvsidecar", {"ROUTER_MODE": "least-loaded"}))
+    if not args.quick:
+        out.extend((f"sweep_ow{ow:g}_ps{ps:g}", "kvsidecar",
+                    {"ROUTER_MODE": "kv", "EXTRA_GATEWAY_ARGS":
+                     f"--overlap-weight {ow:g} --prefill-load-scale {ps:g}"})
+                   for ow in args.sweep_overlap for ps in args.sweep_scale)
+    return out
+
+
+def table(results: dict[int, dict[str, dict[str, float]]]) -> None:
+    print(f"\n{'capacity':>8}  {'run':<22}{'hit rate':>9}{'predicted':>10}{'gap pt':>8}"
+          f"{'TTFT p50':>10}{'TTFT p99':>10}{'wall s':>8}  final weights (ow / ps)")
+    for cap, runs in results.items():
+        for label, f in runs.items():
+            pred = f"{f['predicted']:>10.1%}{f['gap'] * 100:>8.1f}" if "gap" in f else " " * 18
+            weights = (f"  {f['final_overlap_weight']:.3g} / {f['final_prefill_load_scale']:.3g}"
+                       if "final_overlap_weight" in f else "")
+            print(f"{cap:>8}  {label:<22}{f['hit_rate']:>9.1%}{pred}"
+                  f"{f['ttft_p50_ms']:>8.0f}ms{f['ttft_p99_ms']:>8.0f}ms{f['wall_s']:>8.1f}"
+                  f"{weights}")
+
+
+def ratios_of(cap: int, runs: dict[str, dict[str, float]]) -> dict[str, float]:
+    ours = runs["ours"]
+    out: dict[str, float] = {}
+    if "dynamo" in runs:
+        dyn = runs["dynamo"]
+        out[f"hit_rate_vs_dynamo_{cap}"] = ours["hit_rate"] / dyn["hit_rate"]
+        out[f"prediction_gap_vs_dynamo_{cap}"] = (max(dyn["gap"], GAP_FLOOR)
+                                                  / max(ours["gap"], GAP_FLOOR))
+    sweep = [f["hit_rate"] for label, f in runs.items() if label.startswith("sweep_")]
+    if sweep:
+        out[f"defaults_vs_best_sweep_{cap}"] = ours["hit_rate"] / max(sweep)
+    ll = runs["ours_least_loaded"]
+    out[f"ttft_p99_vs_least_loaded_{cap}"] = ll["ttft_p99_ms"] / ours["ttft_p99_ms"]
+    return out
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench_pressure.py",
+                                description=(__doc__ or "").split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--capacities", default="4096,1024", help="KV blocks per worker, each run")
+    p.add_argument("--quick", action="store_true", help="skip the weight sweep")
+    p.add_argument("--sweep-overlap", type=floats, default=[1.0, 4.0, 20.0],
+                   help="--overlap-weight values swept (1,4,20)")
+    p.add_argument("--sweep-scale", type=floats, default=[1.0, 10.0, 100.0],
+                   help="--prefill-load-scale values swept (1,10,100)")
+    p.add_argument("--users", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--bench-home", type=Path, default=Path(os.environ.get(
+        "BENCH_HOME", Path.home() / ".cache" / "kvsidecar-bench")))
+    p.add_argument("--main", type=Path, default=ROOT,
+                   help="the checkout our stack runs from (default: this one); a copy of the "
+                   "tree keeps a run apart from edits made meanwhile (it needs .venv/)")
+    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    args = p.parse_args(argv)
+    args.main = args.main.resolve()
+    if not KIT.is_dir():
+        p.error(f"the Dynamo kit is not at {KIT}")
+    args.dynamo = (args.bench_home / "dynamo-venv" / ".ready").exists()
+    if not args.dynamo:
+        progress(f"no Dynamo venv at {args.bench_home}/dynamo-venv (run the kit's "
+                 "setup_dynamo.sh): Dynamo's rows and ratios are left out")
+    elif not (args.bench_home / "tinymodel" / "tokenizer.json").exists():
+        p.error(f"no model dir at {args.bench_home}/tinymodel: run setup_dynamo.sh")
+    workdir = Path(tempfile.mkdtemp(prefix="bench-pressure-"))
+    capacities = [int(c) for c in args.capacities.split(",")]
+    plan = configs(args)
+    total, done, t0 = len(plan) * len(capacities), 0, time.monotonic()
+    results: dict[int, dict[str, dict[str, float]]] = {}
+    for cap in capacities:
+        results[cap] = {}
+        for label, stack, extra in plan:
+            done += 1
+            progress(f"[{done}/{total}] {label} at {cap} blocks/worker "
+                     f"({time.monotonic() - t0:.0f} s so far)")
+            fig = Run(args, workdir, f"{label}_{cap}").go(stack, cap, extra)
+            progress(f"  hit {fig['hit_rate']:.1%} predicted {fig.get('predicted', 0.0):.1%} "
+                     f"TTFT p50 {fig['ttft_p50_ms']:.0f} ms p99 {fig['ttft_p99_ms']:.0f} ms")
+            results[cap][label] = fig
+    print(f"\nChat workload under memory pressure: {args.users} sessions × 3 turns, "
+          f"{args.concurrency} in flight, {args.workers} workers; gap = |predicted − hit rate|")
+    table(results)
+    ratios: dict[str, float] = {}
+    for cap, runs in results.items():
+        ratios.update(ratios_of(cap, runs))
+    print()
+    for name, value in ratios.items():
+        print(f"{name:<34}{value:>8.3f}")
+    figures = {f"{label}_{cap}_{k}": v for cap, runs in results.items()
+               for label, f in runs.items() for k, v in f.items()}
+    if args.json:
+        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+        progress(f"wrote {args.json} (stack logs under {workdir})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
