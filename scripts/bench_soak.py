@@ -160,6 +160,7 @@ class Run:
     first_fault: float = float("inf")
     recovered: float = float("inf")
     rss_before: dict[str, float] = field(default_factory=dict)
+    rss_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     stop: bool = False
     verbose: bool = False
     # Gateways the balancer sends nothing to: from their SIGTERM until they are ready again
@@ -268,6 +269,17 @@ async def _faults(fleet: Fleet, args: argparse.Namespace, run: Run) -> None:
     run.recovered = run.now() + args.settle_s
 
 
+async def _sample_rss(fleet: Fleet, args: argparse.Namespace, run: Run) -> None:
+    """The resident size of every process that was never restarted, ten times a run."""
+    while not run.stop:
+        await asyncio.sleep(args.duration_s / 10)
+        sizes = {}
+        for slot in fleet.stable():
+            if slot.proc is not None and slot.proc.proc.poll() is None:
+                sizes[slot.name] = rss_mib(slot.proc.proc.pid)
+        run.rss_samples.append((run.now(), sizes))
+
+
 async def _routable(session: aiohttp.ClientSession, url: str) -> int:
     async with session.get(f"{url}/v1/workers") as resp:
         return sum(bool(w["routable"]) for w in (await resp.json())["workers"])
@@ -294,12 +306,14 @@ async def soak(fleet: Fleet, args: argparse.Namespace) -> tuple[Run, dict[str, f
                 await asyncio.sleep(0.1)
         run.t0 = time.monotonic()
         faults = asyncio.create_task(_faults(fleet, args, run))
+        sampler = asyncio.create_task(_sample_rss(fleet, args, run))
         clients = [asyncio.create_task(_client(i, urls, args, systems, run, session))
                    for i in range(args.streams)]
         await asyncio.sleep(args.duration_s)
         run.stop = True
         await asyncio.gather(*clients)
         await faults
+        sampler.cancel()
         counts = {name: sum([await _metric(session, url, f"kvsidecar_gateway_{name}_total")
                              for url in urls]) for name in ("migrations", "streams_lost")}
     return run, counts
@@ -340,12 +354,19 @@ def report(run: Run, counts: dict[str, float], rss_after: dict[str, float],
           "(the restarted gateway counts from its restart)")
     figures.update({"failovers": run.failovers, "migrations": counts["migrations"],
                     "gateway_streams_lost": counts["streams_lost"]})
-    print("\n| process (never restarted) | RSS before MiB | RSS end MiB | growth |")
-    print("|---|---:|---:|---:|")
+    # Growth over the last third of the run tells a leak (still growing) from caches and
+    # allocator arenas that filled up under the faults' extra load (flat by then).
+    late = [sizes for t, sizes in run.rss_samples if t >= args.duration_s * 2 / 3]
+    print("\n| process (never restarted) | RSS before MiB | RSS end MiB | growth | growth in "
+          "the last third |")
+    print("|---|---:|---:|---:|---:|")
     for name, after in rss_after.items():
         before = run.rss_before[name]
-        print(f"| {name} | {before:.1f} | {after:.1f} | {(after - before) / before:+.1%} |")
+        third = late[0].get(name, after) if late else after
+        print(f"| {name} | {before:.1f} | {after:.1f} | {(after - before) / before:+.1%} | "
+              f"{(after - third) / third:+.1%} |")
         figures[f"{name}_rss_growth"] = (after - before) / before
+        figures[f"{name}_rss_growth_last_third"] = (after - third) / third
     ratios = {
         "ttft_p99_after_vs_before": figures["before_ttft_p99_s"] / figures["after_ttft_p99_s"],
         "ttft_p50_after_vs_before": figures["before_ttft_p50_s"] / figures["after_ttft_p50_s"],
