@@ -22,8 +22,11 @@ ROOT = Path(__file__).resolve().parents[3]
 
 @pytest.fixture
 def slow_stack(tmp_path: Path) -> Iterator[Stack]:
-    """Two sim engines at real-time speed: a long generation stays in flight for seconds."""
-    s = start_stack(tmp_path, speedup="1")
+    """Two sim engines at real-time speed: a long generation stays in flight for seconds.
+    Dynamo's weights, fixed: a holder busy decoding then costs more than its cached prefix
+    saves (learned weights would price the same load by what TTFT shows)."""
+    s = start_stack(tmp_path, speedup="1",
+                    gateway_flags=("--overlap-weight", "1", "--prefill-load-scale", "1"))
     yield s
     stop_stack(s)
 

@@ -41,7 +41,8 @@ class Stack:
         return self.gateway.url
 
 
-def start_stack(tmp: Path, replicas: int = 2, speedup: str = "5") -> Stack:
+def start_stack(tmp: Path, replicas: int = 2, speedup: str = "5",
+                gateway_flags: tuple[str, ...] = ()) -> Stack:
     procs: list[ManagedProcess] = []
     try:
         engines = ManagedProcess.start(
@@ -92,6 +93,7 @@ def start_stack(tmp: Path, replicas: int = 2, speedup: str = "5") -> Stack:
                 "--seed",
                 "1",
                 *flags,
+                *gateway_flags,
             ],
             workdir=tmp,
         )
