@@ -88,6 +88,7 @@ class RouterConfig:
     block_size: int = 16
     approx_ttl_s: float = 120.0
     max_model_len: int | None = None
+    tokenizer_cache_tokens: int = 4_000_000  # token ids of prompt segments kept (0: none)
     max_in_flight_per_worker: int | None = None
     # Admission control (routing/pipeline/admission.py): busy thresholds, the waiting queue,
     # and x-session-id affinity.
@@ -179,6 +180,9 @@ class RouterConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
         if not 0 <= self.migration_limit <= 100:
             raise ValueError(f"migration_limit must be in [0, 100], got {self.migration_limit}")
+        if self.tokenizer_cache_tokens < 0:
+            raise ValueError(
+                f"tokenizer_cache_tokens must be >= 0, got {self.tokenizer_cache_tokens}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.max_in_flight_per_worker is not None and self.max_in_flight_per_worker < 1:

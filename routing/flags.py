@@ -44,6 +44,7 @@ def gateway_config(
             block_size=args.block_size,
             approx_ttl_s=args.approx_ttl_s,
             max_model_len=args.max_model_len,
+            tokenizer_cache_tokens=args.tokenizer_cache_tokens,
             max_in_flight_per_worker=args.max_in_flight_per_worker,
             busy_kv_fraction=args.busy_kv_fraction,
             busy_prefill_tokens=args.busy_prefill_tokens,
@@ -148,6 +149,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         metavar="TOKENS",
         help="context limit (default: max_position_embeddings of config.json)",
+    )
+    w.add_argument(
+        "--tokenizer-cache-tokens",
+        type=int,
+        default=4_000_000,
+        metavar="TOKENS",
+        help="token ids of recent prompt segments kept for reuse, about 36 bytes a token "
+        "(default 4,000,000: ~145 MiB when full; 0: no cache)",
     )
     k = p.add_argument_group(
         "sidecars in Kubernetes (instead of --sidecar/--sidecar-file; docs/deploy-kubernetes.md)"

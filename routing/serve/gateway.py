@@ -145,7 +145,8 @@ class Gateway:
             self.metrics.registry.register(self.pd.metrics)
         tokenizer = template = None
         if cfg.model_path is not None:
-            tokenizer = PromptTokenizer.from_model_dir(cfg.model_path)
+            tokenizer = PromptTokenizer.from_model_dir(cfg.model_path,
+                                                       cfg.tokenizer_cache_tokens)
             template = ChatTemplate.from_model_dir(cfg.model_path)
         policy = make_policy(cfg.router_mode, self.router, rng)
         self.prompts = PromptPreparer(

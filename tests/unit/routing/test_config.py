@@ -113,3 +113,11 @@ def test_security_flags_are_checked(
     with pytest.raises(SystemExit):
         gateway_config(["--worker", "http://127.0.0.1:9001", *argv])
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_tokenizer_cache_size_is_a_flag() -> None:
+    cfg = gateway_config(["--worker", "http://127.0.0.1:9001", "--tokenizer-cache-tokens", "0"])
+    assert cfg.tokenizer_cache_tokens == 0
+    assert gateway_config(["--worker", "http://127.0.0.1:9001"]).tokenizer_cache_tokens == 4_000_000
+    with pytest.raises(SystemExit):
+        gateway_config(["--worker", "http://127.0.0.1:9001", "--tokenizer-cache-tokens", "-1"])

@@ -163,3 +163,11 @@ def test_a_long_text_is_handed_off_and_its_ids_taken_back(tiny_model_dir: Path) 
             raise AssertionError("a long uncached text was tokenized on the caller's thread")
         assert got == tok.encode_full(source, special)
         assert encode(100) == got  # cached now: no deferral
+
+
+def test_a_cache_of_zero_tokens_keeps_nothing(tiny_model_dir: Path) -> None:
+    """--tokenizer-cache-tokens 0: every prompt tokenized afresh, the same ids."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir, max_cached_tokens=0)
+    ids = tok.encode_completion("hello world")
+    assert tok.encode_completion("hello world") == ids
+    assert tok._cached_tokens == 0 and tok.hit_tokens == 0
