@@ -34,9 +34,6 @@ __all__ = ["JetStreamPublisher", "PublisherMetrics"]
 
 log = structlog.get_logger(component="jetstream_publisher")
 
-_RECONNECT_WAIT_S = 0.5
-_CONNECT_TIMEOUT_S = 2
-_CLOSE_TIMEOUT_S = 2.0
 _MAX_MESSAGE_BYTES = 256 << 10  # below NATS' default 1 MiB payload limit, whatever it is set to
 
 
@@ -122,24 +119,14 @@ class JetStreamPublisher:
                 tasks.create_task(self._publish_loop(nc))
         finally:
             self._up = False
-            try:
-                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
-                    await nc.close()
-            except (TimeoutError, OSError, self._nats.errors.Error) as exc:
-                log.warning("nats_close_failed", error=repr(exc))
+            await nats_extra.close_quietly(self._nats, nc, log)
 
     # --- connection ----------------------------------------------------------------------
 
     async def _connect(self, nc: Any) -> None:
-        await nc.connect(
-            self.url,
-            name=f"kvsidecar-sidecar-{'-'.join(self._streams)}"[:200],
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=_RECONNECT_WAIT_S,
-            connect_timeout=_CONNECT_TIMEOUT_S,
-            error_cb=self._on_error,
-            disconnected_cb=self._on_disconnected,
+        await nats_extra.connect(
+            nc, self.url, f"kvsidecar-sidecar-{'-'.join(self._streams)}"[:200],
+            error_cb=self._on_error, disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_connected,
         )
         await self._on_connected()

@@ -57,9 +57,6 @@ log = structlog.get_logger("routing.replicas", component="durable_events")
 
 _FRAMES = (BlockStored, BlockRemoved, AllBlocksCleared, StreamStart)  # what a message holds
 _START_TIMEOUT_S = 30.0  # the longest a start waits for the snapshot and the stream
-_RECONNECT_WAIT_S = 0.5
-_CONNECT_TIMEOUT_S = 2
-_CLOSE_TIMEOUT_S = 2.0
 _NO_STREAM_RETRY_S = 1.0
 _CONSUMER_IDLE_S = 30.0  # the server drops a consumer nobody reads (a gateway gone)
 
@@ -159,22 +156,12 @@ class DurableEvents:
                 await asyncio.get_running_loop().create_future()  # the connection lives on
         finally:
             self.metrics.live = False
-            try:
-                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
-                    await nc.close()
-            except (TimeoutError, OSError, self._nats.errors.Error) as exc:
-                log.warning("nats_close_failed", error=repr(exc))
+            await nats_extra.close_quietly(self._nats, nc, log)
 
     async def _connect(self, nc: Any) -> None:
-        await nc.connect(
-            self.url,
-            name=f"kvsidecar-gateway-events-{self._key}",
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=_RECONNECT_WAIT_S,
-            connect_timeout=_CONNECT_TIMEOUT_S,
-            error_cb=self._on_error,
-            disconnected_cb=self._on_disconnected,
+        await nats_extra.connect(
+            nc, self.url, f"kvsidecar-gateway-events-{self._key}",
+            error_cb=self._on_error, disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_reconnected,
         )
         self._js = nc.jetstream()

@@ -45,9 +45,6 @@ __all__ = ["ReplicaLink", "default_subject_prefix"]
 
 log = structlog.get_logger("routing.replicas", component="gateway")
 
-_RECONNECT_WAIT_S = 0.5
-_CONNECT_TIMEOUT_S = 2
-_CLOSE_TIMEOUT_S = 2.0
 
 
 def default_subject_prefix(model_names: Sequence[str]) -> str:
@@ -107,24 +104,14 @@ class ReplicaLink:
                 tasks.create_task(self._connect(nc))
                 tasks.create_task(self._publish_loop(nc))
         finally:
-            try:
-                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
-                    await nc.close()
-            except (TimeoutError, OSError, self._nats.errors.Error) as exc:
-                log.warning("nats_close_failed", error=repr(exc))
+            await nats_extra.close_quietly(self._nats, nc, log)
 
     # --- connection ----------------------------------------------------------------------
 
     async def _connect(self, nc: Any) -> None:
-        await nc.connect(
-            self.url,
-            name=f"kvsidecar-gateway-{self.replica_id}",
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=_RECONNECT_WAIT_S,
-            connect_timeout=_CONNECT_TIMEOUT_S,
-            error_cb=self._on_error,
-            disconnected_cb=self._on_disconnected,
+        await nats_extra.connect(
+            nc, self.url, f"kvsidecar-gateway-{self.replica_id}",
+            error_cb=self._on_error, disconnected_cb=self._on_disconnected,
             reconnected_cb=self._on_connected,
         )
         await nc.subscribe(self._all_subjects, cb=self._on_batch)
