@@ -21,6 +21,7 @@ from dataclasses import replace
 
 from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
 from routing.placement.active_load import ActiveLoad
+from routing.placement.peer_share import PeerShare
 from routing.placement.pending import PendingPrefixes
 from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
 from routing.placement.scorer import Candidate, Placement, Pool, Scorer, ScoringWeights, TierOverlap
@@ -56,6 +57,8 @@ class KvRouter:
         weights = weights or ScoringWeights()
         self.scorer = Scorer(weights, block_size, rng)
         self._clock = clock
+        # With other gateway replicas (--nats): their share of the workers for new prefixes.
+        self.peer_share: PeerShare | None = None
         self.tuner: WeightTuner | None = None
         if learn_overlap_weight or learn_prefill_load_scale:
             self.tuner = WeightTuner(
@@ -130,12 +133,13 @@ class KvRouter:
         ``saturated``: workers at their in-flight cap, never chosen, whose overlap counts
         as achievable (``Placement.best_overlap``, reason ``capacity``)."""
         eligible = [w for w in workers if w not in exclude] if exclude else list(workers)
-        if saturated:
-            full = [w for w in saturated if w not in exclude]
-            scored = self.candidates(block_hashes, [*eligible, *full])
-            n = len(eligible)
-            return self.scorer.place(scored[:n], prompt_tokens, pool, scored[n:])
-        return self.scorer.place(self.candidates(block_hashes, eligible), prompt_tokens, pool)
+        full = [w for w in saturated if w not in exclude] if saturated else []
+        scored = self.candidates(block_hashes, [*eligible, *full] if full else eligible)
+        n = len(eligible)
+        chosen: Sequence[Candidate] = scored[:n] if full else scored
+        if self.peer_share is not None:
+            chosen = self.peer_share.adjust(chosen)
+        return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
 
     def dispatch(
         self,
@@ -152,6 +156,8 @@ class KvRouter:
             prefill = wl.active_prefill_tokens + prompt_tokens - cached_tokens
             tuner.dispatched(request_id, prefill, wl.decode_blocks, self._clock())
         self.load.add(request_id, placement.worker_id, block_hashes, prompt_tokens, cached_tokens)
+        if self.peer_share is not None:
+            self.peer_share.placed(prompt_tokens - cached_tokens, len(block_hashes))
         self.pending.record(placement.worker_id, block_hashes, self._clock())
 
     def _first_token(self, request_id: str) -> None:

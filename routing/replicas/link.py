@@ -29,6 +29,7 @@ from kvcore import nats_extra
 from kvcore.wire import WireError
 from routing.config import RouterConfig
 from routing.placement.kv_router import KvRouter
+from routing.placement.peer_share import PeerShare
 from routing.replicas.messages import (
     ReplicaBatch,
     ReplicaEvent,
@@ -72,6 +73,8 @@ class ReplicaLink:
         self.url = url
         self._load = load
         self.peers = RemotePeers(router, load, timeout_s=peer_timeout_s)
+        self.peers.on_change = self._peers_changed
+        self._share = router.peer_share = PeerShare(self.replica_id)
         self.heartbeat_s = peer_timeout_s / 3
         self.subject = f"{subject_prefix}.load.{self.replica_id}"
         self._all_subjects = f"{subject_prefix}.load.*"
@@ -86,6 +89,7 @@ class ReplicaLink:
         m.remote_requests = lambda: load.num_remote
         m.peers_lost = lambda: self.peers.num_lost
         m.gaps = lambda: self.peers.num_gaps
+        m.spread = lambda: self._share.num_spread
 
     @classmethod
     def for_gateway(cls, cfg: RouterConfig, router: KvRouter, load: SharedLoad) -> ReplicaLink:
@@ -136,6 +140,13 @@ class ReplicaLink:
         if m.nats_errors == 1 or m.connected:  # once per outage, not once per retry
             log.warning("nats_unreachable", url=self.url, error=repr(exc),
                         serving="alone until it returns")
+
+    def _peers_changed(self, peer_ids: list[str]) -> None:
+        joined = len(peer_ids) > self._share.count - 1
+        self._share.set_peers(peer_ids)
+        if joined:  # tell the newcomer about this replica now, not at the next heartbeat
+            self._snapshot_due = True
+            self._wake.set()
 
     # --- publishing ----------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ class ReplicaMetrics:
         self.remote_requests: Callable[[], int] = _zero
         self.peers_lost: Callable[[], int] = _zero
         self.gaps: Callable[[], int] = _zero
+        self.spread: Callable[[], int] = _zero
 
     def collect(self) -> Iterator[Metric]:
         p = "kvsidecar_gateway_replica_"
@@ -50,6 +51,8 @@ class ReplicaMetrics:
             ("gaps", "Batches received after a missed one", self.gaps()),
             ("resyncs_asked", "Snapshots asked of other replicas", self.resyncs_asked),
             ("peers_lost", "Replicas dropped, with their load, for silence", self.peers_lost()),
+            ("new_prefix_spread", "New prefixes placed with the peers' share of the workers "
+             "weighed (routing/placement/peer_share.py)", self.spread()),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
         yield GaugeMetricFamily(p + "nats_connected", "1 while connected to NATS",

@@ -35,6 +35,10 @@ class _Peer:
     resync_asked_s: float | None = None  # a snapshot asked for and not seen yet
 
 
+def _ignore(peer_ids: list[str]) -> None:
+    return None
+
+
 class RemotePeers:
     """Every peer's sequence, liveness and requests in flight."""
 
@@ -51,6 +55,8 @@ class RemotePeers:
         self.timeout_s = timeout_s
         self._clock = clock
         self._peers: dict[str, _Peer] = {}
+        # Called with the live peers' ids whenever one joins or is dropped.
+        self.on_change: Callable[[list[str]], None] = _ignore
         self.num_batches = 0
         self.num_gaps = 0  # batches after a missed one (each may ask for a snapshot)
         self.num_lost = 0  # peers dropped for silence
@@ -66,6 +72,7 @@ class RemotePeers:
         if peer is None:
             peer = self._peers[rid] = _Peer(f"{REMOTE_MARK}{rid}/", now)
             log.info("replica_peer_joined", replica_id=rid)
+            self.on_change(list(self._peers))
         self.num_batches += 1
         peer.last_seen_s = now
         ask = False
@@ -93,6 +100,8 @@ class RemotePeers:
                         silent_s=round(self._clock() - peer.last_seen_s, 3))
             self._drop_requests(peer)
             self.num_lost += 1
+        if gone:
+            self.on_change(list(self._peers))
         return gone
 
     def _fold(self, peer: _Peer, batch: ReplicaBatch, now: float) -> None:

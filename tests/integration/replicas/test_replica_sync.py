@@ -155,6 +155,8 @@ async def test_peer_placement_shows_up_and_draws_the_same_prefix(
         assert (worker_b, predicted_a) == (worker_a, 0)
         assert predicted_b > 0  # only A's message could have told B
         await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
+    # each new prefix through A was placed with B's share of the workers weighed
+    assert await metric(session, a.url, "kvsidecar_gateway_replica_new_prefix_spread_total") >= 3
 
 
 async def test_killed_gateway_leaves_no_load(

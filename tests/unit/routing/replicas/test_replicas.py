@@ -170,6 +170,20 @@ class TestPeers:
             (b, a)[i % 2].hear(frame)
         assert sorted(chosen) == WORKERS  # each worker once, as one gateway would
 
+    def test_joins_and_losses_are_reported(self) -> None:
+        """The live peers are reported when one is first heard and when one is dropped
+        (the link hands them to the router's ``PeerShare``)."""
+        clock = Clock()
+        a, b = Replica("a", clock, 1), Replica("b", clock, 2)
+        seen: list[list[str]] = []
+        b.peers.on_change = seen.append
+        b.hear(a.publish())
+        b.hear(a.publish())
+        assert seen == [["a"]]
+        clock.now += 3.5
+        b.peers.expire()
+        assert seen == [["a"], []]
+
     def test_silent_peer_load_is_dropped(self) -> None:
         """A peer silent past the timeout leaves no load behind."""
         clock = Clock()

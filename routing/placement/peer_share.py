@@ -1,0 +1,104 @@
+"""New prefixes spread across gateway replicas that cannot yet see each other's placements.
+
+Two replicas behind a round-robin balancer each receive half of a burst of new
+conversations. A prefix no worker holds is placed by load alone, and each replica sees its
+peers' placements only after they cross NATS (milliseconds later, more on a busy host): in
+the burst both put their new prefixes on the workers that look idle to them, the same ones.
+Measured on ``scripts/bench_replicas.py``: one gateway spreads 12 conversation groups 3/3/3/3
+over 4 workers, two synced replicas 4/3/3/2, and the group that gets the crowded worker's
+cache thrashes for the rest of the run (docs/bench/replicas.md).
+
+So each replica takes a share of the workers for new prefixes: the workers sorted by id,
+every ``count``-th one from its rank among the live replicas (sorted by id, so every replica
+computes the same shares). For a request whose overlap is the same on every candidate (a
+new prefix: the cache prefers no worker), a worker outside this replica's share counts the
+load its owner is presumed to have put there unseen: what this replica itself placed over
+the last ``window_s`` (prefill and held blocks), per worker of its own share, since the
+replicas see the same traffic. Within the window the shares keep apart; past it the peers'
+real load, synced, takes over, and a replica that gets more traffic than its share still
+spills onto the others' workers once its own are that much busier. A request that some
+worker holds more of than another is untouched: the cache decides as before.
+
+Pure and synchronous, clock injected; one replica alone (``count`` 1) changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+
+from routing.placement.scorer import Candidate
+
+__all__ = ["PeerShare"]
+
+
+class PeerShare:
+    """This replica's share of the workers for new prefixes, and the load presumed unseen
+    on the others'."""
+
+    def __init__(
+        self, replica_id: str, window_s: float = 0.25, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.replica_id = replica_id
+        self.window_s = window_s
+        self._clock = clock
+        self.rank = 0
+        self.count = 1
+        self._recent: deque[tuple[float, int, int]] = deque()  # (placed at, prefill, blocks)
+        self._recent_tokens = 0  # prefill tokens placed within the window
+        self._recent_blocks = 0  # and the blocks those requests hold
+        self.num_spread = 0  # requests scored with the peers' presumed load
+
+    def set_peers(self, peer_ids: Iterable[str]) -> None:
+        """The live replicas besides this one (heard over NATS), whenever they change."""
+        replicas = sorted({self.replica_id, *peer_ids})
+        self.rank = replicas.index(self.replica_id)
+        self.count = len(replicas)
+
+    def placed(self, prefill_tokens: int, blocks: int) -> None:
+        """This replica placed a request (any request): the prefill it left to do and the
+        blocks it holds, as ``ActiveLoad`` counts them."""
+        if self.count == 1:
+            return
+        now = self._clock()
+        self._expire(now)
+        self._recent.append((now, prefill_tokens, blocks))
+        self._recent_tokens += prefill_tokens
+        self._recent_blocks += blocks
+
+    def adjust(self, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+        """``candidates`` with the presumed unseen load on workers outside this replica's
+        share, when the request is a new prefix; otherwise ``candidates`` themselves."""
+        count = self.count
+        if count == 1 or len(candidates) < 2:
+            return candidates
+        depth = candidates[0].overlap.longest
+        if any(c.overlap.longest != depth for c in candidates):
+            return candidates
+        ids = sorted(c.worker_id for c in candidates)
+        mine = set(ids[self.rank :: count])
+        if not mine or len(mine) == len(ids):
+            return candidates
+        self._expire(self._clock())
+        share = len(mine)
+        # +1: at equal load a worker of this replica's share wins the tie.
+        tokens = -(-self._recent_tokens // share) + 1
+        blocks = -(-self._recent_blocks // share)
+        self.num_spread += 1
+        return [
+            c if c.worker_id in mine else replace(c, load=replace(
+                c.load, active_prefill_tokens=c.load.active_prefill_tokens + tokens,
+                decode_blocks=c.load.decode_blocks + blocks))
+            for c in candidates
+        ]
+
+    def _expire(self, now: float) -> None:
+        recent, limit = self._recent, now - self.window_s
+        while recent and recent[0][0] <= limit:
+            _, tokens, blocks = recent.popleft()
+            self._recent_tokens -= tokens
+            self._recent_blocks -= blocks

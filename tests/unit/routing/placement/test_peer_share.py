@@ -1,0 +1,97 @@
+"""PeerShare: new prefixes spread over gateway replicas that cannot see each other yet."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from routing.placement.kv_router import KvRouter
+from routing.placement.peer_share import PeerShare
+from routing.placement.scorer import Candidate, TierOverlap, WorkerLoad
+
+WORKERS = ["w0", "w1", "w2", "w3"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def candidates(*depths: int) -> list[Candidate]:
+    return [Candidate(w, TierOverlap(d), WorkerLoad(100, 10)) for w, d in zip(WORKERS, depths)]
+
+
+def router(name: str, peers: list[str], clock: Clock, seed: int) -> KvRouter:
+    r = KvRouter(rng=random.Random(seed), clock=clock)
+    r.peer_share = PeerShare(name, clock=clock)
+    r.peer_share.set_peers(peers)
+    return r
+
+
+def place(r: KvRouter, key: str, salt: int, n_blocks: int = 50) -> str:
+    blocks = [salt * 10_000 + i for i in range(n_blocks)]
+    placement = r.place(blocks, n_blocks * 16, WORKERS)
+    assert placement is not None
+    r.dispatch(key, placement, blocks, n_blocks * 16)
+    return placement.worker_id
+
+
+def test_rank_and_share_follow_the_sorted_replica_ids() -> None:
+    share = PeerShare("b")
+    assert (share.rank, share.count) == (0, 1)
+    share.set_peers(["c", "a"])
+    assert (share.rank, share.count) == (1, 3)
+    share.set_peers([])
+    assert (share.rank, share.count) == (0, 1)
+
+
+def test_alone_or_with_a_preferred_worker_nothing_changes() -> None:
+    share = PeerShare("a")
+    cands = candidates(0, 0, 0, 0)
+    assert share.adjust(cands) is cands  # no peers
+    share.set_peers(["b"])
+    share.placed(800, 50)
+    uneven = candidates(3, 0, 0, 0)
+    assert share.adjust(uneven) is uneven  # the cache prefers w0: untouched
+    assert share.num_spread == 0
+
+
+def test_new_prefix_loads_the_peers_workers_with_what_this_replica_placed() -> None:
+    clock = Clock()
+    share = PeerShare("a", window_s=0.25, clock=clock)
+    share.set_peers(["b"])  # a: w0, w2; b: w1, w3
+    share.placed(800, 50)
+    share.placed(801, 51)
+    got = {c.worker_id: c.load for c in share.adjust(candidates(2, 2, 2, 2))}
+    assert got["w0"] == got["w2"] == WorkerLoad(100, 10)
+    # 1601 tokens and 101 blocks over two workers of a's share, rounded up, +1 token
+    assert got["w1"] == got["w3"] == WorkerLoad(100 + 801 + 1, 10 + 51)
+    assert share.num_spread == 1
+    clock.now += 0.3  # past the window: the peers' own synced load speaks for them
+    got = {c.worker_id: c.load for c in share.adjust(candidates(0, 0, 0, 0))}
+    assert got["w1"] == WorkerLoad(101, 10)
+
+
+def test_more_replicas_than_workers_leaves_the_extra_replica_unbiased() -> None:
+    share = PeerShare("c")
+    share.set_peers(["a", "b"])  # rank 2 of 3 over two workers: no share of its own
+    cands = candidates(0, 0)
+    assert share.adjust(cands) is cands
+
+
+def test_window_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="window_s"):
+        PeerShare("a", window_s=0)
+
+
+def test_two_replicas_that_never_hear_each_other_spread_new_prefixes_like_one() -> None:
+    """The burst the shares are for: 12 new prefixes through two replicas, alternately, with
+    no message between them; each worker gets 3, as one gateway places them."""
+    clock = Clock()
+    a, b = router("a", ["b"], clock, 1), router("b", ["a"], clock, 2)
+    chosen = [place((a, b)[i % 2], f"k{i}", salt=i) for i in range(12)]
+    assert sorted(chosen.count(w) for w in WORKERS) == [3, 3, 3, 3]
