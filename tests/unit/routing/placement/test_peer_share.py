@@ -22,7 +22,8 @@ class Clock:
 
 
 def candidates(*depths: int) -> list[Candidate]:
-    return [Candidate(w, TierOverlap(d), WorkerLoad(100, 10)) for w, d in zip(WORKERS, depths)]
+    pairs = zip(WORKERS, depths, strict=False)
+    return [Candidate(w, TierOverlap(d), WorkerLoad(100, 10)) for w, d in pairs]
 
 
 def router(name: str, peers: list[str], clock: Clock, seed: int) -> KvRouter:
