@@ -30,4 +30,3 @@ class IndexStats:
     duplicate_blocks: int = 0  # stored blocks the worker already held
     unknown_removals: int = 0  # removed blocks the worker did not hold
     self_parented_blocks: int = 0  # corrupt: a block named as its own parent (skipped)
-    parent_conflicts: int = 0  # a block reported under another parent than it has: first wins

@@ -3,18 +3,18 @@
 Built from the normalized events of many workers (``kvcore.events``). It is a
 pure, synchronous core: no I/O, no asyncio; the gateway feeds it and asks it.
 
-Data layout, per tier: one ``BlockTable`` (``block_table.py``) maps each block hash to one
-packed int: the workers holding it, the workers holding a child of it, and its parent. Per
-worker and tier only two counters remain (blocks held, orphans), so a block costs one dict
-entry however many workers hold it.
+Data layout: per worker and tier one ``WorkerBlocks`` (``worker_blocks.py``): a dict block →
+parent, as that worker reported it, plus its leaves, branch counts and lost parents. Per tier
+one ``heads`` dict maps every root block to the mask of the workers holding it: the holders of
+a request's block 0 in one lookup.
 
 Why matching is not a walk over every block: block hashes are chained, so a worker that holds
 block ``i`` of a request stored blocks ``0..i-1`` with it. As long as it has not since lost
-one of those ancestors ("orphans": held blocks whose parent it no longer holds), the set of
-workers holding block ``i`` shrinks monotonically with ``i``, and each worker's depth is
-found by binary search: O(distinct depths × log n) lookups instead of O(n). The index counts
-orphans exactly per worker and tier; a worker with any orphan is matched by a linear scan
-instead, so answers are always exact (the property tests compare with brute force) and
+one of those ancestors ("orphans": held blocks whose parent it no longer holds), each
+worker's depth is found by binary search over its own dict: O(log n) lookups instead of O(n).
+The index counts orphans exactly per worker and tier; a worker with any orphan is matched by
+a linear scan instead, and a block 0 that is no worker's root is looked up in every worker,
+so answers are always exact (the property tests compare with brute force) and
 ``stats.orphan_blocks`` reports how often engines violate the prefix property.
 """
 
@@ -34,15 +34,14 @@ from kvcore.events import (
     WorkerSnapshot,
 )
 from kvcore.wire import WireError, decode, encode
-from routing.placement.block_table import BlockTable, Held
 from routing.placement.index_image import (
     IMAGE_VERSION,
     IndexImage,
-    WorkerImage,
-    pack_tables,
-    unpack_tables,
+    pack_worker,
+    unpack_workers,
 )
 from routing.placement.index_stats import ApplyOutcome, IndexStats
+from routing.placement.worker_blocks import WorkerBlocks
 
 __all__ = ["ApplyOutcome", "IndexStats", "PrefixIndex"]
 
@@ -52,11 +51,11 @@ _NUM_TIERS = len(Tier)
 @dataclass(slots=True)
 class _Worker:
     worker_id: str
-    bit: int  # 1 << index; the index is also this worker's slot in PrefixIndex._names
+    bit: int  # 1 << slot; the slot is this worker's place in PrefixIndex._names
     epoch: int = 0
     seq: int = 0
     needs_resync: bool = False
-    tiers: list[Held] = field(default_factory=lambda: [Held() for _ in Tier])
+    tiers: list[WorkerBlocks] = field(default_factory=list)
 
 
 class PrefixIndex:
@@ -64,10 +63,13 @@ class PrefixIndex:
 
     def __init__(self) -> None:
         self.stats = IndexStats()
-        self._tables = [BlockTable(self.stats) for _ in Tier]
         self._workers: dict[str, _Worker] = {}
-        self._names: list[str | None] = []  # bit index → worker id (None: free slot)
+        self._names: list[str | None] = []  # slot → worker id (None: free slot)
         self._free_slots: list[int] = []
+        self._slots: list[list[WorkerBlocks]] = [[] for _ in Tier]  # tier → slot → blocks
+        self._heads: list[dict[int, int]] = [{} for _ in Tier]  # root block → holders mask
+        self._dirty = [0] * _NUM_TIERS  # per tier: the mask of workers with orphans
+        self._holding = [0] * _NUM_TIERS  # per tier: the mask of workers with any block
 
     # --- events -----------------------------------------------------------------------
 
@@ -133,49 +135,62 @@ class PrefixIndex:
         """For every worker holding block 0: how many leading blocks it holds in ``tier``."""
         if not block_hashes:
             return {}
-        table = self._tables[tier]
-        get = table.nodes.get
-        first = get(block_hashes[0], 0) & table.holders  # the holders bits only
-        if not first:
-            return {}
+        slots = self._slots[tier]
+        h0 = block_hashes[0]
+        first = self._heads[tier].get(h0)
+        if first is None:  # no worker's root: look in every worker (exact, and rare)
+            first = 0
+            holding = self._holding[tier]
+            while holding:
+                low = holding & -holding
+                holding ^= low
+                if h0 in slots[low.bit_length() - 1].par:
+                    first |= low
+            if not first:
+                return {}
         names = self._names
-        result: dict[str, int] = {}
+        dirty = self._dirty[tier]
         n = len(block_hashes)
         last = block_hashes[n - 1]
-        dirty = first & table.dirty
-        cur = first ^ dirty
-        lo = 0  # invariant: every worker in `cur` holds blocks 0..lo
-        while cur:
-            if get(last, 0) & cur == cur:
-                depth, gone, cur = n, cur, 0
+        result: dict[str, int] = {}
+        depth = 0
+        while first:
+            low = first & -first
+            first ^= low
+            slot = low.bit_length() - 1
+            par = slots[slot].par
+            if low & dirty:  # it lost an ancestor somewhere: walk
+                depth = 1
+                while depth < n and block_hashes[depth] in par:
+                    depth += 1
+            elif last in par:
+                depth = n
             else:
-                hi = n - 1  # not every worker in `cur` holds block hi
+                lo, hi = 0, n - 1  # it holds block lo, not block hi
+                if 0 < depth < hi:  # workers sharing a prefix stop at the same depth: try
+                    if block_hashes[depth] in par:  # the last one's first (two lookups)
+                        lo = depth
+                    else:
+                        hi = depth
+                        if block_hashes[depth - 1] in par:
+                            lo = depth - 1
+                        else:
+                            hi = depth - 1
                 while hi - lo > 1:
                     mid = (lo + hi) >> 1
-                    if get(block_hashes[mid], 0) & cur == cur:
+                    if block_hashes[mid] in par:
                         lo = mid
                     else:
                         hi = mid
-                nxt = get(block_hashes[hi], 0) & cur
-                depth, gone, cur, lo = hi, cur ^ nxt, nxt, hi
-            while gone:
-                low = gone & -gone
-                result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-                gone ^= low
-        while dirty:
-            low = dirty & -dirty
-            depth = 1
-            while depth < n and get(block_hashes[depth], 0) & low:
-                depth += 1
-            result[names[low.bit_length() - 1]] = depth  # type: ignore[index]
-            dirty ^= low
+                depth = hi
+            result[names[slot]] = depth  # type: ignore[index]
         return result
 
     def match_tiers(self, block_hashes: Sequence[int]) -> dict[Tier, dict[str, int]]:
         """``match`` for every tier that has any block; tiers with no holder are left out."""
         out: dict[Tier, dict[str, int]] = {}
         for tier in Tier:
-            if self._tables[tier].nodes:
+            if self._holding[tier]:
                 scores = self.match(block_hashes, tier)
                 if scores:
                     out[tier] = scores
@@ -189,15 +204,21 @@ class PrefixIndex:
 
     def orphan_blocks(self) -> int:
         """Held blocks whose parent the same worker no longer holds (prefix-property breaks)."""
-        return sum(wt.orphans for w in self._workers.values() for wt in w.tiers)
+        return sum(b.orphans for w in self._workers.values() for b in w.tiers)
 
     def memory_bytes(self) -> int:
-        """An estimate of the index's Python heap: the tables plus the int objects they own."""
-        int_bytes = sys.getsizeof(1 << 63)  # a 64-bit hash key; a packed value is as large
-        return sum(
-            sys.getsizeof(t.nodes) + len(t.nodes) * 2 * int_bytes + sys.getsizeof(t.multi)
-            for t in self._tables
-        )
+        """An estimate of the index's Python heap held for blocks: the dicts and sets of
+        every worker's non-empty tiers plus their key ints (a value is its parent's key
+        object: nothing of its own), and the heads."""
+        int_bytes = sys.getsizeof(1 << 63)  # a 64-bit hash key
+        size = sys.getsizeof
+        total = sum(size(h) + len(h) * int_bytes for h in self._heads)
+        for w in self._workers.values():
+            for b in w.tiers:
+                if b.blocks:
+                    total += (size(b.par) + len(b.par) * int_bytes + size(b.leaves)
+                              + size(b.multi) + size(b.lost))
+        return total
 
     # --- snapshots --------------------------------------------------------------------
 
@@ -207,9 +228,9 @@ class PrefixIndex:
         tiers = []
         for t, held in enumerate(worker.tiers):
             if held.blocks:
-                table = self._tables[t]
-                blocks = table.blocks_of(worker.bit)
-                tiers.append(TierBlocks(Tier(t), blocks, list(table.parents(blocks))))
+                par = held.par
+                tiers.append(TierBlocks(Tier(t), list(par),
+                                        [None if p == b else p for b, p in par.items()]))
         return WorkerSnapshot(worker.worker_id, worker.epoch, worker.seq, tiers)
 
     def load_worker_snapshot(self, snapshot: WorkerSnapshot) -> None:
@@ -253,37 +274,69 @@ class PrefixIndex:
         """An independent copy, cheap next to ``to_image``: what a snapshot packs off the
         event loop while this one goes on changing."""
         other = PrefixIndex()
-        other._tables = [t.copy(other.stats) for t in self._tables]
         for worker_id, w in self._workers.items():
             other._workers[worker_id] = _Worker(w.worker_id, w.bit, w.epoch, w.seq,
-                                                w.needs_resync,
-                                                [Held(h.blocks, h.orphans) for h in w.tiers])
+                                                w.needs_resync, [b.copy() for b in w.tiers])
         other._names, other._free_slots = list(self._names), list(self._free_slots)
+        other._heads = [h.copy() for h in self._heads]
+        other._dirty, other._holding = list(self._dirty), list(self._holding)
+        other._index_slots()
         return other
 
     def to_image(self) -> IndexImage:
-        """The whole index as its tables' own arrays (``index_image.py``): what a restarting
-        gateway loads in a fraction of the time ``snapshot()`` takes to replay."""
-        workers = [
-            WorkerImage(w.worker_id, w.bit.bit_length() - 1, w.epoch, w.seq, w.needs_resync,
-                        [h.blocks for h in w.tiers], [h.orphans for h in w.tiers])
+        """The whole index as each worker's own arrays (``index_image.py``): what a
+        restarting gateway loads in a fraction of the time ``snapshot()`` takes to replay."""
+        return IndexImage(IMAGE_VERSION, [
+            pack_worker(w.worker_id, w.bit.bit_length() - 1, w.epoch, w.seq, w.needs_resync,
+                        [b.par for b in w.tiers])
             for w in self._workers.values()
-        ]
-        return IndexImage(IMAGE_VERSION, self._tables[0].width, workers, pack_tables(self._tables))
+        ])
 
     def load_image(self, image: IndexImage) -> None:
         """Replace the whole index with an image's; on ``WireError`` it is left as it was."""
-        self._tables = unpack_tables(image, self.stats)
-        self._workers = {}
-        self._names = [None] * (max((w.slot for w in image.workers), default=-1) + 1)
-        for w in image.workers:
-            held = [Held(b, o) for b, o in zip(w.blocks, w.orphans, strict=True)]
-            self._workers[w.worker_id] = _Worker(w.worker_id, 1 << w.slot, w.epoch, w.seq,
-                                                 w.needs_resync, held)
-            self._names[w.slot] = w.worker_id
-        self._free_slots = [slot for slot, name in enumerate(self._names) if name is None]
+        loaded = unpack_workers(image, _NUM_TIERS)
+        workers: dict[str, _Worker] = {}
+        heads: list[dict[int, int]] = [{} for _ in Tier]
+        names: list[str | None] = [None] * (max((w.slot for w in image.workers), default=-1) + 1)
+        for w, tiers in zip(image.workers, loaded, strict=True):
+            bit = 1 << w.slot
+            held = []
+            for t, (par, roots) in enumerate(tiers):
+                blocks = WorkerBlocks(bit)
+                blocks.adopt(par, roots)
+                h = heads[t]
+                for root in roots:
+                    h[root] = h.get(root, 0) | bit
+                held.append(blocks)
+            workers[w.worker_id] = _Worker(w.worker_id, bit, w.epoch, w.seq, w.needs_resync,
+                                           held)
+            names[w.slot] = w.worker_id
+        for t, h in enumerate(heads):  # a root of one worker may be held below a root by others
+            for worker in workers.values():
+                par, bit = worker.tiers[t].par, worker.bit
+                for root in h.keys() & par.keys() if len(h) < len(par) else par:
+                    mask = h.get(root)
+                    if mask is not None:
+                        h[root] = mask | bit
+        self._workers, self._names, self._heads = workers, names, heads
+        self._free_slots = [slot for slot, name in enumerate(names) if name is None]
+        self._dirty = [sum(w.bit for w in workers.values() if w.tiers[t].orphans)
+                       for t in range(_NUM_TIERS)]
+        self._holding = [sum(w.bit for w in workers.values() if w.tiers[t].blocks)
+                         for t in range(_NUM_TIERS)]
+        self._index_slots()
 
     # --- internals ----------------------------------------------------------------------
+
+    def _index_slots(self) -> None:
+        """Rebuild the tier → slot → ``WorkerBlocks`` lists from the workers (free slots: an
+        empty, never written ``WorkerBlocks``)."""
+        width = len(self._names)
+        self._slots = [[WorkerBlocks(1 << s) for s in range(width)] for _ in Tier]
+        for w in self._workers.values():
+            slot = w.bit.bit_length() - 1
+            for t, blocks in enumerate(w.tiers):
+                self._slots[t][slot] = blocks
 
     def _add_worker(self, worker_id: str, first: KVEvent | WorkerSnapshot) -> _Worker:
         if self._free_slots:
@@ -292,13 +345,15 @@ class PrefixIndex:
         else:
             slot = len(self._names)
             self._names.append(worker_id)
-        width = self._tables[0].width
-        if slot >= width:
-            while slot >= width:
-                width *= 2
-            for table in self._tables:
-                table.widen(width)
-        worker = _Worker(worker_id, 1 << slot, epoch=first.epoch)
+        bit = 1 << slot
+        worker = _Worker(worker_id, bit, epoch=first.epoch,
+                         tiers=[WorkerBlocks(bit) for _ in Tier])
+        for t, blocks in enumerate(worker.tiers):
+            slots = self._slots[t]
+            if slot < len(slots):
+                slots[slot] = blocks
+            else:
+                slots.append(blocks)
         self._workers[worker_id] = worker
         return worker
 
@@ -309,27 +364,40 @@ class PrefixIndex:
             self.stats.self_parented_blocks += 1
             block_hashes = block_hashes[1:]
         held = worker.tiers[tier]
-        orphans = self._tables[tier].store(held, worker.bit, block_hashes, parent)
-        if orphans != held.orphans:
-            self._set_orphans(held, tier, worker.bit, orphans)
+        had = held.orphans
+        heads = self._heads[tier]
+        new_head = held.store(block_hashes, parent, heads, self.stats)
+        if new_head is not None:  # other workers may hold it below a root of theirs
+            mask = heads[new_head]
+            for other in self._slots[tier]:
+                if new_head in other.par:
+                    mask |= other.bit
+            heads[new_head] = mask
+        if held.blocks:
+            self._holding[tier] |= worker.bit
+        if (held.orphans == 0) != (had == 0):
+            self._set_dirty(tier, worker.bit, held.orphans)
 
     def _remove(self, worker: _Worker, tier: int, block_hashes: Sequence[int]) -> None:
         held = worker.tiers[tier]
-        orphans = self._tables[tier].remove(held, worker.bit, block_hashes)
-        if orphans != held.orphans:
-            self._set_orphans(held, tier, worker.bit, orphans)
+        had = held.orphans
+        held.remove(block_hashes, self._heads[tier], self.stats)
+        if not held.blocks:
+            self._holding[tier] &= ~worker.bit
+        if (held.orphans == 0) != (had == 0):
+            self._set_dirty(tier, worker.bit, held.orphans)
 
-    def _set_orphans(self, held: Held, tier: int, bit: int, orphans: int) -> None:
-        held.orphans = orphans
-        table = self._tables[tier]
-        table.dirty = (table.dirty | bit) if orphans else (table.dirty & ~bit)
+    def _set_dirty(self, tier: int, bit: int, orphans: int) -> None:
+        dirty = self._dirty[tier]
+        self._dirty[tier] = (dirty | bit) if orphans else (dirty & ~bit)
 
     def _clear_tier(self, worker: _Worker, tier: int) -> None:
         held = worker.tiers[tier]
-        if held.blocks:
-            blocks = self._tables[tier].blocks_of(worker.bit)
-            blocks.reverse()  # children first: nothing is orphaned on the way
-            self._remove(worker, tier, blocks)
+        had = held.orphans
+        held.clear(self._heads[tier])
+        self._holding[tier] &= ~worker.bit
+        if had:
+            self._set_dirty(tier, worker.bit, 0)
 
     def _clear_worker(self, worker: _Worker) -> None:
         for tier in range(_NUM_TIERS):

@@ -30,7 +30,7 @@ __all__ = ["DurableSnapshot", "SnapshotStore", "decode_snapshot", "encode_snapsh
 
 log = structlog.get_logger("routing.replicas", component="snapshots")
 
-_VERSION = 1
+_VERSION = 2  # 2: IndexImage version 2 (per-worker arrays)
 _BUCKET_TTL_S = 24 * 3600.0
 _CHUNK_BYTES = 512 << 10
 _encoder = msgspec.msgpack.Encoder()

@@ -4,6 +4,7 @@ and an image that does not hold together is refused, leaving the index as it was
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -12,8 +13,9 @@ from hypothesis import strategies as st
 
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from kvcore.wire import WireError
-from routing.placement.index_image import IndexImage, TableImage, WorkerImage
+from routing.placement.index_image import IndexImage, TierImage, WorkerImage
 from routing.placement.prefix_index import PrefixIndex
+from routing.replicas.snapshots import decode_snapshot
 
 
 def history(seed: int, workers: int, steps: int) -> tuple[list[KVEvent], list[list[int]]]:
@@ -61,7 +63,7 @@ class TestRoundTrip:
         self, seed: int, workers: int
     ) -> None:
         """Same snapshot, same matches per tier, same orphans; and the same after more events
-        (new workers past the old width included: 9, 20 and 40 workers widen the tables)."""
+        (new workers included, past 32 slots with 40 workers)."""
         events, chains = history(seed, workers, 120)
         split = len(events) * 2 // 3
         original = built(events[:split])
@@ -106,6 +108,12 @@ def image_of(index: PrefixIndex) -> IndexImage:
     return index.to_image()
 
 
+def retier(worker: WorkerImage, damage: Callable[[TierImage], TierImage]) -> WorkerImage:
+    """The worker with ``damage`` done to each of its non-empty tiers."""
+    return msgspec.structs.replace(
+        worker, tiers=[damage(t) if t.keys else t for t in worker.tiers])
+
+
 class TestRefused:
     @pytest.fixture
     def image(self) -> IndexImage:
@@ -113,22 +121,25 @@ class TestRefused:
         return image_of(built(events))
 
     @pytest.mark.parametrize("damage", [
-        lambda img: msgspec.structs.replace(img, version=9),
-        lambda img: msgspec.structs.replace(img, width=24),
-        lambda img: msgspec.structs.replace(img, tables=img.tables[:2]),
+        lambda img: msgspec.structs.replace(img, version=1),
         lambda img: msgspec.structs.replace(
             img, workers=[*img.workers, msgspec.structs.replace(img.workers[0], worker_id="x")]),
         lambda img: msgspec.structs.replace(
-            img, workers=[msgspec.structs.replace(img.workers[0], blocks=[1])]),
-        lambda img: msgspec.structs.replace(img, workers=img.workers[1:]),  # stray holder bits
-        lambda img: msgspec.structs.replace(img, tables=[
-            msgspec.structs.replace(t, keys=t.keys[:-3]) for t in img.tables]),
-        lambda img: msgspec.structs.replace(img, tables=[
-            msgspec.structs.replace(t, keys=t.keys[:8] * (len(t.keys) // 8)) for t in img.tables]),
-        lambda img: msgspec.structs.replace(img, tables=[
-            TableImage(t.keys, t.parents, t.bits, [(12345, [(0, 5)])]) for t in img.tables]),
-    ], ids=["version", "width", "tables", "worker-twice", "tiers", "stray-bits", "columns",
-            "repeated-hash", "branch-point"])
+            img, workers=[*img.workers, msgspec.structs.replace(img.workers[0], slot=99)]),
+        lambda img: msgspec.structs.replace(
+            img, workers=[msgspec.structs.replace(img.workers[0], tiers=img.workers[0].tiers[:1])]),
+        lambda img: msgspec.structs.replace(img, workers=[
+            retier(w, lambda t: TierImage(t.keys[:-3], t.parents, t.lost)) for w in img.workers]),
+        lambda img: msgspec.structs.replace(img, workers=[
+            retier(w, lambda t: TierImage(t.keys, t.parents[:-4], t.lost)) for w in img.workers]),
+        lambda img: msgspec.structs.replace(img, workers=[
+            retier(w, lambda t: TierImage(t.keys[:8] * (len(t.keys) // 8), t.parents, t.lost))
+            for w in img.workers]),
+        lambda img: msgspec.structs.replace(img, workers=[
+            retier(w, lambda t: TierImage(t.keys, b"\xff" * len(t.parents), t.lost))
+            for w in img.workers]),
+    ], ids=["version", "worker-twice", "slot-twice", "tiers", "keys", "parents",
+            "repeated-hash", "parent-out-of-range"])
     def test_damaged_image_is_refused_and_the_index_kept(self, image: IndexImage,
                                                          damage: object) -> None:
         """WireError, and the index answers as before."""
@@ -140,9 +151,28 @@ class TestRefused:
         assert index.worker_ids == ["keep"]
 
 
+def le(width: int, *values: int) -> bytes:
+    return b"".join(v.to_bytes(width, "little") for v in values)
+
+
 def test_worker_image_fields() -> None:
-    """A worker's counts are per tier, in tier order."""
+    """A worker's blocks are per tier, in tier order; parents are positions (a root points
+    at itself, a parent it does not hold past the end, into ``lost``)."""
     index = PrefixIndex()
     index.apply(BlockStored("w", 1, 1, Tier.HOST, [1, 2], None))
+    index.apply(BlockStored("w", 1, 2, Tier.HOST, [5], 4))
     (worker,) = index.to_image().workers
-    assert worker == WorkerImage("w", 0, 1, 1, False, [0, 2, 0, 0], [0, 0, 0, 0])
+    empty = TierImage(b"", b"", b"")
+    host = TierImage(le(8, 1, 2, 5), le(4, 0, 0, 3), le(8, 4))
+    assert worker == WorkerImage("w", 0, 1, 2, False, [empty, host, empty, empty])
+    assert roundtrip(index).snapshot() == index.snapshot()
+    assert roundtrip(index).orphan_blocks() == 1
+
+
+def test_a_snapshot_of_the_old_layout_is_refused() -> None:
+    """A version 1 image (one packed table per tier) is refused with ``WireError``, in its
+    own envelope or in the current one: the durable reader logs it and cold-starts."""
+    old_image: tuple[object, ...] = (1, 8, [], [(b"", b"", b"", [])] * 4)
+    for head in (b"\x01", b"\x02"):
+        with pytest.raises(WireError):
+            decode_snapshot(head + msgspec.msgpack.encode(("m", 16, 42, old_image)))

@@ -1,4 +1,4 @@
-"""The prefix index's packed block table: branch points, conflicts, wide fleets, churn."""
+"""The prefix index's per-worker tables: branch points, conflicts, wide fleets, churn."""
 
 from __future__ import annotations
 
@@ -88,26 +88,38 @@ class TestBranchPoints:
 
 
 class TestParentConflicts:
-    def test_first_parent_wins_and_accounting_stays_whole(self) -> None:
-        """A block reported under two parents keeps the first; counts stay exact to the end."""
+    def test_each_worker_keeps_its_parent_and_accounting_stays_whole(self) -> None:
+        """A block reported under two parents keeps each worker's own: answers stay exact
+        per worker, a root of one worker held below a root by another included, and the
+        counts stay whole to the end."""
         rng = random.Random(3)
         p, q, x = fresh(rng, 3)
         feed = Feed(PrefixIndex())
         feed.store("a", [p, x])
         feed.store("b", [q])
         feed.store("b", [x], parent=q)
-        assert feed.index.stats.parent_conflicts == 1
-        assert feed.index.orphan_blocks() == 1  # b holds x, not x's parent p
+        assert feed.index.orphan_blocks() == 0  # b holds x's parent as b reported it
         assert feed.index.match([p, x]) == {"a": 2}
-        feed.remove("a", [x, p])
-        feed.remove("b", [x, q])
+        assert feed.index.match([q, x]) == {"b": 2}
+        assert feed.index.match([x]) == {"a": 1, "b": 1}  # no worker's root: asks each
+        feed.store("c", [x])  # now x is c's root, and a and b hold it below theirs
+        assert feed.index.match([x]) == {"a": 1, "b": 1, "c": 1}
+        assert feed.index.match([x, q]) == {"a": 1, "b": 2, "c": 1}
+        feed.remove("a", [p])
+        assert feed.index.orphan_blocks() == 1  # a holds x, not its parent p
+        assert feed.index.match([p, x]) == {}
+        for query in ([x], [x, q], [q, x], [p, x]):
+            assert feed.index.match(query) == expected_match(feed.held, query)
+        for worker in "abc":
+            feed.remove(worker, [x, q, p])
         assert feed.index.num_blocks() == feed.index.orphan_blocks() == 0
         assert feed.index.match_tiers([p, x]) == {}
+        assert feed.index.match_tiers([x]) == {}
 
 
 class TestWideFleet:
     def test_workers_past_every_width_match_brute_force(self) -> None:
-        """Forty workers (the table widens twice) with orphans and snapshots stay exact."""
+        """Forty workers (masks past 32 bits) with orphans and snapshots stay exact."""
         rng = random.Random(4)
         base = fresh(rng, 40)
         feed = Feed(PrefixIndex())
