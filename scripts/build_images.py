@@ -51,7 +51,8 @@ BASE_IMAGE = "localhost/kvsidecar-base:bookworm"
 DEBOOTSTRAP = {
     "suite": "bookworm",
     "variant": "minbase",
-    "include": ["python3", "python3-venv", "ca-certificates"],
+    # libatomic1: the block store's compare-and-swap (shm/_atomic.py)
+    "include": ["python3", "python3-venv", "ca-certificates", "libatomic1"],
 }
 # The paths the Containerfiles COPY: their content is part of each image's input hash.
 SOURCES = ["pyproject.toml", "README.md", "compose/images/requirements.py", "kvcore",

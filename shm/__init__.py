@@ -3,7 +3,9 @@
 One owner (the sidecar, or ``python -m shm``) creates a segment and serves a Unix socket;
 clients in other processes (engine hooks) attach, ask for slots in batches, and copy block
 bytes directly between their arrays and the mapping. A writer holding slots granted ahead
-copies while its claim of them is on the way (``BlockStoreClient.begin_put``). Gets of
+copies while its claim of them is on the way (``BlockStoreClient.begin_put``); once the
+store is full, a writer overwrites blocks the owner offered it ahead in the segment, with
+no message at all (``shm.store.standby``). Gets of
 blocks a client knows the place of need no message at all: they read through the segment's
 read index (``shm.read_index``).
 """

@@ -2,8 +2,8 @@
 
 The clients differ only in how a frame crosses the socket (``shm._transport``); everything
 about blocks (shape checks, copies into and out of slot views, generation checks, reads
-through the read index and their hints, the commit of a filled reservation) lives here
-once.
+through the read index and their hints, the commit of a filled reservation, standby
+grants taken and recorded) lives here once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from shm._atomic import AVAILABLE as ATOMIC_AVAILABLE
 from shm._blocks import BlockFormat
 from shm._cuda import CudaMapping
 from shm._requests import descriptors
@@ -25,7 +26,7 @@ from shm.errors import (
     StaleDescriptorError,
 )
 from shm.protocol import Publish, Slots, Welcome
-from shm.read_index import OPTIMISTIC_READS_SUPPORTED, ReadIndex
+from shm.read_index import OPTIMISTIC_READS_SUPPORTED, STANDBY_TAKEN, ReadIndex
 from shm.segment import Segment
 from shm.store import BlockKey
 
@@ -159,16 +160,70 @@ class Attachment:
         keys' block hashes, if the caller has them at hand). A client that does not read
         optimistically gets the one-way ``Publish`` to send instead (``None``: nothing to
         send)."""
-        index, slots = self._index, reply.slots
-        if index is None:
+        if self._index is None:
             held, generations = descriptors(reply)
             return Publish(held, generations) if held else None
+        self.publish(keys, reply.slots, hashes)
+        return None
+
+    def publish(self, keys: Sequence[BlockKey], slots: Sequence[int | None],
+                hashes: Sequence[int] | None = None) -> None:
+        """Publish filled ``slots`` (one per key; ``None``: none) in the read index, count
+        the publication and keep them as hints (see ``commit_filled``)."""
+        index = self._index
+        if index is None:
+            raise ClientDetachedError("the client is closed or does not read optimistically")
         index.publish(slots, keys)
         with self._publish_lock:  # the owner looks for commits when the count moves
             self._publications += 1
             index.count_publication(self.welcome.hit_cell, self._publications)
         self._hint(keys, slots, hashes)
-        return None
+
+    def hinted_slots(self, keys: Sequence[BlockKey]) -> set[int]:
+        """The slots our hints place ``keys`` in."""
+        where = self._where
+        return {slot for key in keys if (slot := where.get(key[1])) is not None}
+
+    @property
+    def takes_standby(self) -> bool:
+        """Whether we can take standby grants (the read index and the atomic swap)."""
+        return self._index is not None and self.welcome.hit_cell >= 0 and ATOMIC_AVAILABLE
+
+    def take_standby(self, want: int) -> tuple[int, list[int]] | None:
+        """Take our standby grant (``shm.store.standby``) if the owner offers one of at
+        least ``want`` slots: its epoch and slots, now ours to overwrite (``None``: none
+        offered, too small, or taken back as we swapped)."""
+        index, cell = self._index, self.welcome.hit_cell
+        if index is None or cell < 0 or not ATOMIC_AVAILABLE:
+            return None
+        epoch, _ = index.offered(cell, want)
+        if not epoch or not index.swap_standby(cell, epoch, STANDBY_TAKEN):
+            return None
+        return epoch, index.grant_slots(cell)  # ours now: the owner changes it no more
+
+    def retract(self, slots: Sequence[int]) -> None:
+        """Make standby ``slots`` we took unreadable before we overwrite them."""
+        if self._index is not None:
+            self._index.unpublish(slots)
+
+    def overwritten(self, epoch: int, keys: Sequence[BlockKey], slots: Sequence[int],
+                    hashes: Sequence[int] | None, parents: Sequence[int | None] | None
+                    ) -> None:
+        """Commit ``keys``, copied into ``slots`` of our taken standby grant ``epoch``,
+        with no message: record them for the owner (slots, parents), publish them, mark
+        the grant DONE, then count the publication, after which the owner picks the
+        record up before any request it handles and on its poll."""
+        index, cell = self._index, self.welcome.hit_cell
+        if index is None:
+            raise ClientDetachedError("the client is closed or does not read optimistically")
+        index.record_overwrite(cell, slots, parents)
+        index.publish(slots, keys)
+        index.done_standby(cell, epoch)
+        with self._publish_lock:
+            self._publications += 1
+            index.count_publication(cell, self._publications)
+        if keys:
+            self._hint(keys, slots, hashes)
 
     def remember(self, keys: Sequence[BlockKey], reply: Slots) -> None:
         """Keep where the owner found keys, as hints for later optimistic reads."""

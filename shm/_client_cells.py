@@ -34,7 +34,8 @@ class ClientCells:
         """Give ``session`` a cell, if one is free (else its client leases every read:
         1,024 clients attached)."""
         if self._free:
-            self._cell_of[session] = self._free.popleft()
+            cell = self._cell_of[session] = self._free.popleft()
+            self._store.attach_cell(session, cell)
 
     def cell_of(self, session: SessionId) -> int:
         """``session``'s cell; -1: none."""

@@ -1,9 +1,11 @@
 """The blocking client, for engine threads: one socket, one mapping, thread-safe.
 
     with BlockStoreClient("/run/kv/store.sock") as store:
-        store.put_many(keys, arrays)       # copy into slots granted ahead while claiming
-                                           # them (or reserve first), then publish them in
-                                           # the read index: that commits, no message
+        store.put_many(keys, arrays)       # copy over a standby grant taken in the read
+                                           # index (no message at all), or into slots
+                                           # granted ahead while claiming them, or reserve
+                                           # first; then publish them in the read index:
+                                           # that commits, no message
         hits = store.get_many(keys, outs)  # through the read index, or lease → copy → release
 
 Keys are ``(namespace_seed, block_hash)`` pairs. Arrays are numpy arrays or torch tensors
@@ -80,6 +82,8 @@ class BlockStoreClient:
             channel.close()
             raise
         self.welcome = welcome
+        # Whether our puts can take standby grants: then their reserves ask for one.
+        self._standby_ok = self._attachment.takes_standby
         self.format = self._attachment.format
 
     # -------------------------------------------------------------- properties
@@ -110,13 +114,19 @@ class BlockStoreClient:
         (``False``). All or nothing otherwise: ``StoreFullError`` stores none of them. The
         keys that fit the slots granted ahead (see ``begin_put``) are copied while the owner
         handles the request, so a put waits for the owner only for what did not fit, and
-        the commit sends nothing (see ``PendingPut``).
+        the commit sends nothing (see ``PendingPut``). Once the store is full, a put
+        without ``token_ids`` usually sends nothing at all: it overwrites blocks the owner
+        offered ahead (``shm.store.standby``).
         """
         if len(arrays) != len(keys):
             raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
+        if token_ids is None:  # over a standby grant, if the owner offers one
+            stored = self._put_standby(keys, arrays, parent_hashes)
+            if stored is not None:
+                return stored
         if not self._granted:
             return self._put_reserved(keys, arrays, parent_hashes, token_ids)
-        pending = self._start_put(keys, parent_hashes, token_ids)
+        pending = self._start_put(keys, parent_hashes, token_ids, token_ids is None)
         try:  # the arrays are checked while the owner handles the request
             checked = self._attachment.check_blocks(arrays, len(keys), out=False)
             for part in pending.parts:  # the claimed part first: no reply to wait for
@@ -131,13 +141,50 @@ class BlockStoreClient:
         pending.commit()
         return pending.stored
 
+    def _put_standby(self, keys: Sequence[BlockKey], arrays: Sequence[Any],
+                     parents: req.Parents) -> list[bool] | None:
+        """``put_many`` over our standby grant (``shm.store.standby``), sending nothing:
+        take it, retract the slots we overwrite, copy, then record, publish and mark it
+        done in the read index, where the owner picks it up. ``None``: no grant offered
+        big enough, so the put reserves. Keys the read index shows held are skipped; a
+        key another client gave the store meanwhile is kept once (ours may be the copy
+        dropped, though this says True)."""
+        attachment = self._attachment
+        with self._lock:  # one put at a time takes the grant
+            grant = attachment.take_standby(len(keys))
+        if grant is None:
+            return None
+        epoch, slots = grant
+        held = attachment.known_held(keys)
+        whole = held is None or not any(held)
+        todo: Sequence[int] = range(len(keys)) if whole else [
+            i for i, known in enumerate(held) if not known]  # type: ignore[arg-type]
+        if not whole:  # keep the blocks of the keys we skip as held
+            busy = attachment.hinted_slots([key for key, known in zip(keys, held, strict=True)  # type: ignore[arg-type]
+                                            if known])
+            slots = [slot for slot in slots if slot not in busy]
+        slots = slots[: len(todo)]  # the rest of the grant: left as it is
+        try:
+            checked = attachment.check_blocks(arrays, len(keys), out=False)
+            fields = req.put_fields(keys, parents, None)
+            attachment.retract(slots)  # odd before the first byte changes: readers miss
+            attachment.write_to(slots, checked if whole else [checked[i] for i in todo])
+        except BaseException:  # hand the grant back (retracted slots are freed)
+            with contextlib.suppress(BlockStoreError):
+                attachment.overwritten(epoch, [], [], None, None)
+            raise
+        _, hs, ps, _ = fields if whole else req.pick(fields, todo, False)
+        attachment.overwritten(epoch, keys if whole else [keys[i] for i in todo], slots, hs, ps)
+        return [True] * len(keys) if whole else [not known for known in held]  # type: ignore[union-attr]
+
     def _put_reserved(self, keys: Sequence[BlockKey], arrays: Sequence[Any],
                       parents: req.Parents, tokens: req.Tokens) -> list[bool]:
         """``put_many`` without a grant (the common case once the store is full): reserve,
         copy, publish, in a straight line. What ``PendingPut`` does with parts, but a put is
         short enough next to its copy that a few calls per step show (measured)."""
         fields = req.put_fields(keys, parents, tokens)
-        ticket = self._channel.send(Reserve(*fields, grant=self._want_grant(len(keys))))
+        ticket = self._channel.send(Reserve(*fields, grant=self._want_grant(len(keys)),
+                                            standby=tokens is None and self._standby_ok))
         attachment = self._attachment
         try:  # the arrays are checked while the owner handles the request
             checked = attachment.check_blocks(arrays, len(keys), out=False)
@@ -184,9 +231,11 @@ class BlockStoreClient:
         return pending
 
     def _start_put(self, keys: Sequence[BlockKey], parents: req.Parents,
-                   tokens: req.Tokens) -> PendingPut:
+                   tokens: req.Tokens, standby: bool = False) -> PendingPut:
         """Send the put's requests (a ``Claim`` of granted slots for the keys they fit, a
-        ``Reserve`` for the rest), waiting for no reply."""
+        ``Reserve`` for the rest), waiting for no reply. ``standby``: a ``put_many`` that
+        could take a standby grant (its reserve asks for one)."""
+        standby = standby and self._standby_ok
         fields = req.put_fields(keys, parents, tokens)
         # Without a grant, the owner's reply skips held keys: no need to look first.
         held = self._attachment.known_held(keys) if self._granted else None
@@ -201,7 +250,8 @@ class BlockStoreClient:
             slots, generations = granted[cut:], gens[cut:]
             del granted[cut:], gens[cut:]
         if not slots:  # the common case where the store is full: reserve everything
-            requests: list[Claim | Reserve] = [Reserve(*req.pick(fields, todo, whole), grant=want)]
+            requests: list[Claim | Reserve] = [
+                Reserve(*req.pick(fields, todo, whole), grant=want, standby=standby)]
             parts = [Part(0, todo, None, whole)]
         else:
             claimed, reserved = todo[: len(slots)], todo[len(slots) :]
@@ -211,7 +261,8 @@ class BlockStoreClient:
                               grant=0 if reserved else want)]
             parts = [Part(0, claimed, slots, whole and not reserved)]
             if reserved:
-                requests.append(Reserve(*req.pick(fields, reserved, False), grant=want))
+                requests.append(Reserve(*req.pick(fields, reserved, False), grant=want,
+                                        standby=standby))
                 parts.append(Part(0, reserved, None))
         tickets = self._channel.send_all(requests)  # one write for both: one wake-up
         for part, ticket in zip(parts, tickets, strict=True):

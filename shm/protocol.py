@@ -59,8 +59,9 @@ __all__ = [
 
 # 2: Publish; 3: the read index, Welcome.hit_cell; 4: grants, Claim; 5: a writer's
 # publication of its reserved slots in the read index commits them; 6: no Commit (every
-# client commits by publication, or Publish), StatsReply carries StoreStats by name.
-PROTOCOL_VERSION = 6
+# client commits by publication, or Publish), StatsReply carries StoreStats by name;
+# 7: standby grants, offered and overwritten through the read index (no message).
+PROTOCOL_VERSION = 7
 MAX_FRAME_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 
@@ -85,13 +86,16 @@ class Reserve(_Msg, frozen=True, array_like=True, gc=False, tag=2):
     """Slots to write for these keys; ``parents``/``tokens`` complete the stored event.
 
     ``grant``: also top this client's write-ahead grant up to that many slots (see
-    ``Claim``); the reply's ``grant_slots`` lists what was added."""
+    ``Claim``); the reply's ``grant_slots`` lists what was added. ``standby``: the client
+    can overwrite a standby grant (``shm.store.standby``), which the owner offers it in the
+    read index if this reserve leaves the store full."""
 
     namespaces: list[U64]
     hashes: list[U64]
     parents: list[U64 | None] | None = None
     tokens: list[list[U32] | None] | None = None
     grant: Annotated[int, Meta(ge=0, le=1 << 20)] = 0
+    standby: bool = False
 
 
 class Claim(_Msg, frozen=True, array_like=True, gc=False, tag=12):

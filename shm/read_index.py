@@ -33,6 +33,17 @@ optimistically, validating with a per-slot sequence number (a seqlock):
   the owner gave it), for the owner's statistics; ``publish_cells[cell]`` counts its
   publications (each raised after the slots it published), so that before a request the
   owner looks for commits only among the reservations of clients whose count moved.
+* ``standby_cells[cell]`` is one client's *standby word*: ``epoch << 3 | state``, saying
+  who has the standby grant of that epoch, committed blocks the owner offered the client
+  to overwrite with its next put (``shm.store.standby``); ``standby_heads[cell]`` and the
+  per-slot ``links`` hold the grant's slot list (first slot, count; next slot). The owner
+  writes the list, then stores OFFERED; then the client swaps it to TAKEN before it writes
+  a slot of the grant, or the owner swaps it to REVOKED to give the blocks to others. Both
+  swap with one compare-and-swap (``shm._atomic``), so exactly one of them wins, with no
+  fence to get right. A TAKEN list is the writer's: once its copy is in, it rewrites the
+  list as the slots it wrote (their parents in ``parents``, flagged in ``links``),
+  publishes them, stores DONE and counts the publication, which is how the owner learns
+  of it: a put over a grant sends no message at all.
 
 The index keeps no key → slot map: hints cost the owner nothing and the common reader, an
 engine reading back what it offloaded, always has one.
@@ -52,10 +63,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MAX_HIT_CELLS", "OPTIMISTIC_READS_SUPPORTED", "ReadIndex", "ReadIndexLayout"]
+from shm._atomic import compare_exchange
+
+__all__ = [
+    "MAX_HIT_CELLS",
+    "OPTIMISTIC_READS_SUPPORTED",
+    "STANDBY_DONE",
+    "STANDBY_OFFERED",
+    "STANDBY_REVOKED",
+    "STANDBY_TAKEN",
+    "ReadIndex",
+    "ReadIndexLayout",
+]
 
 MAX_HIT_CELLS = 1024
 OPTIMISTIC_READS_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
+
+# A standby word's states (its low three bits; see the module docstring).
+STANDBY_OFFERED, STANDBY_TAKEN, STANDBY_REVOKED, STANDBY_DONE = 1, 2, 3, 4
+_HAS_PARENT = 1 << 32
+_LOW = (1 << 32) - 1
 
 BlockKey = tuple[int, int]
 _ONE = np.uint64(1)
@@ -88,8 +115,24 @@ class ReadIndexLayout:
         return self.cells_offset + 8 * MAX_HIT_CELLS
 
     @property
-    def nbytes(self) -> int:
+    def standby_cells_offset(self) -> int:
         return self.publish_cells_offset + 8 * MAX_HIT_CELLS
+
+    @property
+    def standby_heads_offset(self) -> int:
+        return self.standby_cells_offset + 8 * MAX_HIT_CELLS
+
+    @property
+    def links_offset(self) -> int:
+        return self.standby_heads_offset + 8 * MAX_HIT_CELLS
+
+    @property
+    def parents_offset(self) -> int:
+        return self.links_offset + 8 * self.num_slots
+
+    @property
+    def nbytes(self) -> int:
+        return self.parents_offset + 8 * self.num_slots
 
 
 class ReadIndex:
@@ -107,7 +150,18 @@ class ReadIndex:
         self.keys = region[lay.keys_offset : lay.keys_offset + 16 * n].view("<u8").reshape(n, 2)
         self.read_ns = region[lay.read_ns_offset : lay.read_ns_offset + 8 * n].view("<u8")
         self.hit_cells = region[lay.cells_offset : lay.publish_cells_offset].view("<u8")
-        self.publish_cells = region[lay.publish_cells_offset : lay.nbytes].view("<u8")
+        self.publish_cells = region[lay.publish_cells_offset : lay.standby_cells_offset].view(
+            "<u8")
+        self.standby_cells = region[lay.standby_cells_offset : lay.standby_heads_offset].view(
+            "<u8")
+        self.standby_heads = region[lay.standby_heads_offset : lay.links_offset].view("<u8")
+        self.links = region[lay.links_offset : lay.parents_offset].view("<u8")
+        self.parents = region[lay.parents_offset : lay.nbytes].view("<u8")
+        self._standby_words = self.standby_cells.data.cast("B").cast("Q")
+        self._heads = self.standby_heads.data.cast("B").cast("Q")
+        self._links = self.links.data.cast("B").cast("Q")
+        self._parents = self.parents.data.cast("B").cast("Q")
+        self._standby_base = self.standby_cells.ctypes.data
         # Per-slot access through a memoryview costs far less than numpy scalar indexing.
         self._read_ns = self.read_ns.data.cast("B").cast("Q")
         self._seq = self.seq.data.cast("B").cast("Q")
@@ -119,6 +173,8 @@ class ReadIndex:
             self.read_ns[:] = 0
             self.hit_cells[:] = 0
             self.publish_cells[:] = 0
+            self.standby_cells[:] = 0
+            self.standby_heads[:] = 0
 
     # ------------------------------------------------------------------ owner side
     def publish(self, slots: Sequence[int | None], keys: Sequence[BlockKey]) -> None:
@@ -188,6 +244,88 @@ class ReadIndex:
     def last_read_ns(self, slot: int) -> int:
         """When a reader last read ``slot`` optimistically (0: never)."""
         return self._read_ns[slot]
+
+    # ----------------------------------------------------- standby words (both sides)
+    def offer_standby(self, cell: int, epoch: int, slots: Sequence[int]) -> None:
+        """(Owner.) Offer ``cell``'s client the standby grant ``slots`` of ``epoch``: the
+        list (head word, links) first, then the word, which the client reads first."""
+        self._write_list(cell, slots)
+        self._standby_words[cell] = epoch << 3 | STANDBY_OFFERED
+
+    def swap_standby(self, cell: int, epoch: int, to: int) -> bool:
+        """Swap ``cell``'s standby word from OFFERED to ``to`` (TAKEN: the client;
+        REVOKED: the owner) for ``epoch``; whether this side won."""
+        return compare_exchange(self._standby_base + 8 * cell,
+                                epoch << 3 | STANDBY_OFFERED, epoch << 3 | to)
+
+    def standby_state(self, cell: int, epoch: int) -> int:
+        """The state of ``cell``'s grant of ``epoch`` (-1: the word is at another epoch)."""
+        word = self._standby_words[cell]
+        return word & 7 if word >> 3 == epoch else -1
+
+    def offered(self, cell: int, want: int) -> tuple[int, int]:
+        """(Client.) The epoch of ``cell``'s offered grant and its size, if it is offered
+        and holds at least ``want`` slots; else ``(0, 0)``. The size may be a later
+        offer's: the swap of this epoch then fails."""
+        word = self._standby_words[cell]
+        if word & 7 != STANDBY_OFFERED:
+            return 0, 0
+        count = self._heads[cell] >> 32
+        return (word >> 3, count) if count >= want else (0, 0)
+
+    def grant_slots(self, cell: int) -> list[int]:
+        """``cell``'s grant list (client: once taken, when nobody changes it; owner: the
+        writer's record once DONE)."""
+        head = self._heads[cell]
+        slot, links = head & _LOW, self._links
+        out = []
+        for _ in range(head >> 32):
+            out.append(slot)
+            slot = links[slot] & _LOW
+        return out
+
+    def record_overwrite(self, cell: int, slots: Sequence[int],
+                         parents: Sequence[int | None] | None) -> None:
+        """(Writer.) Record the slots it wrote over its taken grant (their keys are in the
+        key words) and their parents, for the owner to pick up; call ``done_standby`` once
+        the slots are published."""
+        if parents is not None:
+            words = self._parents
+            for slot, parent in zip(slots, parents, strict=True):
+                if parent is not None:
+                    words[slot] = parent
+        self._write_list(cell, slots, parents)
+
+    def done_standby(self, cell: int, epoch: int) -> None:
+        """(Writer.) Its record of ``epoch`` is complete (a plain store: TAKEN is ours)."""
+        self._standby_words[cell] = epoch << 3 | STANDBY_DONE
+
+    def recorded_parents(self, slots: Sequence[int]) -> list[int | None] | None:
+        """(Owner.) The parents recorded with ``slots`` (a DONE record's list)."""
+        links, words = self._links, self._parents
+        out = [words[slot] if links[slot] & _HAS_PARENT else None for slot in slots]
+        return None if all(p is None for p in out) else out
+
+    def keys_of(self, slots: Sequence[int]) -> list[BlockKey]:
+        """(Owner.) The keys published in ``slots``' key words."""
+        words = self._key_words
+        return [(words[2 * slot], words[2 * slot + 1]) for slot in slots]
+
+    def is_retracted(self, slot: int) -> bool:
+        return bool(self._seq[slot] & 1)
+
+    def _write_list(self, cell: int, slots: Sequence[int],
+                    parents: Sequence[int | None] | None = None) -> None:
+        links = self._links
+        for i in range(len(slots) - 1):
+            links[slots[i]] = slots[i + 1]
+        if slots:
+            links[slots[-1]] = 0
+        if parents is not None:
+            for slot, parent in zip(slots, parents, strict=True):
+                if parent is not None:
+                    links[slot] |= _HAS_PARENT
+        self._heads[cell] = (slots[0] if slots else 0) | len(slots) << 32
 
     # ----------------------------------------------------------------- reader side
     def shows(self, keys: Sequence[BlockKey], hints: Mapping[int, int]) -> list[bool]:

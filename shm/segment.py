@@ -59,7 +59,7 @@ log = structlog.get_logger(component="shm")
 SEGMENT_PREFIX = "kvsidecar-"
 SHM_DIR = Path("/dev/shm")
 MAGIC = b"KVSHMSEG"
-HEADER_VERSION = 3  # 2: the read index; 3: its publication counters
+HEADER_VERSION = 4  # 2: the read index; 3: its publication counters; 4: standby words
 HEADER_BYTES = 4096
 SLOT_ALIGN_BYTES = 512
 PAGE_BYTES = 4096

@@ -86,10 +86,13 @@ log = structlog.get_logger(component="shm")
 
 EventListener = Callable[[KVEvent], None]
 _DONE = encode(Done())
-# While reservations are open, the owner polls for writers' commits every _POLL_S, backing
-# off to _POLL_MAX_S while none come (an event loop's timers tick in milliseconds).
+# While reservations are open or standby grants out, the owner polls for writers' commits
+# every _POLL_S, backing off to _POLL_MAX_S while none come (an event loop's timers tick in
+# milliseconds); while a grant is offered, only once none came for _STANDBY_GRACE_NS, as a
+# writer putting every few ms takes its grant between two polls.
 _POLL_S = 0.001
 _POLL_MAX_S = 0.064
+_STANDBY_GRACE_NS = 50_000_000
 
 
 class BlockStoreOwner:
@@ -111,6 +114,7 @@ class BlockStoreOwner:
         self.num_rejected_commits = 0  # one-way ``Publish`` frames that failed
         self._waiting: list[Connection] = []  # with a request queued for ``_run_waiting``
         self._poll: asyncio.TimerHandle | None = None  # see ``_poll_published``
+        self._busy_ns = 0  # when the poll last found a commit or a grant taken
         self._loop: asyncio.AbstractEventLoop | None = None  # the one we serve in
         self.num_internal_errors = 0
         # The tiers below the store (``--disk-dir``, ``--remote-url``): evicted blocks spill
@@ -333,9 +337,9 @@ class BlockStoreOwner:
     def _dispatch(self, store: BlockStore, session: SessionId, msg: Request,
                   defer: bool) -> bytes | asyncio.Task[bytes] | None:
         match msg:
-            case Reserve(namespaces, hashes, parents, tokens, grant):
+            case Reserve(namespaces, hashes, parents, tokens, grant, standby):
                 keys = _keys(namespaces, hashes)
-                slots, gens = store.reserve(session, keys, parents, tokens)
+                slots, gens = store.reserve(session, keys, parents, tokens, standby=standby)
                 return encode(Slots(slots, gens, *store.grant(session, grant)))
             case Claim(namespaces, hashes, slots, generations, parents, tokens, grant):
                 keys = _keys(namespaces, hashes)
@@ -427,9 +431,10 @@ class BlockStoreOwner:
         if self.store is None:
             return
         events = self.store.take_events()  # settles first
+        self.store.offer_due()  # standby grants picked up: the next ones
         for tier in self.lower_tiers:
             events += tier.take_events()
-        if self._poll is None and self._loop is not None and self.store.num_reserved:
+        if self._poll is None and self._loop is not None and self.store.awaits_writers:
             self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
         if not events or self._listener is None:
             return
@@ -448,8 +453,12 @@ class BlockStoreOwner:
         store, cells = self.store, self._cells
         if store is None or cells is None or self._loop is None:
             return
-        delay = _POLL_S if cells.record_publications() else min(2 * delay, _POLL_MAX_S)
-        if store.num_reserved:  # armed before draining, which then leaves it as it is
+        now = time.monotonic_ns()
+        if cells.record_publications() or store.grants_taken:
+            self._busy_ns = now
+        quiet = now - self._busy_ns > _STANDBY_GRACE_NS or not store.standby_offered
+        delay = _POLL_S if now == self._busy_ns or not quiet else min(2 * delay, _POLL_MAX_S)
+        if store.awaits_writers:  # armed before draining, which then leaves it as it is
             self._poll = self._loop.call_later(delay, self._poll_published, delay)
         self.drain_events()
 

@@ -11,6 +11,9 @@ One concept per module, each a part of ``BlockStore``:
 * ``eviction``: the LRU, and which blocks make room when slots are needed;
 * ``reservations``: a put's slots, reserved, then committed (by the client's publication
   in the read index, or ``Publish``) or aborted;
+* ``standby``: once the store is full, its least recently used blocks offered to a writer
+  to overwrite with its next put, which it records in the read index with no message;
+  taken back whenever another client needs them;
 * ``grants``: free slots granted to a writer ahead of its keys, then claimed for them;
 * ``leases``: a get through the owner pins its blocks while it copies;
 * ``block_store``: ``BlockStore`` itself, with sessions, removal, events and statistics.

@@ -35,6 +35,8 @@ class StoreStats:
     num_optimistic_hits: int = 0  # of num_hits, read through the read index (the owner's)
     num_granted: int = 0  # slots granted to writers ahead of their puts, not yet claimed
     num_claimed: int = 0  # blocks claimed in granted slots: put with no reserve round trip
+    num_standby: int = 0  # committed blocks offered to writers to overwrite, not yet taken
+    num_overwrites: int = 0  # blocks put over standby blocks: no message at all
     # The owner's disk tier (``shm.disk_tier``; all 0 without one).
     num_disk_blocks: int = 0
     num_disk_writes: int = 0
@@ -67,7 +69,9 @@ class BlockStore(Grants, Leases):
         state = self._sessions.get(session)
         if state is None:
             return
+        state.standby_want = 0  # its last put over a grant is picked up here, none offered
         self._commit_published_by(state)
+        self._free_taken(state)
         del self._sessions[session]
         slots = list(state.reserved)
         for slot in slots:
@@ -81,6 +85,7 @@ class BlockStore(Grants, Leases):
             self._index.unpublish(slots)
         self._pool.free(slots)
         self._drop_leases(state.leases)
+        self._room_freed()
 
     def contains(self, keys: Sequence[BlockKey]) -> list[bool]:
         self.settle()
@@ -96,6 +101,8 @@ class BlockStore(Grants, Leases):
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Drop held keys now (a leased one's slot is freed on its last release)."""
         self.settle()
+        if self._num_standby:  # a writer may overwrite a standby block: take it back first
+            self._resolve_standby_of(list(map(self._blocks.get, keys)))
         removed: list[bool] = []
         hashes: list[int] = []
         free: list[int] = []
@@ -117,6 +124,8 @@ class BlockStore(Grants, Leases):
         if self._index is not None and gone:
             self._index.retract([slot for _, slot in gone])
         self._pool.free(free)
+        if free:
+            self._room_freed()
         self._log.removed(hashes)
         return removed
 
@@ -124,6 +133,7 @@ class BlockStore(Grants, Leases):
         """Drop every block (leased ones when released) and record ``AllBlocksCleared``;
         what writers published first (see ``commit_published``)."""
         self.commit_published()
+        self._resolve_all_standby()
         if not self._blocks:
             return
         if self._index is not None:
@@ -171,4 +181,6 @@ class BlockStore(Grants, Leases):
             num_evictions=self._num_evictions,
             num_granted=self._num_granted,
             num_claimed=self._num_claimed,
+            num_standby=self._num_standby,
+            num_overwrites=self._num_overwrites,
         )

@@ -29,6 +29,8 @@ __all__ = [
     "FREE",
     "GRANTED",
     "RESERVED",
+    "STANDBY",
+    "TAKEN",
     "BlockKey",
     "SessionBooks",
     "SessionId",
@@ -41,8 +43,9 @@ BlockKey = tuple[int, int]
 SessionId = NewType("SessionId", int)
 
 # What a slot holds (``StoreBooks._state``). DOOMED: removed while leased. GRANTED: handed
-# to a writer ahead of its keys (``Grants.grant``).
-FREE, RESERVED, COMMITTED, DOOMED, GRANTED = 0, 1, 2, 3, 4
+# to a writer ahead of its keys (``Grants.grant``). STANDBY: a committed block offered to a
+# writer to overwrite (``Standby``); TAKEN: such a slot its writer is overwriting.
+FREE, RESERVED, COMMITTED, DOOMED, GRANTED, STANDBY, TAKEN = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(slots=True)
@@ -52,6 +55,14 @@ class SessionBooks:
     reserved: set[int] = field(default_factory=set)  # slots
     leases: dict[int, int] = field(default_factory=dict)  # slot → leases held (> 0)
     granted: set[int] = field(default_factory=set)  # slots granted ahead, not yet claimed
+    # The standby grant (``Standby``): its epoch, its slots while offered (STANDBY), and
+    # those its writer took (TAKEN) as far as the owner knows; the session's standby word.
+    standby_epoch: int = 0
+    standby: list[int] = field(default_factory=list)
+    taken: list[int] = field(default_factory=list)
+    cell: int = -1  # -1: no standby grants (no cell, no atomic swap, or a lower tier)
+    standby_want: int = 0  # the largest put it reserved into a full store: its grant's size
+    session: SessionId = SessionId(0)
 
 
 # A reservation's books left for ``Reservations.settle``: session, keys, fresh key indices,
@@ -98,6 +109,11 @@ class StoreBooks(ABC):
         self._reserved_at = [0] * num_slots
         self._num_reservations = 0
         self._next_session = 1
+        self._num_standby = 0  # slots on standby, all sessions
+        self._standby_of: dict[int, SessionBooks] = {}  # standby slot → its writer's books
+        self._next_epoch = 1
+        self._offers_due: dict[SessionId, SessionBooks] = {}  # sessions owed a new grant
+        self._num_overwrites = 0  # blocks put over standby slots
         self._log = HostEventLog(worker_id)
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
         # Called with the blocks an eviction takes, ``(key, slot)``, and their parents, while
@@ -114,10 +130,37 @@ class StoreBooks(ABC):
         """Finish the books the last reservation left for after its reply (see
         ``Reservations.settle``); every other call runs it first."""
 
+    @abstractmethod
+    def _resolve_standby(self, state: SessionBooks) -> None:
+        """Take ``state``'s standby grant back, or learn its writer took it (see
+        ``Standby._resolve_standby``); before any use of its blocks but the writer's."""
+
+    @abstractmethod
+    def _pick_up(self, state: SessionBooks) -> int:
+        """Commit what ``state``'s writer put over its standby grant (``Standby._pick_up``)."""
+
+    @abstractmethod
+    def _resolve_all_standby(self) -> None:
+        """Resolve every session's standby grant (``Standby._resolve_all_standby``)."""
+
+    def _room_freed(self) -> None:
+        """Slots were freed: take the standby grants back, so that no writer overwrites a
+        block while a free slot could take its put."""
+        if self._num_standby and self._pool.num_free_slots:
+            self._resolve_all_standby()
+
+    def _resolve_standby_of(self, slots: Sequence[int | None]) -> None:
+        """Resolve the standby grants holding any of ``slots`` (``None`` entries skipped)."""
+        holders = self._standby_of
+        for slot in slots:
+            state = holders.get(slot) if slot is not None else None
+            if state is not None:
+                self._resolve_standby(state)
+
     def open_session(self) -> SessionId:
         session = SessionId(self._next_session)
         self._next_session += 1
-        self._sessions[session] = SessionBooks()
+        self._sessions[session] = SessionBooks(session=session)
         return session
 
     def _session(self, session: SessionId) -> SessionBooks:

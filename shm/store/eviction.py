@@ -1,6 +1,7 @@
 """The block store's LRU and eviction: which blocks make room when a put needs slots.
 
-Eviction is least-recently-used over committed blocks, skipping leased ones: ``_lru``
+Eviction is least-recently-used over committed blocks, skipping leased ones and, while
+others can go, those on standby for a writer (``shm.store.standby``): ``_lru``
 holds every committed block in order of last use (a commit or a lease moves a block to
 the end), and eviction, done only when a reservation or a grant needs slots, takes
 unleased blocks from the front (a lease costs no LRU removal and a release no LRU
@@ -15,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shm.errors import StoreFullError
-from shm.store.books import BlockKey, StoreBooks
+from shm.store.books import STANDBY, BlockKey, StoreBooks
 
 __all__ = ["Eviction"]
 
@@ -38,7 +39,10 @@ class Eviction(StoreBooks):
         if count <= free:
             return pool.allocate(count), []
         leased_in_lru = self._num_leased - self._num_doomed
-        evictable = len(self._lru) - leased_in_lru
+        evictable = len(self._lru) - leased_in_lru - self._num_standby
+        if count > free + evictable and self._num_standby:  # no other room: take them back
+            self._resolve_all_standby()
+            evictable = len(self._lru) - leased_in_lru
         if count > free + evictable:
             raise StoreFullError(
                 f"{count} slots needed, {free} free and {evictable} evictable of "
@@ -77,13 +81,14 @@ class Eviction(StoreBooks):
         it), that newer one's.
         """
         lru, index = self._lru, self._index
-        if not (self._num_leased - self._num_doomed) and (index is None or need >= len(lru)):
+        if (not (self._num_leased - self._num_doomed) and not self._num_standby
+                and (index is None or need >= len(lru))):
             return [lru.popitem(last=False) for _ in range(need)]  # nothing to choose between
-        leases = self._leases
+        leases, st = self._leases, self._state
         window = need if index is None else need + _EVICTION_WINDOW
         candidates: list[tuple[BlockKey, int]] = []
         for key, slot in lru.items():
-            if not leases[slot]:
+            if not leases[slot] and st[slot] != STANDBY:  # standby: the last resort (``_take``)
                 candidates.append((key, slot))
                 if len(candidates) == window:
                     break

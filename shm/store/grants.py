@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shm.store.books import GRANTED, BlockKey, SessionId
-from shm.store.reservations import Reservations, check_extras
+from shm.store.reservations import check_extras
+from shm.store.standby import Standby
 
 __all__ = ["Grants"]
 
 
-class Grants(Reservations):
+class Grants(Standby):
     """``grant`` and ``claim``."""
 
     def grant(self, session: SessionId, want: int) -> tuple[list[int], list[int]]:
@@ -28,7 +29,7 @@ class Grants(Reservations):
         # usual path, a reserve's reply that asks for no grant, nothing is settled here.)
         count = min(want - len(state.granted), self.max_granted - self._num_granted,
                     self._pool.num_free_slots + len(self._lru)
-                    - (self._num_leased - self._num_doomed))
+                    - (self._num_leased - self._num_doomed) - self._num_standby)
         if count <= 0:
             return [], []
         self.settle()

@@ -27,6 +27,9 @@ class Leases(StoreBooks):
         self.settle()
         state = self._session(session)
         out_slots: list[int | None] = list(map(self._blocks.get, keys))
+        if self._num_standby:  # a writer may overwrite a standby block: take it back first
+            self._resolve_standby_of(out_slots)
+            out_slots = list(map(self._blocks.get, keys))
         misses = out_slots.count(None)
         if misses:
             hit_keys = [k for k, s in zip(keys, out_slots, strict=True) if s is not None]
@@ -98,3 +101,4 @@ class Leases(StoreBooks):
                 self._vacate(slot)
             self._num_doomed -= len(doomed)
             self._pool.free(doomed)
+            self._room_freed()

@@ -32,8 +32,12 @@ class Reservations(Eviction):
         keys: Sequence[BlockKey],
         parent_hashes: Sequence[int | None] | None = None,
         token_ids: Sequence[list[int] | None] | None = None,
+        *,
+        standby: bool = False,
     ) -> tuple[list[int | None], list[int | None]]:
         """Slots and generations to write per key; ``None`` where the key is held or in flight.
+        ``standby``: the writer can take standby grants; if this leaves the store full, it
+        is offered one of this size once blocks are committed (``shm.store.standby``).
 
         All or nothing: raises ``StoreFullError`` (changing nothing) when too few slots can
         be freed, i.e. when the rest of the store is leased or being written.
@@ -49,6 +53,9 @@ class Reservations(Eviction):
         count = len(keys) if fresh is None else len(fresh)
         slots, evicted = self._take(count)
         self._later = (state, keys, fresh, slots, evicted, parent_hashes, token_ids)
+        if (standby and state.cell >= 0 and count > state.standby_want
+                and not self._pool.num_free_slots):
+            state.standby_want = count  # offered a standby grant once these commit
         return self._per_key(keys, fresh, slots)
 
     def settle(self) -> None:
@@ -134,21 +141,25 @@ class Reservations(Eviction):
         how many blocks.
         """
         self.settle()
-        if self._index is None or not self._reserved:
+        if self._index is None:
             return 0
         states = (self._sessions.values() if sessions is None
                   else [self._sessions[s] for s in sessions if s in self._sessions])
         return sum(self._commit_published_by(state) for state in states)
 
     def _commit_published_by(self, state: SessionBooks) -> int:
-        if not state.reserved or self._index is None:
+        """Commit ``state``'s published reservations, then what its writer put over its
+        standby grant (``Standby._pick_up``, which queues the next offer)."""
+        if self._index is None:
             return 0
-        key_of = self._key
-        done = self._index.published((key_of[slot], slot) for slot in state.reserved)  # type: ignore[misc]
-        if done:
-            done.sort(key=self._reserved_at.__getitem__)
-            self._commit(state, done)
-        return len(done)
+        done: list[int] = []
+        if state.reserved:
+            key_of = self._key
+            done = self._index.published((key_of[slot], slot) for slot in state.reserved)  # type: ignore[misc]
+            if done:
+                done.sort(key=self._reserved_at.__getitem__)
+                self._commit(state, done)
+        return len(done) + (self._pick_up(state) if state.cell >= 0 else 0)
 
     def _commit(self, state: SessionBooks, slots: Sequence[int]) -> None:
         reserved, blocks, lru, key_of, st = (
@@ -183,6 +194,7 @@ class Reservations(Eviction):
         if self._index is not None:
             self._index.unpublish(slots)
         self._pool.free(list(slots))
+        self._room_freed()
 
     def _emit_stored(self, slots: Sequence[int]) -> None:
         key_of, parent, tokens = self._key, self._parent, self._tokens

@@ -13,6 +13,14 @@
     python _worker.py SOCKET published-put NS FIRST COUNT       reserve, write 0xCD and publish
         in the read index as put_many does (its commit), send nothing more; print
         "written SLOTS", hang
+    python _worker.py SOCKET standby NS FIRST COUNT BLOCK_BYTES ROUNDS [take|race|silent]
+        put ROUNDS batches of COUNT (into a full store, over standby grants), reading each
+        back (a torn block: print "mismatch", exit 1). race: print "raced HITS", exit.
+        Else print "holding N hits HITS" (N: the standby grant held now), then on a line of
+        stdin put one more batch, read it back and print "put HITS"; or (take) first take
+        the grant as a put does, print "holding N hits HITS taken" and hang; or (silent)
+        on that line put the batch over the grant, print "put", and on another line wait
+        (sending nothing) until the owner offers the next grant, print "picked up", hang
 
 Block contents are a pure function of the key, so any process can check any block.
 """
@@ -30,6 +38,7 @@ import structlog
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from shm import BlockStoreClient
+from shm.read_index import STANDBY_DONE
 
 
 def content(ns: int, block_hash: int, block_bytes: int) -> np.ndarray:
@@ -94,9 +103,75 @@ def main(argv: list[str]) -> int:
             client._attachment.commit_filled(keys, reply)  # publishes: that commits
             print("written", *slots, flush=True)
             sys.stdin.read()  # hang until killed
+        elif command == "standby":
+            return _standby(client, ns, first, count, int(argv[5]), int(argv[6]), argv[7:])
         else:
             print(f"unknown command {command}", file=sys.stderr)
             return 2
+    return 0
+
+
+def _standby(client: BlockStoreClient, ns: int, first: int, count: int, block_bytes: int,
+             rounds: int, rest: list[str]) -> int:
+    def put_and_check(start: int) -> int:
+        """Put a batch and read it back: how many blocks were there (another writer may
+        have evicted some); exits on a torn one."""
+        keys = [(ns, h) for h in range(start, start + count)]
+        assert all(client.put_many(keys, [content(ns, h, block_bytes) for _, h in keys]))
+        outs = [np.empty(block_bytes, np.uint8) for _ in keys]
+        hits = client.get_many(keys, outs)
+        if any(hit and not np.array_equal(out, content(ns, h, block_bytes))
+               for hit, out, (_, h) in zip(hits, outs, keys, strict=True)):
+            print("mismatch", flush=True)
+            sys.exit(1)
+        return sum(hits)
+
+    attachment = client._attachment
+    index, cell = attachment._index, attachment.welcome.hit_cell
+    assert index is not None
+
+    def wait_offer(after: int = 0) -> tuple[int, int]:
+        """Poll our standby word (sending nothing) until the owner offers a grant of at
+        least ``count`` slots with an epoch past ``after``: (epoch, size)."""
+        deadline = time.monotonic() + 20
+        while (offer := index.offered(cell, count))[0] <= after:
+            if time.monotonic() > deadline:
+                print("no offer", flush=True)
+                sys.exit(1)
+            time.sleep(0.001)
+        return offer
+
+    hits = 0
+    for r in range(rounds):  # the store is full after two batches: wait for each grant
+        if r >= 2 and rest != ["race"]:
+            wait_offer()
+        hits += put_and_check(first + r * count)
+    if rest == ["race"]:
+        print("raced", hits, flush=True)
+        return 0
+    epoch, size = wait_offer()
+    held = f"holding {size} hits {hits}"
+    if rest == ["take"]:  # as a put takes it before its copy; then stall mid-copy
+        grant = attachment.take_standby(count)
+        assert grant is not None and grant[0] == epoch
+        attachment.retract(grant[1])
+        print(held, "taken", flush=True)
+        sys.stdin.read()  # hang until killed
+        return 0
+    print(held, flush=True)
+    sys.stdin.readline()
+    start = first + rounds * count
+    if rest == ["silent"]:  # one put over the grant, then wait for the owner's pickup
+        keys = [(ns, h) for h in range(start, start + count)]
+        assert all(client.put_many(keys, [content(ns, h, block_bytes) for _, h in keys]))
+        assert index.standby_state(cell, epoch) == STANDBY_DONE
+        print("put", flush=True)
+        sys.stdin.readline()  # one line at a time: the test's read sees no second one
+        wait_offer(epoch)  # its next grant: the owner picked the put up, asked nothing
+        print("picked up", flush=True)
+        sys.stdin.read()  # hang until killed
+        return 0
+    print("put", put_and_check(start), flush=True)
     return 0
 
 

@@ -7,7 +7,7 @@ other and against the slot pool and the read index.
 from __future__ import annotations
 
 from shm.store import BlockStore
-from shm.store.books import COMMITTED, DOOMED, FREE, GRANTED, RESERVED
+from shm.store.books import COMMITTED, DOOMED, FREE, GRANTED, RESERVED, STANDBY, TAKEN
 
 __all__ = ["check_store"]
 
@@ -23,8 +23,18 @@ def check_store(store: BlockStore) -> None:
                              f"{pool.num_slots}")
     if any(pool.is_free(s) for s in used):
         raise AssertionError("a used slot is also on the free list")
-    if sorted(store._blocks.values()) != sorted(s for s in used if st[s] == COMMITTED):
+    if sorted(store._blocks.values()) != sorted(s for s in used if st[s] in (COMMITTED,
+                                                                              STANDBY)):
         raise AssertionError("the index disagrees with the committed slots")
+    standby = sorted(s for state in store._sessions.values() for s in state.standby)
+    if (standby != sorted(s for s in used if st[s] == STANDBY)
+            or standby != sorted(store._standby_of) or store._num_standby != len(standby)):
+        raise AssertionError("the sessions' standby grants disagree with the standby slots")
+    if any(store._leases[s] for s in standby):
+        raise AssertionError("a standby block is leased")
+    taken = sorted(s for state in store._sessions.values() for s in state.taken)
+    if taken != sorted(s for s in used if st[s] == TAKEN):
+        raise AssertionError("the sessions' taken grants disagree with the taken slots")
     if sorted(store._reserved.values()) != sorted(s for s in used if st[s] == RESERVED):
         raise AssertionError("the reservations disagree with the reserved slots")
     if store._blocks != dict(store._lru):
@@ -53,8 +63,14 @@ def check_store(store: BlockStore) -> None:
         # A reserved slot may be readable too: its writer's publication commits it, which
         # the store records later (``commit_published``); a granted one may not (its writer
         # publishes only what its claim reserved).
-        if not committed <= readable <= committed | set(store._reserved.values()):
+        # A standby slot its writer has taken (the owner does not know yet) is being
+        # overwritten: retracted, then published with its new key, which the owner then
+        # learns from the writer's ``overwrite``; a taken one likewise.
+        if not (committed - set(standby) <= readable
+                <= committed | set(store._reserved.values()) | set(taken)):
             raise AssertionError("the read index shows other slots than the committed")
         for key, slot in store._blocks.items():
+            if st[slot] == STANDBY:
+                continue
             if tuple(int(w) for w in store._index.keys[slot]) != key:
                 raise AssertionError(f"the read index holds the wrong key for slot {slot}")

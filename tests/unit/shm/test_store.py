@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from shm.errors import StaleDescriptorError, StoreFullError
-from shm.read_index import ReadIndex, ReadIndexLayout
+from shm.read_index import STANDBY_TAKEN, ReadIndex, ReadIndexLayout
 from shm.store import BlockStore
 from tests.unit.shm.store_checks import check_store
 
@@ -265,15 +265,23 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = BlockStore(6, worker_id="w", read_index=self.index,
                                 max_granted=3)
         self.sessions = [self.store.open_session() for _ in range(3)]
+        for cell, session in enumerate(self.sessions):  # cell: its standby word
+            self.store.attach_cell(session, cell)
         self.leases: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
         self.grants: dict[int, list[tuple[int, int]]] = {s: [] for s in self.sessions}
+        # Per session, as its client sees it: the standby grant it took (epoch, slots, how
+        # many of them it retracted, about to overwrite them); then, once it recorded its
+        # overwrite (DONE) and until the owner picks it up, the keys it published per slot.
+        self.taking: dict[int, tuple[int, list[int], int]] = {}
+        self.done: dict[int, dict[int, tuple[int, int]]] = {}
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4),
-          commit=st.booleans(), writer_publishes=st.booleans())
-    def put(self, who: int, hashes: list[int], commit: bool, writer_publishes: bool) -> None:
+          commit=st.booleans(), writer_publishes=st.booleans(), standby=st.booleans())
+    def put(self, who: int, hashes: list[int], commit: bool, writer_publishes: bool,
+            standby: bool) -> None:
         session = self.sessions[who]
-        try:
-            slots, gens = self.store.reserve(session, keys(*hashes))
+        try:  # standby: it wants a standby grant if this fills the store
+            slots, gens = self.store.reserve(session, keys(*hashes), standby=standby)
         except StoreFullError:
             return
         got = [(s, g) for s, g in zip(slots, gens, strict=True) if s is not None]
@@ -294,8 +302,13 @@ class StoreMachine(RuleBasedStateMachine):
         mine = set().union(*(self.store._sessions[s].reserved for s in (
             self.sessions if sessions is None else sessions)))
         published = {s for s in self.index.published(self.store._reserved.items()) if s in mine}
-        assert self.store.commit_published(sessions) == len(published)
+        done = {s: self.done.pop(s) for s in list(self.done)
+                if sessions is None or s in sessions}  # picked up too
+        assert self.store.commit_published(sessions) >= len(published)
+        self.store.offer_due()  # after the reply: the next standby grants
         assert published <= set(self.store._blocks.values())
+        for written in done.values():
+            assert all(self.store.contains(list(written.values())))
 
     @rule(who=st.integers(0, 2), want=st.integers(1, 3))
     def grant(self, who: int, want: int) -> None:
@@ -326,6 +339,57 @@ class StoreMachine(RuleBasedStateMachine):
         elif got:
             self.store.abort(session, [s for s, _ in got], [g for _, g in got])
 
+    @rule(who=st.integers(0, 2), want=st.integers(0, 4))
+    def offer_standby(self, who: int, want: int) -> None:
+        """The owner offers a standby grant (after a pickup, with the largest put the
+        session reserved into a full store), the one before taken back."""
+        session = self.sessions[who]
+        slots, epoch = self.store.offer_standby(session, want)
+        assert (epoch == 0) == (not slots) and len(slots) <= want
+        assert all(self.store._blocks.get(self.store._key[s]) == s for s in slots)  # type: ignore[arg-type]
+        if slots:
+            assert self.index.grant_slots(who) == slots
+
+    @rule(who=st.integers(0, 2), count=st.integers(0, 4))
+    def take_standby(self, who: int, count: int) -> None:
+        """A writer takes its grant as a put does: swap, then retract what it overwrites."""
+        session = self.sessions[who]
+        if session in self.taking or session in self.done:
+            return  # mid-put, or its last one not picked up yet (its word is DONE)
+        epoch, _ = self.index.offered(who, 0)
+        if not epoch or not self.index.swap_standby(who, epoch, STANDBY_TAKEN):
+            return  # none offered, or taken back meanwhile
+        slots = self.index.grant_slots(who)
+        self.taking[session] = (epoch, slots, min(count, len(slots)))
+        self.index.unpublish(slots[: self.taking[session][2]])
+
+    @precondition(lambda self: bool(self.taking))
+    @rule(data=st.data(), hashes=st.lists(st.integers(0, 12), max_size=4),
+          pick_up=st.booleans())
+    def overwrite(self, data: st.DataObject, hashes: list[int], pick_up: bool) -> None:
+        """It publishes its keys in the slots it retracted (those left over: spoiled),
+        records them and marks its word DONE; the owner picks that up now, or later
+        (before a request, on its poll, or at the writer's end): a key held or in flight
+        loses its copy, the rest commit."""
+        session = data.draw(st.sampled_from(sorted(self.taking)))
+        epoch, slots, count = self.taking.pop(session)
+        cell = self.sessions.index(session)
+        written = slots[: min(count, len(hashes))]
+        wanted = keys(*hashes[: len(written)])
+        for slot, key in zip(written, wanted, strict=True):
+            self.index.publish_slot(slot, key)
+        self.index.record_overwrite(cell, written, [h or None for _, h in wanted])
+        self.index.done_standby(cell, epoch)
+        self.done[session] = dict(zip(written, wanted, strict=True))
+        if pick_up:
+            self.store.commit_published([session])
+            self.store.offer_due()
+            del self.done[session]
+            assert all(self.store.contains(wanted))
+            for slot, key in zip(written, wanted, strict=True):
+                if self.store._blocks.get(key) == slot and key[1]:
+                    assert self.store._parent[slot] == key[1]
+
     @rule(hashes=st.lists(st.integers(0, 12), max_size=4),
           hint_slots=st.lists(st.integers(0, 5), min_size=4, max_size=4))
     def read_optimistically(self, hashes: list[int], hint_slots: list[int]) -> None:
@@ -335,8 +399,15 @@ class StoreMachine(RuleBasedStateMachine):
         hints = {key[1]: slot for key, slot in zip(wanted, hint_slots, strict=False)}
         hits = self.index.read(wanted, hints, lambda i, slot: None)
         blocks, reserved = self.store._blocks, self.store._reserved  # the store's truth
+        recorded = {(slot, key) for written in self.done.values() for slot, key in
+                    written.items()}  # published over a standby grant, not picked up yet
         for key, hit in zip(wanted, hits, strict=True):
-            assert not hit or hints[key[1]] in (blocks.get(key), reserved.get(key))
+            assert not hit or hints[key[1]] in (blocks.get(key), reserved.get(key)) or (
+                hints[key[1]], key) in recorded
+        overwriting = {slot for _, slots, count in self.taking.values()  # never a slot a
+                       for slot in slots[:count]}  # writer retracted
+        assert not any(hit and hints[key[1]] in overwriting
+                       for key, hit in zip(wanted, hits, strict=True))
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4))
     def lease(self, who: int, hashes: list[int]) -> None:
@@ -364,7 +435,11 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.close_session(old)
         del self.leases[old]
         del self.grants[old]
+        self.taking.pop(old, None)  # died mid-put: what it took is freed
+        written = self.done.pop(old, {})  # died after its put: picked up at its end
+        assert all(self.store.contains(list(written.values())))
         self.sessions[who] = self.store.open_session()
+        self.store.attach_cell(self.sessions[who], who)
         self.leases[self.sessions[who]] = []
         self.grants[self.sessions[who]] = []
 
