@@ -137,7 +137,8 @@ class KvRouter:
         scored = self.candidates(block_hashes, [*eligible, *full] if full else eligible)
         n = len(eligible)
         chosen: Sequence[Candidate] = scored[:n] if full else scored
-        if self.peer_share is not None:
+        if self.peer_share is not None and pool is not Pool.DECODE:
+            # (a decode pool places by room, which a presumed load must not take away)
             chosen = self.peer_share.adjust(chosen)
         return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
 

@@ -8,7 +8,7 @@ import pytest
 
 from routing.placement.kv_router import KvRouter
 from routing.placement.peer_share import PeerShare
-from routing.placement.scorer import Candidate, TierOverlap, WorkerLoad
+from routing.placement.scorer import Candidate, Pool, TierOverlap, WorkerLoad
 
 WORKERS = ["w0", "w1", "w2", "w3"]
 
@@ -96,3 +96,16 @@ def test_two_replicas_that_never_hear_each_other_spread_new_prefixes_like_one() 
     a, b = router("a", ["b"], clock, 1), router("b", ["a"], clock, 2)
     chosen = [place((a, b)[i % 2], f"k{i}", salt=i) for i in range(12)]
     assert sorted(chosen.count(w) for w in WORKERS) == [3, 3, 3, 3]
+
+
+def test_a_decode_pool_places_by_room_alone() -> None:
+    """The presumed load never counts against a decode worker's room: with this replica's
+    own decode worker full, the peer's, with room, is chosen rather than none."""
+    clock = Clock()
+    r = router("a", ["b"], clock, 1)  # a's share: w0 (of w0, w1)
+    r.load.set_capacity("w0", 40)
+    r.load.set_capacity("w1", 100)
+    r.peer_share.placed(800, 60)  # type: ignore[union-attr]
+    blocks = list(range(50))
+    placement = r.place(blocks, 800, ["w0", "w1"], pool=Pool.DECODE)
+    assert placement is not None and placement.worker_id == "w1"
