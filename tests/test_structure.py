@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import json
-import pkgutil
 import re
 import subprocess
 import sys
@@ -94,18 +93,34 @@ def test_entry_points_load_only_their_own(entry: str, forbidden: set[str]) -> No
     assert not loaded & forbidden, sorted(loaded & forbidden)
 
 
-def _our_modules() -> list[str]:
-    names = []
-    for package in ("kvcore", "adapters", "routing", "kvsidecar"):
-        path = ROOT / package
-        names.append(package)
-        names.extend(
-            info.name for info in pkgutil.walk_packages([str(path)], prefix=f"{package}.")
-        )
-    return names
+# Imports every module of a package in one interpreter, each from a clean slate: before each,
+# every module of ours is dropped from sys.modules, so a module that imports only because
+# another was loaded first (an order-dependent or circular import) fails as it would alone.
+# Third-party modules stay loaded: they never import ours. One interpreter per package, not
+# one per module: 4 start-ups instead of 130.
+_IMPORT_EACH = f"""
+import importlib, json, pkgutil, sys, traceback
+ours = {OURS!r}
+package = sys.argv[1]
+names = [package, *(i.name for i in pkgutil.walk_packages([package], prefix=package + "."))]
+failed = {{}}
+for name in names:
+    for loaded in [m for m in sys.modules if m.split(".")[0] in ours]:
+        del sys.modules[loaded]
+    try:
+        importlib.import_module(name)
+    except BaseException:
+        failed[name] = traceback.format_exc(limit=3)
+print(json.dumps({{"imported": len(names), "failed": failed}}))
+"""
 
 
-@pytest.mark.parametrize("module", _our_modules())
-def test_each_module_imports_on_its_own(module: str) -> None:
-    """Every module imports in a fresh interpreter (no circular or order-dependent imports)."""
-    subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, check=True)
+@pytest.mark.parametrize("package", ["kvcore", "adapters", "routing", "kvsidecar"])
+def test_each_module_imports_on_its_own(package: str) -> None:
+    """Every module of the package imports with no other module of ours loaded (no circular
+    or order-dependent imports)."""
+    out = subprocess.run([sys.executable, "-c", _IMPORT_EACH, package], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    report = json.loads(out.stdout.splitlines()[-1])
+    assert report["imported"] > 1
+    assert not report["failed"], "\n".join(f"{k}:\n{v}" for k, v in report["failed"].items())
