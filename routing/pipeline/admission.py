@@ -23,7 +23,7 @@ import asyncio
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -112,13 +112,17 @@ class Waiter(Protocol):
 
 
 class AdmissionQueue:
-    """Requests waiting for a worker, bounded in number and in time."""
+    """Requests waiting for a worker, bounded in number and in time.
 
-    def __init__(self, timeout_s: float, max_waiting: int) -> None:
+    ``clock``: what waits are timed by (seconds; default: the running loop's clock)."""
+
+    def __init__(self, timeout_s: float, max_waiting: int,
+                 clock: Callable[[], float] | None = None) -> None:
         if timeout_s <= 0 or max_waiting < 1:
             raise ValueError("the admission queue needs timeout_s > 0 and max_waiting >= 1")
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
+        self._clock = clock
         self._heap: list[tuple[int, int, float, Waiter]] = []  # (-priority, seq, since, w)
         self._seq = itertools.count()
         self._pass: asyncio.Handle | None = None
@@ -139,7 +143,8 @@ class AdmissionQueue:
             self.num_full += 1
             return False
         loop = asyncio.get_running_loop()
-        heapq.heappush(self._heap, (-waiter.priority, next(self._seq), loop.time(), waiter))
+        since = loop.time() if self._clock is None else self._clock()
+        heapq.heappush(self._heap, (-waiter.priority, next(self._seq), since, waiter))
         self.num_queued += 1
         self._arm(loop)
         return True
@@ -161,7 +166,7 @@ class AdmissionQueue:
         """Place from the head while workers take them; expire what waited too long."""
         self._pass = None
         heap, loop = self._heap, asyncio.get_running_loop()
-        now = loop.time()
+        now = loop.time() if self._clock is None else self._clock()
         while heap:
             waiter = heap[0][3]
             if waiter.done:  # its client went away

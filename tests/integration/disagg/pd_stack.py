@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+import os
+import signal
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ import aiohttp
 
 from kvsidecar.launch import ManagedProcess
 from tests.support.gateway import routable  # noqa: F401 (the disagg tests import it here)
+from tests.support.polling import eventually
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "refengine" / "models" / "tiny"
@@ -86,7 +90,7 @@ class PdStack:
 
     def _hook(self, r: Replica, index: int) -> list[str]:
         if r.hook == "file":
-            config = {"file_path": str(self.tmp / r.store)}
+            config: dict[str, Any] = {"file_path": str(self.tmp / r.store)}
             return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
                     json.dumps(config)]
         config = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
@@ -106,6 +110,18 @@ class PdStack:
         )
         self.procs.append(proc)
         return str(proc.wait_ready(60)[0]["url"])
+
+    @contextlib.contextmanager
+    def engine_stopped(self, worker_id: str) -> Iterator[None]:
+        """SIGSTOP the worker's engine for the block, SIGCONT on leaving: the requests it
+        holds stay held, whatever the machine's speed, and its sidecar and the gateways run
+        on. Keep the block short: the sidecar's health probe gives up after 5 s."""
+        proc = next(p for p in self.procs if p.name == f"engine-{worker_id}")
+        os.killpg(proc.proc.pid, signal.SIGSTOP)  # its own session: the group is the engine
+        try:
+            yield
+        finally:
+            os.killpg(proc.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -160,6 +176,23 @@ def answer_text(body: dict[str, Any]) -> str:
     return str(choice["text"] if "text" in choice else choice["message"]["content"])
 
 
+async def capacity_known(
+    session: aiohttp.ClientSession, url: str, worker_id: str, blocks: int
+) -> None:
+    """Poll the gateway's /v1/workers until it knows ``worker_id``'s KV capacity: a sidecar
+    reports it on its status, up to a load-report interval after its stream is up, and
+    until then the gateway finds room on that worker for any request."""
+
+    async def known() -> bool:
+        async with session.get(f"{url}/v1/workers") as resp:
+            workers = (await resp.json())["workers"]
+        seen = {w["worker_id"]: w["capacity_blocks"] for w in workers}
+        assert seen.get(worker_id) == blocks, f"capacity {seen} at {url}"
+        return True
+
+    await eventually(known, f"{worker_id}'s capacity at {url}", 30.0, 0.05)
+
+
 async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
     """One sample of the gateway's /metrics (exact name with labels)."""
     async with session.get(f"{url}/metrics") as resp:
@@ -168,3 +201,16 @@ async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
+
+
+async def metric_reaches(session: aiohttp.ClientSession, url: str, name: str, value: float,
+                         timeout_s: float = 4.0) -> None:
+    """Poll the gateway's /metrics until ``name`` is ``value`` (by default for 4 s: less
+    than an engine may stay stopped, see ``PdStack.engine_stopped``)."""
+
+    async def reached() -> bool:
+        seen = await metric(session, url, name)
+        assert seen == value, f"{name} is {seen:g}"
+        return True
+
+    await eventually(reached, f"{name} = {value:g} at {url}", timeout_s, 0.02)

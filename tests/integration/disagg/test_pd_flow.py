@@ -12,8 +12,10 @@ from tests.integration.disagg.pd_stack import (
     PdStack,
     Replica,
     answer_text,
+    capacity_known,
     complete,
     metric,
+    metric_reaches,
     routable,
 )
 
@@ -146,23 +148,34 @@ def small_decode_stack(tmp_path: Path) -> Iterator[PdStack]:
 
 @pytest.mark.slow
 async def test_full_decode_pool_applies_backpressure(small_decode_stack, session) -> None:  # type: ignore[no-untyped-def]
-    """With the decode pool full a request waits for room (or gets 503); none is lost."""
+    """With the decode pool full a request waits for room (or gets 503); none is lost.
+
+    The decode engine is stopped while the requests arrive, so the one placed first holds
+    its room until every other has met the full pool, however fast the machine."""
     stack = small_decode_stack
     waits = stack.start_gateway("gateway-wait", "--pd-queue-timeout-s", "30")
     rejects = stack.start_gateway("gateway-reject", "--pd-queue-timeout-s", "0")
-    await routable(session, waits, 2)
-    await routable(session, rejects, 2)
+    for url in (waits, rejects):
+        await routable(session, url, 2)
+        await capacity_known(session, url, "decode-1", 16)  # till then: room for anything
     # Each needs ceil((~100 prompt + 60 output) / 16) = 10+ blocks: two never fit together.
-    results = await asyncio.gather(
-        *(complete(session, waits, prompt(20 + i, 45), 60, stream=True) for i in range(3))
-    )
+    async with asyncio.TaskGroup() as tg:
+        with stack.engine_stopped("decode-1"):
+            tasks = [tg.create_task(complete(session, waits, prompt(20 + i, 45), 60,
+                                             stream=True)) for i in range(3)]
+            await metric_reaches(session, waits, "kvsidecar_gateway_pd_waiting", 2)
+    results = [t.result() for t in tasks]
     assert [r[0] for r in results] == [200, 200, 200]
     assert all(r[2]["usage"]["completion_tokens"] == 60 for r in results)
-    assert await metric(session, waits, "kvsidecar_gateway_pd_backpressure_waits_total") >= 2
+    assert await metric(session, waits, "kvsidecar_gateway_pd_backpressure_waits_total") == 2
     assert await metric(session, waits, "kvsidecar_gateway_pd_waiting") == 0
-    results = await asyncio.gather(
-        *(complete(session, rejects, prompt(30 + i, 45), 60) for i in range(2))
-    )
+    async with asyncio.TaskGroup() as tg:
+        with stack.engine_stopped("decode-1"):
+            tasks = [tg.create_task(complete(session, rejects, prompt(30 + i, 45), 60))
+                     for i in range(2)]
+            await metric_reaches(session, rejects,
+                                 "kvsidecar_gateway_pd_backpressure_rejects_total", 1)
+    results = [t.result() for t in tasks]
     statuses = sorted(r[0] for r in results)
     assert statuses == [200, 503]
     rejected = next(r for r in results if r[0] == 503)

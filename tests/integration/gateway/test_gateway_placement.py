@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections import Counter
 
+import aiohttp
 import orjson
 from tokenizers import Tokenizer
 
@@ -46,27 +46,26 @@ async def test_least_loaded_avoids_the_busy_worker(spawn) -> None:  # type: igno
     """While one worker holds a stream, least-loaded sends new requests to the other."""
     engines = [spawn.engine(), spawn.engine()]
     gateway = spawn.gateway(engines, "--router-mode", "least-loaded")
-    held = asyncio.ensure_future(
-        h.post(
-            gateway.url,
-            "/v1/chat/completions",
-            h.chat(stream=True, max_tokens=40, fake_delay_s=0.05),
-        )
-    )
-
-    async def one_busy() -> bool:
+    # The stream hangs after its first event until we leave: busy however long we take.
+    body = h.chat(stream=True, fake_hang=True)
+    async with aiohttp.ClientSession() as session, session.post(
+            gateway.url + "/v1/chat/completions", json=body) as held:
+        assert held.status == 200
+        assert (await held.content.readline()).startswith(b"data: ")
         ws = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
-        return sorted(w["in_flight"] for w in ws) == [0, 1]
+        assert sorted(w["in_flight"] for w in ws) == [0, 1]
+        idle = next(w["worker_id"] for w in ws if w["in_flight"] == 0)
+        served = Counter()
+        for _ in range(4):
+            _, headers, _ = await h.post(gateway.url, "/v1/chat/completions", h.chat())
+            served[headers["x-kvsidecar-worker"]] += 1
+        assert served == {idle: 4}
 
-    await eventually(one_busy, "one worker to be busy", 10.0)
-    ws = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
-    idle = next(w["worker_id"] for w in ws if w["in_flight"] == 0)
-    served = Counter()
-    for _ in range(4):
-        _, headers, _ = await h.post(gateway.url, "/v1/chat/completions", h.chat())
-        served[headers["x-kvsidecar-worker"]] += 1
-    assert served == {idle: 4}
-    assert (await held)[0] == 200
+    async def free() -> bool:  # the held stream ended with its client
+        ws = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
+        return all(w["in_flight"] == 0 for w in ws)
+
+    await eventually(free, "the busy worker to be free", 10.0)
 
 
 async def test_approx_keeps_a_repeated_prefix_on_one_worker(spawn, tiny_model_dir) -> None:  # type: ignore[no-untyped-def]

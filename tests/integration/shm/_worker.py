@@ -1,9 +1,10 @@
 """A block store client run as its own process by the integration tests.
 
     python _worker.py SOCKET write NS FIRST COUNT BLOCK_BYTES   put in batches of 8, print "done"
-    python _worker.py SOCKET read NS[,NS...] FIRST COUNT BLOCK_BYTES ROUNDS
-        read the range (of each namespace) repeatedly in batches of 8, check every hit
-        byte-exact, print "hits N"
+    python _worker.py SOCKET read NS[,NS...] FIRST COUNT BLOCK_BYTES
+        read the range (of each namespace) repeatedly in batches of 8, checking every hit
+        byte-exact; print "reading" after the first round, go on until a line of stdin,
+        then until a hit, and print "hits N"
     python _worker.py SOCKET lease NS FIRST COUNT               lease, print "leased", hang
     python _worker.py SOCKET half-write NS FIRST COUNT          reserve, fill half, print
                                                                 "reserved", hang
@@ -15,12 +16,15 @@
         "written SLOTS", hang
     python _worker.py SOCKET standby NS FIRST COUNT BLOCK_BYTES ROUNDS [take|race|silent]
         put ROUNDS batches of COUNT (into a full store, over standby grants), reading each
-        back (a torn block: print "mismatch", exit 1). race: print "raced HITS", exit.
-        Else print "holding N hits HITS" (N: the standby grant held now), then on a line of
-        stdin put one more batch, read it back and print "put HITS"; or (take) first take
-        the grant as a put does, print "holding N hits HITS taken" and hang; or (silent)
-        on that line put the batch over the grant, print "put", and on another line wait
-        (sending nothing) until the owner offers the next grant, print "picked up", hang
+        back (a torn block: print "mismatch", exit 1). race: put until the store is full,
+        wait for the owner's grant and put the next batch over it (none taken: print "no
+        grant taken", exit 1), print "overwrote"; then on a line of stdin put the other
+        rounds as fast as they go, print "raced HITS", exit. Else print "holding N hits
+        HITS" (N: the standby grant held now), then on a line of stdin put one more batch,
+        read it back and print "put HITS"; or (take) first take the grant as a put does,
+        print "holding N hits HITS taken" and hang; or (silent) on that line put the batch
+        over the grant, print "put", and on another line wait (sending nothing) until the
+        owner offers the next grant, print "picked up", hang
 
 Block contents are a pure function of the key, so any process can check any block.
 """
@@ -28,6 +32,7 @@ Block contents are a pure function of the key, so any process can check any bloc
 from __future__ import annotations
 
 import logging
+import select
 import sys
 import time
 from pathlib import Path
@@ -38,7 +43,6 @@ import structlog
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 from shm import BlockStoreClient
-from shm.read_index import STANDBY_DONE
 
 
 def content(ns: int, block_hash: int, block_bytes: int) -> np.ndarray:
@@ -63,12 +67,16 @@ def main(argv: list[str]) -> int:
                                 parent_hashes=[h - 1 for _, h in batch])
             print("done", flush=True)
         elif command == "read":
-            block_bytes, rounds = int(argv[5]), int(argv[6])
+            block_bytes = int(argv[5])
             outs = [np.empty(block_bytes, np.uint8) for _ in keys]
-            hits = 0  # keep going past ROUNDS until a hit (the writer may start late)
-            deadline = time.monotonic() + 15
-            done = 0
-            while done < rounds or (hits == 0 and time.monotonic() < deadline):
+            # As long as the test's writers run (it says when they are done, so no count
+            # of rounds has to outlast them), then until a hit.
+            hits = done = 0
+            told = False
+            while not (told and hits):
+                if done == 1:
+                    print("reading", flush=True)
+                told = told or bool(select.select([sys.stdin], [], [], 0)[0])
                 done += 1
                 for start in range(0, len(keys), 8):  # at most 8 leases held at a time
                     batch, batch_outs = keys[start : start + 8], outs[start : start + 8]
@@ -113,11 +121,27 @@ def main(argv: list[str]) -> int:
 
 def _standby(client: BlockStoreClient, ns: int, first: int, count: int, block_bytes: int,
              rounds: int, rest: list[str]) -> int:
-    def put_and_check(start: int) -> int:
-        """Put a batch and read it back: how many blocks were there (another writer may
-        have evicted some); exits on a torn one."""
+    def batch(start: int) -> tuple[list[tuple[int, int]], list[np.ndarray]]:
         keys = [(ns, h) for h in range(start, start + count)]
-        assert all(client.put_many(keys, [content(ns, h, block_bytes) for _, h in keys]))
+        return keys, [content(ns, h, block_bytes) for _, h in keys]
+
+    def put_and_check(start: int) -> int:
+        keys, arrays = batch(start)
+        assert all(client.put_many(keys, arrays))
+        return read_back(keys)
+
+    def put_over_grant(start: int) -> list[tuple[int, int]]:
+        """Put a batch over our standby grant, as ``put_many`` first tries to (sending
+        nothing); exits if it took none, where ``put_many`` would have reserved."""
+        keys, arrays = batch(start)
+        if client._put_standby(keys, arrays, None) is None:
+            print("no grant taken", flush=True)
+            sys.exit(1)
+        return keys
+
+    def read_back(keys: list[tuple[int, int]]) -> int:
+        """Read a batch back: how many blocks were there (another writer may have evicted
+        some); exits on a torn one."""
         outs = [np.empty(block_bytes, np.uint8) for _ in keys]
         hits = client.get_many(keys, outs)
         if any(hit and not np.array_equal(out, content(ns, h, block_bytes))
@@ -142,13 +166,25 @@ def _standby(client: BlockStoreClient, ns: int, first: int, count: int, block_by
         return offer
 
     hits = 0
-    for r in range(rounds):  # the store is full after two batches: wait for each grant
-        if r >= 2 and rest != ["race"]:
-            wait_offer()
-        hits += put_and_check(first + r * count)
     if rest == ["race"]:
+        # Until the store is full every put reserves; then the owner offers us a grant, and
+        # while no other client puts (the test starts the writers one at a time) nothing
+        # takes it back: an overwrite is certain before the race, whatever its timing.
+        fill = -(-client.num_slots // count)
+        for r in range(fill):
+            hits += put_and_check(first + r * count)
+        wait_offer()
+        hits += read_back(put_over_grant(first + fill * count))
+        print("overwrote", flush=True)
+        sys.stdin.readline()
+        for r in range(fill + 1, rounds):
+            hits += put_and_check(first + r * count)
         print("raced", hits, flush=True)
         return 0
+    for r in range(rounds):  # the store is full after two batches: wait for each grant
+        if r >= 2:
+            wait_offer()
+        hits += put_and_check(first + r * count)
     epoch, size = wait_offer()
     held = f"holding {size} hits {hits}"
     if rest == ["take"]:  # as a put takes it before its copy; then stall mid-copy
@@ -162,9 +198,7 @@ def _standby(client: BlockStoreClient, ns: int, first: int, count: int, block_by
     sys.stdin.readline()
     start = first + rounds * count
     if rest == ["silent"]:  # one put over the grant, then wait for the owner's pickup
-        keys = [(ns, h) for h in range(start, start + count)]
-        assert all(client.put_many(keys, [content(ns, h, block_bytes) for _, h in keys]))
-        assert index.standby_state(cell, epoch) == STANDBY_DONE
+        put_over_grant(start)  # (the owner may pick it up at once: its word moves on)
         print("put", flush=True)
         sys.stdin.readline()  # one line at a time: the test's read sees no second one
         wait_offer(epoch)  # its next grant: the owner picked the put up, asked nothing

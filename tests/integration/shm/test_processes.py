@@ -124,9 +124,14 @@ def test_concurrent_writers_and_readers_are_byte_exact(procs: Processes, owner_i
     evicted, as LRU should when the other reader keeps its blocks recent.
     """
     owner = procs.owner(owner_id, slots=64, block_bytes=4096)
+    readers = [procs.worker(owner.socket, "read", "1,2", 1, 96, 4096) for _ in (1, 2)]
+    assert [read_line(r) for r in readers] == ["reading", "reading"]  # before any write
     writers = [procs.worker(owner.socket, "write", ns, 1, 96, 4096) for ns in (1, 2)]
-    readers = [procs.worker(owner.socket, "read", "1,2", 1, 96, 4096, 75) for _ in (1, 2)]
     assert [read_line(w) for w in writers] == ["done", "done"]
+    for reader in readers:  # the writes are done: it reads on until a hit
+        assert reader.stdin is not None
+        reader.stdin.write("done\n")
+        reader.stdin.flush()
     results = [read_line(r) for r in readers]
     assert all(r.startswith("hits ") and int(r.split()[1]) > 0 for r in results), results
     assert [p.wait(timeout=DEADLINE_S) for p in writers + readers] == [0, 0, 0, 0]
@@ -302,7 +307,8 @@ def test_a_stopped_owner_fails_a_call_after_the_timeout(procs: Processes,
     has passed, saying so, whether the client spins for its reply first or not."""
     owner = procs.owner(owner_id, slots=4, block_bytes=4096)
     for spin_us in (200.0, 0.0):
-        with BlockStoreClient(owner.socket, timeout_s=0.3, spin_us=spin_us) as client:
+        # (1 s: a running owner's replies, on a loaded machine too, come well within it)
+        with BlockStoreClient(owner.socket, timeout_s=1.0, spin_us=spin_us) as client:
             assert client.put((1, 1), content(1, 1, 4096)) in (True, False)
             owner.proc.send_signal(signal.SIGSTOP)
             try:

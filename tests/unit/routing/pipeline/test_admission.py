@@ -62,7 +62,8 @@ class _Waiter:
 
 async def test_the_queue_admits_by_priority_then_arrival_and_expires_the_rest() -> None:
     log: list[str] = []
-    queue = AdmissionQueue(timeout_s=0.3, max_waiting=3)
+    now = [0.0]  # the queue's clock: nothing expires before the test says, however slow it runs
+    queue = AdmissionQueue(timeout_s=0.3, max_waiting=3, clock=lambda: now[0])
     waiters = [_Waiter("a", 0, log), _Waiter("b", 2, log), _Waiter("c", 0, log)]
     assert all(queue.offer(w) for w in waiters)
     assert not queue.offer(_Waiter("d", 9, log)) and queue.num_full == 1
@@ -73,6 +74,7 @@ async def test_the_queue_admits_by_priority_then_arrival_and_expires_the_rest() 
     queue.wake()
     await wait_for(lambda: len(queue) == 1, "two admitted")
     assert log == ["b", "a"]
+    now[0] = 0.3
     await wait_for(lambda: not len(queue), "c to expire")
     assert log == ["b", "a", "c expired"] and queue.num_expired == 1
     assert (queue.num_queued, queue.num_admitted) == (3, 2)
