@@ -15,7 +15,10 @@ hands them to a ``WorkerNormalizer``, which owns everything both engines share:
 * **conservative gaps**: a stored chain whose engine parent is unknown (it was stored
   before we joined, or lost) is *orphaned* — counted, not published — because its canonical
   hashes cannot be computed; a partial block (and every block after it) is skipped. The
-  published state is therefore always a subset of what the engine holds.
+  published state is therefore always a subset of what the engine holds;
+* **names for the store**: ``store_names``, when set, hears every chain stored as
+  (engine hashes, canonical hashes, canonical parent), so the sidecar's block store can name
+  the blocks the engine's storage hook keys by engine hash (``shm.block_names``).
 
 Pure and synchronous: no I/O, no asyncio; the adapters' I/O shells drive it.
 """
@@ -23,7 +26,7 @@ Pure and synchronous: no I/O, no asyncio; the adapters' I/O shells drive it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from adapters.normalize_hashing import block_locals, chain_states
 from adapters.normalize_metrics import AdapterMetrics
@@ -37,6 +40,9 @@ from kvcore.events import (
 )
 from kvcore.hashing import CHAIN_MUL, BlockHasher, TokenIdError, fmix64, fmix64_inverse
 from kvcore.namespace import namespace_seed
+
+if TYPE_CHECKING:
+    from adapters.base import StoreNameSink
 
 __all__ = ["MalformedEventError", "WorkerNormalizer"]
 
@@ -61,6 +67,7 @@ class WorkerNormalizer:
         "_stored_blocks",
         "block_size",
         "model_id",
+        "store_names",
         "worker_id",
     )
 
@@ -84,6 +91,7 @@ class WorkerNormalizer:
         self._block_counters: dict[str, Any] = {}
         self._pending: dict[str, int] = {}
         self._stored_blocks = 0  # counted apart from _pending: the hot path
+        self.store_names: StoreNameSink | None = None  # hears each chain stored
 
     # --- native operations --------------------------------------------------------------
 
@@ -157,6 +165,8 @@ class WorkerNormalizer:
             if state is not None:
                 held[engine_hashes[full - 1]] = (hashes[-1], hashes[-2], state)
         self._stored_blocks += full
+        if self.store_names is not None:
+            self.store_names(engine_hashes[:full], hashes, parent)
         out.append(BlockStored(self.worker_id, UNSTAMPED, UNSTAMPED, tier, hashes, parent, tokens))
 
     def short_chain_locals(

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from adapters.base import AdapterError, EngineInfo
+from adapters.base import AdapterError, EngineInfo, StoreKeys, StoreNameSink
 from adapters.normalize_stream import EventStream
 from kvcore.events import KVEvent
 from kvcore.layout import BlockLayout
@@ -24,6 +24,9 @@ __all__ = ["AdapterShell"]
 
 class AdapterShell(ABC):
     """The lifecycle and views an ``EngineAdapter`` needs besides its engine's specifics."""
+
+    # By default a storage hook keys blocks canonically: there is nothing to report.
+    store_keys = StoreKeys.CANONICAL
 
     def __init__(self, queue_size: int) -> None:
         self._stream = EventStream(queue_size)
@@ -42,6 +45,11 @@ class AdapterShell(ABC):
 
     def events(self) -> AsyncIterator[KVEvent]:
         return aiter(self._stream)
+
+    def watch_store_names(self, sink: StoreNameSink) -> None:
+        """Nothing to report for canonical keys (an adapter whose engine's hook keys blocks
+        by the engine's own hashes overrides this)."""
+        return None
 
     def engine_load(self, worker_id: str) -> EngineLoad | None:
         """None: by default an engine publishes no load of its own (an adapter that reads

@@ -6,7 +6,10 @@ bytes``. The *layout* says how those bytes are ordered in a flat block buffer:
 * ``layer_first``: ``[layer][k|v][block_size][kv_heads][head_dim]`` — one contiguous run per
   layer, what an engine's per-layer KV tensors give when a block is gathered layer by layer;
 * ``page_first``: ``[block_size][layer][k|v][kv_heads][head_dim]`` — token-major, what
-  SGLang's HiCache calls ``page_first``.
+  SGLang's HiCache calls ``page_first``;
+* ``raw``: the engine's own page order, opaque to us — what a storage hook that cannot reorder
+  a page writes (the reference engine's and TensorRT-LLM's; SGLang's MLA pools). Blocks are
+  then exchangeable only between engines with the same KV cache layout.
 """
 
 from __future__ import annotations
@@ -31,8 +34,11 @@ DTYPE_BYTES = {
 
 
 class LayoutKind(enum.Enum):
+    """How a block's bytes are ordered (see the module docstring)."""
+
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
+    RAW = "raw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +73,12 @@ class BlockLayout:
         return self.bytes_per_token * self.block_size
 
     def shape(self) -> tuple[int, ...]:
-        """The block's array shape in this layout (element counts, not bytes)."""
+        """The block's array shape in this layout (element counts, not bytes; ``raw``:
+        flat, its order the engine's)."""
         if self.kind is LayoutKind.LAYER_FIRST:
             return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        if self.kind is LayoutKind.RAW:
+            return (self.bytes_per_block // self.dtype_bytes,)
         return (self.block_size, self.num_layers, 2, self.num_kv_heads, self.head_dim)
 
     def blocks_in(self, capacity_bytes: int) -> int:

@@ -85,6 +85,7 @@ class RouterConfig:
     router_temperature: float = 0.0
     host_weight: float = 0.75
     disk_weight: float = 0.25
+    remote_weight: float = 0.1
     block_size: int = 16
     approx_ttl_s: float = 120.0
     max_model_len: int | None = None
@@ -158,6 +159,7 @@ class RouterConfig:
             "router_temperature",
             "host_weight",
             "disk_weight",
+            "remote_weight",
         ):
             value = getattr(self, name)
             if value is None and name in ("overlap_weight", "prefill_load_scale"):

@@ -41,6 +41,7 @@ def gateway_config(
             router_temperature=args.router_temperature,
             host_weight=args.host_weight,
             disk_weight=args.disk_weight,
+            remote_weight=args.remote_weight,
             block_size=args.block_size,
             approx_ttl_s=args.approx_ttl_s,
             max_model_len=args.max_model_len,
@@ -239,6 +240,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument(
         "--disk-weight", type=float, default=0.25, help="credit per prefix block cached on disk"
+    )
+    r.add_argument(
+        "--remote-weight",
+        type=float,
+        default=0.1,
+        help="credit per prefix block in the remote tier (a store shared by every replica of "
+        "the model: credited on each of them)",
     )
     r.add_argument(
         "--block-size",

@@ -12,6 +12,7 @@ read index (``shm.read_index``).
 
 from shm._puts import AsyncPendingPut, PendingPut
 from shm.aclient import AsyncBlockStoreClient
+from shm.block_names import BlockName, BlockNames
 from shm.client import BlockStoreClient
 from shm.config import OwnerConfig
 from shm.errors import (
@@ -37,6 +38,8 @@ __all__ = [
     "AsyncPendingPut",
     "BlockDtypeError",
     "BlockKey",
+    "BlockName",
+    "BlockNames",
     "BlockSizeError",
     "BlockStore",
     "BlockStoreClient",

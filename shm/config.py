@@ -6,13 +6,13 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvcore.layout import DTYPE_BYTES
+from kvcore.layout import DTYPE_BYTES, LayoutKind
 from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 from shm.segment import check_owner_id
 
 __all__ = ["OwnerConfig"]
 
-LAYOUTS = ("raw", "layer_first", "page_first")
+LAYOUTS = tuple(kind.value for kind in LayoutKind)
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
           "gib": 1 << 30}
 

@@ -10,10 +10,13 @@ the store core while it evicts, before the evicted slots get new holders) copies
 block into a pre-faulted staging buffer and queues it; one writer thread writes the queued
 blocks in batches and hands the finished ones back to the loop, where they join the tier's
 index and are announced (``BlockStored``, tier ``disk``, one per chain of parent → child
-blocks, as the host tier's: ``shm.host_events``). When the staging buffers are all
-in use (the disk falls behind), further evicted blocks are dropped and counted, never
-waited for. Reads (a get that missed in shared memory) ``preadv`` each file straight into
-the slot the block is promoted to, and check it, in a worker thread (``read_many``).
+blocks, as the host tier's: ``shm.host_events``). Each block keeps its canonical name
+(``shm.block_names``), given when it is spilled and written in its file's header: the
+tier's events name blocks by it, and a block without one is kept but never announced.
+When the staging buffers are all in use (the disk falls behind), further evicted blocks
+are dropped and counted, never waited for. Reads (a get that missed in shared memory)
+``preadv`` each file straight into the slot the block is promoted to, and check it, in a
+worker thread (``read_many``).
 
 The tier has a byte capacity and its own LRU (a read makes a block recent); what it evicts
 is unlinked by the writer thread and announced (``BlockRemoved``, tier ``disk``). At start
@@ -41,13 +44,14 @@ import numpy as np
 import structlog
 
 from kvcore.events import KVEvent, Tier
+from shm.block_names import BlockName
 from shm.disk_format import (
     HEADER_BYTES,
     SUFFIX,
     TMP_SUFFIX,
     block_file_name,
     header_for,
-    header_parent,
+    header_name,
     parse_name,
     problem_of,
 )
@@ -64,8 +68,8 @@ _STAGING_BYTES = 64 << 20  # staging buffers for blocks on their way to disk
 _MIN_STAGING_BLOCKS = 4
 
 
-# What the writer thread does: ("write" | "unlink", key, staging row, parent hash).
-_Job = tuple[str, BlockKey, int, int | None]
+# What the writer thread does: ("write" | "unlink", key, staging row, the block's name).
+_Job = tuple[str, BlockKey, int, BlockName | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +104,10 @@ class DiskTier:
         # Never more than the tier holds, nor than _STAGING_BYTES (unless blocks are huge).
         self._staging_blocks = staging_blocks or max(_MIN_STAGING_BLOCKS, min(
             _STAGING_BYTES // block_bytes, capacity_bytes // self.file_bytes))
-        # On disk, by last use: key → parent hash.
-        self._index: OrderedDict[BlockKey, int | None] = OrderedDict()
-        # Staged for writing: key → (staging row, parent hash).
-        self._pending: dict[BlockKey, tuple[int, int | None]] = {}
+        # On disk, by last use: key → the block's name (None: unnamed, never announced).
+        self._index: OrderedDict[BlockKey, BlockName | None] = OrderedDict()
+        # Staged for writing: key → (staging row, name).
+        self._pending: dict[BlockKey, tuple[int, BlockName | None]] = {}
         self._cancelled: set[BlockKey] = set()  # staged, then removed: unlink once written
         self._reading: dict[BlockKey, int] = {}  # files being read: the LRU passes them over
         self._staging = np.empty((0, block_bytes), np.uint8)
@@ -129,12 +133,11 @@ class DiskTier:
         except BaseException:
             self._unlock()
             raise
-        for key, _, parent in recovered:
-            self._index[key] = parent
+        for key, _, name in recovered:
+            self._index[key] = name
         self._enforce_capacity()
-        if self._index:  # in written order, so a chain's blocks mostly stay one event
-            self._log.stored([key[1] for key in self._index], list(self._index.values()),
-                             [None] * len(self._index))
+        # In written order, so a chain's blocks mostly stay one event.
+        self._announce(list(self._index.values()))
         self._free_rows = list(range(self._staging_blocks - 1, -1, -1))
         self._writer = threading.Thread(target=self._write_loop, name="disk-tier-writer",
                                         daemon=True)
@@ -157,10 +160,10 @@ class DiskTier:
         staging.fill(0)
         self._staging = staging
 
-    def _scan(self) -> list[tuple[BlockKey, int, int | None]]:
-        """The block files in the directory (key, mtime, parent), oldest first; torn and
+    def _scan(self) -> list[tuple[BlockKey, int, BlockName | None]]:
+        """The block files in the directory (key, mtime, name), oldest first; torn and
         foreign files removed."""
-        found: list[tuple[BlockKey, int, int | None]] = []
+        found: list[tuple[BlockKey, int, BlockName | None]] = []
         removed = 0
         with os.scandir(self.directory) as entries:
             for entry in entries:
@@ -171,9 +174,9 @@ class DiskTier:
                 try:
                     st = entry.stat()
                     if key is not None and st.st_size == self.file_bytes:
-                        ok, parent = self._read_header(entry.path, key)
+                        ok, block_name = self._read_header(entry.path, key)
                         if ok:
-                            found.append((key, st.st_mtime_ns, parent))
+                            found.append((key, st.st_mtime_ns, block_name))
                             continue
                     if name.endswith((SUFFIX, TMP_SUFFIX)):
                         os.unlink(entry.path)  # torn, or written for another block size
@@ -186,11 +189,11 @@ class DiskTier:
         found.sort(key=lambda item: item[1])
         return found
 
-    def _read_header(self, path: str, key: BlockKey) -> tuple[bool, int | None]:
-        """Whether a file's header is this tier's for ``key``, and the block's parent."""
+    def _read_header(self, path: str, key: BlockKey) -> tuple[bool, BlockName | None]:
+        """Whether a file's header is this tier's for ``key``, and the block's name."""
         with open(path, "rb") as f:
             raw = f.read(HEADER_BYTES)
-        return header_parent(raw, key, self.block_bytes)
+        return header_name(raw, key, self.block_bytes)
 
     async def aclose(self) -> None:
         """Write what is staged, stop the writer, unlock; what is on disk stays."""
@@ -214,15 +217,15 @@ class DiskTier:
             self._lock_fd = None
 
     # -------------------------------------------------------------------- writes
-    def spill(self, blocks: Sequence[tuple[BlockKey, int]], parents: Sequence[int | None],
+    def spill(self, blocks: Sequence[tuple[BlockKey, int]], names: Sequence[BlockName | None],
               rows: np.ndarray) -> None:
-        """Keep blocks the host store evicts: ``rows[slot]`` holds each one's bytes now (the
-        caller hands the slots to new holders after this returns). Copies and queues them;
-        a block already on disk, or staged, is only made recent."""
+        """Keep blocks the host store evicts, with their names: ``rows[slot]`` holds each
+        one's bytes now (the caller hands the slots to new holders after this returns).
+        Copies and queues them; a block already on disk, or staged, is only made recent."""
         if self._writer is None:
             return
         index, pending, free = self._index, self._pending, self._free_rows
-        for (key, slot), parent in zip(blocks, parents, strict=True):
+        for (key, slot), name in zip(blocks, names, strict=True):
             if key in index:
                 index.move_to_end(key)
                 continue
@@ -234,8 +237,8 @@ class DiskTier:
                 continue
             row = free.pop()
             self._staging[row] = rows[slot]
-            pending[key] = row, parent
-            self._jobs.put(("write", key, row, parent))
+            pending[key] = row, name
+            self._jobs.put(("write", key, row, name))
         if not free and self.num_dropped and self.num_dropped % 1024 == 1:
             log.warning("disk_tier_behind", dropped=self.num_dropped)
 
@@ -251,9 +254,9 @@ class DiskTier:
             for job in batch:
                 if job is None:
                     continue
-                kind, key, row, parent = job
+                kind, key, row, name = job
                 if kind == "write":
-                    done.append((key, self._write_file(key, row, parent)))
+                    done.append((key, self._write_file(key, row, name)))
                 else:
                     self._unlink_file(key)
             if done:
@@ -270,9 +273,9 @@ class DiskTier:
         except RuntimeError:  # the loop closed meanwhile: the files are there anyway
             pass
 
-    def _write_file(self, key: BlockKey, row: int, parent: int | None) -> bool:
+    def _write_file(self, key: BlockKey, row: int, name: BlockName | None) -> bool:
         payload = memoryview(self._staging[row])
-        header = header_for(key, parent, self.block_bytes, payload)
+        header = header_for(key, name, self.block_bytes, payload)
         path = self.directory / block_file_name(key)
         tmp = path.with_name(path.name + TMP_SUFFIX)
         try:
@@ -301,10 +304,9 @@ class DiskTier:
 
     def _written(self, done: list[tuple[BlockKey, bool]]) -> None:
         """On the loop: index what the writer finished, announce it, keep the capacity."""
-        stored: list[int] = []
-        parents: list[int | None] = []
+        stored: list[BlockName | None] = []
         for key, ok in done:
-            row, parent = self._pending.pop(key)
+            row, name = self._pending.pop(key)
             self._free_rows.append(row)
             if not ok:
                 self.num_errors += 1
@@ -313,14 +315,21 @@ class DiskTier:
                 self._cancelled.discard(key)
                 self._jobs.put(("unlink", key, -1, None))
                 continue
-            self._index[key] = parent
+            self._index[key] = name
             self.num_writes += 1
             self.num_write_bytes += self.file_bytes
-            stored.append(key[1])
-            parents.append(parent)
-        self._log.stored(stored, parents, [None] * len(stored))
+            stored.append(name)
+        self._announce(stored)
         self._enforce_capacity()
         self._notify()
+
+    def _announce(self, names: list[BlockName | None]) -> None:
+        named = [n for n in names if n is not None]
+        self._log.stored([n.block_hash for n in named], [n.parent_hash for n in named],
+                         [None] * len(named))
+
+    def _announce_removed(self, names: list[BlockName | None]) -> None:
+        self._log.removed([n.block_hash for n in names if n is not None])
 
     def _enforce_capacity(self) -> None:
         limit = self.capacity_bytes // self.file_bytes
@@ -336,11 +345,11 @@ class DiskTier:
         if not gone:
             return
         over = len(gone)
+        names = [self._index.pop(key) for key in gone]
         for key in gone:
-            del self._index[key]
             self._jobs.put(("unlink", key, -1, None))
         self.num_evictions += over
-        self._log.removed([key[1] for key in gone])
+        self._announce_removed(names)
 
     # --------------------------------------------------------------------- reads
     def contains(self, key: BlockKey) -> bool:
@@ -443,29 +452,33 @@ class DiskTier:
         return problem_of(header, key, self.block_bytes, dst.data)
 
     def _drop(self, key: BlockKey, *, unlink: bool) -> None:
-        del self._index[key]
+        name = self._index.pop(key)
         if unlink:
             self._jobs.put(("unlink", key, -1, None))
-        self._log.removed([key[1]])
+        self._announce_removed([name])
 
     # ------------------------------------------------------------ removal, events
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Drop the keys from the tier; per key, whether it held it."""
         out: list[bool] = []
-        gone: list[int] = []
+        gone: list[BlockName | None] = []
         for key in keys:
             if key in self._index:
-                del self._index[key]
+                gone.append(self._index.pop(key))
                 self._jobs.put(("unlink", key, -1, None))
-                gone.append(key[1])
                 out.append(True)
             elif key in self._pending and key not in self._cancelled:
                 self._cancelled.add(key)  # unlinked once written; never announced
                 out.append(True)
             else:
                 out.append(False)
-        self._log.removed(gone)
+        self._announce_removed(gone)
         return out
+
+    def name_of(self, key: BlockKey) -> BlockName | None:
+        """The name the tier keeps with a block it holds (None: unnamed, or not held)."""
+        staged = self._pending.get(key)
+        return staged[1] if staged is not None else self._index.get(key)
 
     def take_events(self) -> list[KVEvent]:
         return self._log.take()

@@ -9,6 +9,10 @@ tier, in order, that holds it), reads them into those slots (``read_many`` of ea
 parallel, when the reply may come later, else ``read_into`` here: a remote tier misses
 then), commits them (a host ``BlockStored``) and leases them too. The hits are leased first,
 so promotion's evictions never take them; a promoted block counts as a miss, then a hit.
+
+Blocks travel with their canonical names (``shm.block_names``): an evicted block spills with
+the name the store's blocks are known by, and a promoted one brings back the name its tier
+kept, so its host event names it too.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import numpy as np
 import structlog
 
 from kvcore.events import KVEvent
+from shm.block_names import BlockName, BlockNames
 from shm.errors import BlockStoreError, StoreFullError
 from shm.protocol import ErrorReply, Slots, encode
 from shm.store import BlockKey, BlockStore, SessionId
@@ -40,8 +45,9 @@ class LowerTier(Protocol):
     def touch(self, keys: Sequence[BlockKey]) -> None: ...
     def read_into(self, key: BlockKey, dst: np.ndarray) -> bool: ...
     async def read_many(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> list[bool]: ...
-    def spill(self, blocks: Sequence[tuple[BlockKey, int]], parents: Sequence[int | None],
+    def spill(self, blocks: Sequence[tuple[BlockKey, int]], names: Sequence[BlockName | None],
               rows: np.ndarray) -> None: ...
+    def name_of(self, key: BlockKey) -> BlockName | None: ...
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]: ...
     def take_events(self) -> list[KVEvent]: ...
     async def aclose(self) -> None: ...
@@ -57,9 +63,11 @@ class ReadThrough:
         rows: Any,
         current_store: Callable[[], BlockStore | None],
         drain_events: Callable[[], None],
+        names: BlockNames,
     ) -> None:
         self.tiers = list(tiers)
         self.store = store
+        self.names = names
         self.rows = rows  # (num_slots, block_bytes) uint8 rows of the segment
         self.session = store.open_session()  # the promotions' store session
         self.num_spill_errors = 0
@@ -154,6 +162,10 @@ class ReadThrough:
             store.abort(own, [item[2] for item in failed], [item[3] for item in failed])
         if not done:
             return encode(Slots(slots, gens))
+        for _, key, _, _, tier in done:  # named in the host tier as it was below
+            name = tier.name_of(key)
+            if name is not None:
+                self.names.learn_one(key[1], name)
         store.commit(own, [item[2] for item in done], [item[3] for item in done])
         promoted = [item[0] for item in done]
         try:
@@ -167,9 +179,10 @@ class ReadThrough:
     def spill(self, evicted: list[tuple[BlockKey, int]], parents: list[int | None]) -> None:
         """The store's eviction hook: hand evicted blocks to the lower tiers. Never raises
         (a failure here would fail the put that evicted them): a block not kept is counted."""
+        names = self.names.names_of([key[1] for key, _ in evicted], parents)
         for tier in self.tiers:
             try:
-                tier.spill(evicted, parents, self.rows)
+                tier.spill(evicted, names, self.rows)
             except Exception:
                 self.num_spill_errors += 1
                 log.exception("spill_failed", tier=type(tier).__name__, blocks=len(evicted))

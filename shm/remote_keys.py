@@ -3,9 +3,10 @@
 A block is one string value under ``kvsidecar:<scope>:<namespace:016x><hash:016x>``: the
 ``scope`` (the model and its block size, see ``RemoteKeys``) keeps models and layouts apart
 in one store, the namespace keeps tenants and LoRA adapters apart within a model. The value is
-the disk tier's file (``shm.disk_format``: a 56-byte header with the key, the parent hash, the
-block size and an xxh3-64 of the payload, then the payload), so a reader checks what it got
-and learns the block's parent from the header alone (``GETRANGE`` of 56 bytes).
+the disk tier's file (``shm.disk_format``: a 64-byte header with the key, the block's
+canonical name, the block size and an xxh3-64 of the payload, then the payload), so a reader
+checks what it got and learns the block's name from the header alone (``GETRANGE`` of 64
+bytes): a replica names a block another one wrote without having seen its tokens.
 
 What the store holds is followed through its keyspace notifications (``notify-keyspace-events``
 with ``K`` for the keyspace channel, ``$`` for ``set``, ``g`` for ``del``, ``x`` for expiry and
@@ -18,9 +19,10 @@ import re
 
 import numpy as np
 
-from shm.disk_format import HEADER_BYTES, header_for, header_parent, problem_of
+from shm.block_names import BlockName
+from shm.disk_format import HEADER_BYTES, header_for, header_name, problem_of
 
-__all__ = ["KEYSPACE_EVENTS", "RemoteKeys", "check_value", "pack_value", "value_parent"]
+__all__ = ["KEYSPACE_EVENTS", "RemoteKeys", "check_value", "pack_value", "value_name"]
 
 BlockKey = tuple[int, int]
 KEYSPACE_EVENTS = "K$gxe"
@@ -62,15 +64,16 @@ def _parse_hex(tail: bytes) -> BlockKey | None:
         return None
 
 
-def pack_value(key: BlockKey, parent: int | None, payload: np.ndarray) -> bytes:
+def pack_value(key: BlockKey, name: BlockName | None, payload: np.ndarray) -> bytes:
     """The stored value of a block: header, then its bytes (one copy)."""
     view = payload.data.cast("B")
-    return b"".join((header_for(key, parent, len(view), view), view))
+    return b"".join((header_for(key, name, len(view), view), view))
 
 
-def value_parent(head: bytes, key: BlockKey, block_bytes: int) -> tuple[bool, int | None]:
-    """Whether ``head`` (a value's first bytes) is a block value for ``key``; its parent."""
-    return header_parent(bytes(head[:HEADER_BYTES]), key, block_bytes)
+def value_name(head: bytes, key: BlockKey,
+               block_bytes: int) -> tuple[bool, BlockName | None]:
+    """Whether ``head`` (a value's first bytes) is a block value for ``key``; its name."""
+    return header_name(bytes(head[:HEADER_BYTES]), key, block_bytes)
 
 
 def check_value(value: bytes, key: BlockKey, block_bytes: int, dst: np.ndarray) -> str | None:

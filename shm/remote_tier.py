@@ -8,10 +8,16 @@ host store evicts are, copied out while the store core evicts them (``spill``) i
 queue (past ``max_pending_bytes`` they are dropped and counted, never waited for). A block
 the store already holds is not sent again.
 
+Each value carries the block's canonical name (``shm.block_names``) in its header, which is
+what lets every other replica announce the block. Write-through therefore waits for a
+block's name when the engine's hook put it before the engine's event named it (``named``);
+a block evicted from shared memory while it still waits is written then, unnamed (its bytes
+are still shared: hooks find it by its key; it is only not announced).
+
 The index: which blocks the store holds, kept from the store itself, not from our writes
 alone: at connect the tier subscribes to the scope's keyspace notifications (``set``,
 ``del``, ``expired``, ``evicted``; it turns them on with ``CONFIG SET`` when they are off),
-then ``SCAN``s the scope, reading each block's parent from its value's header; from then on
+then ``SCAN``s the scope, reading each block's name from its value's header; from then on
 each notification updates it. So blocks other replicas write, and blocks the store evicts
 under ``maxmemory``, reach every replica's index, which the sidecar announces as ``remote``
 events on its own workers' streams: the router credits them on every worker.
@@ -39,9 +45,10 @@ import numpy as np
 import structlog
 
 from kvcore.events import KVEvent, Tier
+from shm.block_names import BlockName
 from shm.disk_format import HEADER_BYTES
 from shm.host_events import HostEventLog
-from shm.remote_keys import KEYSPACE_EVENTS, RemoteKeys, check_value, pack_value, value_parent
+from shm.remote_keys import KEYSPACE_EVENTS, RemoteKeys, check_value, pack_value, value_name
 
 __all__ = ["WRITE_POLICIES", "RemoteTier", "RemoteTierStats", "load_redis"]
 
@@ -52,8 +59,8 @@ WRITE_POLICIES = ("through", "evict")
 _BATCH_BYTES = 32 << 20  # per MGET or pipeline of SETs
 _RETRY_S = (0.1, 5.0)  # the watcher's reconnect backoff, first and longest
 _REMOVED = (b"del", b"expired", b"evicted")
-# A queued write: key, parent, and its value (None: read from its slot when sent).
-_Write = tuple[BlockKey, int | None, bytes | None]
+# A queued write: key, name, and its value (None: read from its slot when sent).
+_Write = tuple[BlockKey, BlockName | None, bytes | None]
 
 
 def load_redis() -> Any:
@@ -78,6 +85,7 @@ class RemoteTierStats:
     num_errors: int  # failed store calls (each a miss or a block not written, and a log line)
     num_dropped: int  # blocks not written: the queue was full or the store away
     num_pending: int  # blocks queued for writing
+    num_unnamed: int  # blocks write-through holds back until they are named
 
 
 class RemoteTier:
@@ -98,9 +106,11 @@ class RemoteTier:
         self.timeout_s = timeout_s
         db = int(self._redis.connection.parse_url(url).get("db", 0))  # ValueError: a bad URL
         self.keys = RemoteKeys(model_id, block_bytes, db)
-        self._index: dict[BlockKey, int | None] = {}  # held by the store → parent
+        self._index: dict[BlockKey, BlockName | None] = {}  # held by the store → name
         self._queue: deque[_Write] = deque()
         self._queued: set[BlockKey] = set()
+        # Committed, to be written through once named: store hash → keys (one per shard).
+        self._unnamed: dict[int, list[BlockKey]] = {}
         self._pending_bytes = 0  # of values copied into the queue
         self._sending = 0  # blocks of the batch being sent
         self._wake = asyncio.Event()
@@ -191,7 +201,7 @@ class RemoteTier:
             self._client = client
             self._index = held
             if held:
-                self._log.stored(list(k[1] for k in held), list(held.values()), [None] * len(held))
+                self._announce(list(held))
                 self._notify()
             log.info("remote_tier_connected", url=_redacted(self.url), blocks=len(held))
             while True:
@@ -216,19 +226,21 @@ class RemoteTier:
             await client.config_set("notify-keyspace-events", have + missing)
             log.info("remote_tier_notifications_on", flags=have + missing)
 
-    async def _scan(self, client: Any) -> dict[BlockKey, int | None]:
-        """What the store holds in our scope, with each block's parent."""
-        held: dict[BlockKey, int | None] = {}
+    async def _scan(self, client: Any) -> dict[BlockKey, BlockName | None]:
+        """What the store holds in our scope, with each block's name."""
+        held: dict[BlockKey, BlockName | None] = {}
         names: list[bytes] = []
         async for name in client.scan_iter(match=self.keys.match, count=1000):
             names.append(name)
             if len(names) == 1000:
-                held.update(await self._parents(client, names))
+                held.update(await self._names(client, names))
                 names = []
-        held.update(await self._parents(client, names))
+        held.update(await self._names(client, names))
         return held
 
-    async def _parents(self, client: Any, names: Sequence[bytes]) -> dict[BlockKey, int | None]:
+    async def _names(self, client: Any,
+                     names: Sequence[bytes]) -> dict[BlockKey, BlockName | None]:
+        """The blocks under these key names, each with the name its value's header holds."""
         keyed = [(key, name) for name in names if (key := self.keys.key_of(name)) is not None]
         if not keyed:
             return {}
@@ -236,74 +248,120 @@ class RemoteTier:
         for _, name in keyed:
             pipe.getrange(name, 0, HEADER_BYTES - 1)
         heads = await pipe.execute()
-        out: dict[BlockKey, int | None] = {}
+        out: dict[BlockKey, BlockName | None] = {}
         for (key, _), head in zip(keyed, heads, strict=True):
-            ok, parent = value_parent(head, key, self.block_bytes)
-            if ok:  # else: gone meanwhile, or written by another layout
-                out[key] = parent
+            ok, block_name = value_name(head, key, self.block_bytes)
+            if ok:  # else: gone meanwhile, or written by another layout or format
+                out[key] = block_name
         return out
 
     async def _apply(self, client: Any, batch: list[dict[str, Any]]) -> None:
         """Keyspace notifications, in order: a ``set`` of a block not held reads its
-        parent; a removal of a held one drops it."""
+        name; a removal of a held one drops it."""
         named = [(self.keys.key_of_channel(m["channel"]), m["data"]) for m in batch]
         new = {key for key, what in named if what == b"set" and key is not None
                and key not in self._index}
-        parents = await self._parents(client, [self.keys.name(k) for k in new]) if new else {}
-        index, log_ = self._index, self._log
+        names = await self._names(client, [self.keys.name(k) for k in new]) if new else {}
+        index = self._index
         stored: list[BlockKey] = []
         for key, what in named:
             if key is None:
                 continue
-            if what == b"set" and key in parents and key not in index:
-                index[key] = parents[key]
+            if what == b"set" and key in names and key not in index:
+                index[key] = names[key]
                 stored.append(key)
             elif what in _REMOVED and key in index:
                 self._announce(stored)
                 stored = []
-                del index[key]
-                log_.removed([key[1]])
+                self._announce_removed([index.pop(key)])
         self._announce(stored)
         self._notify()
 
     def _announce(self, keys: list[BlockKey]) -> None:
-        if keys:
-            self._log.stored([k[1] for k in keys], [self._index[k] for k in keys],
-                             [None] * len(keys))
+        """``BlockStored`` for the named ones (an unnamed block is held, not announced)."""
+        named = [n for k in keys if (n := self._index[k]) is not None]
+        self._log.stored([n.block_hash for n in named], [n.parent_hash for n in named],
+                         [None] * len(named))
+
+    def _announce_removed(self, names: list[BlockName | None]) -> None:
+        self._log.removed([n.block_hash for n in names if n is not None])
 
     # ------------------------------------------------------------------- writes
     def committed(self, blocks: Sequence[tuple[BlockKey, int]],
-                  parents: Sequence[int | None]) -> None:
-        """The host store's commit hook (write-through): queue blocks the store lacks."""
+                  names: Sequence[BlockName | None]) -> None:
+        """The host store's commit hook (write-through): queue blocks the store lacks; an
+        unnamed one waits for its name (``named``) or its eviction (``spill``)."""
         if self._client is None:
             self.num_dropped += len(blocks)
             return
         index, queued, queue = self._index, self._queued, self._queue
-        for (key, _), parent in zip(blocks, parents, strict=True):
-            if key not in index and key not in queued:
-                queued.add(key)
-                queue.append((key, parent, None))
+        for (key, _), name in zip(blocks, names, strict=True):
+            if key in index or key in queued:
+                continue
+            if name is None:
+                self._unnamed.setdefault(key[1], []).append(key)
+                continue
+            queued.add(key)
+            queue.append((key, name, None))
         self._wake.set()
 
-    def spill(self, blocks: Sequence[tuple[BlockKey, int]], parents: Sequence[int | None],
+    def named(self, came: dict[int, BlockName]) -> None:
+        """Names came for blocks the store held unnamed: write through those that wait."""
+        if not self._unnamed:
+            return
+        index, queued, queue = self._index, self._queued, self._queue
+        for store_hash, name in came.items():
+            for key in self._unnamed.pop(store_hash, ()):
+                if key not in index and key not in queued:
+                    queued.add(key)
+                    queue.append((key, name, None))
+        self._wake.set()
+
+    def spill(self, blocks: Sequence[tuple[BlockKey, int]], names: Sequence[BlockName | None],
               rows: np.ndarray) -> None:
-        """The host store's eviction hook (write on eviction): ``rows[slot]`` holds each
-        block's bytes only until this returns, so they are copied into the queue."""
+        """The host store's eviction hook (write on eviction, and write-through's blocks
+        still waiting for a name): ``rows[slot]`` holds each block's bytes only until this
+        returns, so they are copied into the queue."""
         if self.write != "evict":
+            blocks, names = self._unnamed_of(blocks, names)
+        if not blocks:
             return
         if self._client is None:
             self.num_dropped += len(blocks)
             return
-        for (key, slot), parent in zip(blocks, parents, strict=True):
+        for (key, slot), name in zip(blocks, names, strict=True):
             if key in self._index or key in self._queued:
                 continue
             if self._pending_bytes + self.value_bytes > self.max_pending_bytes:
                 self.num_dropped += 1
                 continue
             self._queued.add(key)
-            self._queue.append((key, parent, pack_value(key, parent, rows[slot])))
+            self._queue.append((key, name, pack_value(key, name, rows[slot])))
             self._pending_bytes += self.value_bytes
         self._wake.set()
+
+    def _unnamed_of(self, blocks: Sequence[tuple[BlockKey, int]],
+                    names: Sequence[BlockName | None],
+                    ) -> tuple[list[tuple[BlockKey, int]], list[BlockName | None]]:
+        """The evicted blocks write-through still holds back for a name (no longer)."""
+        if not self._unnamed:
+            return [], []
+        out: list[tuple[BlockKey, int]] = []
+        out_names: list[BlockName | None] = []
+        for block, name in zip(blocks, names, strict=True):
+            if self._forget_unnamed(block[0]):
+                out.append(block)
+                out_names.append(name)
+        return out, out_names
+
+    def _forget_unnamed(self, key: BlockKey) -> bool:
+        waiting = self._unnamed.get(key[1])
+        if waiting is None or key not in waiting:
+            return False
+        waiting.remove(key)
+        if not waiting:
+            del self._unnamed[key[1]]
+        return True
 
     async def _write_loop(self) -> None:
         while True:
@@ -327,16 +385,16 @@ class RemoteTier:
         # Values still in their slots are copied out here, with no await in between.
         slots = self._slots_of([key for key, _, value in batch if value is None])
         rows, it = self._rows, iter(slots)
-        ready: list[tuple[BlockKey, int | None, bytes]] = []
-        for key, parent, queued in batch:
+        ready: list[tuple[BlockKey, BlockName | None, bytes]] = []
+        for key, name, queued in batch:
             value = queued
             if value is None:
                 slot = next(it)
                 if slot is None:  # evicted before it could be sent
                     self.num_dropped += 1
                     continue
-                value = pack_value(key, parent, rows[slot])
-            ready.append((key, parent, value))
+                value = pack_value(key, name, rows[slot])
+            ready.append((key, name, value))
         client = self._client
         if not ready:
             return
@@ -359,18 +417,22 @@ class RemoteTier:
             self._sending = 0
         if self._client is not client:  # it went away meanwhile: the index was cleared
             return
-        fresh = [(key, parent) for key, parent, _ in ready if key not in self._index]
-        for key, parent in fresh:
-            self._index[key] = parent
+        fresh = [(key, name) for key, name, _ in ready if key not in self._index]
+        for key, name in fresh:
+            self._index[key] = name
         self.num_writes += len(ready)
         self.num_write_bytes += len(ready) * self.value_bytes
         if fresh:
-            self._log.stored([k[1] for k, _ in fresh], [p for _, p in fresh], [None] * len(fresh))
+            self._announce([key for key, _ in fresh])
             self._notify()
 
     # -------------------------------------------------------------------- reads
     def contains(self, key: BlockKey) -> bool:
         return key in self._index
+
+    def name_of(self, key: BlockKey) -> BlockName | None:
+        """The name a block's value carries (None: unnamed, or not held)."""
+        return self._index.get(key)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """The store keeps its own LRU (a read is a use there)."""
@@ -424,12 +486,12 @@ class RemoteTier:
     # ------------------------------------------------------------ removal, events
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Delete the keys from the store (in the background); per key, whether it held it."""
+        for key in keys:
+            self._forget_unnamed(key)
         out = [key in self._index for key in keys]
         gone = [key for key, held in zip(keys, out, strict=True) if held]
         if gone and self._client is not None:
-            for key in gone:
-                del self._index[key]
-            self._log.removed([key[1] for key in gone])
+            self._announce_removed([self._index.pop(key) for key in gone])
             task = asyncio.get_running_loop().create_task(self._delete(self._client, gone))
             self._tasks.append(task)
             task.add_done_callback(self._tasks.remove)
@@ -458,6 +520,7 @@ class RemoteTier:
             num_errors=self.num_errors,
             num_dropped=self.num_dropped,
             num_pending=len(self._queue) + self._sending,
+            num_unnamed=sum(map(len, self._unnamed.values())),
         )
 
 

@@ -25,6 +25,11 @@ With lower tiers (``OwnerConfig.disk_dir``: ``shm.disk_tier``; ``OwnerConfig.rem
 new holders, and a lease that misses in shared memory promotes what they hold back into
 slots first (``shm.read_through``; the connection's reply deferred until the blocks are in):
 clients see one store, through the same protocol. ``Contains`` and ``Remove`` span the tiers.
+
+Events name blocks canonically (``shm.block_names``): by their keys when clients key them
+canonically (the default), else by the names the sidecar learns from the engine's events
+(``BlockStoreOwner(..., names=BlockNames(..., canonical_keys=False))``), with which the
+lower tiers keep them.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import structlog
 from kvcore.events import KVEvent
 from shm._client_cells import ClientCells
 from shm._connection import Connection
+from shm.block_names import BlockNames
 from shm.config import OwnerConfig
 from shm.disk_tier import DiskTier
 from shm.errors import (
@@ -98,9 +104,16 @@ _STANDBY_GRACE_NS = 50_000_000
 class BlockStoreOwner:
     """Owns one segment and serves it; an async context manager."""
 
-    def __init__(self, config: OwnerConfig, listener: EventListener | None = None) -> None:
+    def __init__(self, config: OwnerConfig, listener: EventListener | None = None,
+                 names: BlockNames | None = None) -> None:
         self.config = config
         self._listener = listener
+        # What the events call the blocks: their keys, unless the sidecar says otherwise.
+        self.names = names or BlockNames(config.effective_worker_id)
+        # Names learned ahead of their blocks' puts outlast a store's worth of those puts.
+        self.names.capacity = max(self.names.capacity, 2 * config.num_slots)
+        self.names.notify = self._names_came
+        self._drain_soon = False  # a drain is scheduled for names that came late
         self.epoch = time.time_ns() // 1000
         self.segment: Segment | None = None
         self.store: BlockStore | None = None
@@ -205,10 +218,13 @@ class BlockStoreOwner:
             self.remote = remote
             self.lower_tiers += (remote,)
             if cfg.remote_write == "through":
-                store.committed = remote.committed
+                names = self.names
+                store.committed = lambda blocks, parents: remote.committed(
+                    blocks, names.names_of([key[1] for key, _ in blocks], parents))
+                names.listeners.append(remote.named)
         if self.lower_tiers:
             self._through = ReadThrough(self.lower_tiers, store, rows, lambda: self.store,
-                                        self.drain_events)
+                                        self.drain_events, self.names)
 
     async def _close_lower_tiers(self) -> None:
         """What is staged is written (the disk tier stays on disk), then they stop."""
@@ -436,6 +452,7 @@ class BlockStoreOwner:
             events += tier.take_events()
         if self._poll is None and self._loop is not None and self.store.awaits_writers:
             self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
+        events = self.names.translate(events)
         if not events or self._listener is None:
             return
         for event in events:
@@ -444,6 +461,18 @@ class BlockStoreOwner:
             except Exception:
                 self.num_listener_errors += 1
                 log.exception("shm_event_listener_failed", seq=event.seq)
+
+    def _names_came(self) -> None:
+        """Names came for parked blocks (``BlockNames.learn``): their events go out soon."""
+        if self._drain_soon or self._loop is None:
+            return
+        self._drain_soon = True
+
+        def drain() -> None:
+            self._drain_soon = False
+            self.drain_events()
+
+        self._loop.call_soon(drain)
 
     def _poll_published(self, delay: float) -> None:
         """Record the commits writers made by publishing (``BlockStore.commit_published``)

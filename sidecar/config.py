@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from adapters.base import LoraAdapter
 from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
+from kvcore.layout import LayoutKind
 from shm.config import parse_bytes
 
 __all__ = ["ENGINE_API_KEY_ENV", "SidecarConfig"]
@@ -51,6 +52,8 @@ class SidecarConfig:
     store_capacity_bytes: int = 0  # 0: no host-tier store
     store_socket: str | None = None
     store_block_bytes: int | None = None  # None: from the model's KV layout
+    # The order of a block's bytes; None: the one the engine's storage hook writes (adapter).
+    store_layout: LayoutKind | None = None
     disk_tier_dir: str | None = None  # blocks evicted from the store kept here (shm.disk_tier)
     disk_tier_capacity_bytes: int = 0
     # A Redis-protocol store shared by the model's replicas (shm.remote_tier), and when
@@ -248,8 +251,10 @@ class SidecarConfig:
             "--silent-after-s",
             type=float,
             default=30.0,
-            help="report the worker unroutable when it serves shared prefixes but "
-            "its engine published no KV event for this long (default 30)",
+            help="how long the engine may take to publish the KV events of blocks it "
+            "stored: past it, a canary prompt re-checks, and with no event for that either "
+            "the worker is unroutable (re-checked this often, routable at the first event) "
+            "(default 30)",
         )
         s.add_argument(
             "--upstream-timeout-s",
@@ -278,6 +283,16 @@ class SidecarConfig:
             "--store-block-bytes",
             type=parse_bytes,
             help="bytes per stored block (default: from the model's KV layout)",
+        )
+        t.add_argument(
+            "--store-layout",
+            type=LayoutKind,
+            choices=list(LayoutKind),
+            metavar="{" + ",".join(k.value for k in LayoutKind) + "}",
+            help="order of a stored block's bytes: raw (the engine's own page order), "
+            "layer_first or page_first (default: the one the engine's storage hook writes, "
+            "from the engine: raw for the reference engine and TensorRT-LLM, SGLang's "
+            "--hicache-mem-layout; raw with --store-block-bytes)",
         )
         t.add_argument(
             "--disk-tier-dir",
@@ -408,6 +423,7 @@ class SidecarConfig:
                 store_capacity_bytes=args.store_capacity_bytes,
                 store_socket=args.store_socket,
                 store_block_bytes=args.store_block_bytes,
+                store_layout=args.store_layout,
                 disk_tier_dir=args.disk_tier_dir,
                 disk_tier_capacity_bytes=args.disk_tier_capacity_bytes,
                 remote_tier_url=args.remote_tier_url,

@@ -8,6 +8,11 @@ worker (``worker_id_for``) consumed by a ``RankSubscriber``.
 The same block advertises the scheduler's load sockets when SGLang publishes them
 (``load_endpoint_port_base``, ``load_topic``: ``--load-publish-endpoint``); a
 ``LoadSubscriber`` then keeps each worker's newest reading for ``engine_load``.
+
+SGLang's HiCache backend keys a page in the sidecar's store by its page hash, which is the
+hash SGLang's KV events publish for it (``hicache_keys.store_hash_of``): every chain the
+normalizers store is reported to ``watch_store_names``'s sink under those store hashes, so
+the store can announce its blocks canonically.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from adapters.base import (
     EngineRequest,
     EventEndpoint,
     PrefillDecode,
+    StoreKeys,
+    StoreNameSink,
     worker_id_for,
 )
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
+from adapters.sglang.hicache_keys import store_hash_of
 from adapters.sglang.load_feed import LoadBoard, LoadSubscriber
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
@@ -122,6 +130,7 @@ class SGLangAdapter(AdapterShell):
 
     kind = EngineKind.SGLANG
     pd: PrefillDecode | None = SGLangPrefillDecode()
+    store_keys = StoreKeys.ENGINE  # HiCache keys a page by its hash (hicache_keys)
 
     def __init__(
         self,
@@ -143,6 +152,7 @@ class SGLangAdapter(AdapterShell):
         self.load_board = LoadBoard(self.metrics, load_stale_after_s)
         self.load_subscriber: LoadSubscriber | None = None  # when the engine publishes load
         self._incremental = False
+        self._store_names: StoreNameSink | None = None
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -175,6 +185,7 @@ class SGLangAdapter(AdapterShell):
             worker = worker_id_for(cfg.worker_id, ep.dp_rank, dp_size)
             worker_ids.append(worker)
             norm = WorkerNormalizer(worker, cfg.model_id, hasher, self.metrics)
+            norm.store_names = self._name_sink()
             self._normalizers[worker] = norm
             sub = RankSubscriber(
                 ep,
@@ -221,12 +232,35 @@ class SGLangAdapter(AdapterShell):
         if ctx is not None:
             ctx.destroy(linger=0)
 
+    def watch_store_names(self, sink: StoreNameSink) -> None:
+        self._store_names = sink
+        for norm in self._normalizers.values():
+            norm.store_names = self._name_sink()
+
+    def _name_sink(self) -> StoreNameSink | None:
+        sink = self._store_names
+        if sink is None:
+            return None
+
+        def report(engine_hashes: Sequence[int], block_hashes: Sequence[int],
+                   parent: int | None) -> None:
+            sink([store_hash_of(h) for h in engine_hashes], block_hashes, parent)
+
+        return report
+
     def block_layout(self) -> BlockLayout:
+        """The model's KV layout, in the order the HiCache backend can write a page: the
+        host pool's (``hicache_mem_layout``) when SGLang names one (its MHA pools reorder
+        pages into any order), else ``raw`` (the reference engine, which names none: its
+        pool is opaque to the backend)."""
         layout = self.model_layout()
         server = self.info.server_info
-        kind = LayoutKind.LAYER_FIRST
-        if str(server.get("hicache_mem_layout", "")).startswith("page_first"):
+        mem_layout = str(server.get("hicache_mem_layout") or "")
+        kind = LayoutKind.RAW
+        if mem_layout.startswith("page_first"):
             kind = LayoutKind.PAGE_FIRST
+        elif mem_layout == "layer_first":
+            kind = LayoutKind.LAYER_FIRST
         return BlockLayout(
             layout.num_layers,
             layout.num_kv_heads,

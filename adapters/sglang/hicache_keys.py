@@ -11,8 +11,9 @@ mapping is deterministic, so any process that sees the same key finds the same b
   hold different heads or layers of the same page never share a block.
 * ``block_hash``: for a 64-hex key, its first 16 hex digits read as an unsigned 64-bit
   integer. That is exactly SGLang's published KV-event hash of the page (``hash_str_to_int64``,
-  modulo 2**64), so host-tier store events line up with the engine's own GPU-tier events.
-  Any other key: ``xxh3_64(key as UTF-8, seed=namespace_seed)``.
+  modulo 2**64: ``store_hash_of``), so the sidecar names the store's blocks canonically from
+  the engine's own events (``shm.block_names``). Any other key: ``xxh3_64(key as UTF-8,
+  seed=namespace_seed)``, which no event names.
 
 A page's parent is the previous key of the same call, or the last of
 ``extra_info.prefix_keys`` for the first one (SGLang passes the chain before the batch).
@@ -30,10 +31,17 @@ import xxhash
 
 from kvcore.namespace import namespace_seed
 
-__all__ = ["HiCacheKeyMap", "ShardCoordinates"]
+__all__ = ["HiCacheKeyMap", "ShardCoordinates", "store_hash_of"]
 
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}")
 _SHARD = struct.Struct("<Q6I")
+_U64 = (1 << 64) - 1
+
+
+def store_hash_of(event_hash: int) -> int:
+    """The store hash of a page whose SGLang KV event hash is ``event_hash`` (its digest's
+    first 8 bytes, read signed there and unsigned here)."""
+    return event_hash & _U64
 
 
 @dataclass(frozen=True, slots=True)

@@ -84,7 +84,7 @@ class HostPages:
                     f"host pool {type(pool).__name__} does not expose its KV geometry "
                     f"(kv_buffer, layout, layer_num, head_num, head_dim), so its pages cannot "
                     f"be written in the store's {store_layout!r} order; run the store with "
-                    "--layout raw for this engine"
+                    "--layout raw for this engine (the sidecar's --store-layout raw)"
                 )
             dummy = pool.get_dummy_flat_data_page()
             self.bytes_per_page = dummy.numel() * dummy.element_size()

@@ -18,6 +18,7 @@ its KV events say which. Prefill/decode goes through ``disaggregated_params`` (`
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -51,7 +52,7 @@ from adapters.trtllm.wire import (
 )
 from kvcore.events import KVEvent
 from kvcore.hashing import BlockHasher
-from kvcore.layout import BlockLayout
+from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
 
 __all__ = ["AUTH_KEY_ENV", "TrtllmAdapter", "TrtllmNormalizer"]
@@ -243,7 +244,8 @@ class TrtllmAdapter(AdapterShell):
         return None  # trtllm-serve has no tokenize route
 
     def block_layout(self) -> BlockLayout:
-        return self.model_layout()
+        """The model's KV layout, ``raw``: the connector stores blocks in the engine's order."""
+        return replace(self.model_layout(), kind=LayoutKind.RAW)
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
         return to_completions_request(request, self._lora_adapters)

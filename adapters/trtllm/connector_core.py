@@ -279,7 +279,8 @@ class WorkerCore:
         if client.welcome.layout != "raw":
             raise StoreMismatchError(
                 "TensorRT-LLM blocks are stored in the engine's own order; run the store "
-                f"with --layout raw (it declares {client.welcome.layout!r})")
+                f"with --layout raw (the sidecar's --store-layout raw; it declares "
+                f"{client.welcome.layout!r})")
 
     def _rank_keys(self, keys: Sequence[Key]) -> list[Key]:
         if self.world_size <= 1:

@@ -32,13 +32,13 @@ def start(procs: ProcessGroup[ManagedProcess], name: str, argv: list[str],
     return proc
 
 
-def engine_argv(socket: Path) -> list[str]:
-    """The reference engine (simulated compute, the tiny model) with its HiCache hook on the
-    sidecar store at ``socket``."""
+def engine_argv(socket: Path, compute: str = "sim") -> list[str]:
+    """The reference engine (simulated compute unless ``compute`` says torch, the tiny model)
+    with its HiCache hook on the sidecar store at ``socket``."""
     hook = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
             "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "socket": str(socket),
             "model_id": "tiny"}
-    return ["refengine", "--compute", "sim", "--model-path", str(MODEL), "--port", "0",
+    return ["refengine", "--compute", compute, "--model-path", str(MODEL), "--port", "0",
             "--kv-events-config", EVENTS, "--hicache-storage-backend", "dynamic",
             "--hicache-storage-backend-extra-config", json.dumps(hook)]
 

@@ -37,6 +37,7 @@ from routing.placement.prefix_index import PrefixIndex
 from routing.prompt.openai_api import Endpoint, parse_request
 from routing.replicas.messages import Placed, ReplicaBatch, decode_batch
 from routing.replicas.messages import encode as encode_replica
+from shm.block_names import BlockName
 from shm.errors import ProtocolError
 from shm.protocol import Lease, Slots, decode_reply, decode_request
 from shm.protocol import encode as encode_shm
@@ -170,7 +171,7 @@ def test_openai_request_bodies(raw: bytes, endpoint: Endpoint) -> None:
     only(OpenAIError, lambda r: parse_request(endpoint, r), raw)
 
 
-_VALUE = pack_value((1, 2), 9, np.arange(64, dtype=np.uint8))
+_VALUE = pack_value((1, 2), BlockName(9, 8), np.arange(64, dtype=np.uint8))
 
 
 @FUZZ

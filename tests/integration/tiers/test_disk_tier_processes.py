@@ -12,9 +12,10 @@ import aiohttp
 import numpy as np
 import pytest
 
-from kvcore import Namespace
+from adapters.sglang.hicache_keys import HiCacheKeyMap
 from kvcore.events import Tier
 from kvsidecar.launch import ManagedProcess
+from refengine.page_hash import page_digests
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from shm import BlockStoreClient
@@ -90,8 +91,9 @@ def test_owner_process_keeps_evicted_blocks_across_a_restart(
 async def test_a_sidecar_restart_reannounces_its_disk_tier(
         tmp_path: Path, procs: ProcessGroup[ManagedProcess],
         session: aiohttp.ClientSession) -> None:
-    """Blocks the sidecar's store evicts are ``disk`` blocks on the gateway's feed, and a
-    restarted sidecar on the same directory announces them again."""
+    """Blocks the sidecar's store evicts are ``disk`` blocks on the gateway's feed, named as
+    the engine's events name their pages, and a restarted sidecar on the same directory
+    announces them again, named from the files alone."""
     eng = start(procs, "engine", ["refengine", "--compute", "sim", "--port", "0",
                                      "--kv-events-config", EVENTS], tmp_path)
     sock = tmp_path / f"s{uuid.uuid4().hex[:6]}.sock"
@@ -99,12 +101,16 @@ async def test_a_sidecar_restart_reannounces_its_disk_tier(
             "--store-capacity-bytes", str(4 * BLOCK), "--store-block-bytes", str(BLOCK),
             "--store-socket", str(sock), "--disk-tier-dir", str(tmp_path / "disk"),
             "--disk-tier-capacity-bytes", "1MiB"]
-    seed = Namespace("tiny").seed
-    keys = [(seed, 5000 + i) for i in range(10)]
+    # Keyed as the engine's HiCache hook keys them: by their pages' hashes.
+    tokens = [(i * 29 + 3) % 1000 for i in range(10 * PAGE_TOKENS + 1)]
+    digests = [d.hex() for d in page_digests(tokens, PAGE_TOKENS)]
+    keys = HiCacheKeyMap("tiny").store_keys(digests)
     sc = start(procs, "sidecar", argv, tmp_path)
     feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
     task = asyncio.create_task(feed.run())
     try:
+        await generate(session, eng.url, tokens)  # the engine's events name the 10 pages
+        await eventually(lambda: held(feed, Tier.GPU) == 10, "the pages at the gateway")
         with BlockStoreClient(str(sock)) as store:
             put_one_by_one(store, keys)
             # At least the 6 that 4 slots cannot hold (a slot granted ahead holds none).

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcore.events import BlockStored, KVEvent, Tier
 from kvsidecar.local_redis import RedisServer, redis_command
-from shm import BlockStoreClient, OwnerConfig
-from tests.support.polling import wait_until
+from shm import AsyncBlockStoreClient, BlockNames, BlockStoreClient, BlockStoreOwner, OwnerConfig
+from tests.support.polling import wait_for, wait_until
 from tests.support.store_owner import OwnerThread, owner_config
 
 BLOCK = 64 << 10
@@ -62,6 +63,43 @@ def test_a_block_put_on_one_replica_is_loaded_on_another(
         assert (stats.num_remote_reads, stats.num_blocks, stats.num_remote_writes) == (8, 8, 0)
         assert a.stats().num_remote_writes == 8  # promoted blocks are not written again
         assert int(redis_command(redis.port, "DBSIZE")[1:-2]) == 8
+
+
+def chains(events: list[KVEvent], tier: Tier) -> list[tuple[list[int], int | None]]:
+    return [(e.block_hashes, e.parent_hash) for e in events
+            if isinstance(e, BlockStored) and e.tier == tier]
+
+
+async def test_blocks_keyed_by_engine_hashes_reach_other_replicas_named(
+        sock_dir: Path, redis: RedisServer) -> None:
+    """With engine keys, a block put before its name is written through once the engine's
+    events name it, its name in the value: the other replica, which never saw those events,
+    announces it canonically, and names it in its host tier when it loads it."""
+    a_cfg, b_cfg = replica(sock_dir, redis.url), replica(sock_dir, redis.url)
+    keys, parents = chain(4)
+    canonical = [5000 + i for i in range(4)]
+    a_names = BlockNames("a", canonical_keys=False)
+    a_events: list[KVEvent] = []
+    b_events: list[KVEvent] = []
+    async with BlockStoreOwner(a_cfg, a_events.append, a_names) as a, BlockStoreOwner(
+            b_cfg, b_events.append, BlockNames("b", canonical_keys=False)) as b:
+        assert a.remote is not None and b.remote is not None
+        ra, rb = a.remote, b.remote
+        await wait_for(lambda: ra.connected and rb.connected, "both tiers connected")
+        async with await AsyncBlockStoreClient.connect(a_cfg.socket_path) as client:
+            await client.put_many(keys, [data(i) for i in range(4)], parent_hashes=parents)
+        await wait_for(lambda: ra.stats().num_unnamed == 4, "the puts held back, unnamed")
+        assert ra.stats().num_writes == 0 and not chains(a_events, Tier.HOST)
+        a_names.learn([k[1] for k in keys], canonical, None)
+        await wait_for(lambda: chains(b_events, Tier.REMOTE) == [(canonical, None)],
+                       "the second replica announcing the blocks by their names")
+        assert chains(a_events, Tier.HOST) == [(canonical, None)]
+        assert chains(a_events, Tier.REMOTE) == [(canonical, None)]
+        async with await AsyncBlockStoreClient.connect(b_cfg.socket_path) as client:
+            outs = [np.zeros(BLOCK, np.uint8) for _ in range(4)]
+            assert await client.get_many(keys, outs) == [True] * 4
+        assert all((o == data(i)).all() for i, o in enumerate(outs))
+        assert chains(b_events, Tier.HOST) == [(canonical, None)]
 
 
 def test_blocks_the_store_evicts_leave_every_index(sock_dir: Path, tmp_path: Path) -> None:

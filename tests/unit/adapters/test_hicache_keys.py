@@ -11,7 +11,7 @@ import pytest
 import xxhash
 
 from adapters.sglang.hicache_config import HiCacheBackendConfig
-from adapters.sglang.hicache_keys import HiCacheKeyMap, ShardCoordinates
+from adapters.sglang.hicache_keys import HiCacheKeyMap, ShardCoordinates, store_hash_of
 from kvcore.namespace import Namespace
 
 
@@ -31,6 +31,7 @@ def test_hex_keys_map_to_sglangs_event_hash() -> None:
     keys = HiCacheKeyMap("m")
     assert keys.block_hash(key) == expected_signed % 2**64
     assert keys.block_hash(key.upper()) == keys.block_hash(key)
+    assert store_hash_of(expected_signed) == keys.block_hash(key)  # what names store blocks
 
 
 def test_other_keys_hash_with_the_namespace_seed() -> None:

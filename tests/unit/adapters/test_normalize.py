@@ -53,6 +53,22 @@ def test_stored_chain_gets_canonical_hashes_of_the_whole_prefix() -> None:
     assert [(e.epoch, e.seq) for e in out] == [(UNSTAMPED, UNSTAMPED)] * 2  # the relay stamps
 
 
+def test_every_stored_chain_is_reported_for_the_store() -> None:
+    """``store_names`` hears each chain stored, engine hashes beside canonical ones, the
+    partial block left out, on the batched path too."""
+    norm, _ = make()
+    heard: list[tuple[list[int], list[int], int | None]] = []
+    norm.store_names = lambda engine, canonical, parent: heard.append(
+        (list(engine), list(canonical), parent))
+    out: list[KVEvent] = []
+    norm.stored([101, 102, 103], None, list(range(10)), Tier.GPU, out)  # 2 full blocks
+    locs = norm.short_chain_locals([(1, list(range(8, 12))), (1, list(range(12, 16)))])
+    assert locs is not None
+    norm.stored([104], 102, list(range(8, 12)), Tier.GPU, out, locals_=locs[0])
+    full = canon(list(range(12)))
+    assert heard == [([101, 102], full[:2], None), ([104], full[2:], full[1])]
+
+
 def test_namespaces_separate_salt_and_lora() -> None:
     """The same tokens under another salt or LoRA get other canonical hashes."""
     norm, _ = make()

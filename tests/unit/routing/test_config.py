@@ -49,6 +49,14 @@ def test_weights_are_learned_unless_given() -> None:
     assert (cfg.overlap_weight, cfg.prefill_load_scale) == (None, None)
 
 
+def test_every_tier_has_a_credit_flag() -> None:
+    """--host-weight, --disk-weight and --remote-weight set the tiers' credits (docs/tiers.md)."""
+    cfg = gateway_config(["--worker", "http://127.0.0.1:9001", "--host-weight", "0.5",
+                          "--disk-weight", "0.2", "--remote-weight", "0.3"])
+    assert (cfg.host_weight, cfg.disk_weight, cfg.remote_weight) == (0.5, 0.2, 0.3)
+    assert gateway_config(["--worker", "http://127.0.0.1:9001"]).remote_weight == 0.1
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -57,6 +65,7 @@ def test_weights_are_learned_unless_given() -> None:
         (["--worker", "http://x:1", "--worker", "http://x:1"], "listed twice"),
         (["--worker", "http://x:1", "--block-size", "0"], "block_size"),
         (["--worker", "http://x:1", "--overlap-weight", "-1"], "overlap_weight"),
+        (["--worker", "http://x:1", "--remote-weight", "-1"], "remote_weight"),
         (["--worker", "http://x:1", "--router-mode", "magic"], "invalid choice"),
         (["--worker", "http://x:1", "--model-path", "/nonexistent"], "no tokenizer.json"),
     ],

@@ -10,7 +10,13 @@ import numpy as np
 import pytest
 
 from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
-from shm import AsyncBlockStoreClient, BlockStoreOwner, OwnerConfig, OwnerConflictError
+from shm import (
+    AsyncBlockStoreClient,
+    BlockNames,
+    BlockStoreOwner,
+    OwnerConfig,
+    OwnerConflictError,
+)
 from shm.disk_format import HEADER_BYTES, block_file_name
 from shm.local import LocalSession
 from shm.protocol import (
@@ -113,6 +119,39 @@ async def test_evicted_blocks_spill_to_disk_and_come_back_byte_exact(
                 assert out.tobytes() == block(h).tobytes()
         finally:
             await client.aclose()
+
+
+async def test_blocks_keyed_by_engine_hashes_keep_their_names_on_disk(
+        sock_dir: Path, owner_id: str, tmp_path: Path) -> None:
+    """With engine keys, disk events name blocks canonically (the names the engine's events
+    gave), a restart re-announces them from the files' headers alone, and a promoted block's
+    host event is named too; a block never named is kept, never announced."""
+    disk = tmp_path / "disk"
+    canonical = {h: 1000 + h for h in range(10)}
+    names = BlockNames("w", canonical_keys=False)
+    names.learn(range(8), [canonical[h] for h in range(8)], None)  # 8 and 9: never
+    events: list[KVEvent] = []
+    async with BlockStoreOwner(config(sock_dir, owner_id, disk), listener=events.append,
+                               names=names) as owner:
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        try:
+            await put_all(client, range(10))  # 4 slots: blocks 0..5 are evicted
+            await on_disk(owner, 6)
+        finally:
+            await client.aclose()
+        assert disk_parents(events) == {canonical[h]: canonical.get(h - 1) for h in range(6)}
+        assert sorted(host_stored(events)) == [canonical[h] for h in range(8)]
+    events = []
+    async with BlockStoreOwner(config(sock_dir, owner_id, disk), listener=events.append,
+                               names=BlockNames("w", canonical_keys=False)) as owner:
+        assert disk_parents(events) == {canonical[h]: canonical.get(h - 1) for h in range(6)}
+        client = await AsyncBlockStoreClient.connect(owner.config.socket_path)
+        try:
+            assert (await client.get((7, 2))).tobytes() == block(2).tobytes()
+        finally:
+            await client.aclose()
+        promoted = [e for e in events if isinstance(e, BlockStored) and e.tier == Tier.HOST]
+        assert [(e.block_hashes, e.parent_hash) for e in promoted] == [([1002], 1001)]
 
 
 async def test_a_restart_reannounces_the_disk_tier(

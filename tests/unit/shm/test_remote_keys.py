@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
+from shm.block_names import BlockName
 from shm.disk_format import HEADER_BYTES
-from shm.remote_keys import RemoteKeys, check_value, pack_value, value_parent
+from shm.remote_keys import RemoteKeys, check_value, pack_value, value_name
 from shm.remote_tier import _redacted, load_redis
 
 
@@ -27,12 +28,16 @@ def test_names_round_trip_and_stay_in_their_scope() -> None:
     assert keys.channel_pattern == r"__keyspace@2__:kvsidecar:qwen\[3\]\*:4096:*"
 
 
-def test_a_value_carries_its_parent_and_is_checked() -> None:
+def test_a_value_carries_its_name_and_is_checked() -> None:
+    """A value's header names the block canonically (or not at all); its payload is checked."""
     payload = np.arange(256, dtype=np.uint8)
-    value = pack_value((1, 2), 99, payload)
+    value = pack_value((1, 2), BlockName(2**64 - 1, 99), payload)
     assert len(value) == HEADER_BYTES + 256
-    assert value_parent(value[:HEADER_BYTES], (1, 2), 256) == (True, 99)
-    assert value_parent(value[:HEADER_BYTES], (1, 3), 256)[0] is False
+    assert value_name(value[:HEADER_BYTES], (1, 2), 256) == (True, BlockName(2**64 - 1, 99))
+    assert value_name(value[:HEADER_BYTES], (1, 3), 256)[0] is False
+    assert value_name(pack_value((1, 2), BlockName(5, None), payload), (1, 2), 256) == (
+        True, BlockName(5, None))
+    assert value_name(pack_value((1, 2), None, payload), (1, 2), 256) == (True, None)
     dst = np.zeros(256, np.uint8)
     assert check_value(value, (1, 2), 256, dst) is None and (dst == payload).all()
     torn = bytearray(value)

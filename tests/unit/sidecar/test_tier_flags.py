@@ -1,10 +1,14 @@
-"""The sidecar's disk- and remote-tier flags: parsed, and refused without what they need."""
+"""The sidecar's store and disk- and remote-tier flags: parsed, and refused without what
+they need; the store's geometry and block names follow the engine's hook."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvcore.layout import LayoutKind
 from sidecar.config import SidecarConfig
+from sidecar.host_tier import store_geometry, store_names
+from tests.unit.adapters.fake_adapter import FakeAdapter
 
 BASE = ["--engine-url", "http://127.0.0.1:30000", "--worker-id", "r0"]
 
@@ -52,3 +56,37 @@ def test_bad_remote_tier_flags_are_refused(
     with pytest.raises(SystemExit):
         SidecarConfig.from_args([*BASE, *extra], {})
     assert message in capsys.readouterr().err
+
+
+def test_the_store_layout_is_the_engine_hooks_unless_given() -> None:
+    """Without --store-layout the store takes the layout the engine's hook writes (the
+    adapter's); with --store-block-bytes alone, raw; the flag wins over both."""
+    adapter = FakeAdapter(block_size=16)
+    model = adapter.block_layout()
+    cfg = SidecarConfig.from_args([*BASE, "--store-capacity-bytes", "1GiB"], {})
+    assert cfg.store_layout is None
+    assert store_geometry(cfg, adapter) == (model.bytes_per_block, "float32", model.kind)
+    cfg = SidecarConfig.from_args([*BASE, "--store-capacity-bytes", "1GiB",
+                                   "--store-layout", "page_first"], {})
+    assert store_geometry(cfg, adapter) == (
+        model.bytes_per_block, "float32", LayoutKind.PAGE_FIRST)
+    cfg = SidecarConfig.from_args([*BASE, "--store-capacity-bytes", "1GiB",
+                                   "--store-block-bytes", "32KiB"], {})
+    assert store_geometry(cfg, adapter) == (32 << 10, "uint8", LayoutKind.RAW)
+
+
+def test_an_unknown_store_layout_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    """--store-layout takes the layouts of kvcore.layout and names them when refusing."""
+    with pytest.raises(SystemExit):
+        SidecarConfig.from_args([*BASE, "--store-layout", "sideways"], {})
+    err = capsys.readouterr().err
+    assert "argument --store-layout" in err and "layer_first,page_first,raw" in err
+
+
+def test_the_store_names_blocks_as_the_engine_hook_keys_them() -> None:
+    """An engine whose hook keys blocks by its own hashes gets a store that learns their
+    names from the adapter; a canonically keyed one, names by key; no store, no names."""
+    cfg = SidecarConfig.from_args([*BASE, "--store-capacity-bytes", "1GiB"], {})
+    names = store_names(cfg, FakeAdapter())
+    assert names is not None and names.canonical_keys
+    assert store_names(SidecarConfig.from_args(BASE, {}), FakeAdapter()) is None
