@@ -21,7 +21,11 @@ An engine whose scheduler publishes its own load (SGLang's load socket) shows it
 
 Storage hooks that run *inside* the engine (SGLang's HiCache backend, TensorRT-LLM's KV
 cache connector) are separate classes the engine loads; an adapter only describes them
-(``block_layout()``), so they can be added without touching this Protocol.
+(``block_layout()``: the blocks' bytes; ``store_keys``: what the hook keys them by), so they
+can be added without touching this Protocol. A hook that keys blocks by the engine's own
+block hash cannot name them canonically (it sees no tokens); the adapter, the one home of
+the mapping from the engine's block identity to canonical hashes, reports each chain the
+engine stores (``watch_store_names``) so the sidecar's store can (``shm.block_names``).
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ __all__ = [
     "PrefillDecode",
     "PrefillResult",
     "ResponseTranslator",
+    "StoreKeys",
+    "StoreNameSink",
     "create_adapter",
     "engine_openai_request",
     "worker_id_for",
@@ -64,6 +70,18 @@ __all__ = [
 class EngineKind(enum.Enum):
     SGLANG = "sglang"
     TRTLLM = "trtllm"
+
+
+class StoreKeys(enum.Enum):
+    """What an engine's storage hook keys the blocks it puts in the sidecar's store by."""
+
+    CANONICAL = "canonical"  # the canonical block hash (TensorRT-LLM's connector)
+    ENGINE = "engine"  # the engine's own block hash (SGLang's HiCache: the page hash)
+
+
+# Reports one chain of blocks the engine stored: each block's hash as the storage hook keys
+# it, each one's canonical hash, and the canonical parent of the first (None: a root).
+StoreNameSink = Callable[[Sequence[int], Sequence[int], int | None], None]
 
 
 class AdapterError(RuntimeError):
@@ -338,6 +356,11 @@ class ResponseTranslator(Protocol):
         """Chunks to send after the engine's stream ended (the usage chunk, if asked)."""
         ...
 
+    def cached_tokens(self) -> int | None:
+        """The prompt tokens the engine said it found cached, of the prompt it was sent
+        (not adjusted for a continuation), once an answer said; None: no answer said (yet)."""
+        ...
+
     def error(self, status: int, body: bytes) -> OpenAIError:
         """The OpenAI-shaped error for an engine error reply."""
         ...
@@ -356,6 +379,7 @@ class EngineAdapter(Protocol):
 
     kind: EngineKind
     pd: PrefillDecode | None  # None: the engine cannot be split into prefill and decode
+    store_keys: StoreKeys  # what the engine's storage hook keys blocks by
 
     async def start(self) -> EngineInfo:
         """Discover the engine (``/server_info`` or flags), connect, and begin consuming."""
@@ -388,7 +412,13 @@ class EngineAdapter(Protocol):
         ...
 
     def block_layout(self) -> BlockLayout:
-        """The KV block memory layout (needs the model config; ``AdapterError`` if unknown)."""
+        """The KV block memory layout (needs the model config; ``AdapterError`` if unknown);
+        its ``kind`` is the order the engine's storage hook can write a block in."""
+        ...
+
+    def watch_store_names(self, sink: StoreNameSink) -> None:
+        """Report every chain the engine stores to ``sink`` from now on (call before
+        ``start``), when ``store_keys`` is ``ENGINE``; a no-op for canonical keys."""
         ...
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:

@@ -3,7 +3,7 @@
 Engines answer in their own shapes (SGLang's ``/generate``, ``trtllm-serve``'s completions);
 the adapters extract (text delta, finish reason, token counts) and build the client's
 OpenAI objects here, so both engines answer identically. Errors of either engine's shapes
-become ``OpenAIError`` (``{"error": {"message", "type", "param", "code"}}``).
+become ``OpenAIError`` (``kvcore.errors``: one vocabulary, the code a string or null).
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from kvcore.errors import OpenAIError
+from kvcore.errors import OpenAIError, error_from_reply
 from kvcore.requests import RequestKind, TokenizedRequest
 
-__all__ = ["OpenAIBuilder", "Usage", "error_from_engine", "error_type_for"]
+__all__ = ["OpenAIBuilder", "Usage", "error_from_engine"]
 
-_HEAD = 300
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,55 +117,7 @@ class OpenAIBuilder:
         return body
 
 
-def error_type_for(status: int) -> str:
-    """OpenAI's error ``type`` for an HTTP status."""
-    if status in (400, 413, 422):
-        return "invalid_request_error"
-    if status in (401, 403):
-        return "authentication_error"
-    if status == 404:
-        return "not_found_error"
-    if status == 429:
-        return "rate_limit_exceeded"
-    return "server_error" if status >= 500 else "invalid_request_error"
-
-
 def error_from_engine(engine: str, status: int, body: bytes | str | dict[str, Any]) -> OpenAIError:
-    """An engine's error reply (any of its known shapes, or plain text) as ``OpenAIError``.
-
-    Known shapes: ``{"error": {"message": ...}}``, ``{"error": "text"}``,
-    ``{"object": "error", "message", "type", "code"}`` (SGLang's and trtllm-serve's
-    ``ErrorResponse``), FastAPI's ``{"detail": ...}``; anything else is quoted verbatim.
-    """
-    parsed: Any = body
-    if isinstance(body, bytes | str):
-        try:
-            parsed = orjson.loads(body)
-        except orjson.JSONDecodeError:
-            parsed = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    message: str | None = None
-    code: str | int | None = None
-    if isinstance(parsed, dict):
-        err = parsed.get("error")
-        if isinstance(err, dict):
-            message = _text(err.get("message"))
-            code = err.get("code") if isinstance(err.get("code"), str | int) else None
-        elif err is not None:
-            message = _text(err)
-        elif "message" in parsed:
-            message = _text(parsed.get("message"))
-            code = parsed.get("code") if isinstance(parsed.get("code"), str | int) else None
-        elif "detail" in parsed:
-            message = _text(parsed["detail"])
-    if message is None:
-        raw = parsed if isinstance(parsed, str) else orjson.dumps(parsed).decode()
-        message = raw[:_HEAD] or f"empty error reply with status {status}"
-    if status >= 500:
-        message = f"{engine} engine error: {message}"
-    return OpenAIError(status, message, error_type_for(status), code=code)
-
-
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return orjson.dumps(value).decode()[:_HEAD]
+    """An engine's error reply (any of its known shapes, or plain text) in our vocabulary
+    (``kvcore.errors.error_from_reply``); a server error's message names the engine."""
+    return error_from_reply(status, body, f"{engine} engine")

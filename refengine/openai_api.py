@@ -2,22 +2,25 @@
 ``/v1/chat/completions`` (both streaming), ``/v1/models``, and SGLang's ``/v1/tokenize``
 (a prompt, or messages rendered as a chat completion would be).
 
-A field the engine cannot honour (tools, structured output, logprobs, reasoning, images, LoRA
-adapters, ``n`` > 1) is refused with a 400 naming it, never dropped; ``chat_template_kwargs``
-reach the chat template. Usage carries ``prompt_tokens_details.cached_tokens`` (device +
+A completion's ``prompt`` may be a batch (strings or token-id lists), and ``n`` samples each:
+one choice per (prompt, sample), prompt-major, as OpenAI answers (``refengine.choices``). A
+field the engine cannot honour (tools, structured output, logprobs, reasoning, images, LoRA
+adapters) is refused with a 400 naming it, never dropped; ``chat_template_kwargs`` reach the
+chat template. Usage carries ``prompt_tokens_details.cached_tokens`` (device +
 host-tier tokens, as SGLang's cache report). Errors use SGLang's OpenAI ``ErrorResponse`` shape:
 ``{"object": "error", "message", "type": "BadRequestError", "param", "code"}``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
+from refengine.choices import MAX_CHOICES, follow, start
 from refengine.engine import Engine
 from refengine.http_common import (
     ENGINE,
@@ -25,12 +28,11 @@ from refengine.http_common import (
     json_response,
     output_text,
     read_json,
-    run_stream,
 )
 from refengine.protocol import BadRequest, check_ids, parse_sampling
 from refengine.request import Request
 
-__all__ = ["add_routes"]
+__all__ = ["add_routes", "chat_ids"]
 
 
 def openai_error(
@@ -58,15 +60,6 @@ def _sampling(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
         if body.get(key) is not None:
             raw["min_new_tokens" if key == "min_tokens" else key] = body[key]
     return raw
-
-
-def _usage(req: Request) -> dict[str, Any]:
-    return {
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": len(req.output_ids),
-        "total_tokens": len(req.prompt) + len(req.output_ids),
-        "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
-    }
 
 
 def _common_checks(body: Any, served: str) -> dict[str, Any]:
@@ -101,20 +94,36 @@ def _common_checks(body: Any, served: str) -> dict[str, Any]:
     return body
 
 
-def _prompt_ids(body: dict[str, Any], engine: Engine) -> list[int]:
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+def _text_ids(text: str, engine: Engine, name: str) -> list[int]:
+    if not text:
+        raise BadRequest(f"{name} must not be empty")
+    return engine.tokenizer.encode(text)
+
+
+def _prompts(body: dict[str, Any], engine: Engine) -> list[list[int]]:
+    """The prompts of a completion: one (a string or token ids), or a batch (a list of
+    strings or of token-id lists), as OpenAI's ``prompt`` takes them."""
+    prompt, vocab = body.get("prompt"), engine.tokenizer.vocab_size
     if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt must not be empty")
-        return engine.tokenizer.encode(prompt)
-    if isinstance(prompt, list):
-        return check_ids(prompt, engine.tokenizer.vocab_size, "prompt")
-    raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)")
+        return [_text_ids(prompt, engine, "prompt")]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [_text_ids(p, engine, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        if all(isinstance(p, list) for p in prompt):
+            return [check_ids(p, vocab, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [check_ids(prompt, vocab, "prompt")]
+    raise BadRequest("prompt must be a string, a list of strings, a list of token ids or a "
+                     "list of token-id lists")
 
 
-def _chat_ids(body: dict[str, Any], engine: Engine) -> list[int]:
+def _prompt_ids(body: dict[str, Any], engine: Engine) -> list[int]:
+    prompts = _prompts(body, engine)
+    if len(prompts) != 1:
+        raise BadRequest(f"expected one prompt, got a batch of {len(prompts)}")
+    return prompts[0]
+
+
+def chat_ids(body: dict[str, Any], engine: Engine) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list")
@@ -141,88 +150,124 @@ def _chat_ids(body: dict[str, Any], engine: Engine) -> list[int]:
         raise BadRequest(str(exc)) from exc
 
 
+def _n(body: dict[str, Any], prompts: int) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise BadRequest(f"n must be an integer >= 1, got {n!r}")
+    if n * prompts > MAX_CHOICES:
+        raise BadRequest(f"{prompts} prompt(s) × n={n} asks for {n * prompts} choices; the "
+                         f"reference engine serves at most {MAX_CHOICES} per request")
+    return n
+
+
+def _requests(body: dict[str, Any], engine: Engine, chat: bool) -> tuple[str, list[Request]]:
+    """The response's id, and one engine request per choice, prompt-major (``i * n + j``:
+    sample j of prompt i); with a seed, sample j draws with ``seed + j``."""
+    prompts = [chat_ids(body, engine)] if chat else _prompts(body, engine)
+    n = _n(body, len(prompts))
+    sampling = _sampling(body, engine)
+    sampling.pop("n")
+    params = parse_sampling(sampling, engine.tokenizer.vocab_size)
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("cache_salt must be a string")
+    rid = body.get("rid") or ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    many = len(prompts) * n > 1
+    return rid, [
+        Request(f"{rid}-{i * n + j}" if many else rid, ids,
+                params if j == 0 or params.seed is None else replace(params, seed=params.seed + j),
+                salt)
+        for i, ids in enumerate(prompts)
+        for j in range(n)
+    ]
+
+
+def _batch_usage(reqs: list[Request], n: int) -> dict[str, Any]:
+    """Each prompt counted once (its first sample's cache report), every sample's output."""
+    firsts = reqs[::n]
+    prompt = sum(len(r.prompt) for r in firsts)
+    completion = sum(len(r.output_ids) for r in reqs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in firsts)},
+    }
+
+
+def _choice(engine: Engine, req: Request, index: int, chat: bool) -> dict[str, Any]:
+    f = req.finish
+    text = output_text(engine, req)
+    base: dict[str, Any] = {"index": index}
+    if chat:
+        base["message"] = {"role": "assistant", "content": text, "reasoning_content": None,
+                           "tool_calls": None}
+    else:
+        base["text"] = text
+    return {**base, "logprobs": None, "finish_reason": f.openai if f else None,
+            "matched_stop": f.matched if f and f.kind == "stop" else None}
+
+
 async def _serve(request: web.Request, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE]
     try:
         body = _common_checks(await read_json(request), engine.cfg.model_name)
-        ids = _chat_ids(body, engine) if chat else _prompt_ids(body, engine)
-        params = parse_sampling(_sampling(body, engine), engine.tokenizer.vocab_size)
-        salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise BadRequest("cache_salt must be a string")
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        req = Request(body.get("rid") or prefix + uuid.uuid4().hex, ids, params, salt)
-        model = body.get("model") or engine.cfg.model_name
-        stream = run_stream(engine, req)
-        first = await anext(stream)
+        rid, reqs = _requests(body, engine, chat)
+        streams = await start(engine, reqs)
     except BadRequest as exc:
         return openai_error(str(exc), exc.status)
+    model = body.get("model") or engine.cfg.model_name
+    n = body.get("n") or 1
     created = int(time.time())
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return await _stream(request, engine, stream, first, chat, model, created, include_usage)
-    async with contextlib.aclosing(stream):
-        async for _ in stream:
-            pass
-    f = req.finish
-    if f is not None and f.kind == "abort" and f.status_code:
-        return openai_error(f.message or "aborted", f.status_code)
-    text = output_text(engine, req)
-    reason = f.openai if f else None
-    matched = f.matched if f and f.kind == "stop" else None
-    choice: dict[str, Any] = (
-        {
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": text,
-                "reasoning_content": None,
-                "tool_calls": None,
-            },
-            "logprobs": None,
-            "finish_reason": reason,
-            "matched_stop": matched,
-        }
-        if chat
-        else {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": reason,
-            "matched_stop": matched,
-        }
-    )
+        return await _stream(request, engine, streams, reqs, chat, (rid, model, created),
+                             include_usage, n)
+    await follow(streams, _keep_going)
+    for req in reqs:
+        f = req.finish
+        if f is not None and f.kind == "abort" and f.status_code:
+            return openai_error(f.message or "aborted", f.status_code)
     return json_response(
         {
-            "id": req.rid,
+            "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": created,
             "model": model,
-            "choices": [choice],
-            "usage": _usage(req),
+            "choices": [_choice(engine, r, k, chat) for k, r in enumerate(reqs)],
+            "usage": _batch_usage(reqs, n),
         }
     )
+
+
+async def _keep_going(ready: list[int]) -> bool:
+    return True
 
 
 async def _stream(
     request: web.Request,
     engine: Engine,
-    stream: Any,
-    first: Request,
+    streams: list[Any],
+    reqs: list[Request],
     chat: bool,
-    model: str,
-    created: int,
+    envelope: tuple[str, str, int],
     include_usage: bool,
+    n: int,
 ) -> web.StreamResponse:
+    """The choices as SSE chunks, each as its request advances (``envelope``: the
+    response's id, model and ``created``)."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
     obj = "chat.completion.chunk" if chat else "text_completion"
+    rid, model, created = envelope
 
     async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
         chunk = {
-            "id": first.rid,
+            "id": rid,
             "object": obj,
             "created": created,
             "model": model,
@@ -232,49 +277,41 @@ async def _stream(
         await resp.write(b"data: " + dumps(chunk) + b"\n\n")
 
     if chat:
-        await send(
-            [
-                {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-            ]
-        )
-    sent = ""
-    async with contextlib.aclosing(stream):
-        current: Request | None = first
-        while current is not None:
+        for k in range(len(reqs)):
+            await send([{"index": k, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}])
+    sent = [""] * len(reqs)
+
+    async def emit(ready: list[int]) -> bool:
+        for k in ready:
+            current = reqs[k]
             f = current.finish
             if f is not None and f.kind == "abort" and f.status_code:
-                err = {
-                    "error": {
-                        "message": f.message,
-                        "type": "BadRequestError",
-                        "code": f.status_code,
-                    }
-                }
+                err = {"error": {"message": f.message, "type": "BadRequestError",
+                                 "code": f.status_code}}
                 await resp.write(b"data: " + dumps(err) + b"\n\n")
-                break
+                return False
             text = output_text(engine, current)
             if f is None and text.endswith("\ufffd"):
                 text = text[:-1]  # an incomplete UTF-8 sequence: wait for its next token
-            delta, sent = text[len(sent) :], text if text.startswith(sent) else sent
+            delta = text[len(sent[k]):]
+            sent[k] = text if text.startswith(sent[k]) else sent[k]
             reason = f.openai if f else None
             if delta or reason:
-                body = {"content": delta} if chat else None
                 choice: dict[str, Any] = (
-                    {"index": 0, "delta": body, "logprobs": None, "finish_reason": reason}
+                    {"index": k, "delta": {"content": delta}, "logprobs": None,
+                     "finish_reason": reason}
                     if chat
-                    else {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
+                    else {"index": k, "text": delta, "logprobs": None, "finish_reason": reason}
                 )
                 if reason:
                     choice["matched_stop"] = f.matched if f and f.kind == "stop" else None
                 await send([choice])
-            current = await anext(stream, None)
+        return True
+
+    await follow(streams, emit)
     if include_usage:
-        await send([], _usage(first))
+        await send([], _batch_usage(reqs, n))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
@@ -298,7 +335,7 @@ async def tokenize(request: web.Request) -> web.Response:
             raise BadRequest("the request body must be a JSON object")
         if ("prompt" in body) == ("messages" in body):
             raise BadRequest("Exactly one of 'prompt' or 'messages' must be provided.")
-        ids = _chat_ids(body, engine) if "messages" in body else _prompt_ids(body, engine)
+        ids = chat_ids(body, engine) if "messages" in body else _prompt_ids(body, engine)
     except BadRequest as exc:
         return openai_error(str(exc), exc.status)
     return json_response({

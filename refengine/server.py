@@ -1,5 +1,5 @@
 """The HTTP shell: SGLang's native routes over one :class:`Engine` (OpenAI routes live in
-:mod:`refengine.openai_api`).
+:mod:`refengine.openai_api`, Anthropic's ``/v1/messages`` in :mod:`refengine.anthropic_api`).
 
 ``/generate`` (text or ``input_ids``, streaming SSE with cumulative ``text``/``output_ids`` as
 SGLang does by default), ``/health`` and ``/health_generate`` (a one-token generation),
@@ -19,7 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
-from refengine import openai_api
+from refengine import anthropic_api, openai_api
 from refengine.config import DisaggMode, EngineConfig
 from refengine.engine import HEALTH_CHECK_PREFIX, Engine
 from refengine.http_common import (
@@ -329,4 +329,5 @@ def build_app(engine: Engine) -> web.Application:
     r.add_post("/abort_request", abort_request)
     r.add_get("/metrics", metrics)
     openai_api.add_routes(app)
+    anthropic_api.add_routes(app)
     return app

@@ -42,13 +42,14 @@ from adapters.normalize_metrics import AdapterMetrics
 from kvcore.control_token import CONTROL_TOKEN_HEADER
 from kvcore.events import KVEvent
 from kvcore.stream import EngineLoad, WorkerStatus
+from sidecar.canary import CanaryLoop
 from sidecar.config import SidecarConfig
 from sidecar.control_guard import token_guard
 from sidecar.disagg import PdRoutes
 from sidecar.engine_watch import EngineWatch
 from sidecar.event_stream import EventStream
 from sidecar.health import SilenceDetector
-from sidecar.host_tier import HostTier
+from sidecar.host_tier import HostTier, store_names
 from sidecar.jetstream_publisher import JetStreamPublisher
 from sidecar.load import LoadTracker
 from sidecar.metrics import SidecarMetrics
@@ -132,6 +133,7 @@ class Sidecar:
                 ),
                 metrics=AdapterMetrics(cfg.engine, self.metrics.registry),
             )
+            names = store_names(cfg, adapter)  # before start: the first blocks are named too
             info = await adapter.start()
             self._adapter = adapter
             self.block_size = info.block_size
@@ -149,7 +151,7 @@ class Sidecar:
                 )
             if cfg.store_capacity_bytes:
                 self.host_tier = await HostTier.start(
-                    cfg, adapter, self._session, model_id=self.model_id,
+                    cfg, adapter, self._session, model_id=self.model_id, names=names,
                     on_event=self._on_store_event,
                     on_pull=self._on_pull,
                 )
@@ -171,6 +173,8 @@ class Sidecar:
                 asyncio.create_task(self._pump_events(), name="pump_events"),
                 asyncio.create_task(self._report_status(), name="report_status"),
                 asyncio.create_task(self._engine.run(), name="probe_engine"),
+                asyncio.create_task(self._canary(adapter, info.block_size).run(),
+                                    name="check_kv_events"),
             ]
             await self._serve()
         except BaseException:
@@ -272,6 +276,17 @@ class Sidecar:
         # The host tier is shared by every DP rank of this replica.
         for stream in self.streams.values():
             stream.publish(event)
+
+    def _canary(self, adapter: EngineAdapter, block_size: int) -> CanaryLoop:
+        """Re-checks suspected KV-event silence with canary prompts (``sidecar.health``),
+        while the engine is healthy and the sidecar is not draining."""
+        assert self._engine_session is not None
+        return CanaryLoop(
+            self._silence, adapter, self._engine_session,
+            engine_url=self.cfg.engine_url, model_id=self.model_id, block_size=block_size,
+            timeout_s=self.cfg.upstream_timeout_s,
+            may_send=lambda: self.engine_healthy and not self.draining,
+        )
 
     def _jetstream(self, url: str) -> JetStreamPublisher:
         publisher = JetStreamPublisher(self.streams, url=url, model_id=self.model_id,
@@ -409,6 +424,7 @@ class Sidecar:
             "routable": routable,
             "reason": reason,
             "draining": self.draining,
+            "kv_events": self._silence.view(),
         }
         return _json(body, 200 if routable else 503)
 

@@ -39,7 +39,7 @@ import structlog
 from aiohttp import web
 
 from adapters.base import EngineAdapter, PrefillDecode, PrefillResult, ResponseTranslator
-from kvcore.errors import OpenAIError
+from kvcore.errors import ENGINE_UNREACHABLE, OpenAIError
 from kvcore.requests import TRANSFER_FAILED, Handoff, TokenizedRequest
 from sidecar.load import LoadTracker
 from sidecar.pd_handoff import HandoffError, KvHandoff
@@ -72,8 +72,8 @@ def _message_of(raw: bytes) -> str:
     return raw[:200].decode(errors="replace")
 
 
-def _error(status: int, message: str, type_: str, code: str | None, rid: str) -> web.Response:
-    return openai_error_response(OpenAIError(status, message, type_, code=code), rid)
+def _error(status: int, message: str, code: str | None, rid: str) -> web.Response:
+    return openai_error_response(OpenAIError(status, message, code=code), rid)
 
 
 class PdRoutes:
@@ -138,21 +138,19 @@ class PdRoutes:
         rid = request.headers.get("x-request-id", "")
         if self.role != role:
             return _error(409, f"this sidecar's role is {self.role}, not {role}",
-                          "invalid_request_error", "wrong_role", rid)
+                          "wrong_role", rid)
         pd = self._adapter.pd
         if pd is None:
             return _error(501, f"the {self._adapter.kind.value} adapter cannot split a request "
-                          "into prefill and decode legs", "not_implemented", None, rid)
+                          "into prefill and decode legs", "not_implemented", rid)
         try:
             tokenized = msgspec.json.decode(await request.read(), type=TokenizedRequest)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            return _error(400, f"invalid disaggregated request: {exc}", "invalid_request_error",
-                          None, rid)
+            return _error(400, f"invalid disaggregated request: {exc}", None, rid)
         rid = rid or tokenized.request_id
         worker_id = self._worker(tokenized.dp_rank)
         if worker_id is None:
-            return _error(400, f"dp_rank {tokenized.dp_rank} is out of range",
-                          "invalid_request_error", None, rid)
+            return _error(400, f"dp_rank {tokenized.dp_rank} is out of range", None, rid)
         return msgspec.structs.replace(tokenized, request_id=rid), pd, worker_id, rid
 
     # --- the prefill leg ----------------------------------------------------------------
@@ -165,7 +163,7 @@ class PdRoutes:
         try:
             native = pd.prefill_request(tokenized)
         except ValueError as exc:
-            return _error(400, str(exc), "invalid_request_error", None, rid)
+            return _error(400, str(exc), None, rid)
         self._load.start(rid, worker_id, len(tokenized.prompt_token_ids))
         started = time.perf_counter()
         ok = False
@@ -186,7 +184,7 @@ class PdRoutes:
             return web.Response(body=msgspec.json.encode(result), content_type="application/json")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             return _error(502, f"prefill engine at {self._engine_url} failed: {exc!r}",
-                          "engine_unreachable", None, rid)
+                          ENGINE_UNREACHABLE, rid)
         finally:
             self._load.finish(rid, ok)
 
@@ -200,7 +198,7 @@ class PdRoutes:
         spec = tokenized.handoff
         if spec is None:
             return _error(400, "a disaggregated request needs 'handoff' (the prefill side)",
-                          "invalid_request_error", None, rid)
+                          None, rid)
         self._load.start(rid, worker_id, len(tokenized.prompt_token_ids))
         ok = False
         try:
@@ -288,7 +286,7 @@ class PdRoutes:
         except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError,
                 msgspec.ValidationError) as exc:
             return _error(502, f"prefill sidecar {spec.prefill_url} failed: {exc!r}",
-                          "bad_gateway", "prefill_failed", rid)
+                          "prefill_failed", rid)
 
     async def _decode_stream(
         self, pd: PrefillDecode, tokenized: TokenizedRequest, prefill: PrefillResult, rid: str
@@ -322,7 +320,7 @@ class PdRoutes:
     def _transfer_failed(self, message: str, rid: str) -> web.Response:
         self.handoff_failures += 1
         log.warning("kv_handoff_failed", request_id=rid, error=message)
-        return _error(502, f"KV transfer failed: {message}", "bad_gateway", TRANSFER_FAILED, rid)
+        return _error(502, f"KV transfer failed: {message}", TRANSFER_FAILED, rid)
 
     async def _answer(
         self,

@@ -6,6 +6,10 @@ through as the engine produces them. A request that carries the client's OpenAI 
 token ids cannot carry) goes to the engine's own OpenAI server, and its answer is relayed as
 the engine wrote it (its tool calls, reasoning, logprobs), errors in OpenAI's shape.
 
+Each answered request tells the silence detector (``sidecar.health``) whether the engine
+provably stored new blocks for it: the cached tokens it reported against the prompt's
+cacheable blocks, or, when it reports none, whether the prompt's blocks are new here.
+
 A client that disconnects cancels the handler (the app runs with ``handler_cancellation``),
 which closes the engine connection: the engine aborts the request. Engine errors come back
 OpenAI-shaped with the engine's status.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -23,17 +28,37 @@ import orjson
 import structlog
 from aiohttp import web
 
-from adapters.base import AdapterError, EngineAdapter
+from adapters.base import AdapterError, EngineAdapter, ResponseTranslator
 from kvcore import BlockHasher, namespace_seed
-from kvcore.errors import OpenAIError
+from kvcore.errors import (
+    ENDPOINT_REFUSED,
+    ENGINE_UNREACHABLE,
+    SERVICE_UNAVAILABLE,
+    OpenAIError,
+    route_missing,
+)
 from kvcore.requests import TokenizedRequest
-from sidecar.health import SilenceDetector
+from sidecar.health import SilenceDetector, cacheable_tokens
 from sidecar.load import LoadTracker
 
 __all__ = ["RequestProxy", "openai_error_response", "sse"]
 
 log = structlog.get_logger(component="proxy")
 _SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class _CacheReport:
+    """What the engine said it found cached of one request's prompt (for the silence
+    detector)."""
+
+    translator: ResponseTranslator | None = None
+    usage_cached_tokens: int | None = None  # a relayed OpenAI body's usage
+
+    def cached_tokens(self) -> int | None:
+        if self.usage_cached_tokens is not None:
+            return self.usage_cached_tokens
+        return None if self.translator is None else self.translator.cached_tokens()
 
 
 def openai_error_response(error: OpenAIError, request_id: str | None = None) -> web.Response:
@@ -76,7 +101,7 @@ class RequestProxy:
         request_id = request.headers.get("x-request-id")
         if not self.accepting:
             return openai_error_response(
-                OpenAIError(503, "sidecar is draining", "service_unavailable"), request_id
+                OpenAIError(503, "sidecar is draining", code=SERVICE_UNAVAILABLE), request_id
             )
         try:
             tokenized = msgspec.json.decode(await request.read(), type=TokenizedRequest)
@@ -106,18 +131,23 @@ class RequestProxy:
             native = self._adapter.translate_request(engine_view)
         except ValueError as exc:
             return openai_error_response(OpenAIError(400, str(exc)), tokenized.request_id)
-        self._silence.on_request(self._first_block_hash(tokenized))
         self._load.start(tokenized.request_id, worker_id, len(engine_view.prompt_token_ids))
+        started_s = self._silence.now()
         started = time.perf_counter()
+        report = _CacheReport()
         ok = False
         try:
             response = await self._forward(
-                request, tokenized, native.path, native.body, native.stream, native.openai
+                request, tokenized, native.path, native.body, native.stream, native.openai,
+                worker_id, report=report,
             )
             ok = response.status < 400
             return response
         finally:
             self._load.finish(tokenized.request_id, ok)
+            if ok:
+                stored = self._stored_new(engine_view, report.cached_tokens())
+                self._silence.on_served(started_s, stored)
             if self._observe is not None:
                 self._observe(time.perf_counter() - started)
 
@@ -129,9 +159,13 @@ class RequestProxy:
         body: dict[str, Any],
         stream: bool,
         openai: bool = False,
+        worker_id: str = "",
+        *,
+        report: _CacheReport,
     ) -> web.StreamResponse:
         rid = tokenized.request_id
         translator = self._adapter.response_translator(tokenized)
+        report.translator = translator
         headers = {"x-request-id": rid}
         try:
             async with self._session.post(
@@ -141,10 +175,12 @@ class RequestProxy:
                 headers={"Content-Type": "application/json", "x-request-id": rid},
             ) as upstream:
                 if upstream.status != 200:
-                    error = translator.error(upstream.status, await upstream.read())
+                    raw = await upstream.read()
+                    error = (_refused(path, upstream.status, raw, worker_id) if openai
+                             else None) or translator.error(upstream.status, raw)
                     return openai_error_response(error, rid)
                 if openai:
-                    return await self._relay(request, upstream, rid, headers)
+                    return await self._relay(request, upstream, rid, headers, report)
                 if not stream:
                     answer = translator.response(orjson.loads(await upstream.read()))
                     self._load.tokens(rid, _completion_tokens(answer))
@@ -157,7 +193,7 @@ class RequestProxy:
             log.warning("engine_request_failed", request_id=rid, error=repr(exc))
             return openai_error_response(
                 OpenAIError(
-                    502, f"engine at {self._engine_url} failed: {exc!r}", "engine_unreachable"
+                    502, f"engine at {self._engine_url} failed: {exc!r}", code=ENGINE_UNREACHABLE
                 ),
                 rid,
             )
@@ -215,12 +251,16 @@ class RequestProxy:
         upstream: aiohttp.ClientResponse,
         rid: str,
         headers: dict[str, str],
+        report: _CacheReport,
     ) -> web.StreamResponse:
-        """The engine's OpenAI answer, byte for byte (SSE events counted as tokens)."""
+        """The engine's OpenAI answer, byte for byte (SSE events counted as tokens; a stream's
+        cached tokens are not read, so the detector falls back to the prompt's novelty)."""
         content_type = upstream.headers.get("Content-Type", "application/json")
         if not content_type.startswith("text/event-stream"):
             raw = await upstream.read()
-            self._load.tokens(rid, _usage_completion_tokens(raw))
+            usage = _usage_of(raw)
+            self._load.tokens(rid, _usage_completion_tokens(usage))
+            report.usage_cached_tokens = _cached_tokens(usage)
             return web.Response(body=raw, headers={**headers, "Content-Type": content_type})
         response = web.StreamResponse(
             headers={**headers, "Content-Type": content_type, "Cache-Control": "no-cache"}
@@ -248,11 +288,11 @@ class RequestProxy:
         try:
             tokens = await self._adapter.render_tokens(messages)
         except AdapterError as exc:
-            return openai_error_response(OpenAIError(502, str(exc), "engine_unreachable"))
+            return openai_error_response(OpenAIError(502, str(exc), code=ENGINE_UNREACHABLE))
         if tokens is None:
             return openai_error_response(OpenAIError(
                 501, f"the {self._adapter.kind.value} engine cannot tokenize a conversation",
-                "not_implemented"))
+                code="not_implemented"))
         return web.Response(body=orjson.dumps({"tokens": tokens}),
                             content_type="application/json")
 
@@ -260,12 +300,28 @@ class RequestProxy:
         rank = tokenized.dp_rank or 0
         return self._worker_ids[rank] if 0 <= rank < len(self._worker_ids) else None
 
-    def _first_block_hash(self, tokenized: TokenizedRequest) -> int | None:
-        tokens = tokenized.prompt_token_ids
-        if len(tokens) < self._hasher.block_size:
-            return None
-        seed = namespace_seed(self._model_id, tokenized.lora_name, tokenized.cache_salt)
-        return self._hasher.hash_tokens(tokens[: self._hasher.block_size], seed)[0]
+    def _stored_new(self, engine_view: TokenizedRequest, cached_tokens: int | None) -> bool:
+        """Whether the engine provably stored new blocks for this prompt (as it was sent):
+        it found fewer tokens cached than the prompt's cacheable blocks, or, reporting
+        none, the prompt's cacheable blocks were never seen on this worker."""
+        tokens = engine_view.prompt_token_ids
+        cacheable = cacheable_tokens(len(tokens), self._hasher.block_size)
+        if cacheable == 0:
+            return False
+        if cached_tokens is not None:
+            return cached_tokens < cacheable
+        seed = namespace_seed(self._model_id, engine_view.lora_name, engine_view.cache_salt)
+        return self._silence.first_seen(self._hasher.hash_tokens(tokens[:cacheable], seed)[-1])
+
+
+def _refused(path: str, status: int, raw: bytes, worker_id: str) -> OpenAIError | None:
+    """The refusal of a route the engine's OpenAI server does not have (its framework's
+    bare 404), naming the route and the worker; None for any other error."""
+    if not route_missing(status, raw):
+        return None
+    return OpenAIError(
+        404, f"worker {worker_id}'s engine does not serve POST {path} (it answered {status})",
+        code=ENDPOINT_REFUSED)
 
 
 def sse(chunk: dict[str, Any]) -> bytes:
@@ -278,11 +334,26 @@ def ids_comment(ids: list[int]) -> bytes:
     return b": kvs-ids " + ",".join(map(str, ids)).encode() + b"\n"
 
 
-def _usage_completion_tokens(raw: bytes) -> int:
+def _usage_of(raw: bytes) -> dict[str, Any]:
+    """The ``usage`` object of a relayed OpenAI body ({} when it has none)."""
     try:
-        return _completion_tokens(orjson.loads(raw))
-    except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError):
+        usage = orjson.loads(raw).get("usage")
+    except (orjson.JSONDecodeError, AttributeError):
+        return {}
+    return usage if isinstance(usage, dict) else {}
+
+
+def _usage_completion_tokens(usage: dict[str, Any]) -> int:
+    try:
+        return _completion_tokens({"usage": usage})
+    except (TypeError, ValueError):
         return 1
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _completion_tokens(answer: dict[str, Any]) -> int:

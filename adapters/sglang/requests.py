@@ -93,7 +93,8 @@ class SGLangResponseTranslator:
             raise error_from_engine("sglang", _status_of(body), dict(body))
         meta = _meta(body)
         finish = self._finish_reason(meta)
-        return self.builder.response(str(body.get("text") or ""), finish, _usage(meta))
+        self._usage = _usage(meta)
+        return self.builder.response(str(body.get("text") or ""), finish, self._usage)
 
     def chunk(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
         if "error" in data:
@@ -139,6 +140,9 @@ class SGLangResponseTranslator:
             return [self.builder.usage_chunk(self._usage)]
         return []
 
+    def cached_tokens(self) -> int | None:
+        return None if self._usage is None else self._usage.cached_tokens
+
     def error(self, status: int, body: bytes) -> OpenAIError:
         return error_from_engine("sglang", status, body)
 
@@ -164,7 +168,6 @@ def _meta(body: Mapping[str, Any]) -> Mapping[str, Any]:
         raise OpenAIError(
             502,
             f"sglang engine error: answer without meta_info: {str(dict(body))[:200]}",
-            "server_error",
         )
     return meta
 

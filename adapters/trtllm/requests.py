@@ -109,8 +109,9 @@ class TrtllmResponseTranslator:
         if body.get("object") == "error" or "error" in body:
             raise error_from_engine("trtllm", _status(body), dict(body))
         choice = _first_choice(body)
+        self._usage = _usage(body)
         return self.builder.response(
-            str(choice.get("text") or ""), choice.get("finish_reason"), _usage(body) or Usage(0, 0)
+            str(choice.get("text") or ""), choice.get("finish_reason"), self._usage or Usage(0, 0)
         )
 
     def chunk(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -138,6 +139,10 @@ class TrtllmResponseTranslator:
             return [self.builder.usage_chunk(self._usage)]
         return []
 
+    def cached_tokens(self) -> int | None:
+        """None too when a stream carried no usage (the client did not ask for it)."""
+        return None if self._usage is None else self._usage.cached_tokens
+
     def error(self, status: int, body: bytes) -> OpenAIError:
         return error_from_engine("trtllm", status, body)
 
@@ -148,7 +153,6 @@ def _first_choice(body: Mapping[str, Any]) -> Mapping[str, Any]:
         raise OpenAIError(
             502,
             f"trtllm engine error: answer without choices: {str(dict(body))[:200]}",
-            "server_error",
         )
     return choices[0]
 

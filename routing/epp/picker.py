@@ -148,7 +148,7 @@ class EndpointPicker:
             why = placed.message
             if subset is not None:
                 why = f"{why} among the {len(subset)} endpoints of the subset hint"
-            body_ = OpenAIError(placed.status, why, placed.type).body()
+            body_ = OpenAIError(placed.status, why, code=placed.code).body()
             return self._refuse(record, placed.status, body_, why)
         worker, placement = placed
         ctx.router.dispatch(key, placement, prepared.block_hashes, prepared.prompt_tokens)

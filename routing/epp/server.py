@@ -19,7 +19,7 @@ from typing import Any
 import structlog
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvcore.errors import OpenAIError
+from kvcore.errors import UNKNOWN_ENDPOINT, OpenAIError
 from routing.epp.config import EppConfig
 from routing.epp.deps import Protos
 from routing.epp.picker import EndpointPicker
@@ -149,7 +149,7 @@ class EppServer:
             "the endpoint picker proxies no request: Envoy asks it over ext_proc (gRPC port "
             f"{self.grpc_port}) and sends the request to the engine it picks"
         )
-        conn.respond(404, OpenAIError(404, message, "NotFoundError").body())
+        conn.respond(404, OpenAIError(404, message, code=UNKNOWN_ENDPOINT).body())
 
 
 class _Processor:

@@ -269,4 +269,4 @@ def _value(header: Any) -> str:
 
 
 def _error_body(status: int, message: str) -> bytes:
-    return OpenAIError(status, message, "invalid_request_error").body()
+    return OpenAIError(status, message).body()

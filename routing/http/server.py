@@ -19,8 +19,13 @@ from http import HTTPStatus
 from typing import Protocol
 
 import httptools
+import structlog
+
+from kvcore.errors import OpenAIError
 
 __all__ = ["HttpRequest", "RequestHandler", "ServerConnection", "reason"]
+
+log = structlog.get_logger(component="http")
 
 _MAX_QUEUED = 8  # pipelined requests parsed ahead before reading pauses
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -59,6 +64,7 @@ class ServerConnection(asyncio.Protocol):
     """One client connection."""
 
     __slots__ = (
+        "_answering",
         "_body",
         "_body_bytes",
         "_busy",
@@ -94,6 +100,7 @@ class ServerConnection(asyncio.Protocol):
         self._body_bytes = 0
         self._queue: deque[HttpRequest] = deque()
         self._busy = False
+        self._answering = False  # bytes of the current response were written
         self._keep_alive = True
         self._draining = False
         self._reading_paused = False
@@ -191,9 +198,26 @@ class ServerConnection(asyncio.Protocol):
     def _dispatch(self, request: HttpRequest) -> None:
         self._busy = True
         self._keep_alive = request.keep_alive and not self._draining
-        self._handler.handle(self, request)
+        self._answering = False
+        try:
+            self._handler.handle(self, request)
+        except Exception:
+            # Raised inside the parser's callback, it would come back as a parser error and
+            # the request would vanish unlogged: answer it with a 500 (or cut a started one).
+            log.exception("request_handler_failed", method=request.method.decode(),
+                          path=request.path.decode(errors="replace"))
+            if not self._busy:
+                return  # the handler finished the response before it raised
+            if self._answering:
+                self.abort()
+            else:
+                self._keep_alive = False
+                self.respond(500, OpenAIError(500, "internal error in the gateway while "
+                                              "answering this request; see its log "
+                                              "(request_handler_failed)").body())
 
     def write(self, data: bytes) -> None:
+        self._answering = True
         if not self.closed:
             self.transport.write(data)  # type: ignore[union-attr]
 

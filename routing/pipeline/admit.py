@@ -17,7 +17,7 @@ from typing import Protocol
 import orjson
 import structlog
 
-from kvcore.errors import OpenAIError
+from kvcore.errors import MODEL_NOT_FOUND, RATE_LIMIT_EXCEEDED, Dialect, OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
 from routing.pipeline.admission import PRIORITY_HEADER, parse_priority
 from routing.pipeline.context import PipelineContext
@@ -55,8 +55,7 @@ class _OverTokenLimit(OpenAIError):
             429,
             f"tenant {tenant!r} is over its limit of tokens per second; retry after "
             f"{wait_s:.2f}s",
-            "rate_limit_error",
-            code="rate_limit_exceeded",
+            code=RATE_LIMIT_EXCEEDED,
         )
         self.wait_s = wait_s
 
@@ -88,7 +87,7 @@ def admit(
                                      later))
         return
     except OpenAIError as exc:
-        _refuse(ctx, conn, record, exc)
+        _refuse(ctx, conn, record, exc, endpoint.dialect)
         return
     _start(ctx, conn, request, record, parsed, prepared, priority, tenant)
 
@@ -107,7 +106,7 @@ async def _tokenize_off_loop(ctx: PipelineContext, conn: ServerConnection, reque
         except Exception as exc:  # the library's error: this request's, nobody else's
             log.exception("tokenize_off_loop_failed", request_id=record.request_id.decode())
             _refuse(ctx, conn, record, OpenAIError(500, f"tokenizing failed: {exc}",
-                                                   "internal_error"))
+                                                   code="internal_error"))
             return
         if conn.closed:  # the client went away meanwhile
             record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
@@ -129,12 +128,12 @@ async def _tokenize_off_loop(ctx: PipelineContext, conn: ServerConnection, reque
 
 
 def _refuse(ctx: PipelineContext, conn: ServerConnection, record: RequestRecord,
-            exc: OpenAIError) -> None:
+            exc: OpenAIError, dialect: Dialect = Dialect.OPENAI) -> None:
     record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
     reply_headers = b"x-request-id: %s\r\n" % record.request_id
     if isinstance(exc, _OverTokenLimit):
         reply_headers += b"retry-after: %d\r\n" % max(1, math.ceil(exc.wait_s))
-    conn.respond(exc.status, exc.body(), extra_headers=reply_headers)
+    conn.respond(exc.status, exc.body(dialect), extra_headers=reply_headers)
 
 
 def _start(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
@@ -145,7 +144,8 @@ def _start(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
         wait_s = tenant.take_tokens(prepared.prompt_tokens + (parsed.max_tokens or 0))
         if wait_s:
             ctx.metrics.rate_limited += 1
-            _refuse(ctx, conn, record, _OverTokenLimit(tenant.name, wait_s))
+            _refuse(ctx, conn, record, _OverTokenLimit(tenant.name, wait_s),
+                    parsed.endpoint.dialect)
             return
     if prepared.media:
         ctx.metrics.media_requests += 1
@@ -183,8 +183,7 @@ def _priority(raw: bytes | None) -> int:
     try:
         return parse_priority(raw)
     except ValueError as exc:
-        raise OpenAIError(400, str(exc), "invalid_request_error",
-                          param=PRIORITY_HEADER.decode()) from None
+        raise OpenAIError(400, str(exc), param=PRIORITY_HEADER.decode()) from None
 
 
 def _salted(parsed: OpenAIRequest, tenant_salt: str) -> OpenAIRequest:
@@ -207,7 +206,6 @@ def check_model(parsed: OpenAIRequest, names: Sequence[str]) -> OpenAIRequest:
         404,
         f"the model {parsed.model!r} does not exist; this gateway serves {list(names)} "
         "(and their LoRA adapters as '<model>:<adapter>')",
-        "NotFoundError",
         param="model",
-        code="model_not_found",
+        code=MODEL_NOT_FOUND,
     )

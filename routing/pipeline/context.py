@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from routing.http.client import UpstreamPool
 from routing.metrics import GatewayMetrics
 from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
+from routing.pipeline.refusals import Refusals
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import Policy
 from routing.placement.sessions import SessionAffinity
@@ -48,3 +49,4 @@ class PipelineContext:
     forwarded_headers: tuple[bytes, ...]  # client headers the workers see too (lower-case)
     log_requests: bool  # one canonical log line per request (debug level)
     migration_limit: int = 0  # times a stream may go on on another worker
+    refusals: Refusals = field(default_factory=Refusals)  # routes workers' engines lack

@@ -13,7 +13,10 @@ A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its l
 counted in the placement core from dispatch to release. A leg that fails before the first
 byte of its reply (or whose sidecar answers 502 ``engine_unreachable``: its engine is gone)
 excludes its worker (marked failed in the registry) and the request is placed again; a
-stale keep-alive connection is first retried once on a fresh one. A client that goes away
+stale keep-alive connection is first retried once on a fresh one. A worker's error reply
+is held and answered in the gateway's vocabulary (``kvcore.errors``, in the route's
+dialect); one saying its engine lacks the route sends the request to the other workers
+(``refusals.py``). A client that goes away
 aborts every leg by closing its connection; an engine stops generating when its client
 disconnects.
 
@@ -26,10 +29,20 @@ failed it, with the tokens the client already has (``stream_tokens.StreamTokens`
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 
-from kvcore.errors import OpenAIError
+from kvcore.errors import (
+    ENDPOINT_NOT_SERVED,
+    ENDPOINT_REFUSED,
+    ENGINE_UNREACHABLE,
+    SERVICE_UNAVAILABLE,
+    UPSTREAM_TIMEOUT,
+    OpenAIError,
+    error_from_reply,
+    route_missing,
+)
 from routing.http.client import UpstreamConnection
 from routing.http.server import ServerConnection
 from routing.pipeline.context import PipelineContext
@@ -42,12 +55,12 @@ from routing.placement.active_load import UnknownRequestError
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
-from routing.workers.registry import Worker, WorkerKind
+from routing.workers.registry import Role, Worker, WorkerKind
 
 __all__ = ["Exchange"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
-_ENGINE_LOST = b'"type":"engine_unreachable"'  # a sidecar's 502 when its engine is gone
+_ENGINE_LOST = b'"code":"%s"' % ENGINE_UNREACHABLE.encode()  # a sidecar's 502: engine gone
 
 
 
@@ -64,6 +77,7 @@ class Exchange:
         "priority",
         "prompt",
         "record",
+        "refused",
         "relay",
         "request",
         "session",
@@ -90,6 +104,7 @@ class Exchange:
         self.relay = Relay(client, record, ctx.metrics, request.include_usage)
         self.leg: Leg | None = None  # the leg whose reply is relayed
         self.tried: set[str] = set()
+        self.refused: list[str] = []  # workers whose engines refused its route
         self.stale_retry_used = False
         self.done = False
         self.last_activity = record.t_start
@@ -109,7 +124,8 @@ class Exchange:
         self._place()
 
     def _place_aggregated(self) -> None:
-        placed = place_aggregated(self.ctx, self.prompt, self.tried, session=self.session)
+        placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
+                                  self.session)
         self._placed()
         if isinstance(placed, Refusal) and placed.busy:
             queue = self.ctx.admission
@@ -118,14 +134,16 @@ class Exchange:
             retry_after = 1 if queue is None else queue.retry_after_s
             message = placed.message if queue is None else (
                 f"{placed.message}; {len(queue)} requests are already waiting")
-            self._reply_error(placed.status, message, placed.type,
+            self._reply_error(placed.status, message, placed.code,
                               b"retry-after: %d\r\n" % retry_after)
             return
         self._go(placed)
 
     def _go(self, placed: tuple[Worker, Placement] | Refusal) -> None:
         if isinstance(placed, Refusal):
-            self._reply_error(placed.status, placed.message, placed.type)
+            if not self._not_served():
+                retry = b"retry-after: 1\r\n" if placed.status == 503 else b""
+                self._reply_error(placed.status, placed.message, placed.code, retry)
             return
         worker, placement = placed
         self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
@@ -137,7 +155,8 @@ class Exchange:
         """Place it now, unless every worker is still busy."""
         if self.done:
             return True
-        placed = place_aggregated(self.ctx, self.prompt, self.tried, session=self.session)
+        placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
+                                  self.session)
         if isinstance(placed, Refusal) and placed.busy:
             return False
         self.last_activity = time.monotonic()
@@ -149,7 +168,7 @@ class Exchange:
         assert queue is not None
         self._reply_error(503, f"every worker stayed busy for {waited_s:.1f}s "
                           f"(--queue-timeout-s {queue.timeout_s:g}); retry later",
-                          "service_unavailable", b"retry-after: %d\r\n" % queue.retry_after_s)
+                          SERVICE_UNAVAILABLE, b"retry-after: %d\r\n" % queue.retry_after_s)
 
     _place = _place_aggregated  # a pair's exchange places a pair first (``pair.py``)
 
@@ -168,7 +187,7 @@ class Exchange:
         try:
             leg.request = self.target.for_worker(worker) if request is None else request
         except OpenAIError as exc:
-            self._reply_error(exc.status, exc.message, exc.type)
+            self._reply_error(exc.status, exc.message, exc.code)
             return
         if worker.kind is WorkerKind.SIDECAR and not self.target.takes_token_path(worker):
             self.ctx.metrics.engine_openai_requests += 1
@@ -253,10 +272,10 @@ class Exchange:
 
     def upstream_head(self, status: int, content_type: bytes, content_length: int | None) -> None:
         self.record.status = status
-        if status != 200 and (self._holds_errors() or self.relay.resuming or (
-                status == 502 and self.leg is not None
-                and self.leg.worker.kind is WorkerKind.SIDECAR)):
-            self._error_parts = []  # a failed handoff may still be re-run: hold the reply
+        if status != 200 and (status >= 400 or self._holds_errors() or self.relay.resuming):
+            # Held: an error is relayed in the gateway's vocabulary (``_relay_error``), or
+            # decides a retry (a refused route, a gone engine, a failed handoff).
+            self._error_parts = []
             return
         self.relay.head(status, content_type, content_length)
 
@@ -366,7 +385,55 @@ class Exchange:
         return False
 
     def _held_error(self, raw: bytes) -> None:
-        self._reply_raw(self.record.status, raw)
+        self._relay_error(raw)
+
+    def _relay_error(self, raw: bytes) -> None:
+        """A worker's error reply, in the gateway's vocabulary and the route's dialect; a
+        route its engine lacks sends the request to the other workers first."""
+        status, leg = self.record.status, self.leg
+        if status < 400:  # held, but no error (a pair's odd success): as it came
+            self._reply_raw(status, raw, answered=True)
+            return
+        error = error_from_reply(status, raw)
+        if leg is not None and (error.code == ENDPOINT_REFUSED or (
+                leg.worker.kind is WorkerKind.PLAIN and route_missing(status, raw))):
+            self._refused_by(leg)
+            return
+        self._reply_raw(status, error.body(self.request.endpoint.dialect), answered=True)
+
+    def _refused_by(self, leg: Leg) -> None:
+        """``leg``'s engine has no such route: remember it, and place the request again."""
+        worker_id = leg.worker.worker_id
+        log.info("endpoint_refused", request_id=self.record.request_id.decode(),
+                 worker_id=worker_id, path=self.target.path.decode(errors="replace"))
+        self.ctx.refusals.add(worker_id, self.target.path)
+        self._release(leg)
+        self.tried.add(worker_id)
+        self.refused.append(worker_id)
+        self.record.status = 0
+        self._end_pair()
+        self._place()
+
+    def _serves(self) -> Callable[[Worker], bool] | None:
+        """Only workers not known to refuse the request's route (None: any worker, as
+        long as no worker has refused any route)."""
+        refusals, path = self.ctx.refusals, self.target.path
+        if not refusals:
+            return None
+        return lambda worker: not refusals.refuses(worker.worker_id, path)
+
+    def _not_served(self) -> bool:
+        """No worker left for the request because every routable one refused its route:
+        answer 404 ``endpoint_not_served`` naming them (False: not so)."""
+        refusals = self.ctx.refusals
+        if not self.refused and not refusals:
+            return False
+        why = refusals.not_served(self.target.path, self.refused,
+                                  [w.worker_id for w in self.ctx.workers.routable(Role.AGG)])
+        if why is None:
+            return False
+        self._reply_error(404, why, ENDPOINT_NOT_SERVED)
+        return True
 
     def _side_failed(self, leg: Leg, why: str) -> None:
         log.warning("drained_leg_failed", worker_id=leg.worker.worker_id, error=why)
@@ -408,7 +475,7 @@ class Exchange:
             self._finish(504)
             self.client.abort()
         else:
-            self._reply_error(504, f"{self._who()} did not answer in time", "timeout")
+            self._reply_error(504, f"{self._who()} did not answer in time", UPSTREAM_TIMEOUT)
 
     @property
     def relay_started(self) -> bool:
@@ -428,10 +495,15 @@ class Exchange:
         ctx.in_flight.pop(self.record.key, None)
         self.record.finish(status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
 
-    def _reply_error(self, status: int, message: str, type_: str, headers: bytes = b"") -> None:
-        self._reply_raw(status, OpenAIError(status, message, type_).body(), headers)
+    def _reply_error(self, status: int, message: str, code: str | None,
+                     headers: bytes = b"") -> None:
+        body = OpenAIError(status, message, code=code).body(self.request.endpoint.dialect)
+        self._reply_raw(status, body, headers)
 
-    def _reply_raw(self, status: int, body: bytes, headers: bytes = b"") -> None:
+    def _reply_raw(self, status: int, body: bytes, headers: bytes = b"",
+                   answered: bool = False) -> None:
+        """Answer ``body``; ``answered``: a worker's answer, with the gateway's headers
+        naming it (``RequestRecord.headers``)."""
         self._abandon()
         self._finish(status)
         if self.relay.started:  # a migrated stream that found no way on: cut it
@@ -440,5 +512,6 @@ class Exchange:
             self.ctx.metrics.streams_lost += 1
             self.client.abort()
             return
-        extra = b"x-request-id: %s\r\n%s" % (self.record.request_id, headers)
-        self.client.respond(status, body, extra_headers=extra)
+        ids = (self.record.headers() if answered
+               else b"x-request-id: %s\r\n" % self.record.request_id)
+        self.client.respond(status, body, extra_headers=ids + headers)

@@ -81,7 +81,7 @@ class LegTarget:
         token_path = worker.kind is WorkerKind.SIDECAR and self.takes_token_path(worker)
         if self.continuation is not None and not token_path:
             raise OpenAIError(502, f"the stream cannot resume on {worker.worker_id}: it does "
-                              "not take token ids", "server_error")
+                              "not take token ids")
         if worker.kind is WorkerKind.PLAIN:
             return self.path, self.body
         body = tokenized_body(self.request, self.token_ids or [], self.request_id.decode(),

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 import structlog
 
+from kvcore.errors import SERVICE_UNAVAILABLE
 from kvcore.requests import TRANSFER_FAILED
 from routing.pd.coordinator import DecodePoolFull, FailurePolicy, PdCoordinator, PdMode, PdPair
 from routing.pipeline.exchange import Exchange
@@ -77,7 +78,7 @@ class PairExchange(Exchange):
         pd = self.pd
         self._placed()
         if isinstance(placed, str):
-            self._reply_error(503, placed, "service_unavailable", b"retry-after: 1\r\n")
+            self._reply_error(503, placed, SERVICE_UNAVAILABLE, b"retry-after: 1\r\n")
             return
         self.pair = pair = placed
         pd.metrics.requests += 1
@@ -93,7 +94,7 @@ class PairExchange(Exchange):
             return
         legs = pd.bootstrap(pair)
         if isinstance(legs, str):
-            self._reply_error(503, legs, "service_unavailable")
+            self._reply_error(503, legs, SERVICE_UNAVAILABLE, b"retry-after: 1\r\n")
             return
         side = self.side = Leg(pair.prefill, pair.prefill_placement, record.key + "/p")
         side.request = self.target.for_worker(pair.prefill, bootstrap=legs[0], stream=False)
@@ -109,10 +110,12 @@ class PairExchange(Exchange):
     def _held_error(self, raw: bytes) -> None:
         """The decode sidecar answered an error: relay it, or re-run a failed handoff."""
         pd, pair, status = self.pd, self.pair, self.record.status
-        assert pair is not None  # held only while a pair serves the request
+        if pair is None or not self._holds_errors():  # served alone: as any error
+            self._relay_error(raw)
+            return
         error = _error_of(raw)
         if status != 502 or error.get("code") != TRANSFER_FAILED:
-            self._reply_raw(status, raw)
+            self._relay_error(raw)
             return
         message = str(error.get("message") or raw[:200].decode(errors="replace"))
         pd.metrics.transfer_failures[pd.policy.value] += 1
@@ -121,7 +124,7 @@ class PairExchange(Exchange):
                     prefill=pair.prefill.worker_id, decode=pair.decode.worker_id,
                     policy=pd.policy.value, error=message)
         if pd.policy is FailurePolicy.FAIL:
-            self._reply_raw(status, raw)
+            self._relay_error(raw)
             return
         self._release(self.leg)
         self._end_pair()
@@ -129,7 +132,7 @@ class PairExchange(Exchange):
         if placed is None:
             pd.metrics.fallbacks["no_worker"] += 1
             self._reply_error(503, f"{message}; no aggregated worker is available to re-run "
-                              "the request", "service_unavailable", b"retry-after: 1\r\n")
+                              "the request", SERVICE_UNAVAILABLE, b"retry-after: 1\r\n")
             return
         pd.metrics.fallbacks["rerun"] += 1
         worker, placement = placed

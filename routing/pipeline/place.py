@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvcore.errors import BAD_GATEWAY, RATE_LIMIT_EXCEEDED, SERVICE_UNAVAILABLE
 from routing.pipeline.context import PipelineContext
 from routing.placement.scorer import Placement, Reason
 from routing.placement.sessions import SessionAffinity
@@ -26,7 +27,7 @@ class Refusal:
 
     status: int
     message: str
-    type: str
+    code: str  # ``kvcore.errors``' code for the client
     busy: bool = False
 
 
@@ -52,7 +53,7 @@ def place_aggregated(
         if full:
             if len(full) == len(ids):
                 return Refusal(429, f"every worker is busy ({ctx.busy.describe()}); retry "
-                               "later", "rate_limit_exceeded", busy=True)
+                               "later", RATE_LIMIT_EXCEEDED, busy=True)
             busy = set(full)
             ids = [i for i in ids if i not in busy]
             if not ctx.policy.uses_prefix:
@@ -103,5 +104,5 @@ def _worker(ctx: PipelineContext, placement: Placement) -> Worker:
 
 def _none_left(tried: set[str], why: str) -> Refusal:
     if tried:
-        return Refusal(502, "every worker failed before answering", "bad_gateway")
-    return Refusal(503, why, "service_unavailable")
+        return Refusal(502, "every worker failed before answering", BAD_GATEWAY)
+    return Refusal(503, why, SERVICE_UNAVAILABLE)

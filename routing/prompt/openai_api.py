@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from kvcore.errors import OpenAIError
+from kvcore.errors import Dialect, OpenAIError
 
 __all__ = ["Endpoint", "OpenAIRequest", "media_parts", "parse_request"]
 
@@ -32,6 +32,11 @@ class Endpoint(enum.Enum):
     def prompted(self) -> bool:
         """Whether the gateway reads its prompt (tokenizes, hashes, checks its options)."""
         return self is Endpoint.CHAT or self is Endpoint.COMPLETIONS
+
+    @property
+    def dialect(self) -> Dialect:
+        """The error shape its clients read: Anthropic's on Anthropic's route."""
+        return Dialect.ANTHROPIC if self is Endpoint.MESSAGES else Dialect.OPENAI
 
 
 def _bad(message: str, param: str | None = None) -> OpenAIError:

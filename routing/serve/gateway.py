@@ -16,13 +16,21 @@ import random
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 import orjson
 
 from kvcore import BlockHasher
 from kvcore.control_token import CONTROL_TOKEN_HEADER, read_secret_file
-from kvcore.errors import OpenAIError
+from kvcore.errors import (
+    METHOD_NOT_ALLOWED,
+    MODEL_NOT_FOUND,
+    RATE_LIMIT_EXCEEDED,
+    UNKNOWN_ENDPOINT,
+    Dialect,
+    OpenAIError,
+)
 from kvcore.events import Tier
 from routing.config import LogLevel, RouterConfig
 from routing.http.client import UpstreamPool
@@ -66,7 +74,8 @@ _UNAUTHORIZED = OpenAIError(
     401,
     "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key')",
     code="invalid_api_key",
-).body()
+)
+_MODELS_PATH = b"/v1/models/"  # + a model's name: the SDK's ``models.retrieve``
 # With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
 # to bridge the prefill and the event's trip.
 _SPECULATIVE_TTL_WITH_EVENTS_S = 2.0
@@ -96,6 +105,7 @@ class Gateway:
             prefill_load_scale=1.0 if cfg.prefill_load_scale is None else cfg.prefill_load_scale,
             host_weight=cfg.host_weight,
             disk_weight=cfg.disk_weight,
+            remote_weight=cfg.remote_weight,
             temperature=cfg.router_temperature,
         )
         # Plain workers publish no KV events: recent placements are all kv mode can go by.
@@ -318,20 +328,24 @@ class Gateway:
 
     def handle(self, conn: ServerConnection, request: HttpRequest) -> None:
         path, method = request.path, request.method
+        endpoint = _ENDPOINTS.get(path)
+        dialect = Dialect.OPENAI if endpoint is None else endpoint.dialect
         tenant: Tenant | None = None
         if self.auth is not None and path not in _OPEN_PATHS:
             tenant = self.auth.authenticate(request.headers)
             if tenant is None:
                 self.metrics.unauthorized += 1
-                conn.respond(401, _UNAUTHORIZED, extra_headers=b"www-authenticate: Bearer\r\n"
+                conn.respond(401, _UNAUTHORIZED.body(dialect),
+                             extra_headers=b"www-authenticate: Bearer\r\n"
                              + self._id_header(request))
                 return
-        endpoint = _ENDPOINTS.get(path)
         if endpoint is not None:
             if method != b"POST":
-                self._plain_error(conn, request, 405, f"{path.decode()} takes POST")
+                self._plain_error(conn, request, OpenAIError(
+                    405, f"{path.decode()} takes POST, not {method.decode()}",
+                    code=METHOD_NOT_ALLOWED), dialect, b"allow: POST\r\n")
             elif tenant is not None and (wait_s := tenant.take_request()):
-                self._rate_limited(conn, request, tenant, wait_s)
+                self._rate_limited(conn, request, tenant, wait_s, dialect)
             else:
                 self._next_key += 1
                 key = f"{self._key_prefix}-{self._next_key}"
@@ -339,7 +353,7 @@ class Gateway:
                 admit(self.ctx, conn, request, endpoint, key, request_id, tenant)
             return
         if method not in (b"GET", b"HEAD"):
-            self._plain_error(conn, request, 404, f"no route for {method.decode()} {path.decode()}")
+            self._no_route(conn, request)
         elif path == b"/health":
             routable = sum(w.health is Health.ROUTABLE for w in self.workers)
             status = "draining" if self.draining else "ok" if routable else "no healthy worker"
@@ -348,6 +362,8 @@ class Gateway:
             conn.respond(code, body, extra_headers=self._id_header(request))
         elif path == b"/v1/models":
             conn.respond(200, self._models_body(), extra_headers=self._id_header(request))
+        elif path.startswith(_MODELS_PATH):
+            self._model_view(conn, request, path[len(_MODELS_PATH):])
         elif path == b"/v1/workers":
             conn.respond(
                 200, orjson.dumps(self.workers_state()), extra_headers=self._id_header(request)
@@ -358,7 +374,7 @@ class Gateway:
             body = openapi_json(tuple(self.model_names()))
             conn.respond(200, body, extra_headers=self._id_header(request))
         else:
-            self._plain_error(conn, request, 404, f"no route for GET {path.decode()}")
+            self._no_route(conn, request)
 
     def model_names(self) -> Sequence[str]:
         """The names clients may ask for: configured, or learned from the workers."""
@@ -374,39 +390,58 @@ class Gateway:
         )
 
     def _plain_error(
-        self, conn: ServerConnection, request: HttpRequest, status: int, message: str
+        self, conn: ServerConnection, request: HttpRequest, error: OpenAIError,
+        dialect: Dialect = Dialect.OPENAI, headers: bytes = b"",
     ) -> None:
-        type_ = "NotFoundError" if status == 404 else "invalid_request_error"
-        body = OpenAIError(status, message, type_).body()
-        conn.respond(status, body, extra_headers=self._id_header(request))
+        conn.respond(error.status, error.body(dialect),
+                     extra_headers=headers + self._id_header(request))
+
+    def _no_route(self, conn: ServerConnection, request: HttpRequest) -> None:
+        routes = ", ".join(e.value for e in Endpoint)
+        self._plain_error(conn, request, OpenAIError(
+            404, f"no route for {request.method.decode()} {request.path.decode()}: this "
+            f"gateway serves POST {routes}, GET /v1/models[/<model>], /health, /metrics, "
+            "/v1/workers and /openapi.json", code=UNKNOWN_ENDPOINT))
+
+    def _model_view(self, conn: ServerConnection, request: HttpRequest, raw: bytes) -> None:
+        """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""
+        name = unquote(raw.decode(errors="replace"))
+        names = self.model_names()
+        if name not in names:
+            self._plain_error(conn, request, OpenAIError(
+                404, f"the model {name!r} does not exist; this gateway serves {list(names)}",
+                param="model", code=MODEL_NOT_FOUND))
+            return
+        conn.respond(200, orjson.dumps(self._model_object(name)),
+                     extra_headers=self._id_header(request))
 
     def _rate_limited(
-        self, conn: ServerConnection, request: HttpRequest, tenant: Tenant, wait_s: float
+        self, conn: ServerConnection, request: HttpRequest, tenant: Tenant, wait_s: float,
+        dialect: Dialect,
     ) -> None:
         self.metrics.rate_limited += 1
         body = OpenAIError(
             429,
             f"tenant {tenant.name!r} is over its limit of requests per second; retry after "
             f"{wait_s:.2f}s",
-            "rate_limit_error",
-            code="rate_limit_exceeded",
-        ).body()
+            code=RATE_LIMIT_EXCEEDED,
+        ).body(dialect)
         conn.respond(429, body, extra_headers=retry_after_header(wait_s) + self._id_header(request))
 
     # --- state views ---------------------------------------------------------------------
 
+    def _model_object(self, name: str) -> dict[str, Any]:
+        """OpenAI's model object (``max_model_len`` as vLLM and SGLang add it)."""
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(self.started_s),
+            "owned_by": "kvsidecar",
+            "max_model_len": self.prompts.max_model_len,
+        }
+
     def _models_body(self) -> bytes:
-        created = int(self.started_s)
-        data = [
-            {
-                "id": n,
-                "object": "model",
-                "created": created,
-                "owned_by": "kvsidecar",
-                "max_model_len": self.prompts.max_model_len,
-            }
-            for n in self.model_names()
-        ]
+        data = [self._model_object(n) for n in self.model_names()]
         return orjson.dumps({"object": "list", "data": data})
 
     def workers_state(self) -> dict[str, Any]:
@@ -449,6 +484,8 @@ class Gateway:
                     "parity": worker.parity.value,
                     "parity_reason": worker.parity_reason,
                     "idle_connections": self.pool.idle_count(wid),
+                    # relayed routes its engine refused lately (asked again after a while)
+                    "refused_endpoints": self.ctx.refusals.of(wid),
                 }
             )
         pending = {} if self.sidecars is None else self.sidecars.pending

@@ -54,13 +54,17 @@ _COMPLETION = {"type": "object", "required": ["model", "prompt"], "additionalPro
                "properties": {**_SAMPLING, "prompt": {"oneOf": [
                    {"type": "string"},
                    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+                   {"type": "array", "items": {"type": "string"}, "minItems": 1},
+                   {"type": "array", "minItems": 1, "items": {
+                       "type": "array", "items": {"type": "integer", "minimum": 0},
+                       "minItems": 1}},
                ]}}}
 _ERRORS = {
     str(status): {"description": why, "content": {"application/json": {"schema": _ERROR}}}
     for status, why in (
         (400, "malformed body, bad parameter, over the context limit"),
         (401, "a missing or unknown API key (--api-key-file)"),
-        (404, "unknown model"),
+        (404, "unknown model (model_not_found), or no worker serves the route"),
         (413, "body over --max-body-bytes"),
         (429, "every worker busy, or the tenant over its rate (retry-after)"),
         (502, "every worker tried failed before answering"),
@@ -86,6 +90,16 @@ def _read(summary: str, media: str = "application/json") -> dict[str, Any]:
                                   "503": {"description": "no routable worker (health only)"}}}}
 
 
+def _model_read() -> dict[str, Any]:
+    return {"get": {
+        "summary": "one served model (OpenAI's model object)",
+        "parameters": [{"name": "model", "in": "path", "required": True,
+                        "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "the model", "content": {"application/json": {}}},
+                      "404": _ERRORS["404"]},
+    }}
+
+
 def document(model_names: Sequence[str] = ()) -> dict[str, Any]:
     """The document; ``model_names``: the names clients may ask for (empty: any string)."""
     model: dict[str, Any] = {"type": "string"}
@@ -102,6 +116,7 @@ def document(model_names: Sequence[str] = ()) -> dict[str, Any]:
                                               chat),
             "/v1/completions": _prompted("OpenAI completions, placed by KV prefix", completion),
             "/v1/models": _read("the served models"),
+            "/v1/models/{model}": _model_read(),
             "/v1/workers": _read("the workers, their state and placement figures"),
             "/health": _read("200 while some worker is routable"),
             "/metrics": _read("Prometheus metrics", "text/plain"),

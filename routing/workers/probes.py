@@ -1,8 +1,10 @@
 """Health probes: ``GET /health`` on every worker (a plain engine, or a worker's sidecar).
 
 Every ``interval_s``, and at once for a worker whose stream says it is routable again while
-its last probe failed (``WorkerRegistry.probe_soon``). Model names are learned from a plain
-worker's ``/v1/models`` when the operator did not name them.
+its last probe failed (``WorkerRegistry.probe_soon``). A failed worker keeps being probed
+and is back with the first 200. A refusal's reason is the worker's own when its body says one
+(a sidecar's ``{"reason": ...}``), so ``/v1/workers`` shows why. Model names are learned from
+a plain worker's ``/v1/models`` when the operator did not name them.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ class WorkerProber:
     async def probe(self, worker: Worker) -> None:
         a = worker.address
         try:
-            status, _ = await simple_request(
+            status, body = await simple_request(
                 a.host, a.port, "GET", a.base_path + "/health", self.timeout_s
             )
             if status != 200:
-                raise OSError(f"GET /health answered {status}")
+                raise _RefusedError(_refusal(status, body))
             if self.discover_models and worker.kind is WorkerKind.PLAIN and not worker.models:
                 status, body = await simple_request(
                     a.host, a.port, "GET", a.base_path + "/v1/models", self.timeout_s
@@ -54,6 +56,8 @@ class WorkerProber:
                     data = orjson.loads(body).get("data") or []
                     names = tuple(str(m["id"]) for m in data if "id" in m)
                     self.registry.learned_models(worker, names)
+        except _RefusedError as exc:
+            self.registry.probed(worker, False, str(exc))
         except (OSError, TimeoutError, ValueError, KeyError, AttributeError) as exc:
             self.registry.probed(worker, False, f"{type(exc).__name__}: {exc}")
         else:
@@ -84,3 +88,18 @@ class WorkerProber:
             await self.probe(worker)
         finally:
             self._soon.discard(worker.worker_id)
+
+
+class _RefusedError(Exception):
+    """``/health`` answered, but not 200."""
+
+
+def _refusal(status: int, body: bytes) -> str:
+    """Why ``/health`` refused: the ``reason`` its JSON body gives, else the status."""
+    try:
+        reason = orjson.loads(body).get("reason") if body else None
+    except (orjson.JSONDecodeError, AttributeError):
+        reason = None
+    if isinstance(reason, str) and reason:
+        return reason
+    return f"GET /health answered {status}"

@@ -23,7 +23,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
-from typing import TypeVar, cast
+from typing import TypeVar, cast, overload
 
 import aiohttp
 
@@ -92,6 +92,24 @@ async def wait_for(
 ) -> T:
     """``wait_until`` on the event loop, polling finely (some windows last milliseconds)."""
     return await _wait(check, what, timeout_s, interval_s)
+
+
+@overload
+async def eventually(
+    check: Callable[[], Awaitable[T]],
+    what: str,
+    timeout_s: float = 20.0,
+    interval_s: float = 0.02,
+) -> T: ...
+
+
+@overload
+async def eventually(
+    check: Callable[[], T],
+    what: str,
+    timeout_s: float = 20.0,
+    interval_s: float = 0.02,
+) -> T: ...
 
 
 async def eventually(

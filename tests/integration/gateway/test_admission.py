@@ -74,7 +74,7 @@ async def test_a_request_that_waits_too_long_gets_503_with_retry_after(spawn) ->
     status, headers, body = await h.post(gateway.url, "/v1/chat/completions", h.chat())
     assert status == 503 and headers["retry-after"] == "1"
     error = orjson.loads(body)["error"]
-    assert error["type"] == "service_unavailable" and "--queue-timeout-s" in error["message"]
+    assert error["code"] == "service_unavailable" and "--queue-timeout-s" in error["message"]
     holder.close()
     _, text = await h.get(gateway.url, "/metrics")
     assert b'kvsidecar_gateway_admission_requests_total{outcome="expired"} 1.0' in text

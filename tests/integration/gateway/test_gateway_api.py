@@ -138,12 +138,17 @@ async def test_malformed_requests(stack, path: str, raw: bytes, status: int, fra
 
 
 async def test_wrong_method_and_unknown_path(stack) -> None:  # type: ignore[no-untyped-def]
-    """GET on a POST endpoint is 405; an unknown path is 404, both OpenAI-shaped."""
+    """GET on a POST endpoint is 405; an unknown path is 404, both OpenAI-shaped with a
+    code naming the reason."""
     gateway, _ = stack
     status, body = await h.get(gateway.url, "/v1/chat/completions")
-    assert status == 405 and "takes POST" in orjson.loads(body)["error"]["message"]
+    error = orjson.loads(body)["error"]
+    assert status == 405 and "takes POST" in error["message"]
+    assert error["code"] == "method_not_allowed"
     status, body = await h.get(gateway.url, "/v1/nothing")
-    assert status == 404 and orjson.loads(body)["error"]["type"] == "NotFoundError"
+    error = orjson.loads(body)["error"]
+    assert status == 404 and error["code"] == "unknown_endpoint"
+    assert error["type"] == "invalid_request_error"
 
 
 async def test_malformed_http_keeps_others_alive(stack) -> None:  # type: ignore[no-untyped-def]
@@ -253,7 +258,12 @@ async def test_other_openai_routes_reach_a_worker(stack, path: str, body: dict) 
     assert status == 200 and headers["x-kvsidecar-worker"]
     assert orjson.loads(raw) == {"object": "echo", "path": path, "body": body}
     status, _, raw = await h.post(gateway.url, path, {**body, "model": "other"})
-    assert status == 404 and orjson.loads(raw)["error"]["code"] == "model_not_found"
+    error = orjson.loads(raw)
+    if path == "/v1/messages":  # Anthropic's route, Anthropic's error shape
+        assert status == 404 and error["type"] == "error"
+        assert error["error"]["type"] == "not_found_error"
+    else:
+        assert status == 404 and error["error"]["code"] == "model_not_found"
 
 
 async def test_a_lora_adapter_of_a_served_model_is_served(stack) -> None:  # type: ignore[no-untyped-def]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections import Counter
 
 import aiohttp
@@ -11,6 +13,7 @@ import pytest
 
 from tests.support import gateway_http as h
 from tests.support.polling import eventually
+from tests.support.processes import log_event
 
 NO_PROBES = ("--health-check-interval-s", "3600")
 
@@ -116,7 +119,9 @@ async def test_429_when_every_worker_is_saturated(spawn) -> None:  # type: ignor
     workers = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
     assert [w["in_flight"] for w in workers] == [1, 1]
     status, headers, body = await h.post(gateway.url, "/v1/chat/completions", h.chat())
-    assert status == 429 and orjson.loads(body)["error"]["type"] == "rate_limit_exceeded"
+    error = orjson.loads(body)["error"]
+    assert status == 429 and error["code"] == "rate_limit_exceeded"
+    assert error["type"] == "rate_limit_error" and headers["retry-after"] == "1"
     assert "x-request-id" in headers
     for _, writer in held:
         writer.close()
@@ -132,20 +137,33 @@ async def test_429_when_every_worker_is_saturated(spawn) -> None:  # type: ignor
 async def test_sigterm_drains_in_flight_streams(spawn) -> None:  # type: ignore[no-untyped-def]
     """On SIGTERM the gateway stops listening but lets a running stream finish, then exits 0."""
     engine = spawn.engine()
-    gateway = spawn.gateway([engine], "--router-mode", "round-robin")
-    stream = asyncio.ensure_future(
-        h.post(
-            gateway.url,
-            "/v1/chat/completions",
-            h.chat(stream=True, max_tokens=20, fake_delay_s=0.02),
+    gateway = spawn.gateway([engine], "--router-mode", "round-robin", *NO_PROBES)
+    assert (await h.post(gateway.url, "/v1/chat/completions", h.chat()))[0] == 200
+    # The engine is stopped until the signal has landed: the stream is in flight then,
+    # however fast it would have run, and all of it is served while the gateway drains.
+    os.kill(engine.popen.pid, signal.SIGSTOP)
+    try:
+        stream = asyncio.ensure_future(
+            h.post(
+                gateway.url,
+                "/v1/chat/completions",
+                h.chat(stream=True, max_tokens=20, fake_delay_s=0.02),
+            )
         )
-    )
 
-    async def streaming() -> bool:
-        return (await h.get_json(engine.url, "/_stats"))["active"] == 1
+        async def in_flight() -> bool:
+            workers = (await h.get_json(gateway.url, "/v1/workers"))["workers"]
+            return workers[0]["in_flight"] == 1
 
-    await eventually(streaming, "the stream to start", 10.0)
-    gateway.popen.terminate()
+        await eventually(in_flight, "the stream to be in flight", 10.0)
+        gateway.popen.terminate()
+        assert gateway.log is not None
+        stopping = await eventually(
+            lambda: log_event(gateway.log, "gateway_stopping", gateway.popen),
+            "the gateway to take the signal", 10.0)
+        assert stopping["in_flight"] == 1
+    finally:
+        os.kill(engine.popen.pid, signal.SIGCONT)
     status, _, body = await stream
     assert status == 200 and len(h.sse_events(body)) == 21
     assert await asyncio.to_thread(gateway.popen.wait, 10) == 0

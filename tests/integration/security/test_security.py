@@ -188,7 +188,7 @@ async def test_a_missing_or_wrong_key_gets_401_and_reaches_no_engine(
                     assert resp.headers["www-authenticate"] == "Bearer"
                     error = (await resp.json())["error"]
                     assert error["code"] == "invalid_api_key"
-                    assert error["type"] == "invalid_request_error"
+                    assert error["type"] == "authentication_error"
         for path in ("/v1/workers", "/v1/models"):  # operator data and the model list
             async with anonymous.get(f"{url}{path}") as resp:
                 assert resp.status == 401

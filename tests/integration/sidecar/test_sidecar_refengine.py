@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,7 +211,8 @@ class TestSidecarWithEngine:
             eng.stop()
 
     async def test_silent_engine_is_reported_unroutable(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
-        """Shared-prefix traffic with no KV events for silent_after_s makes /health say why."""
+        """A request that stored new blocks, then a canary's, with no KV event: /health says
+        why (the re-check and the way back: tests/integration/sidecar/test_kv_event_silence)."""
         eng = engine(tmp_path)
         # Listen to an endpoint nobody publishes on: the engine serves, events never arrive.
         sc = sidecar(
@@ -239,19 +241,33 @@ class TestSidecarWithEngine:
                                     interval_s=0.05)
             assert body["http"] == 503 and body["routable"] is False
             assert "published no KV event" in str(body["reason"])
+            assert body["kv_events"]["canaries_sent"] >= 1  # re-checked before the verdict
         finally:
             sc.stop()
             eng.stop()
 
     async def test_sigterm_drains_and_exits_zero(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
         """SIGTERM mid-request lets the request finish, then the sidecar exits 0."""
-        eng = engine(tmp_path, speedup=1)  # 64 decode steps of ~8 ms: long enough to signal
+        eng = engine(tmp_path, speedup=1)
         sc = sidecar(tmp_path, eng.url)
         try:
-            pending = asyncio.create_task(generate(session, sc.url, prompt(6), "i", max_tokens=64))
-            await eventually(lambda: in_flight_is(session, sc.url, 1),
-                             "the request to be in flight", timeout_s=10, interval_s=0.005)
-            sc.proc.send_signal(signal.SIGTERM)
+            # The engine is stopped until the signal has landed: the request is in flight
+            # then, however fast the engine would have answered it.
+            os.killpg(eng.proc.pid, signal.SIGSTOP)
+            try:
+                pending = asyncio.create_task(
+                    generate(session, sc.url, prompt(6), "i", max_tokens=64))
+                await eventually(lambda: in_flight_is(session, sc.url, 1),
+                                 "the request to be in flight", timeout_s=10, interval_s=0.005)
+                sc.proc.send_signal(signal.SIGTERM)
+
+                async def draining() -> bool:
+                    async with session.get(f"{sc.url}/health") as resp:
+                        return bool((await resp.json())["draining"])
+
+                await eventually(draining, "the sidecar to drain", timeout_s=10)
+            finally:
+                os.killpg(eng.proc.pid, signal.SIGCONT)
             result = await pending
             assert result["status"] == 200
             assert sc.stop() == 0
@@ -287,9 +303,12 @@ async def in_flight_is(session: aiohttp.ClientSession, url: str, count: int) -> 
 
 @pytest.mark.slow
 async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
-    """Blocks an engine hook puts in the sidecar's store appear in the gateway's host tier."""
+    """Blocks an engine hook puts in the sidecar's store, keyed by their pages' hashes as
+    SGLang's HiCache hook keys them, appear in the gateway's host tier by canonical hash."""
     import numpy as np
 
+    from adapters.sglang.hicache_keys import HiCacheKeyMap
+    from refengine.page_hash import page_digests
     from shm import BlockStoreClient
 
     eng = engine(tmp_path)
@@ -307,13 +326,16 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
     try:
         feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
         task = asyncio.create_task(feed.run())
-        blocks = HASHER.hash_tokens(prompt(8), Namespace("tiny").seed)
-        seed = Namespace("tiny").seed
-        data = [np.full(4096, i, dtype=np.uint8) for i in range(len(blocks))]
+        await generate(session, sc.url, prompt(8), "p")  # its events name the pages
+        await eventually(lambda: overlap(feed, prompt(8)).get(Tier.GPU) == {"r0": 6},
+                         "the engine's blocks at the gateway")
+        keys = HiCacheKeyMap("tiny").store_keys(
+            [d.hex() for d in page_digests(prompt(8), 16)])
+        data = [np.full(4096, i, dtype=np.uint8) for i in range(len(keys))]
         with BlockStoreClient(str(sock)) as store:
-            store.put_many([(seed, b) for b in blocks], data, parent_hashes=[None, *blocks[:-1]])
-            outs = [np.empty(4096, dtype=np.uint8) for _ in blocks]
-            assert store.get_many([(seed, b) for b in blocks], outs) == [True] * len(blocks)
+            store.put_many(keys, data, parent_hashes=[None, *(k[1] for k in keys[:-1])])
+            outs = [np.empty(4096, dtype=np.uint8) for _ in keys]
+            assert store.get_many(keys, outs) == [True] * len(keys)
         assert all((o == i).all() for i, o in enumerate(outs))
         await eventually(lambda: overlap(feed, prompt(8)).get(Tier.HOST) == {"r0": 6},
                          "the stored blocks in the gateway's host tier")

@@ -323,7 +323,6 @@ OUTCOMES: dict[str, dict[str, str]] = {
         "ebnf": "ebnf is not supported by the reference engine",
         "logprobs": "logprobs are not supported by the reference engine",
         "completion_logprobs": "logprobs are not supported by the reference engine",
-        "n": "n must be 1",
         "reasoning": "reasoning is not supported by the reference engine",
         "image": "only text content parts are supported",
         "lora": "LoRA adapters are not supported by the reference engine",

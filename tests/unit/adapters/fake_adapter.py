@@ -20,6 +20,8 @@ from adapters.base import (
     EngineRequest,
     EventEndpoint,
     PrefillDecode,
+    StoreKeys,
+    StoreNameSink,
 )
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
@@ -46,6 +48,12 @@ class _EchoTranslator:
     def finish(self) -> list[dict[str, Any]]:
         return []
 
+    def token_ids(self) -> list[int] | None:
+        return None
+
+    def cached_tokens(self) -> int | None:
+        return None
+
     def error(self, status: int, body: bytes) -> OpenAIError:
         return OpenAIError(status, body.decode())
 
@@ -55,6 +63,7 @@ class FakeAdapter:
 
     kind = EngineKind.SGLANG  # it pretends to front an SGLang-like engine
     pd: PrefillDecode | None = None
+    store_keys = StoreKeys.CANONICAL  # no storage hook: nothing to name
 
     def __init__(self, worker_id: str = "fake", model_id: str = "m", block_size: int = 4) -> None:
         self.metrics = AdapterMetrics("fake")
@@ -145,6 +154,9 @@ class FakeAdapter:
 
     def block_layout(self) -> BlockLayout:
         return BlockLayout(2, 2, 8, self.block_size, "float32")
+
+    def watch_store_names(self, sink: StoreNameSink) -> None:
+        return None
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
         return EngineRequest("/echo", {"input_ids": request.prompt_token_ids}, request.stream)

@@ -140,7 +140,7 @@ def test_sglang_whole_response() -> None:
             "field x",
             "invalid_request_error",
         ),
-        (404, {"detail": "Not Found"}, "Not Found", "not_found_error"),
+        (404, {"detail": "Not Found"}, "Not Found", "invalid_request_error"),
         (503, b"upstream gone", "sglang engine error: upstream gone", "server_error"),
     ],
 )
@@ -153,6 +153,7 @@ def test_engine_error_bodies_become_openai_errors(
     assert err.status == status
     assert err.to_dict()["error"]["message"] == message
     assert err.to_dict()["error"]["type"] == kind
+    assert err.to_dict()["error"]["code"] is None  # never the engine's numeric code
 
 
 def test_streamed_error_and_abort_raise_openai_errors() -> None:
