@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
-from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from routing.placement.active_load import ActiveLoad
 from routing.placement.peer_share import PeerShare
 from routing.placement.pending import PendingPrefixes
@@ -69,13 +69,16 @@ class KvRouter:
             self.load.on_first_token = self._first_token
 
     def apply(self, event: KVEvent) -> ApplyOutcome:
-        """Feed one normalized event; a GPU store confirms speculative blocks."""
+        """Feed one normalized event; a GPU store confirms speculative blocks, a GPU clear
+        drops them (the worker's cache starts over: a restarted engine, a flush, a resync)."""
         outcome = self.index.apply(event)
         if event.tier is not Tier.GPU:
             return outcome
         kind = type(event)
         if kind is BlockStored:
             self.pending.confirm(event.worker_id, event.block_hashes)  # type: ignore[union-attr]
+        elif kind is AllBlocksCleared:
+            self.pending.forget_worker(event.worker_id)
         tuner = self.tuner
         if tuner is None or outcome in _DROPPED:
             return outcome

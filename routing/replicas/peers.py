@@ -60,6 +60,7 @@ class RemotePeers:
         self.num_batches = 0
         self.num_gaps = 0  # batches after a missed one (each may ask for a snapshot)
         self.num_lost = 0  # peers dropped for silence
+        self._last_expire_s: float | None = None  # when ``expire`` last ran
 
     def __len__(self) -> int:
         return len(self._peers)
@@ -91,13 +92,26 @@ class RemotePeers:
         return ask
 
     def expire(self) -> list[str]:
-        """Drop the peers silent for ``timeout_s``, with their load; their ids."""
-        limit = self._clock() - self.timeout_s
+        """Drop the peers silent for ``timeout_s``, with their load; their ids.
+
+        Called at least every third of ``timeout_s`` (the link's heartbeat). A gap past half
+        of it since the last call means this replica was stalled (paused, starved): what the
+        peers sent meanwhile waits unread, so that silence is this replica's, not theirs, and
+        their leases are moved on by the stall instead of being dropped for it.
+        """
+        now = self._clock()
+        last, self._last_expire_s = self._last_expire_s, now
+        if last is not None and now - last > self.timeout_s / 2:
+            stalled_s = now - last
+            log.warning("replica_stalled", stalled_s=round(stalled_s, 3), peers=len(self._peers))
+            for peer in self._peers.values():
+                peer.last_seen_s = min(now, peer.last_seen_s + stalled_s)
+        limit = now - self.timeout_s
         gone = [rid for rid, p in self._peers.items() if p.last_seen_s < limit]
         for rid in gone:
             peer = self._peers.pop(rid)
             log.warning("replica_peer_lost", replica_id=rid, requests=len(peer.keys),
-                        silent_s=round(self._clock() - peer.last_seen_s, 3))
+                        silent_s=round(now - peer.last_seen_s, 3))
             self._drop_requests(peer)
             self.num_lost += 1
         if gone:

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 from kvcore import BlockHasher, Namespace
-from kvcore.events import BlockRemoved, BlockStored, Tier
+from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from routing.placement.kv_router import KvRouter
 from routing.placement.pending import PendingPrefixes
 
@@ -86,6 +86,20 @@ class TestPlacement:
         router.apply(BlockStored("w0", 0, 1, Tier.GPU, hashes))
         router.apply(BlockRemoved("w0", 0, 2, Tier.GPU, hashes[5:]))
         assert router.candidates(hashes, ["w0"])[0].overlap.gpu == 5
+
+    def test_cleared_cache_drops_speculation(self) -> None:
+        """A GPU clear (a restarted engine) drops the worker's speculative prefixes too."""
+        clock = Clock()
+        router = KvRouter(rng=random.Random(0), clock=clock, speculative_ttl_s=60.0)
+        tokens, hashes = prompt(10, 7)
+        for i, worker in enumerate(["w0", "w1"]):
+            placement = router.place(hashes, len(tokens), [worker])
+            router.dispatch(f"r{i}", placement, hashes, len(tokens))  # type: ignore[arg-type]
+        router.apply(AllBlocksCleared("w0", 0, 1, Tier.HOST))
+        assert router.candidates(hashes, ["w0"])[0].overlap.gpu == 10
+        router.apply(AllBlocksCleared("w0", 0, 2, Tier.GPU))
+        overlaps = [c.overlap.gpu for c in router.candidates(hashes, ["w0", "w1"])]
+        assert overlaps == [0, 10]
 
     def test_dead_worker_leaves_placement(self) -> None:
         """remove_worker drops the worker's blocks and returns its in-flight requests."""

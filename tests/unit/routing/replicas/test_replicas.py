@@ -197,6 +197,24 @@ class TestPeers:
         assert b.peers.expire() == ["a"]
         assert b.load.in_flight_on(worker) == 0 and len(b.peers) == 0
 
+    def test_own_stall_is_not_the_peers_silence(self) -> None:
+        """A replica stalled past the timeout (paused) keeps its peers and their load; a peer
+        still silent a timeout after the stall is dropped."""
+        clock = Clock()
+        a, b = Replica("a", clock, 1), Replica("b", clock, 2)
+        worker = a.place("k", 40, 1)
+        b.hear(a.publish())
+        assert b.peers.expire() == []
+        clock.now += 5.0  # b paused: a's heartbeats wait unread
+        assert b.peers.expire() == []
+        assert b.load.in_flight_on(worker) == 1 and b.peers.num_lost == 0
+        for step in (1.0, 1.0, 0.9):
+            clock.now += step
+            assert b.peers.expire() == []
+        clock.now += 0.2
+        assert b.peers.expire() == ["a"]
+        assert b.load.in_flight_on(worker) == 0
+
     def test_finish_releases_peer_load(self) -> None:
         """The peer's finish releases the load it placed here."""
         clock = Clock()
