@@ -1,24 +1,39 @@
 #!/usr/bin/env python3
 """Benchmark gateway replicas: one gateway against two that agree over NATS against two that
-do not, on a multi-turn chat workload behind a round-robin client-side split.
+do not, on multi-turn chat loads behind a round-robin client-side split.
 
 Each configuration runs on a fresh stack: a local ``nats-server``, ``--workers`` simulated
-reference engines (``refengine --compute sim``, each KV cache ``--cache-tokens`` tokens, so
-the sessions need several workers' caches: more than one worker holds) with their sidecars,
-and the gateways (``kvsidecar gateway``, with ``--nats`` in the synced case). The workload:
-``--groups`` groups of sessions, each group sharing a long system prompt (an agent's
-instructions, a shared document), ``--sessions`` sessions in all, ``--turns`` turns each (each
-turn's prompt is the whole conversation so far, with the replies the engine gave), sessions
-started together in waves of ``--concurrency``; request i goes to gateway i mod n, so a
-session's turns alternate between the replicas. Each configuration runs ``--repeats`` times
-on fresh stacks (the gateways' seeds differ per run), interleaved, and the runs are pooled:
-one run's hit rate moves by a few percent with the placements' timing.
+reference engines (``refengine --compute sim``, each with a KV cache of the load's size, so
+the sessions need several workers' caches) with their sidecars, and the gateways
+(``kvsidecar gateway``, with ``--nats`` in the synced case). Request i goes to gateway
+i mod n, so a session's turns alternate between the replicas. Two loads (``--load``), each a
+set of sessions in groups that share a long system prompt (an agent's instructions, a shared
+document), each turn's prompt the whole conversation so far with the replies the engine
+gave:
+
+* ``groups``: 96 sessions in 12 groups (~700-token system prompts), 4 turns, started in
+  waves of 24; each engine caches 6,144 tokens. The caches hold the 12 prompts and most
+  conversations: hit rate is decided by where the first wave's new prompts go.
+* ``capacity``: 384 sessions, each with one of 40 system prompts of ~2,000 tokens (drawn at
+  random, seeded), 2 turns, 64 sessions in flight (a new one starts as one ends), the first
+  64 together; each engine caches 16,384 tokens (1,024 blocks),
+  so the 40 prompts alone (~80,000 tokens) overflow the four caches: capacity-bound, every
+  prompt a worker holds evicts another.
+
+Each configuration runs ``--repeats`` times on fresh stacks (the gateways' seeds differ per
+run), interleaved, and the runs are pooled: one run's hit rate moves by a few percent with
+the placements' timing.
 
 Cache hit rate: the engines' own ``cached_tokens`` over prompt tokens, summed over every
-request. TTFT: time to the first streamed chunk, at the client.
+request. TTFT: time to the first streamed chunk, at the client. Workers per prompt: how many
+workers served each system prompt's sessions in a run (the gateway's ``x-kvsidecar-worker``),
+averaged over prompts and runs; copies beyond one cost cache. ``--trace DIR`` writes every
+request (session, group, turn, gateway, the gateway's worker and placement headers, the
+engine's cached tokens) as JSON lines, one file per run.
 
-Prints a table; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``. Ratios,
->= 1 meaning the synced pair is as good or better than the baseline of the same run:
+Prints a table per load; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``.
+Ratios, >= 1 meaning the synced pair is as good or better than the baseline of the same run,
+named with the load's prefix (none for ``groups``, ``capacity_`` for ``capacity``):
 ``hit_rate_two_synced_vs_one`` (target >= 0.98), ``hit_rate_two_synced_vs_two_unsynced``,
 ``ttft_p50_two_synced_vs_one`` and ``ttft_p99_two_synced_vs_two_unsynced`` (baseline TTFT /
 synced TTFT).
@@ -28,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -35,6 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TextIO
 
 import aiohttp
 
@@ -51,6 +68,47 @@ WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "m
          "placement", "request", "session", "worker", "stream", "answer", "context", "model",
          "prompt", "system", "user", "assistant"]
 CONFIGS = (("one", 1, False), ("two_synced", 2, True), ("two_unsynced", 2, False))
+_TRACE_HEADERS = (("worker", "x-kvsidecar-worker"),
+                  ("predicted_blocks", "x-kvsidecar-cached-blocks"),
+                  ("best_blocks", "x-kvsidecar-best-overlap-blocks"),
+                  ("reason", "x-kvsidecar-placement-reason"))
+
+
+@dataclass(frozen=True)
+class Load:
+    """One workload and the cache size it runs against (about 2.8 tokens per word)."""
+
+    name: str
+    prefix: str  # of its figure and ratio names
+    cache_tokens: int  # each engine's KV cache
+    groups: int  # system prompts, each shared by its sessions
+    sessions: int
+    turns: int
+    concurrency: int  # sessions started together (waves) or kept in flight (continuous)
+    continuous: bool
+    drawn: bool  # each session's system prompt drawn at random (else session i's is i mod groups)
+    system_words: int
+    user_words: int = 40
+    max_tokens: int = 24
+    overlap_weight: float | None = None  # the gateways' --overlap-weight; None: learned
+    quick: tuple[int, int, int] = (32, 4, 16)  # --quick: sessions, groups, concurrency
+
+    def smoke(self) -> Load:
+        """The load ``--quick`` runs instead."""
+        sessions, groups, concurrency = self.quick
+        return dataclasses.replace(self, sessions=sessions, groups=groups,
+                                   concurrency=concurrency)
+
+
+LOADS = {
+    "groups": Load("groups", "", cache_tokens=6144, groups=12, sessions=96, turns=4,
+                   concurrency=24, continuous=False, drawn=False, system_words=250,
+                   overlap_weight=10.0,
+                   quick=(32, 4, 16)),
+    "capacity": Load("capacity", "capacity_", cache_tokens=16384, groups=40, sessions=384,
+                     turns=2, concurrency=64, continuous=True, drawn=True, system_words=715,
+                     quick=(128, 40, 64)),
+}
 
 
 @dataclass
@@ -61,6 +119,8 @@ class Result:
     failed: int = 0
     ttft_s: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    prompt_workers: list[int] = field(default_factory=list)  # per system prompt and run
+    workers: dict[int, set[str]] = field(default_factory=dict)  # this run: prompt → workers
 
     def merge(self, other: Result) -> None:
         self.prompt_tokens += other.prompt_tokens
@@ -69,10 +129,16 @@ class Result:
         self.failed += other.failed
         self.ttft_s += other.ttft_s
         self.wall_s += other.wall_s
+        self.prompt_workers += [len(w) for w in other.workers.values()]
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def workers_per_prompt(self) -> float:
+        n = self.prompt_workers
+        return sum(n) / len(n) if n else 0.0
 
     def ttft(self, q: float) -> float:
         xs = sorted(self.ttft_s)
@@ -86,16 +152,19 @@ def text(rng: random.Random, words: int) -> str:
 @dataclass(frozen=True)
 class Workload:
     systems: list[str]  # one per group
+    groups: list[int]  # per session: its group
     turns: list[list[str]]  # per session: its user messages
     max_tokens: int
 
     @classmethod
-    def make(cls, args: argparse.Namespace) -> Workload:
-        rng = random.Random(args.seed)
-        systems = [text(rng, args.system_words) for _ in range(args.groups)]
-        turns = [[text(rng, args.user_words) for _ in range(args.turns)]
-                 for _ in range(args.sessions)]
-        return cls(systems, turns, args.max_tokens)
+    def make(cls, load: Load, seed: int) -> Workload:
+        rng = random.Random(seed)
+        systems = [text(rng, load.system_words) for _ in range(load.groups)]
+        turns = [[text(rng, load.user_words) for _ in range(load.turns)]
+                 for _ in range(load.sessions)]
+        groups = [rng.randrange(load.groups) if load.drawn else i % load.groups
+                  for i in range(load.sessions)]
+        return cls(systems, groups, turns, load.max_tokens)
 
 
 class Split:
@@ -105,64 +174,99 @@ class Split:
         self.urls = urls
         self.next = 0
 
-    def url(self) -> str:
-        url = self.urls[self.next % len(self.urls)]
+    def pick(self) -> tuple[int, str]:
+        i = self.next % len(self.urls)
         self.next += 1
-        return url
+        return i, self.urls[i]
 
 
-async def one_turn(session: aiohttp.ClientSession, url: str, messages: list[dict[str, str]],
-                   max_tokens: int, result: Result) -> str:
-    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first: float | None = None
-    parts: list[str] = []
-    usage = None
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            result.failed += 1
-            await resp.read()
-            return ""
-        async for line in resp.content:
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            if first is None:
-                first = time.perf_counter() - t0
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                usage = chunk["usage"]
-            parts += [(c.get("delta") or {}).get("content") or ""
-                      for c in chunk.get("choices") or ()]
-    result.requests += 1
-    if first is not None:
-        result.ttft_s.append(first)
-    if usage:
-        result.prompt_tokens += usage["prompt_tokens"]
-        result.cached_tokens += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return "".join(parts)
+@dataclass
+class Drive:
+    """One run's client: the gateways, the workload, what it measured and, optionally, the
+    trace it writes."""
+
+    split: Split
+    work: Workload
+    result: Result
+    trace: TextIO | None
+    t0: float = field(default_factory=time.perf_counter)
+
+    async def one_turn(self, session: aiohttp.ClientSession, messages: list[dict[str, str]],
+                       ids: dict[str, int]) -> str:
+        gateway, url = self.split.pick()
+        result = self.result
+        body = {"model": "tiny", "messages": messages, "max_tokens": self.work.max_tokens,
+                "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        first: float | None = None
+        parts: list[str] = []
+        usage = None
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            headers = resp.headers
+            if resp.status != 200:
+                result.failed += 1
+                await resp.read()
+                return ""
+            async for line in resp.content:
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t0
+                chunk = json.loads(line[5:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                parts += [(c.get("delta") or {}).get("content") or ""
+                          for c in chunk.get("choices") or ()]
+        result.requests += 1
+        if first is not None:
+            result.ttft_s.append(first)
+        worker = headers.get("x-kvsidecar-worker")
+        if worker is not None:
+            result.workers.setdefault(ids["group"], set()).add(worker)
+        prompt = cached = 0
+        if usage:
+            prompt = usage["prompt_tokens"]
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            result.prompt_tokens += prompt
+            result.cached_tokens += cached
+        if self.trace is not None:
+            row: dict[str, Any] = {"t_s": round(t0 - self.t0, 4), **ids, "gateway": gateway,
+                                   "prompt_tokens": prompt, "cached_tokens": cached}
+            row.update((key, headers.get(name)) for key, name in _TRACE_HEADERS)
+            self.trace.write(json.dumps(row) + "\n")
+        return "".join(parts)
+
+    async def conversation(self, session: aiohttp.ClientSession, i: int) -> None:
+        work = self.work
+        group = work.groups[i]
+        messages = [{"role": "system", "content": work.systems[group]}]
+        for turn, user in enumerate(work.turns[i]):
+            messages.append({"role": "user", "content": user})
+            reply = await self.one_turn(session, messages,
+                                        {"session": i, "group": group, "turn": turn})
+            messages.append({"role": "assistant", "content": reply})
 
 
-async def conversation(session: aiohttp.ClientSession, split: Split, work: Workload, i: int,
-                       result: Result) -> None:
-    messages = [{"role": "system", "content": work.systems[i % len(work.systems)]}]
-    for user in work.turns[i]:
-        messages.append({"role": "user", "content": user})
-        reply = await one_turn(session, split.url(), messages, work.max_tokens, result)
-        messages.append({"role": "assistant", "content": reply})
-
-
-async def drive(urls: list[str], work: Workload, concurrency: int) -> Result:
-    result = Result()
-    split = Split(urls)
+async def drive(urls: list[str], work: Workload, load: Load, trace: TextIO | None) -> Result:
+    run = Drive(Split(urls), work, Result(), trace)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    n = len(work.turns)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         t0 = time.perf_counter()
-        for start in range(0, len(work.turns), concurrency):
-            wave = range(start, min(len(work.turns), start + concurrency))
-            await asyncio.gather(*(conversation(session, split, work, i, result) for i in wave))
-        result.wall_s = time.perf_counter() - t0
-    return result
+        if load.continuous:
+            todo = iter(range(n))
+
+            async def slot() -> None:
+                for i in todo:  # shared: each slot takes the next session as it frees
+                    await run.conversation(session, i)
+
+            await asyncio.gather(*(slot() for _ in range(min(n, load.concurrency))))
+        else:
+            for start in range(0, n, load.concurrency):
+                wave = range(start, min(n, start + load.concurrency))
+                await asyncio.gather(*(run.conversation(session, i) for i in wave))
+        run.result.wall_s = time.perf_counter() - t0
+    return run.result
 
 
 def metric(text: str, name: str) -> float:
@@ -193,16 +297,16 @@ async def wait_routable(urls: list[str], workers: int, synced: bool) -> None:
                 await asyncio.sleep(0.1)
 
 
-def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
+def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace, load: Load,
                work: Workload, tmp: Path, repeat: int) -> Result:
-    workdir = tmp / f"{name}-{repeat}"
+    workdir = tmp / f"{load.name}-{name}-{repeat}"
     procs: list[ManagedProcess] = []
     nats = NatsServer(workdir.parent).start() if synced else None
     try:
         engines = ManagedProcess.start(
             "engines",
             ["refengine", "--compute", "sim", "--replicas", str(args.workers), "--port", "0",
-             "--max-total-tokens", str(args.cache_tokens), "--speedup", str(args.speedup),
+             "--max-total-tokens", str(load.cache_tokens), "--speedup", str(args.speedup),
              "--kv-events-config", EVENTS, "--log-level", "warning"],
             workdir=workdir,
         )
@@ -217,18 +321,23 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
             sc.wait_ready(90)
         flags = [f for sc in sidecars for f in ("--sidecar", sc.url)]
         extra = ["--nats", nats.url] if nats is not None else []
+        w = load.overlap_weight if args.overlap_weight is None else args.overlap_weight
+        weight = [] if w is None else ["--overlap-weight", str(w)]
         gws = [ManagedProcess.start(
             f"gateway-{g}",
             ["routing", "--port", "0", "--model-path", str(MODEL), "--log-level", "warning",
-             "--overlap-weight", str(args.overlap_weight), "--seed", str(repeat * 10 + g),
-             *flags, *extra],
+             *weight, "--seed", str(repeat * 10 + g), *flags, *extra],
             workdir=workdir) for g in range(gateways)]
         procs += gws
         for gw in gws:
             gw.wait_ready(90)
         gw_urls = [gw.url for gw in gws]
         asyncio.run(wait_routable(gw_urls, args.workers, synced))
-        return asyncio.run(drive(gw_urls, work, args.concurrency))
+        if args.trace is None:
+            return asyncio.run(drive(gw_urls, work, load, None))
+        args.trace.mkdir(parents=True, exist_ok=True)
+        with (args.trace / f"{workdir.name}.jsonl").open("w") as trace:
+            return asyncio.run(drive(gw_urls, work, load, trace))
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -236,65 +345,75 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
             nats.stop()
 
 
+def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
+           figures: dict[str, float], ratios: dict[str, float]) -> None:
+    """Print one load's table and ratios; add them to ``figures`` and ``ratios``."""
+    print(f"\n{load.name}: {args.workers} simulated workers x {load.cache_tokens} cache tokens; "
+          f"{load.sessions} sessions over {load.groups} system prompts x {load.turns} turns, "
+          f"{load.concurrency} {'in flight' if load.continuous else 'at once'}; "
+          f"round-robin split; {args.repeats} run(s) pooled\n")
+    print("| configuration | requests | failed | cache hit rate | workers per prompt "
+          "| TTFT p50 ms | TTFT p99 ms | wall s |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    p = load.prefix
+    for name, r in results.items():
+        print(f"| {name.replace('_', ' ')} | {r.requests} | {r.failed} | {r.hit_rate:.3f} | "
+              f"{r.workers_per_prompt:.2f} | {r.ttft(0.5) * 1e3:.1f} | "
+              f"{r.ttft(0.99) * 1e3:.1f} | {r.wall_s:.1f} |")
+        figures[f"{p}{name}_hit_rate"] = r.hit_rate
+        figures[f"{p}{name}_workers_per_prompt"] = r.workers_per_prompt
+        figures[f"{p}{name}_ttft_p50_s"] = r.ttft(0.5)
+        figures[f"{p}{name}_ttft_p99_s"] = r.ttft(0.99)
+        figures[f"{p}{name}_failed"] = r.failed
+        figures[f"{p}{name}_prompt_tokens"] = r.prompt_tokens
+    one, pair, unsynced = results["one"], results["two_synced"], results["two_unsynced"]
+    mine = {
+        f"{p}hit_rate_two_synced_vs_one": pair.hit_rate / one.hit_rate,
+        f"{p}hit_rate_two_synced_vs_two_unsynced": pair.hit_rate / unsynced.hit_rate,
+        f"{p}ttft_p50_two_synced_vs_one": one.ttft(0.5) / pair.ttft(0.5),
+        f"{p}ttft_p99_two_synced_vs_two_unsynced": unsynced.ttft(0.99) / pair.ttft(0.99),
+    }
+    print("\nratios (>= 1: two synced replicas as good or better):")
+    for key, value in mine.items():
+        print(f"  {key:<49} {value:7.3f}")
+    ratios.update(mine)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Method and figures: docs/bench/replicas.md.")
+    p.add_argument("--load", choices=[*LOADS, "all"], default="all",
+                   help="which workload (default all: groups, then capacity)")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--cache-tokens", type=int, default=6144,
-                   help="each engine's KV cache, tokens (default 6144)")
-    p.add_argument("--groups", type=int, default=12, help="system prompts shared by sessions")
-    p.add_argument("--sessions", type=int, default=96)
-    p.add_argument("--turns", type=int, default=4)
-    p.add_argument("--concurrency", type=int, default=24, help="sessions started together")
-    p.add_argument("--system-words", type=int, default=250)
-    p.add_argument("--user-words", type=int, default=40)
-    p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--speedup", type=float, default=1.0, help="of the simulated engines")
-    p.add_argument("--overlap-weight", type=float, default=10.0,
-                   help="the gateways' --overlap-weight (default 10: multi-turn chat)")
+    p.add_argument("--overlap-weight", type=float,
+                   help="the gateways' --overlap-weight for every load (default: the load's "
+                   "own, 10 for groups, learned for capacity)")
     p.add_argument("--seed", type=int, default=1, help="of the workload")
     p.add_argument("--repeats", type=int, default=3,
                    help="fresh stacks per configuration, pooled (default 3)")
-    p.add_argument("--quick", action="store_true", help="a smaller workload (smoke run)")
+    p.add_argument("--quick", action="store_true", help="smaller workloads, 1 run (smoke)")
+    p.add_argument("--trace", type=Path, metavar="DIR", help="write every request here")
     p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
     args = p.parse_args(argv)
+    loads = list(LOADS.values()) if args.load == "all" else [LOADS[args.load]]
     if args.quick:
-        args.sessions, args.groups, args.concurrency, args.repeats = 32, 4, 16, 1
-    work = Workload.make(args)
-    results: dict[str, Result] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
-        for repeat in range(args.repeats):  # interleaved: drift hits every configuration
-            for name, gateways, synced in CONFIGS:
-                print(f"running {name} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr,
-                      flush=True)
-                one = run_config(name, gateways, synced, args, work, Path(tmp), repeat)
-                results.setdefault(name, Result()).merge(one)
-
-    print(f"\n{args.workers} simulated workers x {args.cache_tokens} cache tokens; "
-          f"{args.sessions} sessions in {args.groups} groups x {args.turns} turns, "
-          f"{args.concurrency} at once; round-robin split; {args.repeats} run(s) pooled\n")
-    print("| configuration | requests | failed | cache hit rate | TTFT p50 ms | TTFT p99 ms "
-          "| wall s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+        args.repeats = 1
+        loads = [load.smoke() for load in loads]
     figures: dict[str, float] = {}
-    for name, r in results.items():
-        print(f"| {name.replace('_', ' ')} | {r.requests} | {r.failed} | {r.hit_rate:.3f} | "
-              f"{r.ttft(0.5) * 1e3:.1f} | {r.ttft(0.99) * 1e3:.1f} | {r.wall_s:.1f} |")
-        figures[f"{name}_hit_rate"] = r.hit_rate
-        figures[f"{name}_ttft_p50_s"] = r.ttft(0.5)
-        figures[f"{name}_ttft_p99_s"] = r.ttft(0.99)
-        figures[f"{name}_failed"] = r.failed
-        figures[f"{name}_prompt_tokens"] = r.prompt_tokens
-    one, pair, unsynced = results["one"], results["two_synced"], results["two_unsynced"]
-    ratios = {
-        "hit_rate_two_synced_vs_one": pair.hit_rate / one.hit_rate,
-        "hit_rate_two_synced_vs_two_unsynced": pair.hit_rate / unsynced.hit_rate,
-        "ttft_p50_two_synced_vs_one": one.ttft(0.5) / pair.ttft(0.5),
-        "ttft_p99_two_synced_vs_two_unsynced": unsynced.ttft(0.99) / pair.ttft(0.99),
-    }
-    print("\nratios (>= 1: two synced replicas as good or better):")
-    for key, value in ratios.items():
-        print(f"  {key:<40} {value:7.3f}")
+    ratios: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
+        for load in loads:
+            work = Workload.make(load, args.seed)
+            results: dict[str, Result] = {}
+            for repeat in range(args.repeats):  # interleaved: drift hits every configuration
+                for name, gateways, synced in CONFIGS:
+                    print(f"running {load.name} {name} ({repeat + 1}/{args.repeats}) ...",
+                          file=sys.stderr, flush=True)
+                    one = run_config(name, gateways, synced, args, load, work, Path(tmp),
+                                     repeat)
+                    results.setdefault(name, Result()).merge(one)
+            report(load, args, results, figures, ratios)
     if args.json:
         args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
     return 0

@@ -94,8 +94,15 @@ class KvRouter:
         self.pending.forget_worker(worker_id)
         return self.load.forget_worker(worker_id)
 
-    def candidates(self, block_hashes: Sequence[int], workers: Sequence[str]) -> list[Candidate]:
-        """Every worker's overlap (real or speculative) and load for this request."""
+    def candidates(
+        self,
+        block_hashes: Sequence[int],
+        workers: Sequence[str],
+        stored_depths: list[int] | None = None,
+    ) -> list[Candidate]:
+        """Every worker's overlap (real or speculative) and load for this request; with
+        ``stored_depths``, each worker's deepest real overlap (any tier, no speculation) is
+        appended to it too."""
         tiers = self.index.match_tiers(block_hashes) if block_hashes else {}
         gpu = tiers.get(Tier.GPU, {})
         host = tiers.get(Tier.HOST, {})
@@ -120,6 +127,8 @@ class KvRouter:
                 disk.get(worker_id, 0),
                 remote.get(worker_id, 0),
             )
+            if stored_depths is not None:
+                stored_depths.append(max(real, overlap.host, overlap.disk, overlap.remote))
             out.append(Candidate(worker_id, overlap, load))
         return out
 
@@ -137,12 +146,18 @@ class KvRouter:
         as achievable (``Placement.best_overlap``, reason ``capacity``)."""
         eligible = [w for w in workers if w not in exclude] if exclude else list(workers)
         full = [w for w in saturated if w not in exclude] if saturated else []
-        scored = self.candidates(block_hashes, [*eligible, *full] if full else eligible)
+        # (a decode pool places by room, which a presumed load must not take away)
+        share = self.peer_share if pool is not Pool.DECODE else None
+        stored: list[int] = []  # filled only for the shares
+        scored = self.candidates(
+            block_hashes,
+            [*eligible, *full] if full else eligible,
+            None if share is None else stored,
+        )
         n = len(eligible)
         chosen: Sequence[Candidate] = scored[:n] if full else scored
-        if self.peer_share is not None and pool is not Pool.DECODE:
-            # (a decode pool places by room, which a presumed load must not take away)
-            chosen = self.peer_share.adjust(chosen)
+        if share is not None:
+            chosen = share.adjust(chosen, stored[:n] if full else stored)
         return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
 
     def dispatch(

@@ -19,6 +19,17 @@ real load, synced, takes over, and a replica that gets more traffic than its sha
 spills onto the others' workers once its own are that much busier. A request that some
 worker holds more of than another is untouched: the cache decides as before.
 
+What a worker is predicted to hold (``PendingPrefixes``: a placement still prefilling) is
+not held yet. A prompt this replica has just placed on a worker of its share, under the
+presumed load, is still new: the next session with the same prompt is weighed against the
+same presumed load, so it follows the first, as through one gateway. Weighed without it,
+the share's workers, busy with the burst this replica placed, looked dearer than the
+others', whose burst (the peer's) it had not heard yet, and the second session went there:
+49 of 56 such pairs within 0.5 s on the capacity-bound load of ``scripts/bench_replicas.py``,
+0 of 104 through one gateway, each prompt on 2.37 workers instead of 1.73
+(docs/bench/replicas.md). A prompt predicted deepest only on the others' workers is a peer's
+placement in flight (``RemotePeers``): it is left to follow that.
+
 Pure and synchronous, clock injected; one replica alone (``count`` 1) changes nothing.
 """
 
@@ -70,19 +81,34 @@ class PeerShare:
         self._recent_tokens += prefill_tokens
         self._recent_blocks += blocks
 
-    def adjust(self, candidates: Sequence[Candidate]) -> Sequence[Candidate]:
+    def adjust(
+        self, candidates: Sequence[Candidate], stored_depths: Sequence[int] | None = None
+    ) -> Sequence[Candidate]:
         """``candidates`` with the presumed unseen load on workers outside this replica's
-        share, when the request is a new prefix; otherwise ``candidates`` themselves."""
+        share, when the request is a new prefix; otherwise ``candidates`` themselves.
+
+        ``stored_depths``: per candidate, the leading blocks its cache holds, without the
+        blocks only predicted there by placements still in flight (``KvRouter.candidates``);
+        None: every overlap is stored. A prefix no cache holds more of on one worker than on
+        another is new, even once a placement in flight predicts it on a worker of this
+        share (the same new prompt twice in a burst: the second follows the first, as the
+        first was chosen, against the same presumed load); but one predicted deepest only on
+        the others' workers, where a peer's placement is taking it, is left to follow it."""
         count = self.count
         if count == 1 or len(candidates) < 2:
             return candidates
-        depth = candidates[0].overlap.longest
-        if any(c.overlap.longest != depth for c in candidates):
-            return candidates
+        if stored_depths is None:
+            stored_depths = [c.overlap.longest for c in candidates]
+        depth = stored_depths[0]
+        if any(d != depth for d in stored_depths):
+            return candidates  # the cache prefers a worker
         ids = sorted(c.worker_id for c in candidates)
         mine = set(ids[self.rank :: count])
         if not mine or len(mine) == len(ids):
             return candidates
+        deepest = max(c.overlap.longest for c in candidates)
+        if all(c.overlap.longest < deepest for c in candidates if c.worker_id in mine):
+            return candidates  # predicted on a peer's worker only
         self._expire(self._clock())
         share = len(mine)
         # +1: at equal load a worker of this replica's share wins the tie.

@@ -109,3 +109,71 @@ def test_a_decode_pool_places_by_room_alone() -> None:
     blocks = list(range(50))
     placement = r.place(blocks, 800, ["w0", "w1"], pool=Pool.DECODE)
     assert placement is not None and placement.worker_id == "w1"
+
+
+def chat(system: int, user: int) -> list[int]:
+    """A 125-block system prompt shared by its sessions, then 3 blocks of one user's turn."""
+    return [system * 10_000 + i for i in range(125)] + [
+        system * 10_000 + 1_000 + user * 10 + i for i in range(3)
+    ]
+
+
+def burst_twice(r: KvRouter, clock: Clock, prompts: int) -> list[tuple[str, str]]:
+    """``prompts`` new system prompts, one session each, then a second session of each, 5 ms
+    apart (0.2 s in all): where each prompt's first and second session went."""
+    first: dict[int, str] = {}
+    pairs = []
+    for rnd in range(2):
+        for s in range(prompts):
+            blocks = chat(s, rnd)
+            placement = r.place(blocks, len(blocks) * 16, WORKERS)
+            assert placement is not None
+            r.dispatch(f"k{rnd}-{s}", placement, blocks, len(blocks) * 16)
+            clock.now += 0.005
+            if rnd == 0:
+                first[s] = placement.worker_id
+            else:
+                pairs.append((first[s], placement.worker_id))
+    return pairs
+
+
+def test_the_second_session_of_a_new_prompt_follows_the_first_as_with_one_gateway() -> None:
+    """Two sessions of the same new system prompt through one synced replica within 0.5 s
+    (the peer's own burst not heard yet): the second goes where the first went, as through
+    one gateway, though the share's workers look busier than the peer's."""
+    clock = Clock()
+    alone = KvRouter(rng=random.Random(1), clock=clock)
+    assert all(a == b for a, b in burst_twice(alone, clock, 20))
+    synced = router("a", ["b"], clock, 1)  # a: w0, w2
+    pairs = burst_twice(synced, clock, 20)
+    assert {w for w, _ in pairs} == {"w0", "w2"}  # the new prompts spread over a's share
+    assert all(a == b for a, b in pairs)
+
+
+def test_a_prefix_predicted_on_this_share_counts_as_new_one_on_a_peers_does_not() -> None:
+    """Equal stored depths: a deeper prediction on this replica's own worker keeps the
+    presumed load on the others; one only on a peer's worker (its placement in flight)
+    leaves every load as it is, and so does a stored difference."""
+    share = PeerShare("a")
+    share.set_peers(["b"])  # a: w0, w2
+    share.placed(800, 50)
+    mine = candidates(7, 0, 0, 0)
+    got = {c.worker_id: c.load for c in share.adjust(mine, [0, 0, 0, 0])}
+    assert got["w0"] == got["w2"] == WorkerLoad(100, 10)
+    assert got["w1"] == got["w3"] == WorkerLoad(100 + 400 + 1, 10 + 25)  # over 2 workers
+    peers = candidates(0, 7, 0, 0)
+    assert share.adjust(peers, [0, 0, 0, 0]) is peers
+    assert share.adjust(mine, [7, 0, 0, 0]) is mine  # stored: the cache decides
+
+
+def test_a_prompt_a_peer_is_placing_is_followed_through_this_replica() -> None:
+    """A peer's placement heard while its prefill runs (a prediction on the peer's worker):
+    the same prompt through this replica goes there too, however busy this replica was."""
+    clock = Clock()
+    r = router("a", ["b"], clock, 1)  # a: w0, w2
+    for i in range(10):
+        place(r, f"k{i}", salt=i)  # this replica's own burst: a large presumed load
+    blocks = chat(99, 0)
+    r.pending.record("w1", blocks[:125], clock.now)  # what RemotePeers does for b's Placed
+    placement = r.place(blocks, len(blocks) * 16, WORKERS)
+    assert placement is not None and placement.worker_id == "w1"
