@@ -4,7 +4,8 @@
 sidecar workers as they are discovered), the prompt preparer, the upstream pool and the
 metrics, and hands them to the pipeline as one ``PipelineContext``. ``handle`` is called by
 the HTTP layer for every parsed request, synchronously: proxied requests go to the pipeline
-(``routing.pipeline.admit``); the views are answered at once.
+(``routing.pipeline.admit``); the views (``views.py``) and the gateway's own errors
+(``error_replies.py``) are answered at once.
 """
 
 from __future__ import annotations
@@ -23,15 +24,7 @@ import orjson
 
 from kvcore import BlockHasher
 from kvcore.control_token import CONTROL_TOKEN_HEADER, read_secret_file
-from kvcore.errors import (
-    METHOD_NOT_ALLOWED,
-    MODEL_NOT_FOUND,
-    RATE_LIMIT_EXCEEDED,
-    UNKNOWN_ENDPOINT,
-    Dialect,
-    OpenAIError,
-)
-from kvcore.events import Tier
+from kvcore.errors import Dialect, OpenAIError
 from routing.config import LogLevel, RouterConfig
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
@@ -51,6 +44,7 @@ from routing.prompt.tokenizer import PromptTokenizer
 from routing.replicas.durable import DurableEvents
 from routing.replicas.link import ReplicaLink
 from routing.replicas.shared_load import SharedLoad
+from routing.serve import error_replies, views
 from routing.serve.auth import Tenant
 from routing.serve.openapi import openapi_json
 from routing.serve.rate_limit import retry_after_header
@@ -59,7 +53,7 @@ from routing.workers.discovery import SidecarDiscovery
 from routing.workers.k8s_discovery import K8sApiAccess, K8sPodDiscovery
 from routing.workers.parity import ParityChecker
 from routing.workers.probes import WorkerProber
-from routing.workers.registry import Health, Worker, WorkerRegistry
+from routing.workers.registry import Worker, WorkerRegistry
 
 __all__ = ["Gateway"]
 
@@ -70,11 +64,6 @@ _FORWARDED_HEADERS = (b"traceparent", b"tracestate", b"user-agent")
 _SWEEP_INTERVAL_S = 1.0
 # Open with --api-key-file: liveness and scraping need no client key.
 _OPEN_PATHS = frozenset((b"/health", b"/metrics"))
-_UNAUTHORIZED = OpenAIError(
-    401,
-    "a valid API key is required: send 'Authorization: Bearer <key>' (or 'x-api-key')",
-    code="invalid_api_key",
-)
 _MODELS_PATH = b"/v1/models/"  # + a model's name: the SDK's ``models.retrieve``
 # With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
 # to bridge the prefill and the event's trip.
@@ -335,15 +324,14 @@ class Gateway:
             tenant = self.auth.authenticate(request.headers)
             if tenant is None:
                 self.metrics.unauthorized += 1
-                conn.respond(401, _UNAUTHORIZED.body(dialect),
+                conn.respond(401, error_replies.UNAUTHORIZED.body(dialect),
                              extra_headers=b"www-authenticate: Bearer\r\n"
                              + self._id_header(request))
                 return
         if endpoint is not None:
             if method != b"POST":
-                self._plain_error(conn, request, OpenAIError(
-                    405, f"{path.decode()} takes POST, not {method.decode()}",
-                    code=METHOD_NOT_ALLOWED), dialect, b"allow: POST\r\n")
+                self._plain_error(conn, request, error_replies.method_not_allowed(
+                    path, method), dialect, b"allow: POST\r\n")
             elif tenant is not None and (wait_s := tenant.take_request()):
                 self._rate_limited(conn, request, tenant, wait_s, dialect)
             else:
@@ -355,13 +343,12 @@ class Gateway:
         if method not in (b"GET", b"HEAD"):
             self._no_route(conn, request)
         elif path == b"/health":
-            routable = sum(w.health is Health.ROUTABLE for w in self.workers)
-            status = "draining" if self.draining else "ok" if routable else "no healthy worker"
-            body = orjson.dumps({"status": status, "healthy_workers": routable})
-            code = 200 if routable and not self.draining else 503
+            code, body = views.health(self.workers, self.draining)
             conn.respond(code, body, extra_headers=self._id_header(request))
         elif path == b"/v1/models":
-            conn.respond(200, self._models_body(), extra_headers=self._id_header(request))
+            body = views.models_body(self.model_names(), self.started_s,
+                                     self.prompts.max_model_len)
+            conn.respond(200, body, extra_headers=self._id_header(request))
         elif path.startswith(_MODELS_PATH):
             self._model_view(conn, request, path[len(_MODELS_PATH):])
         elif path == b"/v1/workers":
@@ -397,120 +384,30 @@ class Gateway:
                      extra_headers=headers + self._id_header(request))
 
     def _no_route(self, conn: ServerConnection, request: HttpRequest) -> None:
-        routes = ", ".join(e.value for e in Endpoint)
-        self._plain_error(conn, request, OpenAIError(
-            404, f"no route for {request.method.decode()} {request.path.decode()}: this "
-            f"gateway serves POST {routes}, GET /v1/models[/<model>], /health, /metrics, "
-            "/v1/workers and /openapi.json", code=UNKNOWN_ENDPOINT))
+        self._plain_error(conn, request, error_replies.no_route(request.method, request.path))
 
     def _model_view(self, conn: ServerConnection, request: HttpRequest, raw: bytes) -> None:
         """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""
         name = unquote(raw.decode(errors="replace"))
         names = self.model_names()
         if name not in names:
-            self._plain_error(conn, request, OpenAIError(
-                404, f"the model {name!r} does not exist; this gateway serves {list(names)}",
-                param="model", code=MODEL_NOT_FOUND))
+            self._plain_error(conn, request, error_replies.model_not_found(name, names))
             return
-        conn.respond(200, orjson.dumps(self._model_object(name)),
-                     extra_headers=self._id_header(request))
+        body = views.model_object(name, self.started_s, self.prompts.max_model_len)
+        conn.respond(200, orjson.dumps(body), extra_headers=self._id_header(request))
 
     def _rate_limited(
         self, conn: ServerConnection, request: HttpRequest, tenant: Tenant, wait_s: float,
         dialect: Dialect,
     ) -> None:
         self.metrics.rate_limited += 1
-        body = OpenAIError(
-            429,
-            f"tenant {tenant.name!r} is over its limit of requests per second; retry after "
-            f"{wait_s:.2f}s",
-            code=RATE_LIMIT_EXCEEDED,
-        ).body(dialect)
+        body = error_replies.rate_limited(tenant.name, wait_s).body(dialect)
         conn.respond(429, body, extra_headers=retry_after_header(wait_s) + self._id_header(request))
 
     # --- state views ---------------------------------------------------------------------
 
-    def _model_object(self, name: str) -> dict[str, Any]:
-        """OpenAI's model object (``max_model_len`` as vLLM and SGLang add it)."""
-        return {
-            "id": name,
-            "object": "model",
-            "created": int(self.started_s),
-            "owned_by": "kvsidecar",
-            "max_model_len": self.prompts.max_model_len,
-        }
-
-    def _models_body(self) -> bytes:
-        data = [self._model_object(n) for n in self.model_names()]
-        return orjson.dumps({"object": "list", "data": data})
-
     def workers_state(self) -> dict[str, Any]:
         """``GET /v1/workers``: every worker, its health, load and cached blocks."""
-        workers = list(self.workers)
-        loads = self.router.load.loads([w.worker_id for w in workers], ())
-        index = self.router.index
-        known = set(index.worker_ids)
-        out = []
-        for worker, load in zip(workers, loads, strict=True):
-            wid = worker.worker_id
-            cached = {
-                tier.name.lower(): index.num_blocks(wid, tier) if wid in known else 0
-                for tier in Tier
-            }
-            health = worker.health
-            engine_load = worker.engine_load
-            out.append(
-                {
-                    "worker_id": wid,
-                    "url": worker.address.url,
-                    # a sidecar's engine, as others reach it (the endpoint picker's pick)
-                    "engine_url": None if worker.engine is None else worker.engine.url,
-                    "kind": worker.kind.value,
-                    "role": worker.role.value,
-                    "health": health.value,
-                    "healthy": worker.probe_ok,
-                    "routable": health is Health.ROUTABLE,
-                    "reason": worker.reason,
-                    "in_flight": load.in_flight,
-                    "active_blocks": load.decode_blocks,
-                    "active_prefill_tokens": load.active_prefill_tokens,
-                    "capacity_blocks": worker.capacity_blocks,
-                    "load_source": worker.load_source.value,
-                    "engine_load": None if engine_load is None else engine_load.view(),
-                    "cached_blocks": cached,
-                    "requests": worker.dispatched,
-                    "models": list(worker.models),
-                    "last_error": worker.probe_error,
-                    "parity": worker.parity.value,
-                    "parity_reason": worker.parity_reason,
-                    "idle_connections": self.pool.idle_count(wid),
-                    # relayed routes its engine refused lately (asked again after a while)
-                    "refused_endpoints": self.ctx.refusals.of(wid),
-                }
-            )
         pending = {} if self.sidecars is None else self.sidecars.pending
-        return {
-            "router_mode": self.cfg.router_mode.value,
-            "scorer": self._scorer_state(),
-            "workers": out,
-            # Sidecars whose workers are not known yet, and why (unreachable, unauthorized).
-            "pending_sidecars": [{"url": u, "reason": r} for u, r in pending.items()],
-        }
-
-    def _scorer_state(self) -> dict[str, Any]:
-        """The scorer's weights now, and whether each is learned (``tuning.py``)."""
-        weights = self.router.scorer.weights
-        tuner = self.router.tuner
-        return {
-            "overlap_weight": weights.overlap_weight,
-            "prefill_load_scale": weights.prefill_load_scale,
-            "learned": [
-                name
-                for name, value in (
-                    ("overlap_weight", self.cfg.overlap_weight),
-                    ("prefill_load_scale", self.cfg.prefill_load_scale),
-                )
-                if value is None
-            ],
-            "eviction_pressure": None if tuner is None else tuner.pressure,
-        }
+        return views.workers_state(self.cfg, self.router, self.workers, self.pool,
+                                   self.ctx.refusals, pending)
