@@ -7,16 +7,15 @@ unless a new upstream connection must be opened::
 
 A request that a prefill/decode pair may serve is a ``pair.PairExchange``: the same stages,
 with the pair's placement and legs where this class has hooks (``_place``,
-``_holds_errors`` ...) or where it extends a callback (the first byte, the end).
+``_holds_errors`` ...) or where it extends a callback (the first byte, the end). What it
+answers when it relays no success (a worker's error, a refused route, its own error) is
+its base's, ``error_relay.ErrorRelay``.
 
 A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its load is
 counted in the placement core from dispatch to release. A leg that fails before the first
 byte of its reply (or whose sidecar answers 502 ``engine_unreachable``: its engine is gone)
 excludes its worker (marked failed in the registry) and the request is placed again; a
-stale keep-alive connection is first retried once on a fresh one. A worker's error reply
-is held and answered in the gateway's vocabulary (``kvcore.errors``, in the route's
-dialect); one saying its engine lacks the route sends the request to the other workers
-(``refusals.py``). A client that goes away
+stale keep-alive connection is first retried once on a fresh one. A client that goes away
 aborts every leg by closing its connection; an engine stops generating when its client
 disconnects.
 
@@ -29,23 +28,14 @@ failed it, with the tokens the client already has (``stream_tokens.StreamTokens`
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import structlog
 
-from kvcore.errors import (
-    ENDPOINT_NOT_SERVED,
-    ENDPOINT_REFUSED,
-    ENGINE_UNREACHABLE,
-    SERVICE_UNAVAILABLE,
-    UPSTREAM_TIMEOUT,
-    OpenAIError,
-    error_from_reply,
-    route_missing,
-)
+from kvcore.errors import ENGINE_UNREACHABLE, SERVICE_UNAVAILABLE, UPSTREAM_TIMEOUT, OpenAIError
 from routing.http.client import UpstreamConnection
 from routing.http.server import ServerConnection
 from routing.pipeline.context import PipelineContext
+from routing.pipeline.error_relay import ErrorRelay
 from routing.pipeline.legs import Drain, Leg, LegTarget
 from routing.pipeline.place import Refusal, place_aggregated
 from routing.pipeline.record import RequestRecord
@@ -55,7 +45,7 @@ from routing.placement.active_load import UnknownRequestError
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
-from routing.workers.registry import Role, Worker, WorkerKind
+from routing.workers.registry import Worker, WorkerKind
 
 __all__ = ["Exchange"]
 
@@ -63,8 +53,7 @@ log = structlog.get_logger("routing.pipeline", component="gateway")
 _ENGINE_LOST = b'"code":"%s"' % ENGINE_UNREACHABLE.encode()  # a sidecar's 502: engine gone
 
 
-
-class Exchange:
+class Exchange(ErrorRelay):
     """A client request on its way through one worker, a pair, or (after retries) several."""
 
     __slots__ = (
@@ -201,10 +190,7 @@ class Exchange:
         leg.worker.dispatched += 1
 
     def _dispatch(self, leg: Leg, receiver: Exchange | Drain) -> None:
-        p = self.prompt
-        self.ctx.router.dispatch(leg.key, leg.placement, p.block_hashes, p.prompt_tokens)
-        leg.counted = True
-        leg.worker.dispatched += 1
+        self._count(leg)
         conn = self.ctx.upstream.take_idle(leg.worker.worker_id)
         if conn is not None:
             self._send(leg, receiver, conn, reused=True)
@@ -378,68 +364,10 @@ class Exchange:
         if status != 200:
             self._side_failed(leg, f"answered {status}")
 
-    # --- what a pair changes (``pair.PairExchange``) ---------------------------------------
-
-    def _holds_errors(self) -> bool:
-        """Hold an error reply instead of relaying it (``_held_error`` decides)?"""
-        return False
-
-    def _held_error(self, raw: bytes) -> None:
-        self._relay_error(raw)
-
-    def _relay_error(self, raw: bytes) -> None:
-        """A worker's error reply, in the gateway's vocabulary and the route's dialect; a
-        route its engine lacks sends the request to the other workers first."""
-        status, leg = self.record.status, self.leg
-        if status < 400:  # held, but no error (a pair's odd success): as it came
-            self._reply_raw(status, raw, answered=True)
-            return
-        error = error_from_reply(status, raw)
-        if leg is not None and (error.code == ENDPOINT_REFUSED or (
-                leg.worker.kind is WorkerKind.PLAIN and route_missing(status, raw))):
-            self._refused_by(leg)
-            return
-        self._reply_raw(status, error.body(self.request.endpoint.dialect), answered=True)
-
-    def _refused_by(self, leg: Leg) -> None:
-        """``leg``'s engine has no such route: remember it, and place the request again."""
-        worker_id = leg.worker.worker_id
-        log.info("endpoint_refused", request_id=self.record.request_id.decode(),
-                 worker_id=worker_id, path=self.target.path.decode(errors="replace"))
-        self.ctx.refusals.add(worker_id, self.target.path)
-        self._release(leg)
-        self.tried.add(worker_id)
-        self.refused.append(worker_id)
-        self.record.status = 0
-        self._end_pair()
-        self._place()
-
-    def _serves(self) -> Callable[[Worker], bool] | None:
-        """Only workers not known to refuse the request's route (None: any worker, as
-        long as no worker has refused any route)."""
-        refusals, path = self.ctx.refusals, self.target.path
-        if not refusals:
-            return None
-        return lambda worker: not refusals.refuses(worker.worker_id, path)
-
-    def _not_served(self) -> bool:
-        """No worker left for the request because every routable one refused its route:
-        answer 404 ``endpoint_not_served`` naming them (False: not so)."""
-        refusals = self.ctx.refusals
-        if not self.refused and not refusals:
-            return False
-        why = refusals.not_served(self.target.path, self.refused,
-                                  [w.worker_id for w in self.ctx.workers.routable(Role.AGG)])
-        if why is None:
-            return False
-        self._reply_error(404, why, ENDPOINT_NOT_SERVED)
-        return True
+    # --- what a pair changes besides its errors (``pair.PairExchange``) --------------------
 
     def _side_failed(self, leg: Leg, why: str) -> None:
         log.warning("drained_leg_failed", worker_id=leg.worker.worker_id, error=why)
-
-    def _end_pair(self) -> None:
-        """Release what a pair holds (its load and decode room), if any."""
 
     def _who(self) -> str:
         """Who did not answer in time."""
@@ -494,24 +422,3 @@ class Exchange:
         ctx = self.ctx
         ctx.in_flight.pop(self.record.key, None)
         self.record.finish(status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
-
-    def _reply_error(self, status: int, message: str, code: str | None,
-                     headers: bytes = b"") -> None:
-        body = OpenAIError(status, message, code=code).body(self.request.endpoint.dialect)
-        self._reply_raw(status, body, headers)
-
-    def _reply_raw(self, status: int, body: bytes, headers: bytes = b"",
-                   answered: bool = False) -> None:
-        """Answer ``body``; ``answered``: a worker's answer, with the gateway's headers
-        naming it (``RequestRecord.headers``)."""
-        self._abandon()
-        self._finish(status)
-        if self.relay.started:  # a migrated stream that found no way on: cut it
-            log.warning("stream_lost", request_id=self.record.request_id.decode(),
-                        status=status, error=body[:200].decode(errors="replace"))
-            self.ctx.metrics.streams_lost += 1
-            self.client.abort()
-            return
-        ids = (self.record.headers() if answered
-               else b"x-request-id: %s\r\n" % self.record.request_id)
-        self.client.respond(status, body, extra_headers=ids + headers)
