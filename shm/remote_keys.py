@@ -22,10 +22,18 @@ import numpy as np
 from shm.block_names import BlockName
 from shm.disk_format import HEADER_BYTES, header_for, header_name, problem_of
 
-__all__ = ["KEYSPACE_EVENTS", "RemoteKeys", "check_value", "pack_value", "value_name"]
+__all__ = [
+    "BATCH_BYTES",
+    "KEYSPACE_EVENTS",
+    "RemoteKeys",
+    "check_value",
+    "pack_value",
+    "value_name",
+]
 
 BlockKey = tuple[int, int]
 KEYSPACE_EVENTS = "K$gxe"
+BATCH_BYTES = 32 << 20  # the values one store call carries at most: an MGET, a pipeline of SETs
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 

@@ -1,18 +1,10 @@
 """The remote tier: blocks in a Redis-protocol store (Redis, Valkey) shared by every replica of
 a model, so a prefix computed on one replica is loaded on any other.
 
-Writes: with ``write="through"`` (the default) every block the host store commits is sent
-to the store soon after (the writer task copies it out of its slot on the loop, where no
-eviction can interleave, then ``SET``s a batch); with ``write="evict"`` only the blocks the
-host store evicts are, copied out while the store core evicts them (``spill``) into a bounded
-queue (past ``max_pending_bytes`` they are dropped and counted, never waited for). A block
-the store already holds is not sent again.
-
-Each value carries the block's canonical name (``shm.block_names``) in its header, which is
-what lets every other replica announce the block. Write-through therefore waits for a
-block's name when the engine's hook put it before the engine's event named it (``named``);
-a block evicted from shared memory while it still waits is written then, unnamed (its bytes
-are still shared: hooks find it by its key; it is only not announced).
+Writes (``shm.remote_writes``): every block the host store commits (``write="through"``,
+the default) or only those it evicts (``write="evict"``), each value carrying the block's
+canonical name (``shm.block_names``) in its header, which is what lets every other replica
+announce the block; a block the store already holds is not sent again.
 
 The index: which blocks the store holds, kept from the store itself, not from our writes
 alone: at connect the tier subscribes to the scope's keyspace notifications (``set``,
@@ -36,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +39,8 @@ from kvcore.events import KVEvent, Tier
 from shm.block_names import BlockName
 from shm.disk_format import HEADER_BYTES
 from shm.host_events import HostEventLog
-from shm.remote_keys import KEYSPACE_EVENTS, RemoteKeys, check_value, pack_value, value_name
+from shm.remote_keys import BATCH_BYTES, KEYSPACE_EVENTS, RemoteKeys, check_value, value_name
+from shm.remote_writes import RemoteWrites
 
 __all__ = ["WRITE_POLICIES", "RemoteTier", "RemoteTierStats", "load_redis"]
 
@@ -56,11 +48,8 @@ log = structlog.get_logger(component="shm")
 
 BlockKey = tuple[int, int]
 WRITE_POLICIES = ("through", "evict")
-_BATCH_BYTES = 32 << 20  # per MGET or pipeline of SETs
 _RETRY_S = (0.1, 5.0)  # the watcher's reconnect backoff, first and longest
 _REMOVED = (b"del", b"expired", b"evicted")
-# A queued write: key, name, and its value (None: read from its slot when sent).
-_Write = tuple[BlockKey, BlockName | None, bytes | None]
 
 
 def load_redis() -> Any:
@@ -102,26 +91,19 @@ class RemoteTier:
         self.block_bytes = block_bytes
         self.value_bytes = HEADER_BYTES + block_bytes
         self.write = write
-        self.max_pending_bytes = max_pending_bytes
         self.timeout_s = timeout_s
         db = int(self._redis.connection.parse_url(url).get("db", 0))  # ValueError: a bad URL
         self.keys = RemoteKeys(model_id, block_bytes, db)
         self._index: dict[BlockKey, BlockName | None] = {}  # held by the store → name
-        self._queue: deque[_Write] = deque()
-        self._queued: set[BlockKey] = set()
-        # Committed, to be written through once named: store hash → keys (one per shard).
-        self._unnamed: dict[int, list[BlockKey]] = {}
-        self._pending_bytes = 0  # of values copied into the queue
-        self._sending = 0  # blocks of the batch being sent
-        self._wake = asyncio.Event()
         self._client: Any = None  # for reads and writes; None while the store is away
+        self._writes = RemoteWrites(
+            self.keys, self.value_bytes, write=write, max_pending_bytes=max_pending_bytes,
+            holds=self.contains, client=lambda: self._client, written=self._written)
         self._tasks: list[asyncio.Task[None]] = []
         self._notify: Callable[[], None] = lambda: None
-        self._rows: Any = None  # (num_slots, block_bytes) rows of the segment
-        self._slots_of: Callable[[list[BlockKey]], list[int | None]] = lambda keys: []
         self._log = HostEventLog(worker_id, Tier.REMOTE)
-        self.num_writes = self.num_write_bytes = self.num_reads = self.num_read_bytes = 0
-        self.num_misses = self.num_corrupt = self.num_errors = self.num_dropped = 0
+        self.num_reads = self.num_read_bytes = self.num_misses = self.num_corrupt = 0
+        self.num_errors = 0  # the watcher's, reads' and deletes' (the writes count theirs)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self, notify: Callable[[], None], rows: Any,
@@ -129,25 +111,25 @@ class RemoteTier:
         """Start the watcher and the writer; returns at once (the store may be away).
         ``notify``: called when events wait (``take_events``); ``rows``: the segment's
         block rows; ``slots_of``: where the host store holds keys (write-through reads)."""
-        self._notify, self._rows, self._slots_of = notify, rows, slots_of
+        self._notify = notify
+        self._writes.attach(rows, slots_of)
         self._tasks = [asyncio.create_task(self._watch(), name="remote-tier-watch"),
-                       asyncio.create_task(self._write_loop(), name="remote-tier-write")]
+                       asyncio.create_task(self._writes.run(), name="remote-tier-write")]
         log.info("remote_tier_started", url=_redacted(self.url), scope=self.keys.prefix.decode(),
                  write=self.write)
 
     async def aclose(self) -> None:
         """Send what is queued (within the timeout), stop, disconnect."""
-        if self._client is not None and self._queue:
+        if self._client is not None and self._writes.num_queued:
             try:
-                await asyncio.wait_for(self._flush(), self.timeout_s)
+                await asyncio.wait_for(self._writes.flush(), self.timeout_s)
             except (TimeoutError, Exception):  # a miss for later, not a failed shutdown
-                log.warning("remote_tier_unflushed", blocks=len(self._queue))
+                log.warning("remote_tier_unflushed", blocks=self._writes.num_queued)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        self._rows = None  # a view of the segment, which is unmapped next, and the store,
-        self._slots_of = lambda keys: [None] * len(keys)  # which holds views of it
+        self._writes.detach()
         await self._disconnect()
 
     async def _disconnect(self) -> None:
@@ -289,139 +271,23 @@ class RemoteTier:
     # ------------------------------------------------------------------- writes
     def committed(self, blocks: Sequence[tuple[BlockKey, int]],
                   names: Sequence[BlockName | None]) -> None:
-        """The host store's commit hook (write-through): queue blocks the store lacks; an
-        unnamed one waits for its name (``named``) or its eviction (``spill``)."""
-        if self._client is None:
-            self.num_dropped += len(blocks)
-            return
-        index, queued, queue = self._index, self._queued, self._queue
-        for (key, _), name in zip(blocks, names, strict=True):
-            if key in index or key in queued:
-                continue
-            if name is None:
-                self._unnamed.setdefault(key[1], []).append(key)
-                continue
-            queued.add(key)
-            queue.append((key, name, None))
-        self._wake.set()
+        """The host store's commit hook (write-through): ``RemoteWrites.committed``."""
+        self._writes.committed(blocks, names)
 
     def named(self, came: dict[int, BlockName]) -> None:
-        """Names came for blocks the store held unnamed: write through those that wait."""
-        if not self._unnamed:
-            return
-        index, queued, queue = self._index, self._queued, self._queue
-        for store_hash, name in came.items():
-            for key in self._unnamed.pop(store_hash, ()):
-                if key not in index and key not in queued:
-                    queued.add(key)
-                    queue.append((key, name, None))
-        self._wake.set()
+        """Names came for blocks held back unnamed: ``RemoteWrites.named``."""
+        self._writes.named(came)
 
     def spill(self, blocks: Sequence[tuple[BlockKey, int]], names: Sequence[BlockName | None],
               rows: np.ndarray) -> None:
-        """The host store's eviction hook (write on eviction, and write-through's blocks
-        still waiting for a name): ``rows[slot]`` holds each block's bytes only until this
-        returns, so they are copied into the queue."""
-        if self.write != "evict":
-            blocks, names = self._unnamed_of(blocks, names)
-        if not blocks:
-            return
-        if self._client is None:
-            self.num_dropped += len(blocks)
-            return
-        for (key, slot), name in zip(blocks, names, strict=True):
-            if key in self._index or key in self._queued:
-                continue
-            if self._pending_bytes + self.value_bytes > self.max_pending_bytes:
-                self.num_dropped += 1
-                continue
-            self._queued.add(key)
-            self._queue.append((key, name, pack_value(key, name, rows[slot])))
-            self._pending_bytes += self.value_bytes
-        self._wake.set()
+        """The host store's eviction hook: ``RemoteWrites.spill``."""
+        self._writes.spill(blocks, names, rows)
 
-    def _unnamed_of(self, blocks: Sequence[tuple[BlockKey, int]],
-                    names: Sequence[BlockName | None],
-                    ) -> tuple[list[tuple[BlockKey, int]], list[BlockName | None]]:
-        """The evicted blocks write-through still holds back for a name (no longer)."""
-        if not self._unnamed:
-            return [], []
-        out: list[tuple[BlockKey, int]] = []
-        out_names: list[BlockName | None] = []
-        for block, name in zip(blocks, names, strict=True):
-            if self._forget_unnamed(block[0]):
-                out.append(block)
-                out_names.append(name)
-        return out, out_names
-
-    def _forget_unnamed(self, key: BlockKey) -> bool:
-        waiting = self._unnamed.get(key[1])
-        if waiting is None or key not in waiting:
-            return False
-        waiting.remove(key)
-        if not waiting:
-            del self._unnamed[key[1]]
-        return True
-
-    async def _write_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            await self._flush()
-
-    async def _flush(self) -> None:
-        per_batch = max(1, _BATCH_BYTES // self.value_bytes)
-        while self._queue:
-            n = min(per_batch, len(self._queue))
-            batch = [self._queue.popleft() for _ in range(n)]
-            await self._send(batch)
-
-    async def _send(self, batch: list[_Write]) -> None:
-        """``SET`` a batch; what it wrote joins the index (announced) at once."""
-        for key, _, value in batch:
-            self._queued.discard(key)
-            if value is not None:
-                self._pending_bytes -= self.value_bytes
-        # Values still in their slots are copied out here, with no await in between.
-        slots = self._slots_of([key for key, _, value in batch if value is None])
-        rows, it = self._rows, iter(slots)
-        ready: list[tuple[BlockKey, BlockName | None, bytes]] = []
-        for key, name, queued in batch:
-            value = queued
-            if value is None:
-                slot = next(it)
-                if slot is None:  # evicted before it could be sent
-                    self.num_dropped += 1
-                    continue
-                value = pack_value(key, name, rows[slot])
-            ready.append((key, name, value))
-        client = self._client
-        if not ready:
-            return
-        if client is None:
-            self.num_dropped += len(ready)
-            return
-        pipe = client.pipeline(transaction=False)
-        for key, _, value in ready:
-            pipe.set(self.keys.name(key), value)
-        self._sending = len(ready)
-        try:
-            await pipe.execute()
-        except Exception as exc:
-            self.num_errors += 1
-            self.num_dropped += len(ready)
-            log.warning("remote_tier_write_failed", blocks=len(ready),
-                        error=f"{type(exc).__name__}: {exc}")
-            return
-        finally:
-            self._sending = 0
-        if self._client is not client:  # it went away meanwhile: the index was cleared
-            return
-        fresh = [(key, name) for key, name, _ in ready if key not in self._index]
+    def _written(self, blocks: list[tuple[BlockKey, BlockName | None]]) -> None:
+        """The store took these blocks: they join the index, the new ones announced."""
+        fresh = [(key, name) for key, name in blocks if key not in self._index]
         for key, name in fresh:
             self._index[key] = name
-        self.num_writes += len(ready)
-        self.num_write_bytes += len(ready) * self.value_bytes
         if fresh:
             self._announce([key for key, _ in fresh])
             self._notify()
@@ -445,7 +311,7 @@ class RemoteTier:
         """Fetch, check and copy each ``(key, dst)``; False for a miss (not held, gone,
         corrupt, or the store away)."""
         out = [False] * len(items)
-        per_batch = max(1, _BATCH_BYTES // self.value_bytes)
+        per_batch = max(1, BATCH_BYTES // self.value_bytes)
         for start in range(0, len(items), per_batch):
             chunk = items[start : start + per_batch]
             client = self._client
@@ -487,7 +353,7 @@ class RemoteTier:
     def remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         """Delete the keys from the store (in the background); per key, whether it held it."""
         for key in keys:
-            self._forget_unnamed(key)
+            self._writes.forget_unnamed(key)
         out = [key in self._index for key in keys]
         gone = [key for key, held in zip(keys, out, strict=True) if held]
         if gone and self._client is not None:
@@ -508,19 +374,20 @@ class RemoteTier:
         return self._log.take()
 
     def stats(self) -> RemoteTierStats:
+        writes = self._writes
         return RemoteTierStats(
             connected=self._client is not None,
             num_blocks=len(self._index),
-            num_writes=self.num_writes,
-            num_write_bytes=self.num_write_bytes,
+            num_writes=writes.num_writes,
+            num_write_bytes=writes.num_write_bytes,
             num_reads=self.num_reads,
             num_read_bytes=self.num_read_bytes,
             num_misses=self.num_misses,
             num_corrupt=self.num_corrupt,
-            num_errors=self.num_errors,
-            num_dropped=self.num_dropped,
-            num_pending=len(self._queue) + self._sending,
-            num_unnamed=sum(map(len, self._unnamed.values())),
+            num_errors=self.num_errors + writes.num_errors,
+            num_dropped=writes.num_dropped,
+            num_pending=writes.num_pending,
+            num_unnamed=writes.num_unnamed,
         )
 
 
