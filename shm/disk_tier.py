@@ -1,9 +1,9 @@
 """The disk tier: blocks evicted from the host store, kept in a local directory.
 
 One file per block (``shm.disk_format``), written to ``<name>.tmp`` and renamed into place,
-its checksum verified on every read, so a crash (or a torn page after a power loss) never
-makes a torn block readable: a file that fails its check is dropped, counted, and the read
-is a miss.
+its checksum verified on every read (``shm.disk_files``: what the tier does to files), so a
+crash (or a torn page after a power loss) never makes a torn block readable: a file that
+fails its check is dropped, counted, and the read is a miss.
 
 The owner's event loop never waits for the disk on the write path: ``spill`` (called by
 the store core while it evicts, before the evicted slots get new holders) copies each
@@ -31,7 +31,6 @@ reads (which touch no shared state) run elsewhere.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import queue
 import threading
@@ -45,17 +44,7 @@ import structlog
 
 from kvcore.events import KVEvent, Tier
 from shm.block_names import BlockName
-from shm.disk_format import (
-    HEADER_BYTES,
-    SUFFIX,
-    TMP_SUFFIX,
-    block_file_name,
-    header_for,
-    header_name,
-    parse_name,
-    problem_of,
-)
-from shm.errors import OwnerConflictError
+from shm.disk_files import BlockFiles
 from shm.host_events import HostEventLog
 
 __all__ = ["DiskTier", "DiskTierStats"]
@@ -63,7 +52,6 @@ __all__ = ["DiskTier", "DiskTierStats"]
 log = structlog.get_logger(component="shm")
 
 BlockKey = tuple[int, int]
-_LOCK = ".lock"
 _STAGING_BYTES = 64 << 20  # staging buffers for blocks on their way to disk
 _MIN_STAGING_BLOCKS = 4
 
@@ -93,9 +81,10 @@ class DiskTier:
 
     def __init__(self, directory: Path, capacity_bytes: int, block_bytes: int, *,
                  worker_id: str, staging_blocks: int | None = None) -> None:
-        self.directory = Path(directory)
+        self.files = BlockFiles(directory, block_bytes)
+        self.directory = self.files.directory
         self.block_bytes = block_bytes
-        self.file_bytes = HEADER_BYTES + block_bytes
+        self.file_bytes = self.files.file_bytes
         if capacity_bytes < self.file_bytes:
             raise ValueError(f"a disk tier of {capacity_bytes} bytes holds no block file of "
                              f"{self.file_bytes} bytes")
@@ -129,10 +118,11 @@ class DiskTier:
         self._notify = notify
         await asyncio.to_thread(self._open)
         try:
-            recovered = await asyncio.to_thread(self._scan)
+            recovered, errors = await asyncio.to_thread(self.files.scan)
         except BaseException:
             self._unlock()
             raise
+        self.num_errors += errors
         for key, _, name in recovered:
             self._index[key] = name
         self._enforce_capacity()
@@ -146,54 +136,11 @@ class DiskTier:
                  capacity_bytes=self.capacity_bytes, staging_blocks=self._staging_blocks)
 
     def _open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OwnerConflictError(
-                f"another block store owner uses the disk tier {self.directory}") from None
-        self._lock_fd = fd
+        self._lock_fd = self.files.lock()
         # Fresh memory is costly to touch on the eviction path: fault it in now.
         staging = np.empty((self._staging_blocks, self.block_bytes), np.uint8)
         staging.fill(0)
         self._staging = staging
-
-    def _scan(self) -> list[tuple[BlockKey, int, BlockName | None]]:
-        """The block files in the directory (key, mtime, name), oldest first; torn and
-        foreign files removed."""
-        found: list[tuple[BlockKey, int, BlockName | None]] = []
-        removed = 0
-        with os.scandir(self.directory) as entries:
-            for entry in entries:
-                name = entry.name
-                if name == _LOCK:
-                    continue
-                key = parse_name(name) if name.endswith(SUFFIX) else None
-                try:
-                    st = entry.stat()
-                    if key is not None and st.st_size == self.file_bytes:
-                        ok, block_name = self._read_header(entry.path, key)
-                        if ok:
-                            found.append((key, st.st_mtime_ns, block_name))
-                            continue
-                    if name.endswith((SUFFIX, TMP_SUFFIX)):
-                        os.unlink(entry.path)  # torn, or written for another block size
-                        removed += 1
-                except OSError as exc:
-                    self.num_errors += 1
-                    log.warning("disk_tier_scan_error", file=name, error=str(exc))
-        if removed:
-            log.info("disk_tier_files_removed", count=removed, reason="torn or foreign")
-        found.sort(key=lambda item: item[1])
-        return found
-
-    def _read_header(self, path: str, key: BlockKey) -> tuple[bool, BlockName | None]:
-        """Whether a file's header is this tier's for ``key``, and the block's name."""
-        with open(path, "rb") as f:
-            raw = f.read(HEADER_BYTES)
-        return header_name(raw, key, self.block_bytes)
 
     async def aclose(self) -> None:
         """Write what is staged, stop the writer, unlock; what is on disk stays."""
@@ -209,7 +156,7 @@ class DiskTier:
         while not self._jobs.empty():
             job = self._jobs.get_nowait()
             if job is not None and job[0] == "unlink":
-                self._unlink_file(job[1])
+                self.files.unlink(job[1])
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -256,9 +203,9 @@ class DiskTier:
                     continue
                 kind, key, row, name = job
                 if kind == "write":
-                    done.append((key, self._write_file(key, row, name)))
+                    done.append((key, self.files.write(key, name, memoryview(self._staging[row]))))
                 else:
-                    self._unlink_file(key)
+                    self.files.unlink(key)
             if done:
                 self._report(done)
             if stop:
@@ -272,35 +219,6 @@ class DiskTier:
             loop.call_soon_threadsafe(self._written, done)
         except RuntimeError:  # the loop closed meanwhile: the files are there anyway
             pass
-
-    def _write_file(self, key: BlockKey, row: int, name: BlockName | None) -> bool:
-        payload = memoryview(self._staging[row])
-        header = header_for(key, name, self.block_bytes, payload)
-        path = self.directory / block_file_name(key)
-        tmp = path.with_name(path.name + TMP_SUFFIX)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                written = os.writev(fd, [header, payload])
-            finally:
-                os.close(fd)
-            if written != self.file_bytes:
-                raise OSError(f"short write: {written} of {self.file_bytes} bytes")
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("disk_tier_write_failed", file=path.name, error=str(exc))
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            return False
-        return True
-
-    def _unlink_file(self, key: BlockKey) -> None:
-        try:
-            (self.directory / block_file_name(key)).unlink(missing_ok=True)
-        except OSError as exc:
-            log.warning("disk_tier_unlink_failed", key=key, error=str(exc))
 
     def _written(self, done: list[tuple[BlockKey, bool]]) -> None:
         """On the loop: index what the writer finished, announce it, keep the capacity."""
@@ -368,7 +286,7 @@ class DiskTier:
         source = self._source(key, dst)
         if isinstance(source, bool):
             return source
-        return self._finish_read(key, source, self._read_file(key, source, dst))
+        return self._finish_read(key, source, self.files.read(key, source, dst))
 
     async def read_many(self, items: Sequence[tuple[BlockKey, np.ndarray]]) -> list[bool]:
         """``read_into`` for each ``(key, dst)``, the files read and checked in a worker
@@ -388,7 +306,7 @@ class DiskTier:
             reading[key] = reading.get(key, 0) + 1
         try:
             outcomes = await asyncio.to_thread(
-                lambda: [self._read_file(key, path, dst) for _, key, path, dst in todo])
+                lambda: [self.files.read(key, path, dst) for _, key, path, dst in todo])
         finally:
             for _, key, _, _ in todo:
                 left = reading.pop(key) - 1
@@ -411,21 +329,7 @@ class DiskTier:
         if key not in self._index:
             return False
         self._index.move_to_end(key)  # a read is a use
-        return self.directory / block_file_name(key)
-
-    def _read_file(self, key: BlockKey, path: Path, dst: np.ndarray) -> str | OSError | None:
-        """Read a block file into ``dst`` and check it: None, a problem, or the error. Reads
-        no state that changes: safe in any thread."""
-        header = bytearray(HEADER_BYTES)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                got = os.preadv(fd, [header, dst.data], 0)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            return exc
-        return self._check(key, got, header, dst)
+        return self.files.path(key)
 
     def _finish_read(self, key: BlockKey, path: Path, outcome: str | OSError | None) -> bool:
         """On the loop: count a read, or drop the block its failure shows unreadable."""
@@ -445,11 +349,6 @@ class DiskTier:
         self.num_reads += 1
         self.num_read_bytes += self.file_bytes
         return True
-
-    def _check(self, key: BlockKey, got: int, header: bytearray, dst: np.ndarray) -> str | None:
-        if got != self.file_bytes:
-            return f"{got} bytes, expected {self.file_bytes}"
-        return problem_of(header, key, self.block_bytes, dst.data)
 
     def _drop(self, key: BlockKey, *, unlink: bool) -> None:
         name = self._index.pop(key)
