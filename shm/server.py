@@ -20,11 +20,10 @@ events go to ``listener``, a plain callable that must not block (the sidecar's p
 on a bounded queue); an exception from it is logged and counted, never lost silently and
 never fatal to the store.
 
-With lower tiers (``OwnerConfig.disk_dir``: ``shm.disk_tier``; ``OwnerConfig.remote_url``:
-``shm.remote_tier``), the blocks the store evicts are handed to them before their slots get
-new holders, and a lease that misses in shared memory promotes what they hold back into
-slots first (``shm.read_through``; the connection's reply deferred until the blocks are in):
-clients see one store, through the same protocol. ``Contains`` and ``Remove`` span the tiers.
+With lower tiers (disk, remote: ``shm.lower_tiers``), the blocks the store evicts go down
+to them, and a lease that misses in shared memory promotes what they hold back into slots
+first (the connection's reply deferred until the blocks are in): clients see one store,
+through the same protocol.
 
 Events name blocks canonically (``shm.block_names``): by their keys when clients key them
 canonically (the default), else by the names the sidecar learns from the engine's events
@@ -57,6 +56,7 @@ from shm.errors import (
     OwnerConflictError,
     ProtocolError,
 )
+from shm.lower_tiers import LowerTiers
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -81,7 +81,6 @@ from shm.protocol import (
     encode,
     is_one_way,
 )
-from shm.read_through import LowerTier, ReadThrough
 from shm.remote_tier import RemoteTier
 from shm.segment import Segment, unlink_stale_segments
 from shm.store import BlockStore, SessionId, StoreStats
@@ -132,10 +131,15 @@ class BlockStoreOwner:
         self.num_internal_errors = 0
         # The tiers below the store (``--disk-dir``, ``--remote-url``): evicted blocks spill
         # to them, and a lease that misses in shared memory promotes them back.
-        self.disk: DiskTier | None = None
-        self.remote: RemoteTier | None = None
-        self.lower_tiers: tuple[LowerTier, ...] = ()  # those of the two that run, in order
-        self._through: ReadThrough | None = None  # the host store over the lower tiers
+        self.lower_tiers = LowerTiers()
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.lower_tiers.disk
+
+    @property
+    def remote(self) -> RemoteTier | None:
+        return self.lower_tiers.remote
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> BlockStoreOwner:
@@ -168,7 +172,8 @@ class BlockStoreOwner:
                 max_granted=cfg.max_granted_slots,
             )
             self._cells = ClientCells(self.segment.index, self.store)
-            await self._start_lower_tiers(cfg)
+            await self.lower_tiers.start(cfg, self.store, self.segment.slots[:, : cfg.block_bytes],
+                                         self.names, self.drain_events, lambda: self.store)
             self._welcome = Welcome(
                 protocol_version=PROTOCOL_VERSION,
                 owner_id=cfg.owner_id,
@@ -194,44 +199,13 @@ class BlockStoreOwner:
                 self._bound = False
                 cfg.socket_path.unlink(missing_ok=True)
             self.store = self._cells = None
-            await self._close_lower_tiers()
+            await self.lower_tiers.aclose()
             self._release_segment()
             raise
         log.info("shm_owner_started", owner_id=cfg.owner_id, socket=str(cfg.socket_path),
                  segment=self.segment.name, num_slots=cfg.num_slots,
                  block_bytes=cfg.block_bytes, epoch=self.epoch)
         self.drain_events()  # the disk tier's blocks, re-announced
-
-    async def _start_lower_tiers(self, cfg: OwnerConfig) -> None:
-        assert self.segment is not None and self.store is not None
-        store, rows = self.store, self.segment.slots[:, : cfg.block_bytes]
-        if cfg.disk_dir is not None:
-            disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes, cfg.block_bytes,
-                            worker_id=cfg.effective_worker_id)
-            await disk.start(self.drain_events)
-            self.disk = disk
-            self.lower_tiers += (disk,)
-        if cfg.remote_url is not None:
-            remote = RemoteTier(cfg.remote_url, cfg.remote_scope, cfg.block_bytes,
-                                worker_id=cfg.effective_worker_id, write=cfg.remote_write)
-            await remote.start(self.drain_events, rows, store.slots_of)
-            self.remote = remote
-            self.lower_tiers += (remote,)
-            if cfg.remote_write == "through":
-                names = self.names
-                store.committed = lambda blocks, parents: remote.committed(
-                    blocks, names.names_of([key[1] for key, _ in blocks], parents))
-                names.listeners.append(remote.named)
-        if self.lower_tiers:
-            self._through = ReadThrough(self.lower_tiers, store, rows, lambda: self.store,
-                                        self.drain_events, self.names)
-
-    async def _close_lower_tiers(self) -> None:
-        """What is staged is written (the disk tier stays on disk), then they stop."""
-        tiers, self.lower_tiers = self.lower_tiers, ()
-        for tier in tiers:
-            await tier.aclose()
-        self.disk = self.remote = None
 
     def _claim_socket_path(self) -> None:
         """Remove a socket file left by a dead owner; refuse one a live owner listens on."""
@@ -260,16 +234,15 @@ class BlockStoreOwner:
                 conn.abort()
             await self._server.wait_closed()
             self._server = None
-        if self._through is not None:  # its reads fill slots of the segment: let them finish
-            await self._through.finish()
+        await self.lower_tiers.finish_reads()  # they fill slots of the segment
         if self.store is not None:
             self.store.spill = self.store.committed = None
-            await self._close_lower_tiers()  # a remote tier's queue is read from the slots
+            await self.lower_tiers.aclose()  # a remote tier's queue is read from the slots
             self.store.clear()
             self.drain_events()
             # They hold views of the segment's generation table and read index.
             self.store = self._cells = None
-        self._through = None
+        self.lower_tiers.forget_store()
         if self._poll is not None:
             self._poll.cancel()
             self._poll = None
@@ -295,19 +268,7 @@ class BlockStoreOwner:
         optimistic = self._cells.optimistic_hits()
         stats = replace(stats, num_hits=stats.num_hits + optimistic,
                         num_optimistic_hits=optimistic)
-        if self.disk is not None:
-            d = self.disk.stats()
-            stats = replace(stats, num_disk_blocks=d.num_blocks, num_disk_writes=d.num_writes,
-                            num_disk_reads=d.num_reads, num_disk_corrupt=d.num_corrupt,
-                            num_disk_errors=d.num_errors, num_disk_dropped=d.num_dropped)
-        if self.remote is not None:
-            r = self.remote.stats()
-            stats = replace(stats, remote_connected=r.connected, num_remote_blocks=r.num_blocks,
-                            num_remote_writes=r.num_writes, num_remote_reads=r.num_reads,
-                            num_remote_misses=r.num_misses, num_remote_corrupt=r.num_corrupt,
-                            num_remote_errors=r.num_errors, num_remote_dropped=r.num_dropped,
-                            num_remote_pending=r.num_pending)
-        return stats
+        return self.lower_tiers.with_stats(stats)
 
     def handle(self, session: SessionId, body: bytes, *, drain: bool = True,
                defer: bool = False) -> bytes | asyncio.Task[bytes] | None:
@@ -369,11 +330,8 @@ class BlockStoreOwner:
             case Publish(slots, generations):
                 store.commit(session, slots, generations)
                 return None
-            case Lease(namespaces, hashes):
-                keys = _keys(namespaces, hashes)
-                if self._through is not None:  # what shared memory misses, read below
-                    return self._through.lease(session, keys, defer)
-                return encode(Slots(*store.lease(session, keys)))
+            case Lease(namespaces, hashes):  # what shared memory misses is read below
+                return self.lower_tiers.lease(store, session, _keys(namespaces, hashes), defer)
             case Release(slots, generations):
                 store.release(session, slots, generations)
                 return None
@@ -381,17 +339,9 @@ class BlockStoreOwner:
                 store.abort(session, slots, generations)
                 return _DONE
             case Contains(namespaces, hashes):
-                keys = _keys(namespaces, hashes)
-                held = store.contains(keys)
-                for tier in self.lower_tiers:
-                    held = [h or tier.contains(k) for h, k in zip(held, keys, strict=True)]
-                return encode(Flags(held))
+                return encode(Flags(self.lower_tiers.contains(store, _keys(namespaces, hashes))))
             case Remove(namespaces, hashes):
-                keys = _keys(namespaces, hashes)
-                removed = store.remove(keys)
-                for tier in self.lower_tiers:
-                    removed = [a or b for a, b in zip(removed, tier.remove(keys), strict=True)]
-                return encode(Flags(removed))
+                return encode(Flags(self.lower_tiers.remove(store, _keys(namespaces, hashes))))
             case Stats():
                 return encode(StatsReply(self.stats()))
             case Ping():
@@ -448,8 +398,7 @@ class BlockStoreOwner:
             return
         events = self.store.take_events()  # settles first
         self.store.offer_due()  # standby grants picked up: the next ones
-        for tier in self.lower_tiers:
-            events += tier.take_events()
+        events += self.lower_tiers.take_events()
         if self._poll is None and self._loop is not None and self.store.awaits_writers:
             self._poll = self._loop.call_later(_POLL_S, self._poll_published, _POLL_S)
         events = self.names.translate(events)

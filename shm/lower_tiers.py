@@ -1,0 +1,130 @@
+"""The tiers below an owner's host store, as the owner sees them: ``LowerTiers``.
+
+Which run (``OwnerConfig.disk_dir``: ``shm.disk_tier``; ``OwnerConfig.remote_url``:
+``shm.remote_tier``), in that order, and how each is wired to the store: the blocks the
+store evicts are handed to them before their slots get new holders, a lease that misses in
+shared memory promotes what they hold back into slots first (``shm.read_through``), and
+with write-through every block the store commits goes to the remote tier once named. So
+clients see one store, through the same protocol: ``Contains`` and ``Remove`` span the
+tiers, their events join the store's, their statistics the store's.
+
+Without lower tiers every call here is the store's alone. They are closed in the order they
+started, what is staged written first (the disk tier stays on disk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import replace
+
+import numpy as np
+
+from kvcore.events import KVEvent
+from shm.block_names import BlockNames
+from shm.config import OwnerConfig
+from shm.disk_tier import DiskTier
+from shm.protocol import Slots, encode
+from shm.read_through import LowerTier, ReadThrough
+from shm.remote_tier import RemoteTier
+from shm.store import BlockKey, BlockStore, SessionId, StoreStats
+
+__all__ = ["LowerTiers"]
+
+
+class LowerTiers:
+    """The disk and remote tiers below one host store, those that run, in order."""
+
+    def __init__(self) -> None:
+        self.disk: DiskTier | None = None
+        self.remote: RemoteTier | None = None
+        self.tiers: tuple[LowerTier, ...] = ()
+        self.through: ReadThrough | None = None  # the host store over the tiers
+
+    async def start(self, cfg: OwnerConfig, store: BlockStore, rows: np.ndarray,
+                    names: BlockNames, drain_events: Callable[[], None],
+                    current_store: Callable[[], BlockStore | None]) -> None:
+        """Start the tiers ``cfg`` asks for and wire them to ``store``, whose segment's
+        block ``rows`` they read and fill. ``drain_events``: called when their events wait;
+        ``current_store``: the owner's store now (None once it closed). A tier that fails
+        to start leaves those before it here, for ``aclose``."""
+        if cfg.disk_dir is not None:
+            disk = DiskTier(cfg.disk_dir, cfg.disk_capacity_bytes, cfg.block_bytes,
+                            worker_id=cfg.effective_worker_id)
+            await disk.start(drain_events)
+            self.disk = disk
+            self.tiers += (disk,)
+        if cfg.remote_url is not None:
+            remote = RemoteTier(cfg.remote_url, cfg.remote_scope, cfg.block_bytes,
+                                worker_id=cfg.effective_worker_id, write=cfg.remote_write)
+            await remote.start(drain_events, rows, store.slots_of)
+            self.remote = remote
+            self.tiers += (remote,)
+            if cfg.remote_write == "through":
+                store.committed = lambda blocks, parents: remote.committed(
+                    blocks, names.names_of([key[1] for key, _ in blocks], parents))
+                names.listeners.append(remote.named)
+        if self.tiers:
+            self.through = ReadThrough(self.tiers, store, rows, current_store, drain_events,
+                                       names)
+
+    async def finish_reads(self) -> None:
+        """Wait for the promotions in flight: their reads fill slots of the segment."""
+        if self.through is not None:
+            await self.through.finish()
+
+    async def aclose(self) -> None:
+        """What is staged is written (the disk tier stays on disk), then they stop."""
+        tiers, self.tiers = self.tiers, ()
+        for tier in tiers:
+            await tier.aclose()
+        self.disk = self.remote = None
+
+    def forget_store(self) -> None:
+        """The store closed: promote nothing into it any more."""
+        self.through = None
+
+    # ------------------------------------------------------------ the store's requests
+    def lease(self, store: BlockStore, session: SessionId, keys: list[BlockKey],
+              defer: bool) -> bytes | asyncio.Task[bytes]:
+        """``Lease``: what shared memory misses is read from below (``ReadThrough.lease``)."""
+        if self.through is not None:
+            return self.through.lease(session, keys, defer)
+        return encode(Slots(*store.lease(session, keys)))
+
+    def contains(self, store: BlockStore, keys: list[BlockKey]) -> list[bool]:
+        """``Contains``: per key, whether the store or a tier below it holds it."""
+        held = store.contains(keys)
+        for tier in self.tiers:
+            held = [h or tier.contains(k) for h, k in zip(held, keys, strict=True)]
+        return held
+
+    def remove(self, store: BlockStore, keys: list[BlockKey]) -> list[bool]:
+        """``Remove``: from the store and every tier; per key, whether one held it."""
+        removed = store.remove(keys)
+        for tier in self.tiers:
+            removed = [a or b for a, b in zip(removed, tier.remove(keys), strict=True)]
+        return removed
+
+    def take_events(self) -> list[KVEvent]:
+        """The tiers' events (``disk`` and ``remote``), in tier order."""
+        events: list[KVEvent] = []
+        for tier in self.tiers:
+            events += tier.take_events()
+        return events
+
+    def with_stats(self, stats: StoreStats) -> StoreStats:
+        """The store's statistics with the tiers' own."""
+        if self.disk is not None:
+            d = self.disk.stats()
+            stats = replace(stats, num_disk_blocks=d.num_blocks, num_disk_writes=d.num_writes,
+                            num_disk_reads=d.num_reads, num_disk_corrupt=d.num_corrupt,
+                            num_disk_errors=d.num_errors, num_disk_dropped=d.num_dropped)
+        if self.remote is not None:
+            r = self.remote.stats()
+            stats = replace(stats, remote_connected=r.connected, num_remote_blocks=r.num_blocks,
+                            num_remote_writes=r.num_writes, num_remote_reads=r.num_reads,
+                            num_remote_misses=r.num_misses, num_remote_corrupt=r.num_corrupt,
+                            num_remote_errors=r.num_errors, num_remote_dropped=r.num_dropped,
+                            num_remote_pending=r.num_pending)
+        return stats
