@@ -14,4 +14,5 @@
   HTTP surface validated with SGLang's own request models; trtllm-serve's OpenAI surface),
   over the deterministic ``standin_model``, with ``standin_http``'s body recorder.
 - ``openai_shapes``: replies checked against SGLang's OpenAI response models.
+- ``scripts``: ``load_script``, a script of ``scripts/`` as a module, imports as when run.
 """
