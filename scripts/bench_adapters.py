@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec
 import numpy as np
 import orjson
+from benchkit import Report, add_json_flag
 
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
@@ -124,10 +121,9 @@ def best_rates(
     return batches * BLOCKS / best_ours, batches * BLOCKS / best_base
 
 
-def bench(batches: int, repeats: int, bs: int) -> tuple[dict[str, float], dict[str, float]]:
+def bench(batches: int, repeats: int, bs: int) -> Report:
     rng = np.random.default_rng(0)
-    figures: dict[str, float] = {}
-    ratios: dict[str, float] = {}
+    report = Report()
     for shape_name, shape in SHAPES.items():
         # --- SGLang --------------------------------------------------------------------
         payloads = sglang_payloads(batches, shape, bs, rng)
@@ -147,9 +143,10 @@ def bench(batches: int, repeats: int, bs: int) -> tuple[dict[str, float], dict[s
                 decode(payload)
 
         ours, base = best_rates(sglang_run, msgpack_run, batches, repeats)
-        figures[f"sglang_{shape_name}_blocks_per_s"] = ours
-        figures[f"sglang_{shape_name}_plain_decode_blocks_per_s"] = base
-        ratios[f"sglang_{shape_name}_blocks_per_s_vs_plain_decode"] = ours / base
+        report.figure(f"sglang_{shape_name}_blocks_per_s", ours)
+        report.figure(f"sglang_{shape_name}_plain_decode_blocks_per_s", base)
+        report.ratio(f"sglang_{shape_name}_blocks_per_s", "plain_decode", ours, base,
+                     better="higher")
 
         # --- TensorRT-LLM --------------------------------------------------------------
         tpayloads = trtllm_payloads(batches, shape, bs, rng)
@@ -165,10 +162,11 @@ def bench(batches: int, repeats: int, bs: int) -> tuple[dict[str, float], dict[s
                 loads(payload)
 
         ours, base = best_rates(trt_run, orjson_run, batches, repeats)
-        figures[f"trtllm_{shape_name}_blocks_per_s"] = ours
-        figures[f"trtllm_{shape_name}_plain_decode_blocks_per_s"] = base
-        ratios[f"trtllm_{shape_name}_blocks_per_s_vs_plain_decode"] = ours / base
-    return figures, ratios
+        report.figure(f"trtllm_{shape_name}_blocks_per_s", ours)
+        report.figure(f"trtllm_{shape_name}_plain_decode_blocks_per_s", base)
+        report.ratio(f"trtllm_{shape_name}_blocks_per_s", "plain_decode", ours, base,
+                     better="higher")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,21 +178,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs per figure (best is kept)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--cpu", type=int, default=0, help="core to pin to (-1: do not pin)")
-    parser.add_argument("--json", type=Path, help="write {figures, ratios} to this file")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if args.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {args.cpu})
-    figures, ratios = bench(args.batches, args.repeats, args.block_size)
-    print(f"{'figure':<48} {'value':>14}")
-    for name, value in figures.items():
-        print(f"{name:<48} {value:>14,.0f}")
-    print()
-    for name, value in ratios.items():
-        print(f"{name:<48} {value:>14.3f}")
+    report = bench(args.batches, args.repeats, args.block_size)
+    report.print_figures()
+    report.print_ratios("the adapter")
     target = 200_000
     print(f"\ntarget: >= {target:,} blocks/s per adapter on one core")
     if args.json is not None:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2))
+        report.write_json(args.json)
     return 0
 
 

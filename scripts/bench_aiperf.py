@@ -41,24 +41,18 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchkit import ROOT, Better, Report, add_json_flag, print_table, progress
 
-from kvsidecar.launch import ManagedProcess  # noqa: E402
+from kvsidecar.launch import ManagedProcess
 
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 MODEL = ROOT / "refengine" / "models" / "tiny"
 POLICIES = ("kv", "round-robin")
 _METRIC = re.compile(rb"^kvsidecar_gateway_(actual_cached_tokens|usage_prompt_tokens)_total "
                      rb"(\S+)$", re.MULTILINE)
-
-
-def progress(msg: str) -> None:
-    print(f"[bench_aiperf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def aiperf_binary(given: Path | None) -> Path:
@@ -184,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-slo-ms", type=float, default=2000.0,
                    help="the goodput SLO on time to first token (2,000 ms)")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per AIPerf run")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if not TRACE.is_file():
         p.error(f"the trace is not at {TRACE}")
@@ -198,32 +192,30 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = hf_cache_layout(MODEL, workdir / "hf-cache")
     results = {policy: run_policy(args, policy, aiperf, dataset, workdir, tokenizer)
                for policy in POLICIES}
-    figures = {f"{policy}_{k}": v for policy, fig in results.items() for k, v in fig.items()}
-    figures.update({f"slice_{k}": v for k, v in shape.items()})
+    report = Report()
+    for policy, fig in results.items():
+        report.add_figures(fig, prefix=f"{policy}_")
+    report.add_figures(shape, prefix="slice_")
     kv, rr = results["kv"], results["round-robin"]
-    ratios = {
-        "ttft_avg_vs_round_robin": rr["ttft_avg_ms"] / kv["ttft_avg_ms"],
-        "ttft_p99_vs_round_robin": rr["ttft_p99_ms"] / kv["ttft_p99_ms"],
-        "goodput_vs_round_robin": kv["goodput_rps"] / rr["goodput_rps"]
-        if rr["goodput_rps"] else float("inf"),
-        "hit_rate_vs_round_robin": kv["hit_rate"] / rr["hit_rate"]
-        if rr["hit_rate"] else float("inf"),
-    }
+    compared: tuple[tuple[str, str, Better], ...] = (
+        ("ttft_avg", "ttft_avg_ms", "lower"), ("ttft_p99", "ttft_p99_ms", "lower"),
+        ("goodput", "goodput_rps", "higher"), ("hit_rate", "hit_rate", "higher"))
+    for name, key, better in compared:
+        if rr[key] or better == "lower":
+            report.ratio(name, "round_robin", kv[key], rr[key], better=better)
+        else:
+            progress(f"{name}: round-robin's is 0, so no {name}_vs_round_robin")
     print(f"\nAIPerf, Mooncake conversation trace slice: {shape['requests']:.0f} requests over "
           f"{shape['duration_s']:.0f} s, {args.replicas} simulated replicas of "
           f"{args.max_total_tokens:,} KV tokens each\n")
-    print(f"{'policy':<13}{'TTFT avg ms':>12}{'TTFT p99 ms':>12}{'goodput rps':>13}"
-          f"{'req/s':>8}{'hit rate':>10}")
-    for policy, fig in results.items():
-        print(f"{policy:<13}{fig['ttft_avg_ms']:>12.1f}{fig['ttft_p99_ms']:>12.1f}"
-              f"{fig['goodput_rps']:>13.2f}{fig['request_throughput_rps']:>8.2f}"
-              f"{fig['hit_rate']:>10.1%}")
+    print_table(["policy", "TTFT avg ms", "TTFT p99 ms", "goodput rps", "req/s", "hit rate"],
+                [[policy, f"{fig['ttft_avg_ms']:.1f}", f"{fig['ttft_p99_ms']:.1f}",
+                  f"{fig['goodput_rps']:.2f}", f"{fig['request_throughput_rps']:.2f}",
+                  f"{fig['hit_rate']:.1%}"] for policy, fig in results.items()])
     print(f"\ngoodput: requests within TTFT {args.ttft_slo_ms:g} ms, per second")
-    for name, value in ratios.items():
-        print(f"{name:<28}{value:>8.2f}")
+    report.print_ratios("kv placement")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
-        progress(f"wrote {args.json}")
+        report.write_json(args.json)
     return 0
 
 

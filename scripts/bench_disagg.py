@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import random
 import sys
@@ -46,13 +45,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import aiohttp
+from benchkit import Report, add_json_flag, progress
 
-import aiohttp  # noqa: E402
-
-from kvcore.logs import configure_logging  # noqa: E402
-from kvsidecar.launch import ManagedProcess  # noqa: E402
+from kvcore.logs import configure_logging
+from kvsidecar.launch import ManagedProcess
 
 VOCAB = (10, 1000)  # the tiny model has 1,024 token ids
 
@@ -198,40 +195,40 @@ def _transports() -> list[str]:
     try:
         import nixl  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
-        print("nixl: not installed, not measured (pip install 'kvsidecar[nixl]')",
-              file=sys.stderr)
+        progress("nixl: not installed, not measured (pip install 'kvsidecar[nixl]')")
         return ["shm", "tcp"]
     return ["shm", "tcp", "nixl"]
 
 
-async def _transfer(figures: dict[str, float], ratios: dict[str, float], rounds: int) -> None:
+async def _transfer(report: Report, rounds: int) -> None:
     try:  # the transfer service is optional here: report its absence, don't hide it
         from _disagg_transfer import measure_transfer  # scripts/ is on sys.path
 
         measured = await measure_transfer(_transports(), rounds)
     except Exception as exc:
-        print(f"transfer: not measured ({exc!r})", file=sys.stderr)
+        progress(f"transfer: not measured ({exc!r})")
         return
     print("\nKV handoff transfer time per 1,000 tokens (median ms; two stores on this host)")
     print(f"{'layout':<8}" + "".join(f"{t:>16}" for t in next(iter(measured.values()))))
     for layout, per in measured.items():
         print(f"{layout:<8}" + "".join(f"{v:>16.2f}" for v in per.values()))
         for transport, ms in per.items():
-            figures[f"transfer_{layout}_{transport}_ms_per_1k_tokens"] = round(ms, 3)
+            figure = f"transfer_{layout}_{transport}"
+            report.figure(f"{figure}_ms_per_1k_tokens", round(ms, 3))
+            if ms <= 0:  # too fast to time: no ratio
+                continue
             if transport.startswith("shm_groups"):
-                ratios[f"transfer_{layout}_{transport}_vs_one_pull"] = round(per["shm"] / ms, 3)
-            elif transport != "memcpy" and ms > 0:
-                ratios[f"transfer_{layout}_{transport}_vs_memcpy"] = round(per["memcpy"] / ms, 3)
+                report.ratio(figure, "one_pull", ms, per["shm"], better="lower", ndigits=3)
+            elif transport != "memcpy":
+                report.ratio(figure, "memcpy", ms, per["memcpy"], better="lower", ndigits=3)
 
 
-async def _bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    figures: dict[str, float] = {}
-    ratios: dict[str, float] = {}
+async def _bench(args: argparse.Namespace) -> Report:
+    report = Report()
     with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-disagg-") as tmp:
         results: dict[tuple[str, str], Samples] = {}
         for run in _runs(args):
-            print(f"running {run.scenario}/{run.mode} ({run.replicas} replicas)...",
-                  file=sys.stderr, flush=True)
+            progress(f"running {run.scenario}/{run.mode} ({run.replicas} replicas)...")
             results[(run.scenario, run.mode)] = await _measure(run, args, Path(tmp))
     print(f"\n{'scenario':<9}{'mode':<8}{'reqs':>6}{'err':>5}{'TTFT short p50/p99 ms':>24}"
           f"{'TTFT long p50/p99 ms':>23}{'ITL p50/p99 ms':>18}")
@@ -246,11 +243,11 @@ async def _bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         }
         for name, value in row.items():
             if not math.isnan(value):  # NaN: that class had no request in this scenario
-                figures[f"{scenario}_{mode}_{name}"] = round(value, 3)
-        figures[f"{scenario}_{mode}_requests"] = s.requests
-        figures[f"{scenario}_{mode}_errors"] = s.errors
+                report.figure(f"{scenario}_{mode}_{name}", round(value, 3))
+        report.figure(f"{scenario}_{mode}_requests", s.requests)
+        report.figure(f"{scenario}_{mode}_errors", s.errors)
         if s.first_error:
-            print(f"{scenario}/{mode}: first error: {s.first_error}", file=sys.stderr)
+            progress(f"{scenario}/{mode}: first error: {s.first_error}")
         print(f"{scenario:<9}{mode:<8}{s.requests:>6}{s.errors:>5}"
               f"{row['ttft_short_p50_ms']:>12.1f}/{row['ttft_short_p99_ms']:<11.1f}"
               f"{row['ttft_long_p50_ms']:>11.1f}/{row['ttft_long_p99_ms']:<11.1f}"
@@ -259,16 +256,14 @@ async def _bench(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         base = "mixed" if scenario in ("slow", "early") else scenario
         for name in ("itl_p50_ms", "itl_p99_ms", "ttft_short_p50_ms", "ttft_short_p99_ms",
                      "ttft_long_p50_ms", "ttft_long_p99_ms"):
-            agg = figures.get(f"{base}_agg_{name}")
-            dis = figures.get(f"{scenario}_disagg_{name}")
+            agg = report.figures.get(f"{base}_agg_{name}")
+            dis = report.figures.get(f"{scenario}_disagg_{name}")
             if agg and dis:  # both measured
-                ratios[f"{scenario}_{name.removesuffix('_ms')}_disagg_vs_agg"] = round(
-                    agg / dis, 3)
-    await _transfer(figures, ratios, args.transfer_rounds)
-    print("\nratios (>= 1: disaggregation, or the transport, as good as its baseline or better)")
-    for name, value in ratios.items():
-        print(f"  {name:<44}{value:>8.3f}")
-    return {"figures": figures, "ratios": ratios}
+                report.ratio(f"{scenario}_{name.removesuffix('_ms')}_disagg", "agg", dis, agg,
+                             better="lower", ndigits=3)
+    await _transfer(report, args.transfer_rounds)
+    report.print_ratios("disaggregation, or the transport,")
+    return report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the slow scenario's handoff cost per 1,000 prompt tokens")
     p.add_argument("--speedup", type=float, default=1.0, help="sim engines' speedup")
     p.add_argument("--transfer-rounds", type=int, default=5, help="measured pulls per transport")
-    p.add_argument("--json", metavar="FILE", help="write {figures, ratios} here")
+    add_json_flag(p)
     args = p.parse_args(argv)
     configure_logging("warning")
-    result = asyncio.run(_bench(args))
+    report = asyncio.run(_bench(args))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        report.write_json(args.json)
     return 0
 
 

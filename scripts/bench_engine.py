@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+from benchkit import ROOT, Report, add_json_flag
 
-ROOT = Path(__file__).resolve().parent.parent
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -124,7 +124,7 @@ async def decode_rate(session: aiohttp.ClientSession, url: str, batch: int, new:
     return batch * tokens_each / (end - start) if end > start else float("nan")
 
 
-async def bench_torch(prompt_tokens: int, preset: str, figures: dict[str, float]) -> None:
+async def bench_torch(prompt_tokens: int, preset: str, report: Report) -> None:
     rng = random.Random(0)
     pool = max(8192, prompt_tokens * 2) if preset == "kv-heavy" else max(32768, prompt_tokens * 4)
     eng = Engine(
@@ -154,16 +154,16 @@ async def bench_torch(prompt_tokens: int, preset: str, figures: dict[str, float]
                 colds.append(cold)
                 hits.append(hit)
                 loads.append(load)
-            figures["ttft_cold_s"] = statistics.median(colds)
-            figures["ttft_prefix_hit_s"] = statistics.median(hits)
-            figures["ttft_host_load_s"] = statistics.median(loads)
-            figures["decode_tok_s_batch1"] = await decode_rate(s, url, 1, 129)
-            figures["decode_tok_s_batch8"] = await decode_rate(s, url, 8, 129)
+            report.figure("ttft_cold_s", statistics.median(colds))
+            report.figure("ttft_prefix_hit_s", statistics.median(hits))
+            report.figure("ttft_host_load_s", statistics.median(loads))
+            report.figure("decode_tok_s_batch1", await decode_rate(s, url, 1, 129))
+            report.figure("decode_tok_s_batch8", await decode_rate(s, url, 8, 129))
     finally:
         eng.stop()
 
 
-async def bench_sim(seconds: float, replicas: int, rate: float, figures: dict[str, float]) -> None:
+async def bench_sim(seconds: float, replicas: int, rate: float, report: Report) -> None:
     eng = Engine("--compute", "sim", "--replicas", str(replicas), replicas=replicas)
     rng = random.Random(1)
     latencies: list[float] = []
@@ -206,18 +206,19 @@ async def bench_sim(seconds: float, replicas: int, rate: float, figures: dict[st
         eng.stop()
     done = len(latencies) - errors
     cores = cpu / wall
-    figures["sim_replicas"] = replicas
-    figures["sim_offered_req_s"] = replicas * rate
-    figures["sim_achieved_req_s"] = done / wall
-    figures["sim_engine_cpu_cores"] = cores
-    figures["sim_req_s_per_core"] = done / cpu if cpu else float("inf")
-    figures["sim_latency_p50_s"] = statistics.median(latencies)
-    figures["sim_errors"] = errors
+    report.figure("sim_replicas", replicas)
+    report.figure("sim_offered_req_s", replicas * rate)
+    report.figure("sim_achieved_req_s", done / wall)
+    report.figure("sim_engine_cpu_cores", cores)
+    if cpu:  # else too little CPU time to count: no rate per core
+        report.figure("sim_req_s_per_core", done / cpu)
+    report.figure("sim_latency_p50_s", statistics.median(latencies))
+    report.figure("sim_errors", errors)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", type=Path, help="write figures and ratios to this file")
+    add_json_flag(p)
     p.add_argument("--prompt-tokens", type=int, default=4096)
     p.add_argument(
         "--model-preset",
@@ -229,30 +230,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-replicas", type=int, default=16)
     p.add_argument("--sim-rate", type=float, default=5.0, help="requests/s per replica")
     args = p.parse_args(argv)
-    figures: dict[str, float] = {}
-    asyncio.run(bench_torch(args.prompt_tokens, args.model_preset, figures))
-    asyncio.run(bench_sim(args.sim_seconds, args.sim_replicas, args.sim_rate, figures))
+    report = Report()
+    asyncio.run(bench_torch(args.prompt_tokens, args.model_preset, report))
+    asyncio.run(bench_sim(args.sim_seconds, args.sim_replicas, args.sim_rate, report))
+    fig = report.figures
     ncpu = os.cpu_count() or 1
-    ratios = {
-        "ttft_prefix_hit_vs_cold": figures["ttft_cold_s"] / figures["ttft_prefix_hit_s"],
-        "ttft_host_load_vs_cold": figures["ttft_cold_s"] / figures["ttft_host_load_s"],
-        "decode_batch8_vs_batch1": figures["decode_tok_s_batch8"] / figures["decode_tok_s_batch1"],
-        "sim_cpu_half_machine_vs_used": (ncpu / 2) / max(1e-9, figures["sim_engine_cpu_cores"]),
-        "sim_achieved_vs_offered": figures["sim_achieved_req_s"] / figures["sim_offered_req_s"],
-    }
-    print(f"{'figure':<28}{'value':>14}")
-    for k, v in figures.items():
-        print(f"{k:<28}{v:>14.4f}")
-    print(f"\n{'ratio (>= 1 is good)':<32}{'value':>10}  target")
-    targets = {
-        "ttft_prefix_hit_vs_cold": ">= 10 (hit <= 10% of cold)",
-        "ttft_host_load_vs_cold": ">= 5 (load <= 20% of cold)",
-        "sim_cpu_half_machine_vs_used": ">= 1 (engines under half the CPU)",
-    }
-    for k, v in ratios.items():
-        print(f"{k:<32}{v:>10.2f}  {targets.get(k, '')}")
+    report.ratio("ttft_prefix_hit", "cold", fig["ttft_prefix_hit_s"], fig["ttft_cold_s"],
+                 better="lower")
+    report.ratio("ttft_host_load", "cold", fig["ttft_host_load_s"], fig["ttft_cold_s"],
+                 better="lower")
+    report.ratio("decode_batch8", "batch1", fig["decode_tok_s_batch8"],
+                 fig["decode_tok_s_batch1"], better="higher")
+    # the headroom: half the machine's cores against the cores the engines used
+    report.ratio("sim_cpu_half_machine", "used", ncpu / 2, max(1e-9, fig["sim_engine_cpu_cores"]),
+                 better="higher")
+    report.ratio("sim_achieved", "offered", fig["sim_achieved_req_s"],
+                 fig["sim_offered_req_s"], better="higher")
+    report.print_figures()
+    report.print_ratios("the engine", notes={
+        "ttft_prefix_hit_vs_cold": "target >= 10 (hit <= 10% of cold)",
+        "ttft_host_load_vs_cold": "target >= 5 (load <= 20% of cold)",
+        "sim_cpu_half_machine_vs_used": "target >= 1 (engines under half the CPU)",
+    })
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+        report.write_json(args.json)
     return 0
 
 

@@ -34,10 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 from bench_index import latency_us  # the index benchmark's percentiles, the same way
+from benchkit import Better, Report, add_json_flag, print_table, progress
 
 from kvcore.events import BlockStored, Tier
 from kvcore.wire import decode, encode
@@ -51,10 +49,6 @@ MAX_THREAD_BLOCKS = 2048  # a conversation's depth at most
 EVENT_BLOCKS = 64
 MATCH_SIZES = (128, 1024)
 QUERIES = 200
-
-
-def progress(msg: str) -> None:
-    print(f"[bench_fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def rss_bytes() -> int:
@@ -165,13 +159,13 @@ def run_dynamo(fleet: Fleet) -> dict[str, float]:
     return fig
 
 
-# figure → higher is better?
-COMPARED = {
-    "events_per_s": True,
-    "blocks_per_s": True,
-    **{f"match_{s}_{q}_us": False for s in MATCH_SIZES for q in ("p50", "p99")},
-    "rss_bytes_per_block": False,
-    "rss_total_mib": False,
+# figure → which way is better
+COMPARED: dict[str, Better] = {
+    "events_per_s": "higher",
+    "blocks_per_s": "higher",
+    **{f"match_{s}_{q}_us": "lower" for s in MATCH_SIZES for q in ("p50", "p99")},
+    "rss_bytes_per_block": "lower",
+    "rss_total_mib": "lower",
 }
 
 
@@ -181,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=128)
     p.add_argument("--blocks", type=int, default=10_000_000,
                    help="(worker, block) pairs the fleet holds (default 10,000,000)")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     p.add_argument("--side", choices=["ours", "dynamo"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     min_blocks = args.workers * PROMPTS_PER_WORKER * SYSTEM_BLOCKS
@@ -206,20 +200,19 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"the {side} run failed:\n{out.stderr[-3000:]}")
         results[side] = json.loads(out.stdout.strip().splitlines()[-1])
     ours, theirs = results["ours"], results.get("dynamo", {})
-    figures = {**ours, **{f"dynamo_{k}": v for k, v in theirs.items()}}
-    ratios = {f"{name}_vs_dynamo": (ours[name] / theirs[name] if higher else
-                                    theirs[name] / ours[name])
-              for name, higher in COMPARED.items() if name in theirs}
+    report = Report()
+    report.add_figures(ours)
+    report.add_figures(theirs, prefix="dynamo_")
+    for name, better in COMPARED.items():
+        if name in theirs:
+            report.ratio(name, "dynamo", ours[name], theirs[name], better=better)
     print(f"\n{ours['indexed_blocks']:,.0f} indexed blocks on {ours['workers']:.0f} workers\n")
-    print(f"{'figure':<26}{'kvsidecar':>14}{'dynamo':>14}{'ratio':>8}")
-    for name in COMPARED:
-        r = ratios.get(f"{name}_vs_dynamo")
-        other = f"{theirs[name]:,.1f}" if name in theirs else "-"
-        print(f"{name:<26}{ours[name]:>14,.1f}{other:>14}{(f'{r:.2f}' if r else '-'):>8}")
+    print_table(["figure", "kvsidecar", "dynamo", "ratio"],
+                [[name, ours[name], theirs.get(name),
+                  report.ratios.get(f"{name}_vs_dynamo")] for name in COMPARED])
     print("ratio >= 1: kvsidecar as good or better")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
-        progress(f"wrote {args.json}")
+        report.write_json(args.json)
     return 0
 
 

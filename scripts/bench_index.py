@@ -34,11 +34,9 @@ import time
 import tracemalloc
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import xxhash
+from benchkit import Better, Report, add_json_flag, print_table, progress
 
 from kvcore import BlockHasher, Namespace
 from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
@@ -417,56 +415,53 @@ def run_once(sessions: int, have_dynamo: bool) -> dict[str, float]:
 
 # --- reporting --------------------------------------------------------------------------
 
-# figure → (Dynamo's figure, higher is better?)
-COMPARED = {
-    "stored_events_per_s": True,
-    "stored_blocks_per_s": True,
-    "removed_events_per_s": True,
-    "removed_blocks_per_s": True,
-    "mixed_events_per_s": True,
-    "mixed_blocks_per_s": True,
-    **{f"match_{n}_{q}_us": False for n in MATCH_SIZES for q in ("p50", "p99")},
-    "hash_1024_blocks_us": False,
-    "bytes_per_block": False,
-    "bytes_per_block_predecoded": False,
+# our figure (Dynamo's: dynamo_<figure>) → which way is better
+COMPARED: dict[str, Better] = {
+    "stored_events_per_s": "higher",
+    "stored_blocks_per_s": "higher",
+    "removed_events_per_s": "higher",
+    "removed_blocks_per_s": "higher",
+    "mixed_events_per_s": "higher",
+    "mixed_blocks_per_s": "higher",
+    **{f"match_{n}_{q}_us": "lower" for n in MATCH_SIZES for q in ("p50", "p99")},
+    "hash_1024_blocks_us": "lower",
+    "bytes_per_block": "lower",
+    "bytes_per_block_predecoded": "lower",
 }
 
 
-def ratios(fig: dict[str, float]) -> dict[str, float]:
-    out = {}
-    for name, higher_better in COMPARED.items():
+def pass_report(fig: dict[str, float]) -> Report:
+    """One pass's figures, and its ratios against Dynamo's where both were measured."""
+    report = Report()
+    report.add_figures(fig)
+    for name, better in COMPARED.items():
         theirs = fig.get(f"dynamo_{name}")
         ours = fig.get(name)
         if theirs and ours:
-            out[f"{name}_vs_dynamo"] = ours / theirs if higher_better else theirs / ours
-    return out
+            report.ratio(name, "dynamo", ours, theirs, better=better)
+    return report
 
 
-def print_table(mode: str, fig: dict[str, float]) -> None:
+def print_pass(mode: str, report: Report) -> None:
+    fig = report.figures
     print(
         f"\n== {mode} ==  stream: {fig['stream_events']:.0f} events, "
         f"{fig['stream_blocks']:.0f} blocks; orphaned blocks after it: "
         f"{fig['orphan_blocks_after_stream']:.0f} of {fig['indexed_blocks_after_stream']:.0f}"
     )
-    rat = ratios(fig)
-    print(f"{'figure':<28}{'kvsidecar':>14}{'dynamo':>14}{'ratio':>9}")
-    for name in COMPARED:
-        if name not in fig:
-            continue
-        theirs = fig.get(f"dynamo_{name}")
-        r = rat.get(f"{name}_vs_dynamo")
-        print(
-            f"{name:<28}{fig[name]:>14,.1f}"
-            f"{(f'{theirs:,.1f}' if theirs else '-'):>14}{(f'{r:.2f}' if r else '-'):>9}"
-        )
-    print(f"{'mixed_events_per_s (pre-decoded)':<28}{fig['mixed_events_per_s_predecoded']:>14,.1f}")
-    print(f"{'bytes_per_block (estimate)':<28}{fig['bytes_per_block_estimate']:>14,.1f}")
+    print_table(
+        ["figure", "kvsidecar", "dynamo", "ratio"],
+        [[name, fig[name], fig.get(f"dynamo_{name}"), report.ratios.get(f"{name}_vs_dynamo")]
+         for name in COMPARED if name in fig]
+        + [["mixed_events_per_s (pre-decoded)", fig["mixed_events_per_s_predecoded"]],
+           ["bytes_per_block (estimate)", fig["bytes_per_block_estimate"]]],
+    )
     print("ratio >= 1: kvsidecar as good or better")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
+    add_json_flag(parser)
     parser.add_argument("--sessions", type=int, default=1500, help="multi-turn sessions (1500)")
     parser.add_argument("--quick", action="store_true", help="300 sessions, pinned pass only")
     parser.add_argument(
@@ -491,23 +486,22 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(run_once(args.sessions, have_dynamo)))
         return 0
 
-    results: dict[str, dict[str, float]] = {}
+    report = Report()
     for mode in args.modes.split(","):
-        print(f"running {mode} pass ({args.sessions} sessions)...", file=sys.stderr, flush=True)
+        progress(f"running {mode} pass ({args.sessions} sessions)...")
         out = subprocess.run(
             [sys.executable, __file__, "--single", mode, "--sessions", str(args.sessions)],
             capture_output=True,
             text=True,
             check=True,
         )
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-        print_table(mode, results[mode])
-    if not any("dynamo_stored_events_per_s" in f for f in results.values()):
+        one = pass_report(json.loads(out.stdout.strip().splitlines()[-1]))
+        print_pass(mode, one)
+        report.include(one, prefix=f"{mode}.")
+    if not any(name.endswith(".dynamo_stored_events_per_s") for name in report.figures):
         print("\n(dynamo.llm not importable: install ai-dynamo-runtime to compare)")
     if args.json:
-        figures = {f"{mode}.{k}": v for mode, f in results.items() for k, v in f.items()}
-        rats = {f"{mode}.{k}": v for mode, f in results.items() for k, v in ratios(f).items()}
-        Path(args.json).write_text(json.dumps({"figures": figures, "ratios": rats}, indent=2))
+        report.write_json(args.json)
     return 0
 
 

@@ -41,23 +41,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from bench_aiperf import MODEL, POLICIES, gateway_hit_rate  # the same stack
+from benchkit import ROOT, Better, Report, add_json_flag, print_table, progress
 
-from bench_aiperf import MODEL, POLICIES, gateway_hit_rate  # noqa: E402  (the same stack)
-
-from kvsidecar.launch import ManagedProcess  # noqa: E402
+from kvsidecar.launch import ManagedProcess
 
 MIN_PYTHON = (3, 12)
-
-
-def progress(msg: str) -> None:
-    print(f"[bench_inference_perf {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr,
-          flush=True)
 
 
 def python_version(python: str) -> tuple[int, int] | None:
@@ -204,7 +195,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=16384,
                    help="KV pool of each replica, in tokens (16,384: about half the groups)")
     p.add_argument("--timeout-s", type=float, default=900.0, help="per inference-perf run")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     return p
 
 
@@ -216,36 +207,35 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.system_prompt_len} tokens, {args.rate:g} requests/s for "
              f"{args.duration} s; work dir {workdir}")
     results = {policy: run_policy(args, policy, binary, workdir) for policy in POLICIES}
-    figures = {f"{policy}_{k}": v for policy, fig in results.items() for k, v in fig.items()}
+    report = Report()
+    for policy, fig in results.items():
+        report.add_figures(fig, prefix=f"{policy}_")
     kv, rr = results["kv"], results["round-robin"]
-    figures["hit_rate_ceiling"] = (kv["requests"] - args.groups) * args.system_prompt_len / (
-        kv["requests"] * (args.system_prompt_len + args.question_len))
-    ratios = {
-        "ttft_mean_vs_round_robin": rr["ttft_mean_ms"] / kv["ttft_mean_ms"],
-        "ttft_p99_vs_round_robin": rr["ttft_p99_ms"] / kv["ttft_p99_ms"],
-        "request_throughput_vs_round_robin":
-            kv["request_throughput_rps"] / rr["request_throughput_rps"],
-        "output_tokens_per_s_vs_round_robin":
-            kv["output_tokens_per_s"] / rr["output_tokens_per_s"],
-        "hit_rate_vs_round_robin": kv["hit_rate"] / rr["hit_rate"]
-        if rr["hit_rate"] else float("inf"),
-    }
+    ceiling = report.figure(
+        "hit_rate_ceiling", (kv["requests"] - args.groups) * args.system_prompt_len / (
+            kv["requests"] * (args.system_prompt_len + args.question_len)))
+    compared: tuple[tuple[str, str, Better], ...] = (
+        ("ttft_mean", "ttft_mean_ms", "lower"), ("ttft_p99", "ttft_p99_ms", "lower"),
+        ("request_throughput", "request_throughput_rps", "higher"),
+        ("output_tokens_per_s", "output_tokens_per_s", "higher"),
+        ("hit_rate", "hit_rate", "higher"))
+    for name, key, better in compared:
+        if rr[key] or better == "lower":
+            report.ratio(name, "round_robin", kv[key], rr[key], better=better)
+        else:
+            progress(f"{name}: round-robin's is 0, so no {name}_vs_round_robin")
     print(f"\ninference-perf shared prefix: {args.groups} groups x {args.prompts_per_group} "
           f"prompts, {args.system_prompt_len:,}-token system prompts, {args.rate:g} requests/s "
           f"for {args.duration} s; {args.replicas} simulated replicas of "
           f"{args.max_total_tokens:,} KV tokens each\n")
-    print(f"{'policy':<13}{'TTFT mean ms':>13}{'TTFT p99 ms':>12}{'req/s':>8}"
-          f"{'output tok/s':>14}{'hit rate':>10}")
-    for policy, fig in results.items():
-        print(f"{policy:<13}{fig['ttft_mean_ms']:>13.1f}{fig['ttft_p99_ms']:>12.1f}"
-              f"{fig['request_throughput_rps']:>8.2f}{fig['output_tokens_per_s']:>14.1f}"
-              f"{fig['hit_rate']:>10.1%}")
-    print(f"\nhit rate ceiling (each prefix computed once): {figures['hit_rate_ceiling']:.1%}")
-    for name, value in ratios.items():
-        print(f"{name:<36}{value:>8.2f}")
+    print_table(["policy", "TTFT mean ms", "TTFT p99 ms", "req/s", "output tok/s", "hit rate"],
+                [[policy, f"{fig['ttft_mean_ms']:.1f}", f"{fig['ttft_p99_ms']:.1f}",
+                  f"{fig['request_throughput_rps']:.2f}", f"{fig['output_tokens_per_s']:.1f}",
+                  f"{fig['hit_rate']:.1%}"] for policy, fig in results.items()])
+    print(f"\nhit rate ceiling (each prefix computed once): {ceiling:.1%}")
+    report.print_ratios("kv placement")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
-        progress(f"wrote {args.json}")
+        report.write_json(args.json)
     return 0
 
 

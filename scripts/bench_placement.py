@@ -36,16 +36,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from benchkit import ROOT, Report, add_json_flag, print_table
 
-from kvcore import BlockHasher, Namespace  # noqa: E402
-from kvcore.events import BlockStored, Tier  # noqa: E402
-from routing.pipeline.admit import DEFER_CHARS  # noqa: E402
-from routing.placement.kv_router import KvRouter  # noqa: E402
-from routing.prompt.chat_template import ChatTemplate  # noqa: E402
-from routing.prompt.hash_cache import PrefixHashCache  # noqa: E402
-from routing.prompt.tokenizer import PromptTokenizer, TokenizeLater  # noqa: E402
+from kvcore import BlockHasher, Namespace
+from kvcore.events import BlockStored, Tier
+from routing.pipeline.admit import DEFER_CHARS
+from routing.placement.kv_router import KvRouter
+from routing.prompt.chat_template import ChatTemplate
+from routing.prompt.hash_cache import PrefixHashCache
+from routing.prompt.tokenizer import PromptTokenizer, TokenizeLater
 
 BLOCK_SIZE = 16
 WORKERS = [f"worker-{i}" for i in range(8)]
@@ -258,18 +257,25 @@ COMPARED = [
 ] + [f"{x}_{s}_p50_us" for s in ("1k", "16k") for x in ("hash", "match")]
 
 
-def ratios(fig: dict[str, float]) -> dict[str, float]:
-    out = {f"loop_hold_{s}_cold_p50_us_vs_inline": fig[f"loop_hold_{s}_cold_inline_p50_us"]
-           / fig[f"loop_hold_{s}_cold_p50_us"] for s in ("1k", "16k")
-           if fig.get(f"loop_hold_{s}_cold_p50_us")}
+def ours_of(name: str) -> str:
+    """Our figure compared with Dynamo's ``dynamo_<name>``: the match step is ours with
+    scoring."""
+    return name.replace("match", "match_score") if name.startswith("match") else name
+
+
+def add_ratios(report: Report) -> None:
+    """The loop's hold against doing it all inline, and each time against Dynamo's (lower is
+    better), where both were measured."""
+    fig = report.figures
+    for s in ("1k", "16k"):
+        held = fig.get(f"loop_hold_{s}_cold_p50_us")
+        if held:
+            report.ratio(f"loop_hold_{s}_cold_p50_us", "inline", held,
+                         fig[f"loop_hold_{s}_cold_inline_p50_us"], better="lower")
     for name in COMPARED:
-        ours = fig.get(
-            name if not name.startswith("match") else name.replace("match", "match_score")
-        )
-        theirs = fig.get(f"dynamo_{name}")
+        ours, theirs = fig.get(ours_of(name)), fig.get(f"dynamo_{name}")
         if ours and theirs:
-            out[f"{name}_vs_dynamo"] = theirs / ours
-    return out
+            report.ratio(name, "dynamo", ours, theirs, better="lower")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,30 +289,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sessions", type=int, default=600)
     parser.add_argument("--reps", type=int, default=200, help="1k-token queries (16k: reps/8)")
-    parser.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     if not (args.model_path / "tokenizer.json").is_file():
         parser.error(f"{args.model_path} has no tokenizer.json")
-    fig = run(args.model_path, args.sessions, args.reps)
-    rat = ratios(fig)
+    report = Report()
+    report.add_figures(run(args.model_path, args.sessions, args.reps))
+    add_ratios(report)
+    fig, rat = report.figures, report.ratios
     print(
         f"index: {fig['indexed_blocks']:,.0f} blocks on {len(WORKERS)} workers "
         f"(built in {fig['state_build_s']:.1f} s); tokenizer: {args.model_path}"
     )
-    print(f"{'figure (µs)':<32}{'kvsidecar':>12}{'dynamo':>12}{'ratio':>8}")
-    for name in COMPARED:
-        ours_name = name.replace("match", "match_score") if name.startswith("match") else name
-        ours, theirs = fig.get(ours_name), fig.get(f"dynamo_{name}")
-        r = rat.get(f"{name}_vs_dynamo")
-        print(
-            f"{ours_name:<32}{ours:>12,.1f}{(f'{theirs:,.1f}' if theirs else '-'):>12}"
-            f"{(f'{r:.2f}' if r else '-'):>8}"
-        )
-    for label in ("1k", "16k"):
-        inline = fig[f"loop_hold_{label}_cold_inline_p50_us"]
-        held = fig[f"loop_hold_{label}_cold_p50_us"]
-        print(f"{'loop hold ' + label + ' cold (inline)':<32}{held:>12,.1f}{inline:>12,.1f}"
-              f"{inline / held:>8.2f}")
+    print_table(
+        ["figure (µs)", "kvsidecar", "dynamo", "ratio"],
+        [[ours_of(name), fig.get(ours_of(name)), fig.get(f"dynamo_{name}"),
+          rat.get(f"{name}_vs_dynamo")] for name in COMPARED]
+        + [[f"loop hold {label} cold (inline)", fig[f"loop_hold_{label}_cold_p50_us"],
+            fig[f"loop_hold_{label}_cold_inline_p50_us"],
+            rat.get(f"loop_hold_{label}_cold_p50_us_vs_inline")] for label in ("1k", "16k")],
+    )
     for label in ("1k", "16k"):
         name = f"tokenize_{label}_p50_us"
         print(f"{name + ' (same lib)':<32}{fig[name]:>12,.1f}")
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "dynamo's side does no scoring"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"figures": fig, "ratios": rat}, indent=2))
+        report.write_json(args.json)
     return 0
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -56,15 +57,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchkit import ROOT, Report, add_json_flag, progress
+
 KIT = ROOT.parent / "shared" / "bench" / "dynamo"
 GAP_FLOOR = 0.005  # half a point: below it a gap is run-to-run noise
 _OURS = re.compile(rb"^kvsidecar_gateway_(predicted_cached_tokens|actual_cached_tokens|"
                    rb"usage_prompt_tokens)_total (\S+)$", re.MULTILINE)
-
-
-def progress(msg: str) -> None:
-    print(f"[bench_pressure {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 def free_port() -> int:
@@ -113,11 +111,15 @@ class Run:
                    "ttft_p99_ms": float(res["ttft_p99_ms"]), "wall_s": float(res["wall_s"]),
                    "ceiling": ceiling_of(res)}
             if extra.get("ROUTER_MODE") == "kv":  # the other modes predict nothing
-                fig["predicted"] = (ours_predicted(url) if stack == "kvsidecar"
-                                    else dynamo_predicted(res, fig))
+                predicted = (ours_predicted(url) if stack == "kvsidecar"
+                             else dynamo_predicted(res, fig))
                 if stack == "kvsidecar":
                     fig.update(ours_weights(url))
-                fig["gap"] = abs(fig["predicted"] - fig["hit_rate"])
+                if math.isnan(predicted):
+                    progress(f"{self.label}: the router's metrics hold no prediction")
+                else:
+                    fig["predicted"] = predicted
+                    fig["gap"] = abs(predicted - fig["hit_rate"])
             return fig
         finally:
             subprocess.run([str(KIT / f"stop_{stack}_stack.sh")], env=env, capture_output=True,
@@ -191,20 +193,25 @@ def table(results: dict[int, dict[str, dict[str, float]]]) -> None:
                   f"{weights}")
 
 
-def ratios_of(cap: int, runs: dict[str, dict[str, float]]) -> dict[str, float]:
+def add_ratios(report: Report, cap: int, runs: dict[str, dict[str, float]]) -> None:
+    """One capacity's ratios: our default run against the ceiling, Dynamo, the sweep and
+    least-loaded."""
     ours = runs["ours"]
-    out: dict[str, float] = {f"hit_rate_vs_ceiling_{cap}": ours["hit_rate"] / ours["ceiling"]}
+    report.ratio("hit_rate", f"ceiling_{cap}", ours["hit_rate"], ours["ceiling"],
+                 better="higher")
     if "dynamo" in runs:
         dyn = runs["dynamo"]
-        out[f"hit_rate_vs_dynamo_{cap}"] = ours["hit_rate"] / dyn["hit_rate"]
-        out[f"prediction_gap_vs_dynamo_{cap}"] = (max(dyn["gap"], GAP_FLOOR)
-                                                  / max(ours["gap"], GAP_FLOOR))
+        report.ratio("hit_rate", f"dynamo_{cap}", ours["hit_rate"], dyn["hit_rate"],
+                     better="higher")
+        if "gap" in ours and "gap" in dyn:
+            report.ratio("prediction_gap", f"dynamo_{cap}", max(ours["gap"], GAP_FLOOR),
+                         max(dyn["gap"], GAP_FLOOR), better="lower")
     sweep = [f["hit_rate"] for label, f in runs.items() if label.startswith("sweep_")]
     if sweep:
-        out[f"defaults_vs_best_sweep_{cap}"] = ours["hit_rate"] / max(sweep)
-    ll = runs["ours_least_loaded"]
-    out[f"ttft_p99_vs_least_loaded_{cap}"] = ll["ttft_p99_ms"] / ours["ttft_p99_ms"]
-    return out
+        report.ratio("defaults", f"best_sweep_{cap}", ours["hit_rate"], max(sweep),
+                     better="higher")
+    report.ratio("ttft_p99", f"least_loaded_{cap}", ours["ttft_p99_ms"],
+                 runs["ours_least_loaded"]["ttft_p99_ms"], better="lower")
 
 
 def floats(text: str) -> list[float]:
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--main", type=Path, default=ROOT,
                    help="the checkout our stack runs from (default: this one); a copy of the "
                    "tree keeps a run apart from edits made meanwhile (it needs .venv/)")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     args = p.parse_args(argv)
     args.main = args.main.resolve()
     if not KIT.is_dir():
@@ -257,26 +264,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nChat workload under memory pressure: {args.users} sessions × 3 turns, "
           f"{args.concurrency} in flight, {args.workers} workers; gap = |predicted − hit rate|")
     table(results)
-    figures = {f"{label}_{cap}_{k}": v for cap, runs in results.items()
-               for label, f in runs.items() for k, v in f.items()}
+    report = Report()
+    for cap, runs in results.items():
+        for label, f in runs.items():
+            report.add_figures(f, prefix=f"{label}_{cap}_")
     print()
     for cap, runs in results.items():
         ceiling = runs["ours"]["ceiling"]
         line = f"ceiling at {cap} blocks: {ceiling:.1%} (no router can hit more on this load)"
         if "dynamo" in runs:
-            reachable = runs["dynamo"]["ceiling"] / runs["dynamo"]["hit_rate"]
-            figures[f"reachable_hit_rate_vs_dynamo_{cap}"] = reachable
+            reachable = report.figure(f"reachable_hit_rate_vs_dynamo_{cap}",
+                                      runs["dynamo"]["ceiling"] / runs["dynamo"]["hit_rate"])
             line += f"; the most any router can score against Dynamo's run: {reachable:.3f}×"
         print(line)
-    ratios: dict[str, float] = {}
     for cap, runs in results.items():
-        ratios.update(ratios_of(cap, runs))
-    print()
-    for name, value in ratios.items():
-        print(f"{name:<34}{value:>8.3f}")
+        add_ratios(report, cap, runs)
+    report.print_ratios("our default placement")
+    progress(f"stack logs under {workdir}")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
-        progress(f"wrote {args.json} (stack logs under {workdir})")
+        report.write_json(args.json)
     return 0
 
 

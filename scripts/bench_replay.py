@@ -21,12 +21,11 @@ Ratios, oriented so that >= 1 means kv is as good or better:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchkit import ROOT, Report, add_json_flag
 
 from replay.__main__ import run_offline
 from replay.offline import FleetConfig, Policy, simulate
@@ -34,9 +33,7 @@ from replay.report import markdown_table
 from replay.traces import TRACE_BLOCK_TOKENS, load_trace
 from routing.placement.scorer import ScoringWeights
 
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[2] / "shared" / "traces" / "conversation_trace.jsonl"
-)
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the gateway's default instead: both weights learned from feedback")
     p.add_argument("--limit", type=int, help="first N requests only")
     p.add_argument("--quick", action="store_true", help="first 1,500 requests (smoke run)")
-    p.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
+    add_json_flag(p)
     args = p.parse_args(argv)
     limit = 1500 if args.quick else args.limit
 
@@ -83,20 +80,20 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(report))
 
     by = {p.summary.policy: p for p in report.policies}
-    figures: dict[str, float] = {}
+    out = Report()
     for name, res in by.items():
         key = name.replace("-", "_")
         s = res.summary
-        figures[f"{key}_hit_rate"] = s.hit_rate
-        figures[f"{key}_ttft_p50_s"] = s.ttft_p50
-        figures[f"{key}_ttft_p99_s"] = s.ttft_p99
-        figures[f"{key}_itl_p99_ms"] = s.itl_p99 * 1e3
-        figures[f"{key}_load_imbalance"] = s.load_imbalance
-        figures[f"{key}_sim_wall_s"] = res.wall_s
+        out.figure(f"{key}_hit_rate", s.hit_rate)
+        out.figure(f"{key}_ttft_p50_s", s.ttft_p50)
+        out.figure(f"{key}_ttft_p99_s", s.ttft_p99)
+        out.figure(f"{key}_itl_p99_ms", s.itl_p99 * 1e3)
+        out.figure(f"{key}_load_imbalance", s.load_imbalance)
+        out.figure(f"{key}_sim_wall_s", res.wall_s)
     lru, belady = report.oracles
-    figures["pooled_lru_hit_rate"] = lru.hit_rate
-    figures["oracle_hit_rate"] = belady.hit_rate
-    figures["capacity_tokens_per_replica"] = capacity
+    out.figure("pooled_lru_hit_rate", lru.hit_rate)
+    out.figure("oracle_hit_rate", belady.hit_rate)
+    out.figure("capacity_tokens_per_replica", capacity)
 
     # the closed forms' speed against stepping every engine step, on one slice
     head = records[: min(len(records), 1500)]
@@ -106,23 +103,25 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         simulate(head, Policy.KV, c)
         timings[closed] = time.perf_counter() - t0
-    figures["closed_form_sim_s"] = timings[True]
-    figures["stepwise_sim_s"] = timings[False]
+    out.figure("closed_form_sim_s", timings[True])
+    out.figure("stepwise_sim_s", timings[False])
 
     kv = by["kv"].summary
-    ratios = {
-        "kv_hit_rate_vs_round_robin": kv.hit_rate / by["round-robin"].summary.hit_rate,
-        "kv_hit_rate_vs_oracle": kv.hit_rate / belady.hit_rate,
-        "kv_hit_rate_vs_pooled_lru": kv.hit_rate / lru.hit_rate,
-        "kv_ttft_p99_vs_least_loaded": by["least-loaded"].summary.ttft_p99 / kv.ttft_p99,
-        "closed_form_speed_vs_stepwise": timings[False] / timings[True],
-    }
-    print("\nratios (>= 1: kv as good or better):")
-    for name, value in ratios.items():
-        print(f"  {name:<34} {value:8.3f}")
-    print("  (targets: vs round-robin >= 1.5, vs oracle >= 0.9, vs least-loaded >= 1)")
+    out.ratio("kv_hit_rate", "round_robin", kv.hit_rate, by["round-robin"].summary.hit_rate,
+              better="higher")
+    out.ratio("kv_hit_rate", "oracle", kv.hit_rate, belady.hit_rate, better="higher")
+    out.ratio("kv_hit_rate", "pooled_lru", kv.hit_rate, lru.hit_rate, better="higher")
+    out.ratio("kv_ttft_p99", "least_loaded", kv.ttft_p99, by["least-loaded"].summary.ttft_p99,
+              better="lower")
+    # speed is 1 / time: the closed form's time, lower is better, against stepping's
+    out.ratio("closed_form_speed", "stepwise", timings[True], timings[False], better="lower")
+    out.print_ratios("kv", notes={
+        "kv_hit_rate_vs_round_robin": "target >= 1.5",
+        "kv_hit_rate_vs_oracle": "target >= 0.9",
+        "kv_ttft_p99_vs_least_loaded": "target >= 1",
+    })
     if args.json:
-        Path(args.json).write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2))
+        out.write_json(args.json)
     return 0
 
 

@@ -54,13 +54,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchkit import ROOT, Report, add_json_flag, progress
 
 from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_nats import NatsServer
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "refengine" / "models" / "tiny"
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
@@ -346,8 +344,8 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
 
 
 def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
-           figures: dict[str, float], ratios: dict[str, float]) -> None:
-    """Print one load's table and ratios; add them to ``figures`` and ``ratios``."""
+           out: Report) -> None:
+    """Print one load's table and ratios; add them to ``out``."""
     print(f"\n{load.name}: {args.workers} simulated workers x {load.cache_tokens} cache tokens; "
           f"{load.sessions} sessions over {load.groups} system prompts x {load.turns} turns, "
           f"{load.concurrency} {'in flight' if load.continuous else 'at once'}; "
@@ -356,27 +354,26 @@ def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
           "| TTFT p50 ms | TTFT p99 ms | wall s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     p = load.prefix
+    mine = Report()  # this load's
     for name, r in results.items():
         print(f"| {name.replace('_', ' ')} | {r.requests} | {r.failed} | {r.hit_rate:.3f} | "
               f"{r.workers_per_prompt:.2f} | {r.ttft(0.5) * 1e3:.1f} | "
               f"{r.ttft(0.99) * 1e3:.1f} | {r.wall_s:.1f} |")
-        figures[f"{p}{name}_hit_rate"] = r.hit_rate
-        figures[f"{p}{name}_workers_per_prompt"] = r.workers_per_prompt
-        figures[f"{p}{name}_ttft_p50_s"] = r.ttft(0.5)
-        figures[f"{p}{name}_ttft_p99_s"] = r.ttft(0.99)
-        figures[f"{p}{name}_failed"] = r.failed
-        figures[f"{p}{name}_prompt_tokens"] = r.prompt_tokens
+        mine.figure(f"{p}{name}_hit_rate", r.hit_rate)
+        mine.figure(f"{p}{name}_workers_per_prompt", r.workers_per_prompt)
+        mine.figure(f"{p}{name}_ttft_p50_s", r.ttft(0.5))
+        mine.figure(f"{p}{name}_ttft_p99_s", r.ttft(0.99))
+        mine.figure(f"{p}{name}_failed", r.failed)
+        mine.figure(f"{p}{name}_prompt_tokens", r.prompt_tokens)
     one, pair, unsynced = results["one"], results["two_synced"], results["two_unsynced"]
-    mine = {
-        f"{p}hit_rate_two_synced_vs_one": pair.hit_rate / one.hit_rate,
-        f"{p}hit_rate_two_synced_vs_two_unsynced": pair.hit_rate / unsynced.hit_rate,
-        f"{p}ttft_p50_two_synced_vs_one": one.ttft(0.5) / pair.ttft(0.5),
-        f"{p}ttft_p99_two_synced_vs_two_unsynced": unsynced.ttft(0.99) / pair.ttft(0.99),
-    }
-    print("\nratios (>= 1: two synced replicas as good or better):")
-    for key, value in mine.items():
-        print(f"  {key:<49} {value:7.3f}")
-    ratios.update(mine)
+    mine.ratio(f"{p}hit_rate_two_synced", "one", pair.hit_rate, one.hit_rate, better="higher")
+    mine.ratio(f"{p}hit_rate_two_synced", "two_unsynced", pair.hit_rate, unsynced.hit_rate,
+               better="higher")
+    mine.ratio(f"{p}ttft_p50_two_synced", "one", pair.ttft(0.5), one.ttft(0.5), better="lower")
+    mine.ratio(f"{p}ttft_p99_two_synced", "two_unsynced", pair.ttft(0.99), unsynced.ttft(0.99),
+               better="lower")
+    mine.print_ratios("two synced replicas")
+    out.include(mine, prefix="")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,28 +391,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="fresh stacks per configuration, pooled (default 3)")
     p.add_argument("--quick", action="store_true", help="smaller workloads, 1 run (smoke)")
     p.add_argument("--trace", type=Path, metavar="DIR", help="write every request here")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     args = p.parse_args(argv)
     loads = list(LOADS.values()) if args.load == "all" else [LOADS[args.load]]
     if args.quick:
         args.repeats = 1
         loads = [load.smoke() for load in loads]
-    figures: dict[str, float] = {}
-    ratios: dict[str, float] = {}
+    out = Report()
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         for load in loads:
             work = Workload.make(load, args.seed)
             results: dict[str, Result] = {}
             for repeat in range(args.repeats):  # interleaved: drift hits every configuration
                 for name, gateways, synced in CONFIGS:
-                    print(f"running {load.name} {name} ({repeat + 1}/{args.repeats}) ...",
-                          file=sys.stderr, flush=True)
+                    progress(f"running {load.name} {name} ({repeat + 1}/{args.repeats}) ...")
                     one = run_config(name, gateways, synced, args, load, work, Path(tmp),
                                      repeat)
                     results.setdefault(name, Result()).merge(one)
-            report(load, args, results, figures, ratios)
+            report(load, args, results, out)
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+        out.write_json(args.json)
     return 0
 
 

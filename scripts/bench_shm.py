@@ -46,7 +46,6 @@ With ``--pin-cpu N`` every process of the run shares one CPU (see ``--help``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
@@ -60,12 +59,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from benchkit import ROOT, Report, add_json_flag
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from shm import BlockStoreClient  # noqa: E402
-from shm.protocol import Contains, Done, Flags, Lease, Ping, Release, Slots  # noqa: E402
+from shm import BlockStoreClient
+from shm.protocol import Contains, Done, Flags, Lease, Ping, Release, Slots
 
 SIZES = {"16KiB": 16 << 10, "256KiB": 256 << 10, "2MiB": 2 << 20, "16MiB": 16 << 20}
 BATCHES = (1, 64)
@@ -97,7 +94,7 @@ def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> subp
         [sys.executable, "-m", "shm", "--owner-id", f"bench{os.getpid()}-{name}",
          "--socket", str(sock), "--capacity-bytes", str(block_bytes * num_slots),
          "--block-bytes", str(block_bytes), "--log-level", "warning", *OWNER_ARGS],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
         stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
@@ -268,27 +265,29 @@ def bench_rtt(tmp: Path, reps: int, cpus: tuple[int, int] | None) -> dict[str, f
     return fig
 
 
-def ratios(fig: dict[str, float]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for key, value in fig.items():
+def add_ratios(report: Report) -> None:
+    """Each put and get rate against memcpy's (and the cold memcpy's) of the same batch, and
+    each round trip against the echo server's, in the same placement."""
+    fig = report.figures
+    for key, value in list(fig.items()):
         for op in ("put", "get"):
             if key.startswith(f"{op}_") and key.endswith("_gbps"):
                 rest = key.removeprefix(f"{op}_")
-                out[f"{key}_vs_memcpy"] = value / fig[f"memcpy_{rest}"]
+                report.ratio(key, "memcpy", value, fig[f"memcpy_{rest}"], better="higher")
                 if f"memcpy_cold_{rest}" in fig:
-                    out[f"{key}_vs_memcpy_cold"] = value / fig[f"memcpy_cold_{rest}"]
+                    report.ratio(key, "memcpy_cold", value, fig[f"memcpy_cold_{rest}"],
+                                 better="higher")
     for place in ("same_cpu", "cross_cpu", "pinned"):
         if f"rtt_{place}_echo_us_p50" not in fig:
             continue
         for name in ("ping", "contains64", "lease64"):
-            out[f"rtt_{place}_{name}_us_p50_vs_echo"] = (
-                fig[f"rtt_{place}_echo_us_p50"] / fig[f"rtt_{place}_{name}_us_p50"])
-    return out
+            report.ratio(f"rtt_{place}_{name}_us_p50", "echo", fig[f"rtt_{place}_{name}_us_p50"],
+                         fig[f"rtt_{place}_echo_us_p50"], better="lower")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
+    add_json_flag(parser)
     parser.add_argument("--max-segment-mib", type=int, default=1024,
                         help="largest segment to create (default 1024; with four batches "
                              "per store it caps the 16 MiB batch at 16 blocks)")
@@ -339,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             fig |= {k.replace("rtt_", "rtt_pinned_", 1): v
                     for k, v in bench_rtt(tmp, args.rtt_reps, None).items()}
-    rat = ratios(fig)
+    report = Report()
+    report.add_figures(fig)
+    add_ratios(report)
+    rat = report.ratios
     print(f"# {os.cpu_count()} CPUs; load average (1 min) {load_start:.2f} at start, "
           f"{os.getloadavg()[0]:.2f} at end; other work on the host skews every figure")
 
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{place:>10} {name:>12} {fig[f'{key}_p50']:8.1f} {fig[f'{key}_p99']:8.1f} "
                   f"{'' if vs is None else f'{vs:9.2f}'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"figures": fig, "ratios": rat}, indent=2))
+        report.write_json(args.json)
     return 0
 
 

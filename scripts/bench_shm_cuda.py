@@ -21,7 +21,6 @@ pinned-buffer copies) are ``<op>_<mapping>_<size>_gbps_vs_pinned``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -30,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from benchkit import ROOT, Report, add_json_flag
 
 SIZES = {"256KiB": 256 << 10, "2MiB": 2 << 20}
 BATCH = 64
@@ -52,8 +50,8 @@ def _start_owner(tmp: Path, name: str, block_bytes: int, slots: int) -> subproce
         [sys.executable, "-m", "shm", "--owner-id", f"cuda{os.getpid()}-{name}",
          "--socket", str(tmp / f"{name}.sock"), "--capacity-bytes", str(block_bytes * slots),
          "--block-bytes", str(block_bytes), "--log-level", "warning"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(REPO), os.environ.get("PYTHONPATH", "")])},
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), os.environ.get("PYTHONPATH", "")])},
         stdout=subprocess.PIPE, text=True,
     )
     assert proc.stdout is not None
@@ -141,15 +139,15 @@ def bench_size(torch, tmp: Path, label: str, block_bytes: int, reps: int) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="FILE", help="write figures and ratios as JSON")
+    add_json_flag(p)
     p.add_argument("--reps", type=int, default=30, help="timed batches per figure (default 30)")
     args = p.parse_args(argv)
     torch = _torch()
-    fig: dict[str, float] = {}
+    report = Report()
     with tempfile.TemporaryDirectory(prefix="kvs-cuda-") as tmp:
         for label, block_bytes in SIZES.items():
-            fig.update(bench_size(torch, Path(tmp), label, block_bytes, args.reps))
-    ratios: dict[str, float] = {}
+            report.add_figures(bench_size(torch, Path(tmp), label, block_bytes, args.reps))
+    fig = report.figures
     print(f"# {torch.cuda.get_device_name()}; {BATCH} blocks per batch; GB/s")
     print(f"{'block':>7} {'mapping':>10} {'put':>8} {'get':>8} {'put/pinned':>11} "
           f"{'get/pinned':>11}")
@@ -160,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
             if f"put_{mapping}_{label}_gbps" not in fig:
                 continue
             put, get = fig[f"put_{mapping}_{label}_gbps"], fig[f"get_{mapping}_{label}_gbps"]
-            ratios[f"put_{mapping}_{label}_gbps_vs_pinned"] = put / d2h
-            ratios[f"get_{mapping}_{label}_gbps_vs_pinned"] = get / h2d
-            print(f"{label:>7} {mapping:>10} {put:8.2f} {get:8.2f} {put / d2h:11.2f} "
-                  f"{get / h2d:11.2f}")
+            put_ratio = report.ratio(f"put_{mapping}_{label}_gbps", "pinned", put, d2h,
+                                     better="higher")
+            get_ratio = report.ratio(f"get_{mapping}_{label}_gbps", "pinned", get, h2d,
+                                     better="higher")
+            print(f"{label:>7} {mapping:>10} {put:8.2f} {get:8.2f} {put_ratio:11.2f} "
+                  f"{get_ratio:11.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"figures": fig, "ratios": ratios}, indent=2))
+        report.write_json(args.json)
     return 0
 
 

@@ -41,13 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchkit import ROOT, Report, add_json_flag, progress
 
 from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_nats import NatsServer
 
-ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "refengine" / "models" / "tiny"
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory",
          "placement", "request", "session", "worker", "stream", "answer", "context", "model"]
@@ -325,14 +323,14 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def report(run: Run, counts: dict[str, float], rss_after: dict[str, float],
-           args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]]:
+           args: argparse.Namespace) -> Report:
     print(f"\n{args.streams} streams for {args.duration_s:.0f} s through 2 gateways "
           f"(--migration-limit {args.migration_limit}), {args.engines} simulated engines\n")
     for t, what in run.faults:
         print(f"  {t:6.1f} s  {what}")
     print("\n| phase | requests | ok | lost | refused | TTFT p50 ms | TTFT p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    figures: dict[str, float] = {}
+    out = Report()
     for phase in (*PHASES, "all"):
         mine = [o for o in run.outcomes if phase == "all" or run.phase(o.t) == phase]
         ttfts = [o.ttft_s for o in mine if o.ttft_s is not None]
@@ -340,20 +338,21 @@ def report(run: Run, counts: dict[str, float], rss_after: dict[str, float],
         p50, p99 = _quantile(ttfts, 0.5), _quantile(ttfts, 0.99)
         print(f"| {phase} | {len(mine)} | {n['ok']} | {n['lost']} | {n['refused']} | "
               f"{p50 * 1e3:.1f} | {p99 * 1e3:.1f} |")
-        figures.update({f"{phase}_requests": len(mine), f"{phase}_lost": n["lost"],
-                        f"{phase}_refused": n["refused"], f"{phase}_ttft_p50_s": p50,
-                        f"{phase}_ttft_p99_s": p99})
+        out.add_figures({f"{phase}_requests": len(mine), f"{phase}_lost": n["lost"],
+                         f"{phase}_refused": n["refused"]})
+        if ttfts:  # else no stream of this phase got a token: no TTFT to report
+            out.add_figures({f"{phase}_ttft_p50_s": p50, f"{phase}_ttft_p99_s": p99})
     statuses: dict[int, int] = {}
     for o in run.outcomes:
         if o.kind == "refused":
             statuses[o.status] = statuses.get(o.status, 0) + 1
     print(f"\nrefusals by status: {dict(sorted(statuses.items())) or 'none'}")
-    figures.update({f"refused_{code}": n for code, n in statuses.items()})
+    out.add_figures({f"refused_{code}": n for code, n in statuses.items()})
     print(f"sent to the other gateway before any byte: {run.failovers}; streams migrated: "
           f"{counts['migrations']:.0f}; cut by the gateways: {counts['streams_lost']:.0f} "
           "(the restarted gateway counts from its restart)")
-    figures.update({"failovers": run.failovers, "migrations": counts["migrations"],
-                    "gateway_streams_lost": counts["streams_lost"]})
+    out.add_figures({"failovers": run.failovers, "migrations": counts["migrations"],
+                     "gateway_streams_lost": counts["streams_lost"]})
     # Growth over the last third of the run tells a leak (still growing) from caches and
     # allocator arenas that filled up under the faults' extra load (flat by then).
     late = [sizes for t, sizes in run.rss_samples if t >= args.duration_s * 2 / 3]
@@ -365,16 +364,15 @@ def report(run: Run, counts: dict[str, float], rss_after: dict[str, float],
         third = late[0].get(name, after) if late else after
         print(f"| {name} | {before:.1f} | {after:.1f} | {(after - before) / before:+.1%} | "
               f"{(after - third) / third:+.1%} |")
-        figures[f"{name}_rss_growth"] = (after - before) / before
-        figures[f"{name}_rss_growth_last_third"] = (after - third) / third
-    ratios = {
-        "ttft_p99_after_vs_before": figures["before_ttft_p99_s"] / figures["after_ttft_p99_s"],
-        "ttft_p50_after_vs_before": figures["before_ttft_p50_s"] / figures["after_ttft_p50_s"],
-    }
-    print("\nratios (>= 1: after the faults as good as before them):")
-    for key, value in ratios.items():
-        print(f"  {key:<28} {value:7.3f}")
-    return figures, ratios
+        out.figure(f"{name}_rss_growth", (after - before) / before)
+        out.figure(f"{name}_rss_growth_last_third", (after - third) / third)
+    fig = out.figures
+    for q in ("p99", "p50"):
+        if f"after_ttft_{q}_s" in fig and f"before_ttft_{q}_s" in fig:
+            out.ratio(f"ttft_{q}_after", "before", fig[f"after_ttft_{q}_s"],
+                      fig[f"before_ttft_{q}_s"], better="lower")
+    out.print_ratios("after the faults")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,23 +396,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--verbose", action="store_true", help="print each refusal as it comes")
     p.add_argument("--quick", action="store_true",
                    help="24 streams for 60 s, 3 s downtimes (a smoke run)")
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     args = p.parse_args(argv)
     if args.quick:
         args.streams, args.duration_s, args.down_s, args.settle_s = 24, 60.0, 3.0, 5.0
     with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
-        print("starting the fleet ...", file=sys.stderr, flush=True)
+        progress("starting the fleet ...")
         fleet = Fleet(Path(tmp), args)
         try:
-            print(f"soaking for {args.duration_s:.0f} s ...", file=sys.stderr, flush=True)
+            progress(f"soaking for {args.duration_s:.0f} s ...")
             run, counts = asyncio.run(soak(fleet, args))
             rss_after = {s.name: rss_mib(s.proc.proc.pid) for s in fleet.stable()
                          if s.proc is not None}
         finally:
             fleet.stop()
-    figures, ratios = report(run, counts, rss_after, args)
+    out = report(run, counts, rss_after, args)
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+        out.write_json(args.json)
     return 0
 
 

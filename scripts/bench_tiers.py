@@ -63,9 +63,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import structlog
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_engine import Engine, ttft, wait_healthy  # the engine benchmark's helpers
+from benchkit import Report, add_json_flag, progress
 
 from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_redis import RedisServer
@@ -83,10 +82,6 @@ TARGETS = {  # ratio recompute / tier TTFT that meets issue #21's target
     "remote": (2.0, ">= 2 (remote <= 0.5 of recompute)"),
 }
 SCOPE = "bench-tiers"  # the remote tier's scope (the model id)
-
-
-def progress(msg: str) -> None:
-    print(f"[bench_tiers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 class MislabeledRun(RuntimeError):
@@ -383,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog="Example: python scripts/bench_tiers.py --json tiers.json   "
         "(a quick check: --quick). Method and figures: docs/bench/tiers.md.",
     )
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     p.add_argument("--prompt-tokens", type=int, default=4096,
                    help="prompt length in tokens, a multiple of 16 (default: 4096)")
     p.add_argument("--model-preset", default="kv-heavy", choices=["tiny", "kv-heavy"],
@@ -426,26 +421,29 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in bench.samples.ttft.items()}
-    figures: dict[str, float] = {
+    report = Report()
+    report.add_figures({
         "prompt_tokens": args.prompt_tokens,
         "prompt_kv_bytes": nbytes,
         "runs": args.runs,
         "recompute_ttft_s": med["recompute"],
-    }
+    })
     for tier in TIERS:
-        figures[f"{tier}_hit_ttft_s"] = med[tier]
+        report.figure(f"{tier}_hit_ttft_s", med[tier])
     raw = {"host": ("memcpy", memcpy), "disk": ("seq_read", seq_read),
            "remote": ("redis_benchmark", redis_get)}
-    figures["memcpy_gbps"] = memcpy
-    figures["disk_seq_read_gbps"] = seq_read
-    figures["redis_benchmark_get_gbps"] = redis_get
-    ratios = {f"{tier}_hit_ttft_vs_recompute": med["recompute"] / med[tier] for tier in TIERS}
+    report.figure("memcpy_gbps", memcpy)
+    report.figure("disk_seq_read_gbps", seq_read)
+    report.figure("redis_benchmark_get_gbps", redis_get)
+    ratios = {tier: report.ratio(f"{tier}_hit_ttft", "recompute", med[tier], med["recompute"],
+                                 better="lower") for tier in TIERS}
+    loads: dict[str, float] = {}
     for tier in ("host", "disk", "remote"):
         added = med[tier] - med["gpu"]
         if added > 0:  # else the load is within the noise of a GPU hit: no rate to report
-            figures[f"{tier}_load_gbps"] = nbytes / added / 1e9
+            loads[tier] = report.figure(f"{tier}_load_gbps", nbytes / added / 1e9)
             name, rate = raw[tier]
-            ratios[f"{tier}_load_gbps_vs_{name}"] = figures[f"{tier}_load_gbps"] / rate
+            report.ratio(f"{tier}_load_gbps", name, loads[tier], rate, better="higher")
 
     print(f"\n{args.model_preset} preset, {args.prompt_tokens}-token prompt "
           f"({nbytes / 2**20:.0f} MiB of KV), median of {args.runs} runs\n")
@@ -454,21 +452,18 @@ def main(argv: list[str] | None = None) -> int:
     raw_text = {"host": f"{memcpy:.2f} (memcpy)", "disk": f"{seq_read:.2f} (seq. read, cold)",
                 "remote": f"{redis_get:.2f} (redis-benchmark GET)"}
     for tier in TIERS:
-        ratio = ratios[f"{tier}_hit_ttft_vs_recompute"]
+        ratio = ratios[tier]
         goal, text = TARGETS.get(tier, (0.0, ""))
         verdict = ("" if not text else " met" if ratio >= goal else " MISSED")
-        load = figures.get(f"{tier}_load_gbps")
+        load = loads.get(tier)
         rate_text = "-" if tier == "gpu" else "in noise" if load is None else f"{load:.2f}"
         print(f"{tier + ' hit':<10}{med[tier]:>10.4f}{med[tier] / med['recompute']:>14.3f}"
               f"{ratio:>16.2f}  {text + verdict:<38}{rate_text:>10}  {raw_text.get(tier, '-')}")
     print(f"{'recompute':<10}{med['recompute']:>10.4f}{1.0:>14.3f}{1.0:>16.2f}")
-    print("\nload GB/s = prompt KV bytes / (tier TTFT - GPU-hit TTFT)\n")
-    print(f"{'ratio (>= 1 is as good or better)':<36}{'value':>10}")
-    for k, v in ratios.items():
-        print(f"{k:<36}{v:>10.3f}")
+    print("\nload GB/s = prompt KV bytes / (tier TTFT - GPU-hit TTFT)")
+    report.print_ratios("the tier")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
-        progress(f"wrote {args.json}")
+        report.write_json(args.json)
     return 0
 
 

@@ -37,22 +37,19 @@ import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
 import numpy as np
+import uvloop
+from benchkit import ROOT, Report, add_json_flag, progress
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import aiohttp  # noqa: E402
-import uvloop  # noqa: E402
-
-from refengine.presets import PRESETS, ModelConfig  # noqa: E402
-from shm import BlockStoreClient, BlockStoreOwner, OwnerConfig  # noqa: E402
-from shm.local import LocalSession  # noqa: E402
-from shm.readonly import ReadOnlySegment  # noqa: E402
-from shm.segment import unlink_stale_segments  # noqa: E402
-from sidecar.transfer import BlockTransferService, TransferConfig, Transport  # noqa: E402
-from sidecar.transfer.messages import ExportRequest  # noqa: E402
-from sidecar.transfer.peer import PeerClient  # noqa: E402
+from refengine.presets import PRESETS, ModelConfig
+from shm import BlockStoreClient, BlockStoreOwner, OwnerConfig
+from shm.local import LocalSession
+from shm.readonly import ReadOnlySegment
+from shm.segment import unlink_stale_segments
+from sidecar.transfer import BlockTransferService, TransferConfig, Transport
+from sidecar.transfer.messages import ExportRequest
+from sidecar.transfer.peer import PeerClient
 
 _SENDER = r"""
 import socket, sys, numpy as np
@@ -80,7 +77,7 @@ def _start_exporter(tmp: Path, owner_id: str, batch: int, block_bytes: int) -> t
          "--socket", str(tmp / "exporter.sock"), "--capacity-bytes",
          str((batch + 2) * block_bytes), "--block-bytes", str(block_bytes), "--port", "0",
          "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if not line:
@@ -167,13 +164,13 @@ class Bench:
             await self.peers.release(url, offer.export_id, 30)
 
 
-def _report(bench: Bench, transports: list[Transport], json_path: str | None) -> None:
+def _report(bench: Bench, transports: list[Transport], json_path: Path | None) -> None:
     batch_bytes = len(bench.keys) * bench.block_bytes
     presets = {name: ModelConfig(vocab_size=1024, **fields).kv_bytes_per_token
                for name, fields in PRESETS.items()}
     names = [t.value for t in transports] + [n for n in ("memcpy", "raw_nixl", "raw_socket")
                                              if n in bench.times]
-    figures: dict[str, float] = {}
+    report = Report()
     head = "| path | GB/s | p50 ms | p99 ms | " + " | ".join(
         f"ms / 1k tokens ({p}, {b // 1024} KiB/token)" for p, b in presets.items()) + " |"
     print(f"\n{len(bench.keys)} × {bench.block_bytes >> 20} MiB blocks per batch, "
@@ -184,26 +181,27 @@ def _report(bench: Bench, transports: list[Transport], json_path: str | None) ->
         times = bench.times[name]
         p50, p99 = statistics.median(times), _percentile(times, 0.99)
         gbps = batch_bytes / p50 / 1e9
-        figures[f"{name}_gbps"] = gbps
-        figures[f"{name}_p50_ms"] = p50 * 1e3
-        figures[f"{name}_p99_ms"] = p99 * 1e3
+        report.figure(f"{name}_gbps", gbps)
+        report.figure(f"{name}_p50_ms", p50 * 1e3)
+        report.figure(f"{name}_p99_ms", p99 * 1e3)
         per_k = []
         for preset, per_token in presets.items():
             ms = 1000 * per_token / (gbps * 1e9) * 1e3
-            figures[f"{name}_ms_per_1k_tokens_{preset.replace('-', '_')}"] = ms
+            report.figure(f"{name}_ms_per_1k_tokens_{preset.replace('-', '_')}", ms)
             per_k.append(f"{ms:.3f}")
         print(f"| {name} | {gbps:.2f} | {p50 * 1e3:.1f} | {p99 * 1e3:.1f} | "
               + " | ".join(per_k) + " |")
-    ratios: dict[str, float] = {}
+    fig = report.figures
+    targets = {}
     for path, base, target in (("shm", "memcpy", 0.8), ("nixl", "raw_nixl", 0.9),
                                ("tcp", "raw_socket", 0.7)):
-        if f"{path}_gbps" in figures and f"{base}_gbps" in figures:
-            ratio = figures[f"{path}_gbps"] / figures[f"{base}_gbps"]
-            ratios[f"{path}_gbps_vs_{base}"] = ratio
-            print(f"\n{path} / {base}: {ratio:.2f} (target >= {target})", end="")
-    print()
+        if f"{path}_gbps" in fig and f"{base}_gbps" in fig:
+            report.ratio(f"{path}_gbps", base, fig[f"{path}_gbps"], fig[f"{base}_gbps"],
+                         better="higher")
+            targets[f"{path}_gbps_vs_{base}"] = f"target >= {target}"
+    report.print_ratios("the path", notes=targets)
     if json_path:
-        Path(json_path).write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2))
+        report.write_json(json_path)
 
 
 async def _main(args: argparse.Namespace, transports: list[Transport]) -> None:
@@ -247,7 +245,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured rounds first")
     parser.add_argument("--transports", default="shm,nixl,tcp",
                         help="comma-separated subset of shm,nixl,tcp (nixl needs the extra)")
-    parser.add_argument("--json", metavar="FILE", help="also write figures and ratios here")
+    add_json_flag(parser)
     args = parser.parse_args()
     if 3 * args.batch * args.block_mib > 256:
         parser.error("the importer's segment (3 × batch × block) must stay <= 256 MiB")
@@ -256,7 +254,7 @@ def main() -> int:
         try:
             import nixl_cu12  # noqa: F401
         except ImportError:
-            print("nixl is not installed (the 'nixl' extra): skipping it", file=sys.stderr)
+            progress("nixl is not installed (the 'nixl' extra): skipping it")
             transports.remove(Transport.NIXL)
     uvloop.run(_main(args, transports))
     return 0

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -40,9 +39,8 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 import msgspec
+from benchkit import Report, add_json_flag
 
 from kvcore import nats_extra
 from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier
@@ -267,24 +265,22 @@ def main() -> int:
                    "(default 3: the stream's retention holds evictions too)")
     p.add_argument("--repeats", type=int, default=3, help="warm starts, median (default 3)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", type=Path, metavar="FILE", help="write figures and ratios here")
+    add_json_flag(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp, NatsServer(Path(tmp)) as nats:
         figures = asyncio.run(run(args, nats.url))
-    ratios = {
-        "warm_start_s_vs_target": round(TARGET_S / figures["warm_start_s"], 3),
-        "warm_start_vs_full_replay": round(figures["full_replay_s"] / figures["warm_start_s"], 3),
-    }
+    report = Report()
+    report.add_figures(figures)
+    report.ratio("warm_start_s", "target", figures["warm_start_s"], TARGET_S, better="lower",
+                 ndigits=3)
+    report.ratio("warm_start", "full_replay", figures["warm_start_s"], figures["full_replay_s"],
+                 better="lower", ndigits=3)
     print(f"\nwarm start of a gateway with {figures['indexed_blocks']:,.0f} indexed blocks, "
-          f"{args.workers} workers\n")
-    width = max(map(len, figures))
-    for key, value in figures.items():
-        print(f"  {key:<{width}}  {value:>14,}")
-    print("\nratios (>= 1: as good or better):")
-    for key, value in ratios.items():
-        print(f"  {key:<{width}}  {value:>14}")
+          f"{args.workers} workers")
+    report.print_figures()
+    report.print_ratios("the warm start")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "ratios": ratios}, indent=2) + "\n")
+        report.write_json(args.json)
     return 0
 
 

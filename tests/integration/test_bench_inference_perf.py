@@ -5,7 +5,6 @@ directory, the Python that builds its environment is checked, and its report is 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,17 +14,12 @@ import pytest
 import yaml
 from tokenizers import Tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_inference_perf", ROOT / "scripts" /
-                                                  "bench_inference_perf.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_inference_perf")
 
 
 def test_the_config_asks_for_a_shared_prefix_load_that_outgrows_one_replica(

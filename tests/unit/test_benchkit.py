@@ -1,20 +1,24 @@
 """The bench kit (scripts/benchkit.py): ratios named and oriented by the kit, values checked,
-the JSON report's exact shape, the shared flag and printing."""
+the JSON report's exact shape, the shared flag and printing, and every bench script on it."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 from pathlib import Path
 
 import pytest
 
-from tests.support.scripts import load_script
+from tests.support.scripts import SCRIPTS, load_script
 
 benchkit = load_script("benchkit")
 Report = benchkit.Report
 ReportError = benchkit.ReportError
+
+BENCH_SCRIPTS = sorted(SCRIPTS.glob("bench_*.py"))
+OURS = {"kvcore", "shm", "adapters", "sidecar", "routing", "refengine", "replay", "kvsidecar"}
 
 
 class TestRatio:
@@ -217,3 +221,31 @@ class TestCommandLine:
         """Ints with separators; floats to about four significant digits, no exponent >= 1."""
         assert benchkit.format_value(value) == text
 
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level name) of every import in ``path``, in order."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name.split(".")[0]) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return sorted(found)
+
+
+@pytest.mark.parametrize("path", BENCH_SCRIPTS, ids=lambda p: p.stem)
+class TestEveryBenchScript:
+    def test_it_imports_the_kit_before_any_package_of_ours(self, path: Path) -> None:
+        """The kit's import puts this checkout on sys.path before ours are imported."""
+        imports = _imports(path)
+        assert "benchkit" in {name for _, name in imports}, f"{path.name} does not use the kit"
+        kit = [line for line, name in imports if name.startswith("bench")]  # or a script on it
+        ours = [line for line, name in imports if name in OURS]
+        assert not ours or min(kit) < min(ours), f"{path.name} imports ours before benchkit"
+
+    def test_it_writes_no_report_of_its_own(self, path: Path) -> None:
+        """No script edits sys.path or writes ``{"figures", "ratios"}`` itself."""
+        text = path.read_text()
+        assert "sys.path.insert" not in text and "sys.path.append" not in text
+        assert '"ratios":' not in text.replace('``{"figures": {...}, "ratios": {...}}``', "")
+        assert "def progress(" not in text
