@@ -131,6 +131,9 @@ class RouterConfig:
     nats_url: str | None = None
     nats_subject_prefix: str | None = None  # None: kvsidecar.<model>
     nats_peer_timeout_s: float = 3.0  # a replica silent this long has its load dropped
+    # a new prompt another replica owns waits for its placements this long after arriving
+    # (routing/replicas/prompt_hold.py)
+    nats_new_prompt_window_ms: float = 50.0
     # Durable events (routing/replicas/durable.py): KV events read from JetStream, the index
     # snapshotted to its object store every interval (0: never) and loaded at start.
     events_via: str = "direct"
@@ -251,6 +254,9 @@ class RouterConfig:
                              f"digits, '_' and '-', got {prefix!r}")
         if not math.isfinite(self.nats_peer_timeout_s) or self.nats_peer_timeout_s <= 0:
             raise ValueError(f"nats_peer_timeout_s must be > 0, got {self.nats_peer_timeout_s!r}")
+        window = self.nats_new_prompt_window_ms
+        if not math.isfinite(window) or not 0 <= window <= 1000:
+            raise ValueError(f"--nats-new-prompt-window-ms must be in [0, 1000], got {window!r}")
         if self.events_via not in ("direct", "nats"):
             raise ValueError(f"events_via must be direct or nats, got {self.events_via!r}")
         if self.events_via == "nats" and self.nats_url is None:

@@ -81,6 +81,7 @@ def gateway_config(
             nats_url=args.nats,
             nats_subject_prefix=args.nats_subject_prefix,
             nats_peer_timeout_s=args.nats_peer_timeout_s,
+            nats_new_prompt_window_ms=args.nats_new_prompt_window_ms,
             events_via=args.events_via,
             snapshot_interval_s=args.snapshot_interval_s,
         )
@@ -367,6 +368,16 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=3.0,
         help="a replica not heard from this long has its load dropped here (default 3)",
+    )
+    n.add_argument(
+        "--nats-new-prompt-window-ms",
+        type=float,
+        default=50.0,
+        metavar="MS",
+        help="a prompt no worker holds yet, which another replica owns, waits until that "
+        "replica's placements up to MS after its arrival are heard (6 x MS at most), so two "
+        "sessions of it arriving that close through both replicas share one worker "
+        "(0: never wait; default 50)",
     )
     n.add_argument(
         "--events-via",

@@ -119,6 +119,8 @@ class Result:
     wall_s: float = 0.0
     prompt_workers: list[int] = field(default_factory=list)  # per system prompt and run
     workers: dict[int, set[str]] = field(default_factory=dict)  # this run: prompt → workers
+    # synced: new prompts held for their owner replica, and how the holds ended
+    held: dict[str, float] = field(default_factory=dict)
 
     def merge(self, other: Result) -> None:
         self.prompt_tokens += other.prompt_tokens
@@ -128,6 +130,8 @@ class Result:
         self.ttft_s += other.ttft_s
         self.wall_s += other.wall_s
         self.prompt_workers += [len(w) for w in other.workers.values()]
+        for name, value in other.held.items():
+            self.held[name] = self.held.get(name, 0) + value
 
     @property
     def hit_rate(self) -> float:
@@ -275,6 +279,22 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
+_HOLDS = ("held", "held_followed", "held_passed", "held_timed_out")
+
+
+async def holds(urls: list[str]) -> dict[str, float]:
+    """The synced gateways' new-prompt holds, summed (routing/replicas/prompt_hold.py)."""
+    total = dict.fromkeys(_HOLDS, 0.0)
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(f"{url}/metrics") as resp:
+                page = await resp.text()
+            for name in _HOLDS:
+                total[name] += metric(
+                    page, f"kvsidecar_gateway_replica_new_prompts_{name}_total")
+    return total
+
+
 async def wait_routable(urls: list[str], workers: int, synced: bool) -> None:
     """Until every gateway routes to every worker and, synced, hears every other gateway."""
     async with aiohttp.ClientSession() as session:
@@ -332,10 +352,14 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
         gw_urls = [gw.url for gw in gws]
         asyncio.run(wait_routable(gw_urls, args.workers, synced))
         if args.trace is None:
-            return asyncio.run(drive(gw_urls, work, load, None))
-        args.trace.mkdir(parents=True, exist_ok=True)
-        with (args.trace / f"{workdir.name}.jsonl").open("w") as trace:
-            return asyncio.run(drive(gw_urls, work, load, trace))
+            result = asyncio.run(drive(gw_urls, work, load, None))
+        else:
+            args.trace.mkdir(parents=True, exist_ok=True)
+            with (args.trace / f"{workdir.name}.jsonl").open("w") as trace:
+                result = asyncio.run(drive(gw_urls, work, load, trace))
+        if synced:
+            result.held = asyncio.run(holds(gw_urls))
+        return result
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -366,6 +390,14 @@ def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
         mine.figure(f"{p}{name}_failed", r.failed)
         mine.figure(f"{p}{name}_prompt_tokens", r.prompt_tokens)
     one, pair, unsynced = results["one"], results["two_synced"], results["two_unsynced"]
+    held = pair.held
+    if held:
+        print(f"\ntwo synced: {held['held']:.0f} new prompts held for their owner replica: "
+              f"{held['held_followed']:.0f} followed its placement, {held['held_passed']:.0f} "
+              f"placed here once its batches passed the window, {held['held_timed_out']:.0f} "
+              "at the hold's limit")
+        mine.figure(f"{p}two_synced_prompts_held", held["held"])
+        mine.figure(f"{p}two_synced_prompts_held_timed_out", held["held_timed_out"])
     mine.ratio(f"{p}hit_rate_two_synced", "one", pair.hit_rate, one.hit_rate, better="higher")
     mine.ratio(f"{p}hit_rate_two_synced", "two_unsynced", pair.hit_rate, unsynced.hit_rate,
                better="higher")

@@ -111,7 +111,7 @@ class Bench:
         # Baseline state: the exporter's slots of the batch (held by one long export), and
         # scratch slots of ours to copy into (reserved, never committed).
         offer = await self.peers.export(url, ExportRequest(
-            self.keys, Transport.NIXL if nixl else Transport.SHM, self.block_bytes, "uint8",
+            self.keys, Transport.NIXL if nixl else Transport.TCP, self.block_bytes, "uint8",
             ttl_s=600), 30)
         scratch = LocalSession(self.owner)
         reply = scratch.reserve([(98, i) for i in range(len(self.keys))])

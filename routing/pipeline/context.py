@@ -16,6 +16,7 @@ from routing.placement.kv_router import KvRouter
 from routing.placement.policies import Policy
 from routing.placement.sessions import SessionAffinity
 from routing.prompt.preparer import PromptPreparer
+from routing.replicas.prompt_hold import PromptHold
 from routing.workers.registry import WorkerRegistry
 
 __all__ = ["InFlightRequest", "PipelineContext"]
@@ -49,4 +50,6 @@ class PipelineContext:
     forwarded_headers: tuple[bytes, ...]  # client headers the workers see too (lower-case)
     log_requests: bool  # one canonical log line per request (debug level)
     migration_limit: int = 0  # times a stream may go on on another worker
+    # with other gateway replicas: where a new prompt another replica owns waits for it
+    prompt_hold: PromptHold | None = None
     refusals: Refusals = field(default_factory=Refusals)  # routes workers' engines lack

@@ -45,7 +45,7 @@ from routing.placement.active_load import UnknownRequestError
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
-from routing.workers.registry import Worker, WorkerKind
+from routing.workers.registry import Role, Worker, WorkerKind
 
 __all__ = ["Exchange"]
 
@@ -63,6 +63,7 @@ class Exchange(ErrorRelay):
         "done",
         "last_activity",
         "leg",
+        "may_hold",
         "priority",
         "prompt",
         "record",
@@ -100,6 +101,7 @@ class Exchange(ErrorRelay):
         self._error_parts: list[bytes] | None = None  # an error reply held (``_holds_errors``)
         self.priority = 0  # x-kvsidecar-priority: its place in the admission queue
         self.session: bytes | None = None  # x-session-id, with --session-affinity
+        self.may_hold = ctx.prompt_hold is not None  # a new prompt waits once for its owner
         if (ctx.migration_limit and request.stream and target.token_path
                 and target.token_ids is not None):
             self.relay.tokens = StreamTokens()
@@ -113,6 +115,13 @@ class Exchange(ErrorRelay):
         self._place()
 
     def _place_aggregated(self) -> None:
+        if self.may_hold:
+            self.may_hold = False
+            hold = self.ctx.prompt_hold
+            assert hold is not None
+            ids = self.ctx.workers.routable_ids(Role.AGG)
+            if hold.offer(self, self.prompt.block_hashes, ids):
+                return  # ``hold_released`` places it
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
                                   self.session)
         self._placed()
@@ -137,6 +146,12 @@ class Exchange(ErrorRelay):
         worker, placement = placed
         self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
         self._run_leg(worker, placement, "a")
+
+    # --- the new-prompt hold's ``HeldPrompt`` ---------------------------------------------
+
+    def hold_released(self) -> None:
+        self.last_activity = time.monotonic()
+        self._place_aggregated()
 
     # --- the admission queue's ``Waiter`` -------------------------------------------------
 

@@ -59,6 +59,7 @@ class PeerShare:
         self._clock = clock
         self.rank = 0
         self.count = 1
+        self.replicas = [replica_id]  # the live replicas' ids, sorted: rank → id
         self._recent: deque[tuple[float, int, int]] = deque()  # (placed at, prefill, blocks)
         self._recent_tokens = 0  # prefill tokens placed within the window
         self._recent_blocks = 0  # and the blocks those requests hold
@@ -66,7 +67,7 @@ class PeerShare:
 
     def set_peers(self, peer_ids: Iterable[str]) -> None:
         """The live replicas besides this one (heard over NATS), whenever they change."""
-        replicas = sorted({self.replica_id, *peer_ids})
+        replicas = self.replicas = sorted({self.replica_id, *peer_ids})
         self.rank = replicas.index(self.replica_id)
         self.count = len(replicas)
 

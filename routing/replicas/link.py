@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from routing.replicas.messages import (
 )
 from routing.replicas.metrics import ReplicaMetrics
 from routing.replicas.peers import RemotePeers
+from routing.replicas.prompt_hold import PromptHold
 from routing.replicas.shared_load import SharedLoad
 
 __all__ = ["ReplicaLink", "default_subject_prefix"]
@@ -66,6 +68,7 @@ class ReplicaLink:
         url: str,
         subject_prefix: str,
         peer_timeout_s: float,
+        new_prompt_window_s: float = 0.05,
         replica_id: str | None = None,
     ) -> None:
         self._nats = nats_extra.load("kvsidecar gateway --nats")
@@ -75,6 +78,7 @@ class ReplicaLink:
         self.peers = RemotePeers(router, load, timeout_s=peer_timeout_s)
         self.peers.on_change = self._peers_changed
         self._share = router.peer_share = PeerShare(self.replica_id)
+        self.hold = PromptHold(router, self._share, new_prompt_window_s)
         self.heartbeat_s = peer_timeout_s / 3
         self.subject = f"{subject_prefix}.load.{self.replica_id}"
         self._all_subjects = f"{subject_prefix}.load.*"
@@ -90,13 +94,18 @@ class ReplicaLink:
         m.peers_lost = lambda: self.peers.num_lost
         m.gaps = lambda: self.peers.num_gaps
         m.spread = lambda: self._share.num_spread
+        m.held = lambda: self.hold.num_held
+        m.held_followed = lambda: self.hold.num_followed
+        m.held_passed = lambda: self.hold.num_passed
+        m.held_timed_out = lambda: self.hold.num_timed_out
 
     @classmethod
     def for_gateway(cls, cfg: RouterConfig, router: KvRouter, load: SharedLoad) -> ReplicaLink:
         assert cfg.nats_url is not None  # built only with --nats
         prefix = cfg.nats_subject_prefix or default_subject_prefix(cfg.model_names)
         return cls(router, load, url=cfg.nats_url, subject_prefix=prefix,
-                   peer_timeout_s=cfg.nats_peer_timeout_s)
+                   peer_timeout_s=cfg.nats_peer_timeout_s,
+                   new_prompt_window_s=cfg.nats_new_prompt_window_ms / 1000)
 
     async def run(self) -> None:
         """Connect (retrying for ever) and publish, until cancelled; then close."""
@@ -144,6 +153,7 @@ class ReplicaLink:
     def _peers_changed(self, peer_ids: list[str]) -> None:
         joined = len(peer_ids) > self._share.count - 1
         self._share.set_peers(peer_ids)
+        self.hold.heard()  # a held prompt's owner may have changed
         if joined:  # tell the newcomer about this replica now, not at the next heartbeat
             self._snapshot_due = True
             self._wake.set()
@@ -175,7 +185,8 @@ class ReplicaLink:
 
     async def _send(self, nc: Any, events: list[ReplicaEvent], snapshot: bool) -> None:
         """Publish ``events`` as one batch (split in halves past the server's payload limit)."""
-        frame = encode(ReplicaBatch(self.replica_id, self._seq + 1, snapshot, events))
+        frame = encode(ReplicaBatch(self.replica_id, self._seq + 1, snapshot, events,
+                                    time.time()))
         if len(frame) > nc.max_payload and len(events) > 1:
             half = len(events) // 2
             await self._send(nc, events[:half], snapshot)
@@ -207,7 +218,9 @@ class ReplicaLink:
         if batch.replica_id == self.replica_id:
             return
         self.metrics.batches_received += 1
-        if self.peers.apply(batch):
+        ask = self.peers.apply(batch)
+        self.hold.heard(batch.replica_id, batch.sent_at)
+        if ask:
             self.metrics.resyncs_asked += 1
             try:
                 await self._nc.publish(self._resync_subject,

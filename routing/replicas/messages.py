@@ -67,6 +67,9 @@ class ReplicaBatch(msgspec.Struct, frozen=True, array_like=True):
     seq: _Count
     snapshot: bool
     events: list[ReplicaEvent]
+    # the sender's wall clock at sending (s since the epoch; 0: not given): what a held new
+    # prompt's release reads (routing/replicas/prompt_hold.py)
+    sent_at: float = 0.0
 
 
 class ResyncRequest(msgspec.Struct, frozen=True, array_like=True):

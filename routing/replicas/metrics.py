@@ -32,6 +32,10 @@ class ReplicaMetrics:
         self.peers_lost: Callable[[], int] = _zero
         self.gaps: Callable[[], int] = _zero
         self.spread: Callable[[], int] = _zero
+        self.held: Callable[[], int] = _zero
+        self.held_followed: Callable[[], int] = _zero
+        self.held_passed: Callable[[], int] = _zero
+        self.held_timed_out: Callable[[], int] = _zero
 
     def collect(self) -> Iterator[Metric]:
         p = "kvsidecar_gateway_replica_"
@@ -53,6 +57,14 @@ class ReplicaMetrics:
             ("peers_lost", "Replicas dropped, with their load, for silence", self.peers_lost()),
             ("new_prefix_spread", "New prefixes placed with the peers' share of the workers "
              "weighed (routing/placement/peer_share.py)", self.spread()),
+            ("new_prompts_held", "New prompts held for the replica that owns them "
+             "(routing/replicas/prompt_hold.py)", self.held()),
+            ("new_prompts_held_followed", "Held prompts released when the owner's placement "
+             "of them (or a change of peers) was heard", self.held_followed()),
+            ("new_prompts_held_passed", "Held prompts placed here: the owner's batches passed "
+             "--nats-new-prompt-window-ms without them", self.held_passed()),
+            ("new_prompts_held_timed_out", "Held prompts placed here at 6 windows, nothing "
+             "heard from the owner", self.held_timed_out()),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
         yield GaugeMetricFamily(p + "nats_connected", "1 while connected to NATS",

@@ -176,6 +176,7 @@ class Gateway:
             + ((b"authorization",) if cfg.forward_authorization else ()),
             log_requests=cfg.log_level is LogLevel.DEBUG,
             migration_limit=cfg.migration_limit,
+            prompt_hold=None if self.replicas is None else self.replicas.hold,
         )
         self.metrics.admission = self.ctx.admission
         self.prober = WorkerProber(

@@ -70,6 +70,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 
 @pytest.fixture
 def gateways(fleet: Fleet, tmp_path: Path) -> Iterator[list[ManagedProcess]]:
+    yield from _gateway_pair(fleet, tmp_path)
+
+
+@pytest.fixture
+def wide_window_gateways(fleet: Fleet, tmp_path: Path) -> Iterator[list[ManagedProcess]]:
+    """Two replicas whose new-prompt window (2 s) outlasts any scheduling delay here."""
+    yield from _gateway_pair(fleet, tmp_path, "--nats-new-prompt-window-ms", "2000")
+
+
+def _gateway_pair(fleet: Fleet, tmp_path: Path, *common: str) -> Iterator[list[ManagedProcess]]:
     started: list[ManagedProcess] = []
 
     def start(name: str, *extra: str) -> ManagedProcess:
@@ -77,7 +87,7 @@ def gateways(fleet: Fleet, tmp_path: Path) -> Iterator[list[ManagedProcess]]:
         gw = ManagedProcess.start(
             name,
             ["routing", "--port", "0", "--model-path", str(MODEL), "--seed", "1",
-             "--health-check-interval-s", "0.5", *flags, *extra],
+             "--health-check-interval-s", "0.5", *flags, *common, *extra],
             workdir=tmp_path,
         )
         started.append(gw)
@@ -157,6 +167,50 @@ async def test_peer_placement_shows_up_and_draws_the_same_prefix(
         await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
     # each new prefix through A was placed with B's share of the workers weighed
     assert await metric(session, a.url, "kvsidecar_gateway_replica_new_prefix_spread_total") >= 3
+
+
+async def test_a_new_prompt_through_both_replicas_at_once_takes_one_worker(
+    wide_window_gateways: list[ManagedProcess], session: aiohttp.ClientSession
+) -> None:
+    """A new prompt sent first through the replica that does not own it waits there; sent
+    then through its owner, it is placed there at once, and the first replica, hearing
+    that, sends its session to the same worker: one copy, as through one gateway. (Prompts
+    that the first replica owns are placed at once and skipped.)"""
+    a, b = wide_window_gateways
+    for gw, other in ((a, b), (b, a)):
+        await routable(session, gw.url, 2)
+        await reaches(session, other.url, "kvsidecar_gateway_replica_peers", 1)
+    held_metric = "kvsidecar_gateway_replica_new_prompts_held_total"
+    followed_metric = "kvsidecar_gateway_replica_new_prompts_held_followed_total"
+    merged = 0
+    for seed in range(40, 60):
+        system = text(seed, 300)
+        held_before = await metric(session, a.url, held_metric)
+        through_a = asyncio.create_task(chat(session, a.url, system))
+
+        async def held_or_placed(held_before: float = held_before,
+                                 through_a: asyncio.Task[tuple[str, int]] = through_a
+                                 ) -> str | None:
+            if await metric(session, a.url, held_metric) > held_before:
+                return "held"
+            remote = await metric(session, b.url, "kvsidecar_gateway_replica_remote_requests")
+            return "placed" if remote > 0 or through_a.done() else None
+
+        if await eventually(held_or_placed, "A holds the prompt or places it") == "placed":
+            await through_a  # A owns this prompt: nothing to merge
+            await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
+            continue
+        followed_before = await metric(session, a.url, followed_metric)
+        worker_b, predicted_b = await chat(session, b.url, system)
+        worker_a, predicted_a = await through_a
+        assert (worker_a, predicted_b) == (worker_b, 0)
+        assert predicted_a > 0  # placed where B's placement predicted the prompt
+        assert await metric(session, a.url, followed_metric) == followed_before + 1
+        await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
+        merged += 1
+        if merged == 2:
+            break
+    assert merged == 2, "20 new prompts and fewer than 2 owned by B: the owners are skewed"
 
 
 async def test_killed_gateway_leaves_no_load(

@@ -16,12 +16,15 @@ TINY = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
 
 
 def test_nats_flags_map_to_fields() -> None:
-    """--nats, --nats-subject-prefix and --nats-peer-timeout-s land in their fields."""
+    """--nats, --nats-subject-prefix, --nats-peer-timeout-s and --nats-new-prompt-window-ms
+    land in their fields."""
     cfg = gateway_config([*WORKER, "--nats", "nats://10.0.0.9:4222", "--nats-subject-prefix",
-                          "fleet.a-1", "--nats-peer-timeout-s", "5"])
-    assert (cfg.nats_url, cfg.nats_subject_prefix, cfg.nats_peer_timeout_s) == (
-        "nats://10.0.0.9:4222", "fleet.a-1", 5.0)
+                          "fleet.a-1", "--nats-peer-timeout-s", "5",
+                          "--nats-new-prompt-window-ms", "0"])
+    assert (cfg.nats_url, cfg.nats_subject_prefix, cfg.nats_peer_timeout_s,
+            cfg.nats_new_prompt_window_ms) == ("nats://10.0.0.9:4222", "fleet.a-1", 5.0, 0.0)
     assert gateway_config(WORKER).nats_url is None
+    assert gateway_config(WORKER).nats_new_prompt_window_ms == 50.0
 
 
 @pytest.mark.parametrize(
@@ -32,6 +35,8 @@ def test_nats_flags_map_to_fields() -> None:
         ["--nats", "nats://h:4222", "--nats-subject-prefix", "a.*"],
         ["--nats", "nats://h:4222", "--nats-subject-prefix", "a..b"],
         ["--nats", "nats://h:4222", "--nats-peer-timeout-s", "0"],
+        ["--nats", "nats://h:4222", "--nats-new-prompt-window-ms", "-1"],
+        ["--nats", "nats://h:4222", "--nats-new-prompt-window-ms", "nan"],
     ],
 )
 def test_bad_values_are_refused(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:

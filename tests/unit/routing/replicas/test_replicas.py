@@ -82,7 +82,7 @@ class TestWire:
         hashes = [2**63 + i for i in range(100)]
         frame = encode(ReplicaBatch("a1b2c3d4e5f6", 1, False,
                                     [Placed("abcd1234-1/a", "replica-0", hashes, 1600, 1600)]))
-        assert len(frame) < 9 * len(hashes) + 60
+        assert len(frame) < 9 * len(hashes) + 70  # + ids, counts and the send time
 
     def test_rejects_negative_counts(self) -> None:
         """Counts out of range are a WireError, not a negative load."""
