@@ -75,6 +75,7 @@ class ManagedProcess:
                 return lines
             code = self.proc.poll()
             if code is not None:
+                self.stop()  # it has exited: this closes its log
                 raise LaunchError(
                     f"{self.name} exited with {code} before it was ready:\n{self.log_tail()}"
                 )

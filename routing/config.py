@@ -255,8 +255,8 @@ class RouterConfig:
         if not math.isfinite(self.nats_peer_timeout_s) or self.nats_peer_timeout_s <= 0:
             raise ValueError(f"nats_peer_timeout_s must be > 0, got {self.nats_peer_timeout_s!r}")
         window = self.nats_new_prompt_window_ms
-        if not math.isfinite(window) or not 0 <= window <= 1000:
-            raise ValueError(f"--nats-new-prompt-window-ms must be in [0, 1000], got {window!r}")
+        if not math.isfinite(window) or not 0 <= window <= 10_000:
+            raise ValueError(f"--nats-new-prompt-window-ms must be in [0, 10000], got {window!r}")
         if self.events_via not in ("direct", "nats"):
             raise ValueError(f"events_via must be direct or nats, got {self.events_via!r}")
         if self.events_via == "nats" and self.nats_url is None:

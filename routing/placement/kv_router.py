@@ -157,7 +157,7 @@ class KvRouter:
         n = len(eligible)
         chosen: Sequence[Candidate] = scored[:n] if full else scored
         if share is not None:
-            chosen = share.adjust(chosen, stored[:n] if full else stored)
+            chosen = share.adjust(chosen, stored[:n] if full else stored, len(block_hashes))
         return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
 
     def dispatch(

@@ -42,7 +42,23 @@ from dataclasses import replace
 
 from routing.placement.scorer import Candidate
 
-__all__ = ["PeerShare"]
+__all__ = ["HEAD_SHARE", "PeerShare", "new_prompt_depth"]
+
+# Leading blocks held unevenly, up to this share of the prompt's blocks, are a head many
+# prompts share (a chat template's preamble: Llama 3.1's dates fill its first block), not a
+# reason to prefer a worker: the prompt is still new.
+HEAD_SHARE = 1 / 16
+
+
+def new_prompt_depth(depths: Sequence[int], n_blocks: int) -> int | None:
+    """How many leading blocks of a prompt of ``n_blocks`` the workers hold (``depths``, one
+    per worker), when the cache prefers no worker for it: every worker holds as many, give
+    or take a shared head (``HEAD_SHARE``); then the deepest. None when one worker holds
+    materially more than another."""
+    deepest = max(depths)
+    if deepest - min(depths) > int(n_blocks * HEAD_SHARE):
+        return None
+    return deepest
 
 
 class PeerShare:
@@ -83,7 +99,10 @@ class PeerShare:
         self._recent_blocks += blocks
 
     def adjust(
-        self, candidates: Sequence[Candidate], stored_depths: Sequence[int] | None = None
+        self,
+        candidates: Sequence[Candidate],
+        stored_depths: Sequence[int] | None = None,
+        n_blocks: int = 0,
     ) -> Sequence[Candidate]:
         """``candidates`` with the presumed unseen load on workers outside this replica's
         share, when the request is a new prefix; otherwise ``candidates`` themselves.
@@ -94,20 +113,21 @@ class PeerShare:
         another is new, even once a placement in flight predicts it on a worker of this
         share (the same new prompt twice in a burst: the second follows the first, as the
         first was chosen, against the same presumed load); but one predicted deepest only on
-        the others' workers, where a peer's placement is taking it, is left to follow it."""
+        the others' workers, where a peer's placement is taking it, is left to follow it.
+        ``n_blocks``: the prompt's, for how much of a shared head may differ
+        (``new_prompt_depth``; 0: nothing may)."""
         count = self.count
         if count == 1 or len(candidates) < 2:
             return candidates
         if stored_depths is None:
             stored_depths = [c.overlap.longest for c in candidates]
-        depth = stored_depths[0]
-        if any(d != depth for d in stored_depths):
+        if new_prompt_depth(stored_depths, n_blocks) is None:
             return candidates  # the cache prefers a worker
         ids = sorted(c.worker_id for c in candidates)
         mine = set(ids[self.rank :: count])
         if not mine or len(mine) == len(ids):
             return candidates
-        deepest = max(c.overlap.longest for c in candidates)
+        deepest = max(c.overlap.longest for c in candidates) - int(n_blocks * HEAD_SHARE)
         if all(c.overlap.longest < deepest for c in candidates if c.worker_id in mine):
             return candidates  # predicted on a peer's worker only
         self._expire(self._clock())

@@ -11,8 +11,9 @@ the prompt keeps it whole, and neither can ask the other in time.
 So every new prompt has an owner, which both compute alike: the replica of rank
 ``key mod count``, where ``key`` is the prompt's first block that no worker holds, and the
 ranks are the live replicas sorted by id (``PeerShare``). A prompt is *new* while the cache
-prefers no worker for it: every candidate's overlap, stored or predicted, is the same
-(``key`` is then the block just past that common depth). The owner places a new prompt at
+prefers no worker for it: every candidate's overlap, stored or predicted, is the same, give
+or take a head many prompts share (``new_prompt_depth``), and ``key`` is the block just past
+the deepest. The owner places a new prompt at
 once. Any other replica holds it until one of:
 
 * the owner's placement of it is heard (a peer's batch makes the prompt predicted on the
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from routing.placement.kv_router import KvRouter
-from routing.placement.peer_share import PeerShare
+from routing.placement.peer_share import PeerShare, new_prompt_depth
 
 __all__ = ["LIMIT_WINDOWS", "HeldPrompt", "PromptHold"]
 
@@ -94,12 +95,10 @@ class PromptHold:
         """The rank of the replica that places this prompt first, if it is new; else None."""
         if not block_hashes or len(worker_ids) < 2:
             return None
-        depths = {c.overlap.longest for c in self._router.candidates(block_hashes, worker_ids)}
-        if len(depths) != 1:
+        depths = [c.overlap.longest for c in self._router.candidates(block_hashes, worker_ids)]
+        depth = new_prompt_depth(depths, len(block_hashes))
+        if depth is None or depth >= len(block_hashes):
             return None  # the cache (or a placement in flight) prefers a worker
-        depth = depths.pop()
-        if depth >= len(block_hashes):
-            return None
         return block_hashes[depth] % self._share.count
 
     def offer(

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from routing.placement.kv_router import KvRouter
-from routing.placement.peer_share import PeerShare
+from routing.placement.peer_share import PeerShare, new_prompt_depth
 from routing.placement.scorer import Candidate, Pool, TierOverlap, WorkerLoad
 
 WORKERS = ["w0", "w1", "w2", "w3"]
@@ -177,3 +177,26 @@ def test_a_prompt_a_peer_is_placing_is_followed_through_this_replica() -> None:
     r.pending.record("w1", blocks[:125], clock.now)  # what RemotePeers does for b's Placed
     placement = r.place(blocks, len(blocks) * 16, WORKERS)
     assert placement is not None and placement.worker_id == "w1"
+
+
+@pytest.mark.parametrize(("depths", "n_blocks", "expected"), [
+    ([0, 0, 0, 0], 10, 0),
+    ([3, 3, 3, 3], 10, 3),
+    ([1, 0, 0, 2], 32, 2),  # a shared head of up to 32/16 blocks held unevenly
+    ([3, 0, 0, 0], 32, None),  # more than that: the cache prefers a worker
+    ([1, 0, 0, 0], 15, None),  # a short prompt: no head is shared
+])
+def test_new_prompt_depth(depths: list[int], n_blocks: int, expected: int | None) -> None:
+    assert new_prompt_depth(depths, n_blocks) == expected
+
+
+def test_a_shared_head_held_unevenly_still_spreads_a_new_prompt() -> None:
+    share = PeerShare("a")
+    share.set_peers(["b"])
+    share.placed(1000, 10)
+    candidates = [Candidate(w, TierOverlap(d), WorkerLoad(100, 10))
+                  for w, d in zip(WORKERS, [1, 0, 0, 0], strict=True)]
+    assert share.adjust(candidates, [1, 0, 0, 0]) is candidates  # no head allowed
+    spread = share.adjust(candidates, [1, 0, 0, 0], n_blocks=32)
+    assert spread is not candidates
+    assert [c.load.active_prefill_tokens > 100 for c in spread] == [False, True, False, True]

@@ -184,3 +184,20 @@ async def test_both_replicas_agree_on_the_owner() -> None:
             assert held_a != held_b  # exactly one of them waits for the other
     a.hold.release_all()
     b.hold.release_all()
+
+
+async def test_a_head_shared_by_many_prompts_leaves_a_prompt_new() -> None:
+    """A chat template's preamble held on some workers only (here 2 blocks of a 32-block
+    prompt) is no reason to prefer one: the prompt is still new, and its key is the first
+    block past that head."""
+    r = Replica()
+    head = [4000, 4002]
+    r.peer_placed("w0", head)
+    r.peer_placed("w1", head[:1])
+    prompt = [*head, 5001, *range(6001, 6030)]
+    assert len(prompt) == 32
+    assert r.hold.owner_of(prompt, WORKERS) == 1
+    assert r.hold.offer(Request(), prompt, WORKERS)
+    r.hold.release_all()
+    short = [*head, 5001, 7]  # 4 blocks: no head allowed, w0 holds half of it
+    assert r.hold.owner_of(short, WORKERS) is None
