@@ -11,9 +11,17 @@ Envoy, the ``--body-mode`` flag says:
   are streamed back chunk by chunk as they come.
 * ``BUFFERED`` (and ``BUFFERED_PARTIAL``): the headers answered at once (continue), the one
   body message answered with the pick as a header mutation.
-* ``STREAMED``: as buffered, each chunk answered until the last, which carries the pick;
-  ``NONE`` (no body sent): picked from the headers, by load. Neither lets the pick see the
-  prompt before Envoy commits the headers, so InferencePools use full duplex.
+* ``STREAMED`` and ``NONE`` (no body sent): picked from the headers, by load, and each body
+  chunk answered as it comes. Envoy reads a header mutation on a body chunk's answer only in
+  buffered mode, so a pick made at the last chunk would be ignored: neither mode lets the
+  pick see the prompt before Envoy commits the headers, which is why InferencePools use full
+  duplex (a streamed-mode pick is counted, ``streamed_by_load``, and logged once).
+
+The answer that carries the pick sets ``clear_route_cache``, as GIE's reference picker does,
+so Envoy routes again with the destination header. A body sent back (full duplex) goes in
+pieces of at most 62,000 bytes, as GIE's reference splits it (Envoy recommends at most
+64 KiB a message). A subset hint is a list of ``ip:port`` or one comma-separated string (as
+header-to-metadata filters write it), or a mix.
 
 A request without a body (headers with ``end_of_stream``) is picked by load at once. The pick
 goes in the ``x-gateway-destination-endpoint`` header and in the dynamic metadata
@@ -36,7 +44,8 @@ from routing.epp.config import BodyMode
 from routing.epp.deps import Protos
 from routing.epp.picker import EndpointPicker, Pick, Refused
 
-__all__ = ["DESTINATION", "LB_NAMESPACE", "SERVED", "SUBSET", "SUBSET_NAMESPACE", "PickStream"]
+__all__ = ["BODY_PIECE_BYTES", "DESTINATION", "LB_NAMESPACE", "SERVED", "SUBSET",
+           "SUBSET_NAMESPACE", "PickStream"]
 
 log = structlog.get_logger("routing.epp", component="epp")
 
@@ -45,6 +54,7 @@ SERVED = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+BODY_PIECE_BYTES = 62_000  # at most this much body in one message to Envoy
 
 
 class _Body(enum.Enum):
@@ -125,14 +135,27 @@ class PickStream:
                 self._path = _value(h)
             elif name == "x-request-id":
                 self._request_id = _value(h).encode()
-        if headers.end_of_stream or self._modes.request is _Body.NONE:
-            # no body (a GET), or none will be sent: placed by load
+        mode = self._modes.request
+        if headers.end_of_stream or mode is _Body.NONE or mode is _Body.STREAMED:
+            # no body (a GET), none will be sent, or it comes after Envoy needs the pick:
+            # placed by load
+            if mode is _Body.STREAMED and not headers.end_of_stream:
+                self._count("streamed_by_load")
+                if self._counts["streamed_by_load"] == 1:
+                    log.warning("epp_streamed_body_mode", path=self._path,
+                                effect="picked by load from the headers: the prompt comes "
+                                "too late; set the ext_proc filter's request_body_mode to "
+                                "FULL_DUPLEX_STREAMED (or BUFFERED) for prefix-aware picks")
             yield from self._picked(None, headers_phase=True)
         elif not self._modes.request_full_duplex:
             yield self._msg(request_headers=self._p.ext_proc.HeadersResponse())
 
     def _request_body(self, body: Any) -> Iterator[Any]:
-        if self.pick is not None or self.ended:
+        if self.ended:
+            return
+        if self.pick is not None:
+            if self._modes.request is _Body.STREAMED:  # picked at the headers: pass it on
+                yield self._msg(request_body=self._p.ext_proc.BodyResponse())
             return
         self._body_bytes += len(body.body)
         if self._body_bytes > self._max_body_bytes:
@@ -143,8 +166,6 @@ class PickStream:
         # A buffered body comes whole in one message (or as much of it as Envoy buffers).
         if body.end_of_stream or self._modes.request is _Body.BUFFERED:
             yield from self._picked(self._body_so_far())
-        elif self._modes.request is _Body.STREAMED:  # each chunk is answered: go on
-            yield self._msg(request_body=self._p.ext_proc.BodyResponse())
 
     def _body_so_far(self) -> bytes:
         return b"".join(self._body)
@@ -165,7 +186,7 @@ class PickStream:
         if headers_phase:
             yield e.ProcessingResponse(
                 request_headers=e.HeadersResponse(response=e.CommonResponse(
-                    header_mutation=mutation)),
+                    header_mutation=mutation, clear_route_cache=True)),
                 dynamic_metadata=metadata,
             )
         elif self._modes.request_full_duplex:
@@ -174,15 +195,19 @@ class PickStream:
             mutation = e.HeaderMutation(set_headers=headers)
             yield e.ProcessingResponse(
                 request_headers=e.HeadersResponse(response=e.CommonResponse(
-                    header_mutation=mutation)),
+                    header_mutation=mutation, clear_route_cache=True)),
                 dynamic_metadata=metadata,
             )
-            streamed = e.StreamedBodyResponse(body=body, end_of_stream=True)
-            yield self._msg(request_body=e.BodyResponse(response=e.CommonResponse(
-                body_mutation=e.BodyMutation(streamed_response=streamed))))
+            last = max(0, len(body) - 1) // BODY_PIECE_BYTES * BODY_PIECE_BYTES
+            for start in range(0, last + 1, BODY_PIECE_BYTES):
+                streamed = e.StreamedBodyResponse(
+                    body=body[start:start + BODY_PIECE_BYTES], end_of_stream=start == last)
+                yield self._msg(request_body=e.BodyResponse(response=e.CommonResponse(
+                    body_mutation=e.BodyMutation(streamed_response=streamed))))
         else:
             yield e.ProcessingResponse(
-                request_body=e.BodyResponse(response=e.CommonResponse(header_mutation=mutation)),
+                request_body=e.BodyResponse(response=e.CommonResponse(
+                    header_mutation=mutation, clear_route_cache=True)),
                 dynamic_metadata=metadata,
             )
 
@@ -228,8 +253,7 @@ class PickStream:
         if SUBSET_NAMESPACE in filters:
             fields = filters[SUBSET_NAMESPACE].fields
             if SUBSET in fields:
-                values = fields[SUBSET].list_value.values
-                self._subset = [v.string_value for v in values]
+                self._subset = _subset_of(fields[SUBSET])
         if LB_NAMESPACE in filters and self.pick is not None:
             fields = filters[LB_NAMESPACE].fields
             if SERVED in fields:
@@ -261,6 +285,19 @@ class PickStream:
 
     def _count(self, outcome: str) -> None:
         self._counts[outcome] = self._counts.get(outcome, 0) + 1
+
+
+def _subset_of(value: Any) -> list[str]:
+    """The endpoints of a subset hint: a list of ``ip:port`` strings, or one string of them
+    separated by commas, or a list of such strings (anything else: none)."""
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        texts = [v.string_value for v in value.list_value.values]
+    elif kind == "string_value":
+        texts = [value.string_value]
+    else:
+        texts = []
+    return [e for text in texts for part in text.split(",") if (e := part.strip())]
 
 
 def _value(header: Any) -> str:

@@ -20,10 +20,12 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from google.protobuf import struct_pb2
 
-__all__ = ["BUFFERED", "FULL_DUPLEX", "EnvoyStream", "Picked", "forward", "headers_of"]
+__all__ = ["BUFFERED", "FULL_DUPLEX", "STREAMED", "EnvoyStream", "Picked", "forward",
+           "headers_of"]
 
 FULL_DUPLEX = mode.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = mode.ProcessingMode.BUFFERED
+STREAMED = mode.ProcessingMode.STREAMED
 DESTINATION = "x-gateway-destination-endpoint"
 
 
@@ -47,6 +49,8 @@ class Picked:
     body: bytes  # the body Envoy sends upstream
     headers: dict[str, str] = field(default_factory=dict)  # every header the picker set
     immediate: Any = None  # an ImmediateResponse instead of a pick
+    clear_route_cache: bool = False  # set on the answer carrying the pick
+    pieces: list[int] = field(default_factory=list)  # sizes of the body sent back, full duplex
 
     @property
     def endpoint(self) -> str:
@@ -60,7 +64,8 @@ class EnvoyStream:
     """One ``Process`` stream, as Envoy's ext_proc filter runs it for one HTTP request."""
 
     def __init__(self, channel: grpc.aio.Channel, body_mode: int = FULL_DUPLEX,
-                 subset: list[str] | None = None, send_protocol_config: bool = True) -> None:
+                 subset: list[str] | str | None = None, send_protocol_config: bool = True
+                 ) -> None:
         self._call = ep_grpc.ExternalProcessorStub(channel).Process()
         self.body_mode = body_mode
         self.subset = subset
@@ -105,12 +110,25 @@ class EnvoyStream:
             if answer.HasField("immediate_response"):
                 return self._immediate(answer)
             assert answer.HasField("request_body"), answer
-            mutation = answer.request_body.response.header_mutation
+            common = answer.request_body.response
+            mutation = common.header_mutation
             self.picked = Picked(headers_of(mutation).get(DESTINATION),
-                                 _metadata(answer), body, headers_of(mutation))
+                                 _metadata(answer), body, headers_of(mutation),
+                                 clear_route_cache=common.clear_route_cache)
             return self.picked
-        size = max(1, -(-len(body) // chunks))
-        pieces = [body[i:i + size] for i in range(0, len(body), size)] or [b""]
+        if self.body_mode == STREAMED:
+            # Envoy waits for the headers' answer, then sends each chunk and waits for its.
+            picked = await self._headers_answer(body)
+            if picked.immediate is not None:
+                return picked
+            pieces = _pieces(body, chunks)
+            for k, piece in enumerate(pieces):
+                await self._call.write(ep.ProcessingRequest(
+                    request_body=ep.HttpBody(body=piece, end_of_stream=k == len(pieces) - 1)))
+                answer = await self._read()
+                assert answer.HasField("request_body"), answer
+            return picked
+        pieces = _pieces(body, chunks)
         for k, piece in enumerate(pieces):  # full duplex: sent without waiting
             await self._call.write(ep.ProcessingRequest(
                 request_body=ep.HttpBody(body=piece, end_of_stream=k == len(pieces) - 1)))
@@ -123,6 +141,7 @@ class EnvoyStream:
             assert answer.HasField("request_body"), answer
             streamed = answer.request_body.response.body_mutation.streamed_response
             sent += streamed.body
+            picked.pieces.append(len(streamed.body))
             if streamed.end_of_stream:
                 break
         picked.body = sent
@@ -133,9 +152,10 @@ class EnvoyStream:
         if answer.HasField("immediate_response"):
             return self._immediate(answer)
         assert answer.HasField("request_headers"), answer
-        mutation = answer.request_headers.response.header_mutation
+        common = answer.request_headers.response
+        mutation = common.header_mutation
         self.picked = Picked(headers_of(mutation).get(DESTINATION), _metadata(answer), body,
-                             headers_of(mutation))
+                             headers_of(mutation), clear_route_cache=common.clear_route_cache)
         return self.picked
 
     def _immediate(self, answer: Any) -> Picked:
@@ -175,6 +195,11 @@ class EnvoyStream:
 
     def cancel(self) -> None:
         self._call.cancel()
+
+
+def _pieces(body: bytes, chunks: int) -> list[bytes]:
+    size = max(1, -(-len(body) // chunks))
+    return [body[i:i + size] for i in range(0, len(body), size)] or [b""]
 
 
 def _metadata(answer: Any) -> str | None:

@@ -12,8 +12,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvsidecar.launch import ManagedProcess
+from routing.epp.stream import BODY_PIECE_BYTES
 from tests.integration.epp.conftest import MODEL, Fleet, start_epp, workers
-from tests.integration.epp.envoy import BUFFERED, EnvoyStream, forward
+from tests.integration.epp.envoy import BUFFERED, STREAMED, EnvoyStream, forward
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.slow
@@ -129,6 +130,54 @@ async def test_buffered_mode_and_bodiless_requests(
     worker_of(fleet, bodiless.endpoint)
     await get.response(200, "application/json", [b"{}"])
     await get.close()
+
+
+async def test_the_edges_envoy_and_gie_bring(
+    fleet: Fleet, channel: grpc.aio.Channel, session: aiohttp.ClientSession
+) -> None:
+    """What GIE's reference picker does and Envoy expects: a subset hint given as one
+    comma-separated string (as header-to-metadata filters write it) confines the pick; a
+    150 KB body goes back in pieces of at most 62,000 bytes; every answer carrying a pick
+    clears Envoy's route cache; and in STREAMED body mode the pick comes on the headers'
+    answer (by load), since Envoy ignores a header mutation on a streamed chunk's answer."""
+    await routable(session, fleet)
+    first, second = fleet.engines
+    for hint in (f" {second} ", f"10.255.255.1:8000,{second}", [f"10.255.255.1:8000, {second}"]):
+        stream = EnvoyStream(channel, subset=hint)
+        picked = await stream.request(CHAT, chat("What is rule 6?"), "req-subset-text")
+        assert picked.endpoint == second, hint
+        assert picked.clear_route_cache
+        stream.cancel()
+    stream = EnvoyStream(channel, subset=f"10.255.255.1:8000,{first}")
+    assert (await stream.request(CHAT, chat("rule 7?"), "req-subset-first")).endpoint == first
+    stream.cancel()
+
+    large = json.dumps({"model": "tiny", "max_tokens": 1, "user": "u" * 150_000, "messages": [
+        {"role": "user", "content": "hi"}]}).encode()  # the bulk in a field not tokenized
+    assert len(large) > 150_000
+    stream = EnvoyStream(channel)
+    picked = await stream.request(CHAT, large, "req-large", chunks=5)
+    assert picked.body == large and picked.clear_route_cache
+    assert len(picked.pieces) == -(-len(large) // BODY_PIECE_BYTES)
+    assert max(picked.pieces) <= BODY_PIECE_BYTES < 64 * 1024
+    stream.cancel()
+
+    for mode in (BUFFERED, STREAMED):
+        stream = EnvoyStream(channel, body_mode=mode)
+        picked = await stream.request(CHAT, chat("What is rule 8?"), f"req-{mode}")
+        worker_of(fleet, picked.endpoint)
+        assert picked.clear_route_cache, mode
+        status, body = await forward(session, stream, CHAT, picked)
+        assert status == 200, body
+        await stream.close()
+    async with session.get(f"{fleet.epp_url}/metrics") as resp:
+        text = await resp.text()
+    assert 'kvsidecar_epp_picks_total{outcome="streamed_by_load"} 1.0' in text
+
+    async def idle() -> bool:
+        return all(w["in_flight"] == 0 for w in (await workers(session, fleet.epp_url)).values())
+
+    await eventually(idle, "every pick released")
 
 
 async def test_refusals_are_immediate_responses(
