@@ -121,6 +121,8 @@ class Result:
     workers: dict[int, set[str]] = field(default_factory=dict)  # this run: prompt → workers
     # synced: new prompts held for their owner replica, and how the holds ended
     held: dict[str, float] = field(default_factory=dict)
+    # each gateway's scorer weights at the end of each run (learned unless given)
+    weights: list[tuple[float, float]] = field(default_factory=list)
 
     def merge(self, other: Result) -> None:
         self.prompt_tokens += other.prompt_tokens
@@ -132,6 +134,7 @@ class Result:
         self.prompt_workers += [len(w) for w in other.workers.values()]
         for name, value in other.held.items():
             self.held[name] = self.held.get(name, 0) + value
+        self.weights += other.weights
 
     @property
     def hit_rate(self) -> float:
@@ -295,6 +298,17 @@ async def holds(urls: list[str]) -> dict[str, float]:
     return total
 
 
+async def scorer_weights(urls: list[str]) -> list[tuple[float, float]]:
+    """Each gateway's (overlap weight, prefill load scale) now (``/v1/workers``)."""
+    out = []
+    async with aiohttp.ClientSession() as session:
+        for url in urls:
+            async with session.get(f"{url}/v1/workers") as resp:
+                scorer = (await resp.json())["scorer"]
+            out.append((float(scorer["overlap_weight"]), float(scorer["prefill_load_scale"])))
+    return out
+
+
 async def wait_routable(urls: list[str], workers: int, synced: bool) -> None:
     """Until every gateway routes to every worker and, synced, hears every other gateway."""
     async with aiohttp.ClientSession() as session:
@@ -344,7 +358,7 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
         gws = [ManagedProcess.start(
             f"gateway-{g}",
             ["routing", "--port", "0", "--model-path", str(MODEL), "--log-level", "warning",
-             *weight, "--seed", str(repeat * 10 + g), *flags, *extra],
+             *weight, "--seed", str(repeat * 10 + g), *flags, *extra, *args.gateway_arg],
             workdir=workdir) for g in range(gateways)]
         procs += gws
         for gw in gws:
@@ -359,6 +373,7 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
                 result = asyncio.run(drive(gw_urls, work, load, trace))
         if synced:
             result.held = asyncio.run(holds(gw_urls))
+        result.weights = asyncio.run(scorer_weights(gw_urls))
         return result
     finally:
         for proc in reversed(procs):
@@ -390,6 +405,10 @@ def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
         mine.figure(f"{p}{name}_failed", r.failed)
         mine.figure(f"{p}{name}_prompt_tokens", r.prompt_tokens)
     one, pair, unsynced = results["one"], results["two_synced"], results["two_unsynced"]
+    print("\nscorer weights at the end of each run (overlap weight / prefill load scale):")
+    for name, r in results.items():
+        print(f"  {name.replace('_', ' ')}: "
+              + ", ".join(f"{w:.1f} / {s:.1f}" for w, s in r.weights))
     held = pair.held
     if held:
         print(f"\ntwo synced: {held['held']:.0f} new prompts held for their owner replica: "
@@ -423,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="fresh stacks per configuration, pooled (default 3)")
     p.add_argument("--quick", action="store_true", help="smaller workloads, 1 run (smoke)")
     p.add_argument("--trace", type=Path, metavar="DIR", help="write every request here")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every gateway, e.g. "
+                   "--gateway-arg=--prefill-load-scale=10 (repeatable)")
     add_json_flag(p)
     args = p.parse_args(argv)
     loads = list(LOADS.values()) if args.load == "all" else [LOADS[args.load]]
