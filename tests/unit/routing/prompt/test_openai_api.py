@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import typing
+
 import orjson
 import pytest
 
 from kvcore.errors import OpenAIError
+from kvcore.requests import EngineOpenAI
 from routing.prompt.openai_api import Endpoint, parse_request
 
 CHAT = Endpoint.CHAT
@@ -84,3 +87,11 @@ def test_malformed_bodies_are_400(endpoint: Endpoint, raw: bytes, fragment: str)
     assert fragment in info.value.message
     error = orjson.loads(info.value.body())["error"]
     assert error["type"] == "invalid_request_error" and fragment in error["message"]
+
+
+def test_every_route_the_gateway_serves_is_one_a_sidecar_takes() -> None:
+    """The gateway's routes (``Endpoint``) and the paths a sidecar's engine request may name
+    (``EngineOpenAI.path``) are two lists: a route missing from the second passes the
+    gateway and is refused by every sidecar as an invalid tokenized request."""
+    paths = typing.get_args(typing.get_type_hints(EngineOpenAI)["path"])
+    assert sorted(paths) == sorted(e.value for e in Endpoint)
