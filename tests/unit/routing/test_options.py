@@ -143,3 +143,15 @@ def test_a_gateway_only_option_in_the_pickers_file_is_refused(
         EppConfig.from_args(["--config", path])
     assert "--pd-mode does not apply to the endpoint picker" in capsys.readouterr().err
 
+
+def test_up_and_replay_use_the_configs_vocabularies() -> None:
+    """``kvsidecar up`` passes --router-mode, --pd-mode and --kv-load-failure-policy on to the
+    gateway, and replay compares the gateway's router modes: the config's enums, not copies."""
+    from kvsidecar.up import _parser as up_parser
+    from replay.offline import Policy
+
+    assert Policy is RouterMode
+    choices = {a.dest: a.choices for a in up_parser()._actions}
+    assert choices["router_mode"] == [m.value for m in RouterMode]
+    assert choices["pd_mode"] == [m.value for m in PdMode]
+    assert choices["kv_load_failure_policy"] == [p.value for p in FailurePolicy]
