@@ -24,6 +24,7 @@ import aiohttp
 
 from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
 from kvsidecar.launch import LaunchError, ManagedProcess
+from routing.config import FailurePolicy, PdMode, RouterMode
 
 _ROOT = Path(__file__).resolve().parent.parent
 _DEFAULT_MODEL = _ROOT / "refengine" / "models" / "tiny"
@@ -60,8 +61,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", type=int, default=0, metavar="M", help="decode-only replicas")
     p.add_argument(
         "--kv-load-failure-policy",
-        choices=["fail", "fallback"],
-        default="fallback",
+        choices=[p.value for p in FailurePolicy],
+        default=FailurePolicy.FALLBACK.value,
         help="a failed KV handoff fails the request or re-runs it aggregated (default fallback)",
     )
     p.add_argument(
@@ -74,8 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--pd-mode",
-        choices=["auto", "sglang", "off"],
-        default="auto",
+        choices=[m.value for m in PdMode],
+        default=PdMode.AUTO.value,
         help="the gateway's disaggregation mode (default auto: KV handoff between sidecars)",
     )
     p.add_argument(
@@ -89,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000; 0: any)")
     p.add_argument(
         "--router-mode",
-        default="kv",
-        choices=["kv", "approx", "round-robin", "random", "least-loaded"],
+        default=RouterMode.KV.value,
+        choices=[m.value for m in RouterMode],
         help="the gateway's placement policy (default kv)",
     )
     p.add_argument(
@@ -332,7 +333,7 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
                   "--prefill/--decode (scripts/bench_disagg.py measures those)", file=sys.stderr)
         elif args.demo:
             gateways = {args.router_mode: url}
-            for mode in ("round-robin", "least-loaded"):
+            for mode in (RouterMode.ROUND_ROBIN.value, RouterMode.LEAST_LOADED.value):
                 if mode not in gateways:
                     gateways[mode] = await asyncio.to_thread(
                         _start_gateway, f"gateway-{mode}", 0, mode, args, sidecars, workdir,

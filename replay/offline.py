@@ -16,7 +16,6 @@ The router's block is the trace's 512-token block, and the trace ids are its blo
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -37,14 +36,8 @@ from routing.placement.scorer import ScoringWeights
 __all__ = ["FleetConfig", "Policy", "SimRun", "outcomes", "simulate"]
 
 
-class Policy(enum.Enum):
-    """Placement policies the simulation can compare (the gateway's ``--router-mode``s)."""
-
-    KV = "kv"
-    APPROX = "approx"
-    ROUND_ROBIN = "round-robin"
-    RANDOM = "random"
-    LEAST_LOADED = "least-loaded"
+# Placement policies the simulation compares: the gateway's --router-mode values, its own enum.
+Policy = RouterMode
 
 
 @dataclass(frozen=True, slots=True)

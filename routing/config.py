@@ -1,5 +1,8 @@
-"""The gateway's typed configuration; ``routing.flags.gateway_config(argv)`` builds it from the
-command line."""
+"""The gateway's typed configuration, and its command line: each field of ``RouterConfig`` is
+one option (``kvcore.options``), whose metadata makes its flag; ``routing.flags.gateway_config``
+builds the config from the flags (and ``--config FILE``). The vocabularies of the string options
+are the enums here, which every other command that passes them on (``kvsidecar up``, replay)
+uses too."""
 
 from __future__ import annotations
 
@@ -10,17 +13,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-__all__ = ["LogLevel", "RouterConfig", "RouterMode", "WorkerAddress"]
+from kvcore.options import option
+
+__all__ = ["EventsVia", "FailurePolicy", "KvTransport", "LogLevel", "PdMode", "RouterConfig",
+           "RouterMode", "WorkerAddress"]
 
 
 class RouterMode(enum.Enum):
     """How the gateway picks a worker for a request."""
 
     KV = "kv"
+    APPROX = "approx"
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
     LEAST_LOADED = "least-loaded"
-    APPROX = "approx"
 
 
 class LogLevel(enum.Enum):
@@ -28,6 +34,41 @@ class LogLevel(enum.Enum):
     INFO = "info"
     WARNING = "warning"
     ERROR = "error"
+
+
+# The disaggregation and replica vocabularies are StrEnums: their values go on unchanged to
+# sidecars and into logs and metric labels, where the plain string is what is wanted.
+
+
+class PdMode(enum.StrEnum):
+    """How the gateway serves requests when the fleet has prefill and decode workers."""
+
+    AUTO = "auto"  # KV handoff between our sidecars
+    SGLANG = "sglang"  # the engine's own PD transfer (bootstrap room), our placement
+    OFF = "off"  # aggregated workers only
+
+
+class FailurePolicy(enum.StrEnum):
+    """What a failed or timed-out KV handoff does to the request."""
+
+    FAIL = "fail"
+    FALLBACK = "fallback"
+
+
+class KvTransport(enum.StrEnum):
+    """How a decode sidecar pulls a prefill's blocks."""
+
+    AUTO = "auto"  # shm when both sidecars share a host, else nixl (tcp when nixl is absent)
+    SHM = "shm"
+    NIXL = "nixl"
+    TCP = "tcp"
+
+
+class EventsVia(enum.StrEnum):
+    """Where the gateway reads the sidecars' KV events."""
+
+    DIRECT = "direct"  # each sidecar's own stream
+    NATS = "nats"  # the model's JetStream stream (routing/replicas/durable.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,85 +100,266 @@ class WorkerAddress:
         return cls(canonical, parts.hostname, port, base)
 
 
+# The flags' groups in --help, in this order (a group appears where its first field is).
+_WORKERS = "workers and model"
+_K8S = "sidecars in Kubernetes (instead of --sidecar/--sidecar-file; docs/deploy-kubernetes.md)"
+_PLACEMENT = "placement"
+_ADMISSION = "admission control (when a worker is busy, and what then)"
+_PD = "prefill/decode disaggregation (sidecars with --role prefill/decode)"
+_REPLICAS = "gateway replicas (docs/replicas.md)"
+_SERVER = "server"
+_SECURITY = "security (docs/security.md)"
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    """Everything ``kvsidecar gateway`` needs; validated on construction."""
+    """Everything ``kvsidecar gateway`` needs; validated on construction. Each field is a
+    flag, ``--`` and its name with dashes unless it says otherwise."""
 
-    workers: tuple[WorkerAddress, ...]
-    sidecars: tuple[WorkerAddress, ...] = ()
-    sidecar_file: Path | None = None
+    sidecars: tuple[WorkerAddress, ...] = option(
+        (), group=_WORKERS, flag="--sidecar", metavar="URL", parse=WorkerAddress.parse,
+        help="a kvsidecar sidecar beside an engine replica, e.g. http://10.0.0.5:9000: the "
+        "gateway follows its KV events and sends it token ids; repeat for more")
+    sidecar_file: Path | None = option(
+        None, group=_WORKERS, metavar="PATH",
+        help="a file of sidecar URLs, one per line (# comments), re-read when it changes")
+    dead_after_s: float = option(
+        5.0, group=_WORKERS,
+        help="a sidecar unreachable this long leaves placement and its blocks leave the "
+        "index until it returns")
+    workers: tuple[WorkerAddress, ...] = option(
+        (), group=_WORKERS, flag="--worker", metavar="URL", parse=WorkerAddress.parse,
+        help="a plain OpenAI-compatible engine (no sidecar), e.g. "
+        "http://127.0.0.1:30000; repeat for more workers")
+    model_path: Path | None = option(
+        None, group=_WORKERS, metavar="DIR",
+        help="local model directory: tokenizer.json, tokenizer_config.json (chat "
+        "template) and config.json (context length); without it the gateway "
+        "does not tokenize and forwards bodies unchanged")
+    served_model_names: tuple[str, ...] = option(
+        (), group=_WORKERS, flag="--served-model-name", metavar="NAME",
+        help="model name clients use; repeatable",
+        default_text="the model directory's name, or what the workers list at /v1/models")
+    max_model_len: int | None = option(
+        None, group=_WORKERS, metavar="TOKENS", help="context limit",
+        default_text="max_position_embeddings of config.json")
+    tokenizer_cache_tokens: int = option(
+        4_000_000, group=_WORKERS, metavar="TOKENS",
+        help="token ids of recent prompt segments kept for reuse (about 36 bytes a token: "
+        "~145 MiB for the default, when full; 0: no cache)")
+
     # Sidecars found in Kubernetes (routing/workers/k8s_discovery.py): pods by label selector.
-    discover_k8s_selector: str | None = None
-    discover_k8s_namespace: str | None = None  # None: the gateway pod's own namespace
-    discover_k8s_port: str = "kvsidecar"  # the sidecar container port's name, or a number
-    k8s_api_url: str | None = None  # None: in-cluster (KUBERNETES_SERVICE_HOST/PORT)
-    k8s_token_file: Path | None = None  # None: the service account's, when there is one
-    k8s_ca_file: Path | None = None  # None: the service account's CA, else the system's
-    k8s_insecure: bool = False
-    dead_after_s: float = 5.0
-    ready_file: Path | None = None
-    router_mode: RouterMode = RouterMode.KV
-    model_path: Path | None = None
-    served_model_names: tuple[str, ...] = ()
+    discover_k8s_selector: str | None = option(
+        None, group=_K8S, metavar="LABELS",
+        help="follow the pods with these labels (e.g. kvsidecar.io/inject=enabled): each "
+        "Running, Ready pod is a sidecar at http://<pod IP>:<port>, listed, then watched")
+    discover_k8s_namespace: str | None = option(
+        None, group=_K8S, metavar="NS", help="the pods' namespace",
+        default_text="the gateway pod's own")
+    discover_k8s_port: str = option(
+        "kvsidecar", group=_K8S, metavar="NAME|NUMBER",
+        help="the sidecar's port: a container port's name in the pod (the default is the "
+        "injected sidecar's), or a number")
+    k8s_api_url: str | None = option(
+        None, group=_K8S, metavar="URL", help="the API server",
+        default_text="in-cluster, https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT; "
+        "http://127.0.0.1:8001 for `kubectl proxy`")
+    k8s_token_file: Path | None = option(
+        None, group=_K8S, metavar="FILE", help="bearer token, re-read on every reconnect",
+        default_text="the service account's")
+    k8s_ca_file: Path | None = option(
+        None, group=_K8S, metavar="PEM", help="CA of the API server's certificate",
+        default_text="the service account's, else the system's")
+    k8s_insecure: bool = option(
+        False, group=_K8S, flag="--k8s-insecure-skip-tls-verify",
+        help="do not verify the API server's certificate (tests only)")
+
+    router_mode: RouterMode = option(
+        RouterMode.KV, group=_PLACEMENT,
+        help="kv: prefix overlap + load (without sidecar events it behaves like "
+        "approx); approx: recently routed prefixes count as cached for "
+        "--approx-ttl-s; round-robin, random, least-loaded (in-flight requests)")
     # None: learned from the fleet's feedback (routing/placement/tuning.py); a number fixes it.
-    overlap_weight: float | None = None
-    prefill_load_scale: float | None = None
-    router_temperature: float = 0.0
-    host_weight: float = 0.75
-    disk_weight: float = 0.25
-    remote_weight: float = 0.1
-    block_size: int = 16
-    approx_ttl_s: float = 120.0
-    max_model_len: int | None = None
-    tokenizer_cache_tokens: int = 4_000_000  # token ids of prompt segments kept (0: none)
-    max_in_flight_per_worker: int | None = None
+    overlap_weight: float | None = option(
+        None, group=_PLACEMENT,
+        help="credit per GPU-cached prefix block in the cost, in blocks of prefill work",
+        default_text="learned, from 1 while the engines evict nothing up to 21 when every "
+        "store evicts; a number fixes it; docs/bench/pressure.md")
+    prefill_load_scale: float | None = option(
+        None, group=_PLACEMENT,
+        help="weight of a block of prefill work against a block held by decoding requests "
+        "(Dynamo's prefill_load_scale)",
+        default_text="learned from time to first token; a number fixes it")
+    router_temperature: float = option(
+        0.0, group=_PLACEMENT, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
+    host_weight: float = option(
+        0.75, group=_PLACEMENT, help="credit per prefix block cached in host memory")
+    disk_weight: float = option(
+        0.25, group=_PLACEMENT, help="credit per prefix block cached on disk")
+    remote_weight: float = option(
+        0.1, group=_PLACEMENT,
+        help="credit per prefix block in the remote tier (a store shared by every replica of "
+        "the model: credited on each of them)")
+    block_size: int = option(
+        16, group=_PLACEMENT, help="tokens per KV block; must match the engines' page size")
+    approx_ttl_s: float = option(
+        120.0, group=_PLACEMENT, help="how long a routed prefix counts as cached without events")
+    seed: int | None = option(None, group=_PLACEMENT, help="seed of the random choices (tests)")
+
     # Admission control (routing/pipeline/admission.py): busy thresholds, the waiting queue,
     # and x-session-id affinity.
-    busy_kv_fraction: float | None = None
-    busy_prefill_tokens: int | None = None
-    queue_timeout_s: float = 0.0  # 0: a request finding every worker busy is refused at once
-    queue_max: int = 1024
-    session_affinity: bool = False
-    session_ttl_s: float = 600.0
-    host: str = "127.0.0.1"
-    port: int = 8000
-    log_level: LogLevel = LogLevel.INFO
-    health_check_interval_s: float = 10.0
-    parity_interval_s: float = 300.0  # hash parity check of each sidecar worker
-    connect_timeout_s: float = 5.0
-    upstream_timeout_s: float = 600.0
-    migration_limit: int = 0  # times a stream may go on on another worker (0: never)
-    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight requests may finish
-    max_body_bytes: int = 32 << 20
-    forward_authorization: bool = False  # the client's Authorization header to the workers
-    max_idle_connections_per_worker: int = 256
-    seed: int | None = None
-    # Prefill/decode disaggregation (routing/pd/coordinator.py); values are PdMode / FailurePolicy.
-    pd_mode: str = "auto"
-    kv_load_failure_policy: str = "fallback"
-    kv_transfer_timeout_s: float = 10.0
-    pd_queue_timeout_s: float = 30.0
-    kv_transport: str = "auto"  # auto: shm on one host, else nixl (tcp when nixl is absent)
-    # Security (docs/security.md): client keys → tenants, their limits, TLS, the sidecars' token.
-    api_key_file: Path | None = None
-    rate_limit_rps: float | None = None
-    rate_limit_tps: float | None = None
-    rate_limit_burst_s: float = 1.0
-    tenant_salt_secret_file: Path | None = None
-    tls_cert: Path | None = None
-    tls_key: Path | None = None
-    sidecar_token_file: Path | None = None
+    max_in_flight_per_worker: int | None = option(
+        None, group=_ADMISSION, metavar="N",
+        help="a worker with N requests in flight (from this gateway) is busy",
+        default_text="unlimited")
+    busy_kv_fraction: float | None = option(
+        None, group=_ADMISSION, metavar="F",
+        help="a worker whose active requests hold F of its KV capacity (0 < F <= 1; from its "
+        "engine's load report where it publishes one) is busy", default_text="off")
+    busy_prefill_tokens: int | None = option(
+        None, group=_ADMISSION, metavar="N",
+        help="a worker with N prompt tokens waiting for prefill is busy", default_text="off")
+    queue_timeout_s: float = option(
+        0.0, group=_ADMISSION, metavar="S",
+        help="when every worker is busy, a request waits up to S seconds for one (FIFO, "
+        "higher x-kvsidecar-priority first), then gets 503 with retry-after; 0: 429 with "
+        "retry-after at once")
+    queue_max: int = option(
+        1024, group=_ADMISSION, metavar="N",
+        help="requests that may wait at once; past it, 429 with retry-after")
+    session_affinity: bool = option(
+        False, group=_ADMISSION,
+        help="keep a client's x-session-id on the worker that served it last, while that "
+        "worker is routable and not busy (placement reason 'affinity')")
+    session_ttl_s: float = option(
+        600.0, group=_ADMISSION, metavar="S",
+        help="how long a session stays pinned after its last request")
+
+    # Prefill/decode disaggregation (routing/pd/coordinator.py).
+    pd_mode: PdMode = option(
+        PdMode.AUTO, group=_PD,
+        help="auto: when prefill and decode workers exist, serve each request by a pair, the "
+        "KV handed over between their sidecars; sglang: SGLang's own PD transfer (bootstrap "
+        "room), our placement choosing the pair; off: aggregated workers only")
+    kv_load_failure_policy: FailurePolicy = option(
+        FailurePolicy.FALLBACK, group=_PD,
+        help="a failed or timed-out KV handoff: fail (502 kv_transfer_failed; streams get "
+        "their first token as soon as the prefill has it, and a failure ends the stream with "
+        "an error event) or fallback (re-run on an aggregated worker; the first token waits "
+        "for the handoff)")
+    kv_transfer_timeout_s: float = option(
+        10.0, group=_PD,
+        help="longest KV handoff (pull + import) before it counts as failed")
+    kv_transport: KvTransport = option(
+        KvTransport.AUTO, group=_PD,
+        help="how decode sidecars pull blocks (--kv-handoff transfer): auto = shm when the "
+        "two sidecars share a host, else nixl, falling back to tcp")
+    pd_queue_timeout_s: float = option(
+        30.0, group=_PD,
+        help="how long a request waits for room in a full decode pool before 503")
+
     # Replicas that agree over NATS (routing/replicas, docs/replicas.md); None: alone.
-    nats_url: str | None = None
-    nats_subject_prefix: str | None = None  # None: kvsidecar.<model>
-    nats_peer_timeout_s: float = 3.0  # a replica silent this long has its load dropped
-    # a new prompt another replica owns waits for its placements this long after arriving
+    nats_url: str | None = option(
+        None, group=_REPLICAS, flag="--nats", metavar="URL",
+        help="nats://HOST:PORT: share placements and in-flight load with the other gateway "
+        "replicas on this NATS server, so replicas behind one balancer place like one gateway "
+        "(the 'nats' extra)", default_text="alone")
+    nats_subject_prefix: str | None = option(
+        None, group=_REPLICAS, metavar="PREFIX", help="subjects of this fleet's replicas",
+        default_text="kvsidecar.<model name>")
+    nats_peer_timeout_s: float = option(
+        3.0, group=_REPLICAS,
+        help="a replica not heard from this long has its load dropped here")
     # (routing/replicas/prompt_hold.py)
-    nats_new_prompt_window_ms: float = 50.0
+    nats_new_prompt_window_ms: float = option(
+        50.0, group=_REPLICAS, metavar="MS",
+        help="a prompt no worker holds yet, which another replica owns, waits until that "
+        "replica's placements up to MS after its arrival are heard (6 x MS at most), so two "
+        "sessions of it arriving that close through both replicas share one worker "
+        "(0: never wait)")
     # Durable events (routing/replicas/durable.py): KV events read from JetStream, the index
     # snapshotted to its object store every interval (0: never) and loaded at start.
-    events_via: str = "direct"
-    snapshot_interval_s: float = 30.0
+    events_via: EventsVia = option(
+        EventsVia.DIRECT, group=_REPLICAS,
+        help="nats: read the KV events from the model's JetStream stream (sidecars with "
+        "--events-via nats), start from the newest index snapshot; the sidecars' streams "
+        "carry status, resyncs, and the events while NATS is away")
+    snapshot_interval_s: float = option(
+        30.0, group=_REPLICAS,
+        help="with --events-via nats: write the index to JetStream's object store this often, "
+        "for gateways that start later (0: never)")
+
+    host: str = option("127.0.0.1", group=_SERVER, help="address to listen on")
+    port: int = option(
+        8000, group=_SERVER,
+        help="port to listen on (0: any free port, printed in gateway_started)")
+    log_level: LogLevel = option(
+        LogLevel.INFO, group=_SERVER, help="debug adds one canonical log line per request")
+    health_check_interval_s: float = option(
+        10.0, group=_SERVER, help="seconds between GET /health probes of each worker")
+    parity_interval_s: float = option(
+        300.0, group=_SERVER,
+        help="seconds between checks that each sidecar worker's engine tokenizes and caches "
+        "as the gateway hashes (a canary conversation, and the cached tokens engines report); "
+        "also checked when a worker's stream comes up")
+    connect_timeout_s: float = option(
+        5.0, group=_SERVER, help="longest wait for a connection to a worker")
+    upstream_timeout_s: float = option(
+        600.0, group=_SERVER,
+        help="longest silence from a worker before the request is abandoned (or, a stream "
+        "with --migration-limit, continued elsewhere)")
+    migration_limit: int = option(
+        0, group=_SERVER, metavar="N",
+        help="a stream whose worker dies mid-reply goes on on another worker, from the "
+        "tokens the client already has, up to N times (0: it is cut)")
+    drain_timeout_s: float = option(
+        30.0, group=_SERVER,
+        help="on SIGTERM the gateway stops accepting, reports draining, and gives the "
+        "requests in flight this long to finish before it cuts them")
+    max_body_bytes: int = option(
+        32 << 20, group=_SERVER, help="largest request body accepted (larger: 413)")
+    max_idle_connections_per_worker: int = option(
+        256, group=_SERVER, metavar="N",
+        help="keep-alive connections to each worker kept open while idle")
+    forward_authorization: bool = option(
+        False, group=_SERVER,
+        help="send the client's Authorization header on to the workers (off by default: a "
+        "client's credential is the gateway's to check, an engine's key is its sidecar's: "
+        "kvsidecar sidecar --engine-api-key-file)")
+    ready_file: Path | None = option(
+        None, group=_SERVER, help="write {'url': ...} JSON here once listening")
+
+    # Security (docs/security.md): client keys → tenants, their limits, TLS, the sidecars' token.
+    api_key_file: Path | None = option(
+        None, group=_SECURITY, metavar="FILE",
+        help="client API keys, one 'KEY TENANT [rps=N] [tps=N]' or 'sha256:HEX TENANT ...' a "
+        "line; re-read when it changes. A request without a listed key (Authorization: "
+        "Bearer, or x-api-key) gets 401; each tenant's blocks live in its own cache "
+        "namespace. Only /health and /metrics stay open")
+    rate_limit_rps: float | None = option(
+        None, group=_SECURITY, metavar="N",
+        help="requests per second per tenant (the key file's rps= column overrides it); over "
+        "it: 429 with retry-after", default_text="unlimited")
+    rate_limit_tps: float | None = option(
+        None, group=_SECURITY, metavar="N",
+        help="tokens per second per tenant, counted at admission as prompt tokens + "
+        "max_tokens (tps= in the key file overrides it)", default_text="unlimited")
+    rate_limit_burst_s: float = option(
+        1.0, group=_SECURITY, metavar="S",
+        help="a full bucket holds this many seconds of each rate: what an idle tenant may "
+        "send at once")
+    tenant_salt_secret_file: Path | None = option(
+        None, group=_SECURITY, metavar="FILE",
+        help="a secret from which each tenant's cache salt is derived (HMAC); give every "
+        "gateway of a fleet the same one", default_text="salts derive from tenant names alone")
+    tls_cert: Path | None = option(
+        None, group=_SECURITY, metavar="PEM", help="serve HTTPS with this certificate chain")
+    tls_key: Path | None = option(
+        None, group=_SECURITY, metavar="PEM", help="the private key of --tls-cert")
+    sidecar_token_file: Path | None = option(
+        None, group=_SECURITY, metavar="FILE",
+        help="the sidecars' control token (their --control-token-file), sent to them as "
+        "x-kvsidecar-token on every call")
 
     def __post_init__(self) -> None:
         if not (self.workers or self.sidecars or self.sidecar_file
@@ -208,14 +430,14 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.pd_mode not in ("auto", "sglang", "off"):
-            raise ValueError(f"pd_mode must be auto, sglang or off, got {self.pd_mode!r}")
-        if self.kv_transport not in ("auto", "shm", "nixl", "tcp"):
-            raise ValueError(f"kv_transport must be auto, shm, nixl or tcp, got "
-                             f"{self.kv_transport!r}")
-        if self.kv_load_failure_policy not in ("fail", "fallback"):
-            raise ValueError("kv_load_failure_policy must be fail or fallback, got "
-                             f"{self.kv_load_failure_policy!r}")
+        if self.max_idle_connections_per_worker < 0:
+            raise ValueError("max_idle_connections_per_worker must be >= 0, got "
+                             f"{self.max_idle_connections_per_worker}")
+        for name, vocabulary in (("pd_mode", PdMode), ("kv_transport", KvTransport),
+                                 ("kv_load_failure_policy", FailurePolicy),
+                                 ("events_via", EventsVia)):
+            # frozen, but not yet shared: a plain string from code becomes its member
+            object.__setattr__(self, name, _choice(name, getattr(self, name), vocabulary))
         for name in ("kv_transfer_timeout_s", "pd_queue_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -257,11 +479,9 @@ class RouterConfig:
         window = self.nats_new_prompt_window_ms
         if not math.isfinite(window) or not 0 <= window <= 10_000:
             raise ValueError(f"--nats-new-prompt-window-ms must be in [0, 10000], got {window!r}")
-        if self.events_via not in ("direct", "nats"):
-            raise ValueError(f"events_via must be direct or nats, got {self.events_via!r}")
-        if self.events_via == "nats" and self.nats_url is None:
+        if self.events_via is EventsVia.NATS and self.nats_url is None:
             raise ValueError("--events-via nats reads the events from NATS: give --nats URL")
-        if self.events_via == "nats" and not (self.sidecars or self.sidecar_file
+        if self.events_via is EventsVia.NATS and not (self.sidecars or self.sidecar_file
                                               or self.discover_k8s_selector):
             raise ValueError("--events-via nats reads sidecars' events: give --sidecar URLs")
         if not math.isfinite(self.snapshot_interval_s) or self.snapshot_interval_s < 0:
@@ -297,3 +517,13 @@ class RouterConfig:
         if self.model_path is not None:
             return (self.model_path.resolve().name,)
         return ()
+
+
+def _choice(name: str, value: object, vocabulary: type[enum.StrEnum]) -> enum.StrEnum:
+    """``value``'s member of ``vocabulary`` (a config built in code may give the plain string);
+    ``ValueError`` naming the choices for any other value."""
+    choices = [m.value for m in vocabulary]
+    if value not in choices:
+        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got "
+                         f"{value!r}")
+    return vocabulary(value)

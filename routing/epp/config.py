@@ -8,6 +8,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvcore.options import OptionParser, option
 from routing.config import RouterConfig
 from routing.flags import gateway_config, gateway_parser
 
@@ -44,12 +45,27 @@ class BodyMode(enum.Enum):
     BUFFERED = "buffered"  # BUFFERED: headers answered first, then one body message
 
 
+_PICKER = "endpoint picker"
+
+
 @dataclass(frozen=True, slots=True)
 class EppConfig:
+    """The picker's own options (each a flag, as ``RouterConfig``'s are) and the gateway's."""
+
     router: RouterConfig  # workers, model, placement; its host/port serve the HTTP views
-    grpc_host: str = "0.0.0.0"
-    grpc_port: int = DEFAULT_GRPC_PORT
-    body_mode: BodyMode = BodyMode.FULL_DUPLEX
+    grpc_host: str = option(
+        "0.0.0.0", group=_PICKER,
+        help="address the ext_proc and gRPC health services listen on (Envoy reaches the "
+        "picker through its Service)")
+    grpc_port: int = option(
+        DEFAULT_GRPC_PORT, group=_PICKER,
+        help="port of the ext_proc and grpc.health.v1 services (0: any free port, printed in "
+        "epp_started)")
+    body_mode: BodyMode = option(
+        BodyMode.FULL_DUPLEX, group=_PICKER,
+        help="how Envoy's ext_proc filter sends request bodies when its messages do not say "
+        "(protocol_config): full-duplex (FULL_DUPLEX_STREAMED, the InferencePool default) or "
+        "buffered (BUFFERED)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.grpc_port <= 65535:
@@ -57,21 +73,19 @@ class EppConfig:
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> EppConfig:
+        """From the command line (and ``--config FILE``, which may hold the gateway's options
+        and the picker's); a gateway-only option, given either way, is refused."""
         parser = _parser()
+        untouched = {a.dest: a.default for a in parser._actions if a.dest in _NOT_FOR_EPP}
         args = parser.parse_args(argv)
         for action in parser._actions:
-            if action.dest in _NOT_FOR_EPP and getattr(args, action.dest) != action.default:
+            if action.dest in untouched and getattr(args, action.dest) != untouched[action.dest]:
                 parser.error(f"{action.option_strings[0]} does not apply to the endpoint picker "
                              "(Envoy, not the picker, carries the client's request)")
-        router = gateway_config(argv, parser)
-        try:
-            return cls(router, args.grpc_host, args.grpc_port, BodyMode(args.body_mode))
-        except ValueError as exc:
-            parser.error(str(exc))
-            raise  # unreachable: error() exits
+        return parser.build(cls, args, router=gateway_config(argv, parser))
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> OptionParser:
     p = gateway_parser()
     p.prog = "kvsidecar epp"
     p.description = (
@@ -91,24 +105,5 @@ def _parser() -> argparse.ArgumentParser:
         elif action.dest == "host":
             action.help = "address the HTTP views listen on"
     p.set_defaults(port=DEFAULT_HTTP_PORT)
-    e = p.add_argument_group("endpoint picker")
-    e.add_argument(
-        "--grpc-host", default="0.0.0.0", help="address the ext_proc and gRPC health services "
-        "listen on (default 0.0.0.0: Envoy reaches the picker through its Service)"
-    )
-    e.add_argument(
-        "--grpc-port",
-        type=int,
-        default=DEFAULT_GRPC_PORT,
-        help=f"port of the ext_proc and grpc.health.v1 services (default {DEFAULT_GRPC_PORT}; "
-        "0: any free port, printed in epp_started)",
-    )
-    e.add_argument(
-        "--body-mode",
-        default=BodyMode.FULL_DUPLEX.value,
-        choices=[m.value for m in BodyMode],
-        help="how Envoy's ext_proc filter sends request bodies when its messages do not say "
-        "(protocol_config): full-duplex (FULL_DUPLEX_STREAMED, the InferencePool default) or "
-        "buffered (BUFFERED) (default full-duplex)",
-    )
+    p.add_options(EppConfig)
     return p

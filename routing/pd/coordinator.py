@@ -26,7 +26,6 @@ Aggregated requests never go to prefill or decode workers (the registry's pools)
 from __future__ import annotations
 
 import asyncio
-import enum
 import math
 import random
 from collections.abc import Iterator
@@ -35,6 +34,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvcore.requests import Bootstrap, Handoff
+from routing.config import FailurePolicy, PdMode  # re-exported: the config owns them
 from routing.placement.kv_router import KvRouter
 from routing.placement.scorer import Placement, Pool
 from routing.prompt.preparer import PreparedPrompt
@@ -46,21 +46,6 @@ __all__ = ["DEFAULT_RESERVE_TOKENS", "FailurePolicy", "PdCoordinator", "PdMetric
 DEFAULT_RESERVE_TOKENS = 256  # decode room reserved for a request without max_tokens
 _WAKE_S = 0.5  # a waiting request looks again at least this often (capacity may grow)
 _rng = random.SystemRandom()
-
-
-class PdMode(enum.Enum):
-    """How the gateway serves requests when the fleet has prefill and decode workers."""
-
-    AUTO = "auto"  # KV handoff between our sidecars
-    SGLANG = "sglang"  # the engine's own PD transfer (bootstrap room), our placement
-    OFF = "off"  # aggregated workers only
-
-
-class FailurePolicy(enum.Enum):
-    """What a failed or timed-out KV handoff does to the request."""
-
-    FAIL = "fail"
-    FALLBACK = "fallback"
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvcore.jetstream import events_subjects, stream_name
 from kvcore.stream import StreamStart
 from kvcore.wire import WireError, decode, split_frames
-from routing.config import RouterConfig
+from routing.config import EventsVia, RouterConfig
 from routing.placement.kv_router import KvRouter
 from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
 from routing.replicas.link import ReplicaLink
@@ -105,7 +105,7 @@ class DurableEvents:
     ) -> DurableEvents | None:
         """The gateway's, with ``--events-via nats`` (which needs ``--nats``), its metrics
         registered; else None."""
-        if cfg.events_via != "nats" or replicas is None:
+        if cfg.events_via is not EventsVia.NATS or replicas is None:
             return None
         durable = cls(router, url=replicas.url, model_id=cfg.model_names[0],
                       replica_id=replicas.replica_id,

@@ -29,7 +29,7 @@ from routing.config import LogLevel, RouterConfig
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.metrics import GatewayMetrics
-from routing.pd.coordinator import FailurePolicy, PdCoordinator, PdMode
+from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
@@ -135,11 +135,11 @@ class Gateway:
             self.pd = PdCoordinator(
                 self.router,
                 self.workers,
-                mode=PdMode(cfg.pd_mode),
-                policy=FailurePolicy(cfg.kv_load_failure_policy),
+                mode=cfg.pd_mode,
+                policy=cfg.kv_load_failure_policy,
                 queue_timeout_s=cfg.pd_queue_timeout_s,
                 transfer_timeout_s=cfg.kv_transfer_timeout_s,
-                kv_transport=cfg.kv_transport,
+                kv_transport=cfg.kv_transport.value,
             )
             self.metrics.registry.register(self.pd.metrics)
         tokenizer = template = None

@@ -1,4 +1,5 @@
-"""RouterConfig: built from flags only, validated on construction."""
+"""RouterConfig: built from flags (and --config FILE, tests/unit/routing/test_options.py),
+validated on construction."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from routing.config import RouterMode, WorkerAddress
+from routing.config import (
+    EventsVia,
+    FailurePolicy,
+    KvTransport,
+    PdMode,
+    RouterMode,
+    WorkerAddress,
+)
 from routing.flags import gateway_config
 
 
@@ -61,7 +69,7 @@ def test_every_tier_has_a_credit_flag() -> None:
     ("argv", "message"),
     [
         ([], "at least one --sidecar URL, --sidecar-file or --worker"),
-        (["--worker", "https://x:1"], "http://"),
+        (["--worker", "https://x:1"], "argument --worker: worker URL must start with http://"),
         (["--worker", "http://x:1", "--worker", "http://x:1"], "listed twice"),
         (["--worker", "http://x:1", "--block-size", "0"], "block_size"),
         (["--worker", "http://x:1", "--overlap-weight", "-1"], "overlap_weight"),
@@ -130,3 +138,27 @@ def test_tokenizer_cache_size_is_a_flag() -> None:
     assert gateway_config(["--worker", "http://127.0.0.1:9001"]).tokenizer_cache_tokens == 4_000_000
     with pytest.raises(SystemExit):
         gateway_config(["--worker", "http://127.0.0.1:9001", "--tokenizer-cache-tokens", "-1"])
+
+
+def test_idle_connections_per_worker_is_a_flag() -> None:
+    """The upstream pool's idle keep-alive connections per worker, a field without a flag
+    before the options became fields."""
+    cfg = gateway_config(["--worker", "http://127.0.0.1:9001",
+                          "--max-idle-connections-per-worker", "0"])
+    assert cfg.max_idle_connections_per_worker == 0
+    with pytest.raises(SystemExit):
+        gateway_config(["--worker", "http://127.0.0.1:9001",
+                        "--max-idle-connections-per-worker", "-1"])
+
+
+def test_string_vocabularies_are_enums(tiny_model_dir: Path) -> None:
+    """--pd-mode, --kv-load-failure-policy, --kv-transport and --events-via land as members
+    of the config's enums; a value outside one is refused by argparse, naming the choices."""
+    cfg = gateway_config(["--sidecar", "http://127.0.0.1:9001", "--model-path",
+                          str(tiny_model_dir), "--pd-mode", "sglang", "--kv-transport", "tcp",
+                          "--kv-load-failure-policy", "fail", "--events-via", "nats",
+                          "--nats", "nats://127.0.0.1:4222"])
+    assert (cfg.pd_mode, cfg.kv_transport, cfg.kv_load_failure_policy, cfg.events_via) == (
+        PdMode.SGLANG, KvTransport.TCP, FailurePolicy.FAIL, EventsVia.NATS)
+    with pytest.raises(SystemExit):
+        gateway_config(["--worker", "http://127.0.0.1:9001", "--kv-transport", "rdma"])

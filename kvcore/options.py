@@ -1,0 +1,327 @@
+"""Command-line options declared once, as fields of a config dataclass.
+
+A field made with ``option(...)`` carries its default and type (the field's own) and its flag's
+help and group (the metadata). ``OptionParser.add_options(cls)`` turns those fields into argparse
+flags, so a default, a choice list or a conversion is written in one place, and
+``OptionParser.build(cls, args)`` makes the dataclass from the parsed flags: the field's type
+says how (``Path``, an ``Enum`` by value, ``tuple[X, ...]`` from a repeated flag, ``X | None``
+for a flag that may be absent, ``bool`` from a switch).
+
+``--config FILE`` reads the same options from TOML. Its keys are field names or flag names,
+with dashes or underscores; its values, checked as the flags' are, become the flags' defaults,
+so a flag on the command line wins. A key that names no option is an error, never ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import enum
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, overload
+
+__all__ = ["OptionParser", "option"]
+
+_KEY = "kvcore.option"
+_T = TypeVar("_T")
+_N = TypeVar("_N")
+_SCALARS = (bool, int, float, str, Path)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Meta:
+    help: str
+    group: str
+    flag: str | None
+    metavar: str | None
+    parse: Callable[[str], object] | None
+    default_text: str | None
+
+
+def option(
+    default: _T,
+    *,
+    help: str,
+    group: str,
+    flag: str | None = None,
+    metavar: str | None = None,
+    parse: Callable[[str], object] | None = None,
+    default_text: str | None = None,
+) -> _T:
+    """A dataclass field that is also a flag, ``--<name-with-dashes>`` unless ``flag`` says.
+
+    ``parse`` converts one command-line string when the field's type alone cannot (a URL into
+    an address); its ``ValueError`` becomes an argparse error naming the flag. The help gets
+    "(default X)" from ``default``, or "(default: <default_text>)" where the default needs
+    words (None meaning "learned", "unlimited"). A ``bool`` is a switch, off by default."""
+    meta = _Meta(help, group, flag, metavar, parse, default_text)
+    return dataclasses.field(default=default, metadata={_KEY: meta})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Spec:
+    """One option, resolved: its flag and the shape of its values."""
+
+    name: str
+    flag: str
+    kind: Any  # bool, int, float, str, Path, an Enum, or what ``parse`` returns
+    optional: bool  # X | None
+    repeat: bool  # tuple[X, ...]: the flag may be given many times
+    default: object
+    meta: _Meta
+
+    @property
+    def raw_default(self) -> object:
+        """The default as argparse holds it (the command line's form: enum values, strings)."""
+        if self.repeat:
+            return None
+        if isinstance(self.default, enum.Enum):
+            return self.default.value
+        if isinstance(self.default, Path):
+            return str(self.default)
+        return self.default
+
+    def convert(self, raw: object) -> object:
+        """argparse's (or the config file's) value as the field's; ``ValueError`` says why not."""
+        if self.repeat:
+            return tuple(self._one(v) for v in typing.cast(Iterable[object], raw or ()))
+        if raw is None or (raw == "" and self.optional and self.kind is Path):
+            return None
+        return self._one(raw)
+
+    def _one(self, value: object) -> object:
+        if self.meta.parse is not None:
+            return self.meta.parse(value) if isinstance(value, str) else value
+        if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
+            return self.kind(value)
+        if self.kind is Path:
+            return Path(typing.cast(str, value))
+        return value
+
+    def from_file(self, value: object) -> object:
+        """A TOML value as the flag's raw value, checked as the flag's would be."""
+        if self.repeat:
+            items = value if isinstance(value, list) else [value]
+            return [self._file_scalar(v) for v in items]
+        return self._file_scalar(value)
+
+    def _file_scalar(self, value: object) -> object:
+        kind = self.kind
+        if kind is bool:
+            ok = isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+            if isinstance(value, int | float):
+                value = float(value)  # TOML's 2 is an int; the flag's would be 2.0
+        else:
+            ok = isinstance(value, str)
+        if not ok:
+            raise ValueError(f"expected {_kind_name(kind)}, got {value!r}")
+        if isinstance(kind, type) and issubclass(kind, enum.Enum) and self.meta.parse is None:
+            choices = [m.value for m in kind]
+            if value not in choices:
+                raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        else:
+            self._one(value)  # a parse error is the file's error
+        return value
+
+    @property
+    def help(self) -> str:
+        text = self.meta.help.replace("%", "%%")  # argparse %-formats help strings
+        if self.meta.default_text is not None:
+            return f"{text} (default: {self.meta.default_text})".lstrip()
+        if self.default is None or self.default is False or self.default == ():
+            return text  # absent, off or empty: the help says what that means
+        return f"{text} (default {_show(self.default)})".lstrip()
+
+
+def _kind_name(kind: Any) -> str:
+    if kind in _SCALARS:
+        return "a string" if kind is Path else f"{'an' if kind is int else 'a'} {kind.__name__}"
+    return "a string"
+
+
+def _show(value: object) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
+        return f"{value:,}"
+    return str(value)
+
+
+def _specs(cls: type) -> tuple[_Spec, ...]:
+    """The options among ``cls``'s fields, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    specs = []
+    for f in dataclasses.fields(cls):
+        meta = f.metadata.get(_KEY)
+        if meta is None:
+            continue
+        if f.default is dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name}: an option needs a default")
+        kind, optional, repeat = _shape(hints[f.name])
+        spec = _Spec(f.name, meta.flag or "--" + f.name.replace("_", "-"), kind, optional,
+                     repeat, f.default, meta)
+        _check(cls, spec)
+        specs.append(spec)
+    return tuple(specs)
+
+
+def _shape(hint: Any) -> tuple[Any, bool, bool]:
+    """``X``, ``X | None`` or ``tuple[X, ...]`` → (X, optional, repeat)."""
+    optional = False
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) != 1:
+            raise TypeError(f"an option is one type, or that type | None: {hint!r}")
+        hint, optional = rest[0], True
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"a repeated option is tuple[X, ...]: {hint!r}")
+        return args[0], optional, True
+    return hint, optional, False
+
+
+def _check(cls: type, spec: _Spec) -> None:
+    where = f"{cls.__name__}.{spec.name}"
+    is_enum = isinstance(spec.kind, type) and issubclass(spec.kind, enum.Enum)
+    if spec.meta.parse is None and spec.kind not in _SCALARS and not is_enum:
+        raise TypeError(f"{where}: give parse= to read a {spec.kind!r} from the command line")
+    if spec.kind is bool and (spec.default is not False or spec.repeat):
+        raise TypeError(f"{where}: a bool option is a switch, off by default")
+    if spec.repeat and spec.default != ():
+        raise TypeError(f"{where}: a repeated option's default is ()")
+
+
+class _Repeat(argparse.Action):
+    """``append``, except that the first use replaces the default (a config file's list)
+    instead of adding to it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        current = getattr(namespace, self.dest, None)
+        items = [] if current is None or current is self.default else list(current)
+        items.append(values)
+        setattr(namespace, self.dest, items)
+
+
+class OptionParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose flags come from config dataclasses' fields, with
+    ``--config FILE`` (TOML) giving their defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._specs: dict[str, _Spec] = {}  # by dest, which is the field's name
+        self._keys: dict[str, str] = {}  # a config file's key, with underscores → dest
+        self._groups: dict[str, argparse._ArgumentGroup] = {}
+        self.add_argument(
+            "--config",
+            metavar="FILE",
+            help="a TOML file of these options: keys are the flags' names without the leading "
+            "dashes (dashes or underscores), a repeatable flag's value a list; flags given "
+            "here override the file",
+        )
+
+    def add_options(self, cls: type) -> None:
+        """A flag for each option of ``cls``, in the options' groups, in field order."""
+        for spec in _specs(cls):
+            if spec.name in self._specs:
+                raise ValueError(f"two options named {spec.name}")
+            group = self._groups.get(spec.meta.group)
+            if group is None:
+                group = self._groups[spec.meta.group] = self.add_argument_group(spec.meta.group)
+            kwargs: dict[str, Any] = {"dest": spec.name, "default": spec.raw_default,
+                                      "help": spec.help}
+            if spec.kind is bool:
+                kwargs["action"] = "store_true"
+            else:
+                if spec.repeat:
+                    kwargs["action"] = _Repeat
+                if isinstance(spec.kind, type) and issubclass(spec.kind, enum.Enum):
+                    kwargs["choices"] = [m.value for m in spec.kind]
+                elif spec.kind in (int, float):
+                    kwargs["type"] = spec.kind
+                if spec.meta.metavar is not None:
+                    kwargs["metavar"] = spec.meta.metavar
+            group.add_argument(spec.flag, **kwargs)
+            self._specs[spec.name] = spec
+            for key in (spec.name, spec.flag.lstrip("-").replace("-", "_")):
+                self._keys[key] = spec.name
+
+    def build(self, cls: type[_T], args: argparse.Namespace, **given: object) -> _T:
+        """``cls`` from parsed flags (and ``given``, its fields that are not options); a bad
+        value or a ``ValueError`` of ``cls`` itself is an argparse error (exit 2)."""
+        values = dict(given)
+        for spec in _specs(cls):
+            try:
+                values[spec.name] = spec.convert(getattr(args, spec.name))
+            except ValueError as exc:
+                self.error(f"argument {spec.flag}: {exc}")
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            self.error(str(exc))
+
+    @overload
+    def parse_known_args(
+        self, args: Iterable[str] | None = None, namespace: None = None
+    ) -> tuple[argparse.Namespace, list[str]]: ...
+    @overload
+    def parse_known_args(
+        self, args: Iterable[str] | None, namespace: _N
+    ) -> tuple[_N, list[str]]: ...
+    @overload
+    def parse_known_args(self, *, namespace: _N) -> tuple[_N, list[str]]: ...
+
+    def parse_known_args(
+        self, args: Iterable[str] | None = None, namespace: Any = None
+    ) -> tuple[Any, list[str]]:
+        """argparse's, after a ``--config`` file's values became the flags' defaults."""
+        argv = None if args is None else list(args)
+        path = self._config_path(argv)
+        if path is not None:
+            self.set_defaults(**self._read(path))
+        return super().parse_known_args(argv, namespace)
+
+    def _config_path(self, argv: list[str] | None) -> str | None:
+        pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        pre.add_argument("--config")
+        try:
+            known, _ = pre.parse_known_args(argv)
+        except argparse.ArgumentError:
+            return None  # the full parse says what is wrong
+        return typing.cast(str | None, known.config)
+
+    def _read(self, path: str) -> dict[str, object]:
+        """The file's options as the flags' defaults, by dest."""
+        try:
+            with open(path, "rb") as f:
+                table = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            self.error(f"--config {path}: {exc}")
+        defaults: dict[str, object] = {}
+        for key, value in table.items():
+            dest = self._keys.get(key.replace("-", "_"))
+            if dest is None:
+                self.error(f"--config {path}: unknown option {key!r} (keys are the flags' "
+                           "names without the leading dashes)")
+            try:
+                defaults[dest] = self._specs[dest].from_file(value)
+            except ValueError as exc:
+                self.error(f"--config {path}: {key}: {exc}")
+        return defaults

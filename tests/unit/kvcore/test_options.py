@@ -1,0 +1,175 @@
+"""kvcore.options: a dataclass field that is also a flag, and --config FILE (TOML)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvcore.options import OptionParser, option
+
+
+class Color(enum.Enum):
+    RED = "red"
+    DARK_BLUE = "dark-blue"
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Point:
+    x: int
+    y: int
+
+    @classmethod
+    def parse(cls, text: str) -> Point:
+        x, sep, y = text.partition(",")
+        if not sep:
+            raise ValueError(f"a point is X,Y: {text!r}")
+        return cls(int(x), int(y))
+
+
+@dataclass(frozen=True, slots=True)
+class Toy:
+    points: tuple[Point, ...] = option((), group="shapes", flag="--point", metavar="X,Y",
+                                       parse=Point.parse, help="a point; repeat for more")
+    color: Color = option(Color.RED, group="shapes", help="what color")
+    scale: float = option(1.5, group="shapes", help="how big")
+    count: int = option(20_000, group="numbers", help="how many")
+    limit: int | None = option(None, group="numbers", help="at most", default_text="unlimited")
+    out: Path | None = option(None, group="numbers", help="where")
+    verbose: bool = option(False, group="numbers", help="say more")
+    name: str = option("toy", group="numbers", help="what it is called")
+
+    def __post_init__(self) -> None:
+        if self.count < 0:
+            raise ValueError(f"count must be >= 0, got {self.count}")
+
+
+def _parser() -> OptionParser:
+    p = OptionParser(prog="toy")
+    p.add_options(Toy)
+    return p
+
+
+def _build(argv: list[str]) -> Toy:
+    p = _parser()
+    return p.build(Toy, p.parse_args(argv))
+
+
+def test_defaults_come_from_the_fields() -> None:
+    assert _build([]) == Toy()
+
+
+def test_flags_convert_by_field_type() -> None:
+    """Repeated flags become a tuple of parsed values, enums come by value, paths are Paths."""
+    toy = _build(["--point", "1,2", "--point", "3,4", "--color", "dark-blue", "--scale", "2",
+                  "--count", "3", "--limit", "7", "--out", "/tmp/x", "--verbose",
+                  "--name", "big"])
+    assert toy == Toy((Point(1, 2), Point(3, 4)), Color.DARK_BLUE, 2.0, 3, 7, Path("/tmp/x"),
+                      True, "big")
+
+
+def test_help_has_groups_choices_and_generated_defaults() -> None:
+    """Each group once, in field order; "(default X)" from the field's default, words where
+    the default needs them, nothing for an absent or off one."""
+    text = _parser().format_help()
+    assert text.index("shapes:") < text.index("numbers:")
+    assert "--point X,Y" in text and "{red,dark-blue}" in text
+    assert "what color (default red)" in text
+    assert "how big (default 1.5)" in text
+    assert "how many (default 20,000)" in text
+    assert "at most (default: unlimited)" in text
+    assert "where\n" in text and "say more\n" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--point", "1"], "argument --point: a point is X,Y: '1'"),
+        (["--color", "green"], "argument --color: invalid choice: 'green'"),
+        (["--count", "x"], "argument --count: invalid int value: 'x'"),
+        (["--count", "-1"], "count must be >= 0, got -1"),
+    ],
+)
+def test_bad_values_are_argparse_errors(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A conversion's or the dataclass's ValueError exits 2 with its message."""
+    with pytest.raises(SystemExit) as info:
+        _build(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "toy.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_file_gives_defaults_and_flags_override_it(tmp_path: Path) -> None:
+    """Keys by field or flag name, dashes or underscores; a flag given beats the file, and a
+    repeated flag replaces the file's list instead of adding to it."""
+    path = _write(tmp_path, 'point = ["1,2", "3,4"]\ncolor = "dark-blue"\nscale = 3\n'
+                            'count = 5\nverbose = true\nout = "/tmp/o"\n')
+    toy = _build(["--config", path])
+    assert toy == Toy((Point(1, 2), Point(3, 4)), Color.DARK_BLUE, 3.0, 5, None, Path("/tmp/o"),
+                      True, "toy")
+    assert isinstance(toy.scale, float)
+    toy = _build(["--count", "9", f"--config={path}", "--point", "5,6", "--color", "red"])
+    assert (toy.count, toy.points, toy.color) == (9, (Point(5, 6),), Color.RED)
+    assert _build(["--config", _write(tmp_path, 'points = ["7,8"]\n')]).points == (Point(7, 8),)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("colour = \"red\"\n", "unknown option 'colour'"),
+        ("config = \"other.toml\"\n", "unknown option 'config'"),
+        ("[numbers]\ncount = 1\n", "unknown option 'numbers'"),
+        ("count = \"5\"\n", "count: expected an int, got '5'"),
+        ("count = true\n", "count: expected an int, got True"),
+        ("scale = \"big\"\n", "scale: expected a float, got 'big'"),
+        ("verbose = 1\n", "verbose: expected a bool, got 1"),
+        ("color = \"green\"\n", "color: must be one of red, dark-blue, got 'green'"),
+        ("point = [\"1\"]\n", "point: a point is X,Y: '1'"),
+        ("point = [1]\n", "point: expected a string, got 1"),
+        ("count = -1\n", "count must be >= 0, got -1"),
+        ("count = \n", "toy.toml: "),
+    ],
+)
+def test_a_bad_config_file_is_refused(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown key, a value of the wrong type or one the flag would refuse: exit 2,
+    naming the key."""
+    with pytest.raises(SystemExit) as info:
+        _build(["--config", _write(tmp_path, text)])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_config_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        _build(["--config", str(tmp_path / "nope.toml")])
+    assert "nope.toml" in capsys.readouterr().err
+
+
+def test_fields_must_be_options_it_can_read() -> None:
+    """A type the command line cannot give without parse=, or a switch on by default, is a
+    mistake found when the parser is built."""
+
+    @dataclass(frozen=True)
+    class NoParse:
+        point: Point | None = option(None, group="g", help="h")
+
+    @dataclass(frozen=True)
+    class OnSwitch:
+        on: bool = option(True, group="g", help="h")
+
+    for cls in (NoParse, OnSwitch):
+        with pytest.raises(TypeError):
+            OptionParser().add_options(cls)
