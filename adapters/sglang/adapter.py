@@ -44,8 +44,8 @@ from adapters.sglang.hicache_keys import store_hash_of
 from adapters.sglang.load_feed import LoadBoard, LoadSubscriber
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
-from adapters.sglang.subscriber import RankSubscriber
 from adapters.shell import AdapterShell
+from adapters.zmq_events.subscriber import RankSubscriber
 from kvcore.hashing import BlockHasher
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest

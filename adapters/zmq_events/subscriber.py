@@ -1,9 +1,10 @@
-"""The ZMQ shell around ``core.py``: one SUB socket (plus replay) per SGLang DP rank.
+"""The ZMQ shell around a ``BatchNormalizer``: one SUB socket (plus replay) per DP rank.
 
 * **Live**: SUB connected to the rank's PUB endpoint, subscribed to its topic.
 * **Replay**: a fresh DEALER per request to the rank's ROUTER, ``[b"", start_seq]``, then
-  ``[b"", topic, seq, payload]`` messages until the seq frame is all ``0xff``. A DEALER, not
-  a REQ: a REQ socket can only ever receive the first reply.
+  ``[b"", topic, seq, payload]`` (SGLang) or ``[b"", seq, payload]`` (vLLM) messages until
+  the seq frame is all ``0xff``. A DEALER, not a REQ: a REQ socket can only ever receive the
+  first reply.
 * **Startup** replays from 0 so a subscriber that joins late still rebuilds the cache from
   the publisher's buffer; while idle it probes the replay socket every ``idle_probe_s`` for
   batches the PUB/SUB pipe dropped at the tail (nothing follows them to reveal the gap).
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -32,18 +33,29 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from adapters.base import EventEndpoint
+from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
-from adapters.sglang.core import RankNormalizer, RankSequencer, SeqAction
-from adapters.sglang.wire import END_SEQ, FrameError, parse_seq
+from adapters.zmq_events.framing import END_SEQ, FrameError, parse_seq
+from adapters.zmq_events.sequencer import RankSequencer, SeqAction
 from kvcore.events import KVEvent
 
-__all__ = ["RankSubscriber"]
+__all__ = ["RankCore", "RankSubscriber"]
 
-log = structlog.get_logger(component="adapters.sglang")
+log = structlog.get_logger(component="adapters.zmq_events")
 
 Emit = Callable[[list[KVEvent]], Awaitable[None]]
 _HEAD = 64
 _MAX_PROBE_INTERVAL_S = 30.0
+
+
+class RankCore(Protocol):
+    """What the subscriber drives: one rank's batch normalizer (``BatchNormalizer``)."""
+
+    normalizer: WorkerNormalizer
+
+    def apply(self, seq: int, payload: bytes, out: list[KVEvent]) -> bool: ...
+
+    def publisher_restarted(self) -> None: ...
 
 
 class _ReplayFailedError(Exception):
@@ -57,7 +69,7 @@ class RankSubscriber:
         self,
         endpoint: EventEndpoint,
         ctx: zmq.asyncio.Context,
-        core: RankNormalizer,
+        core: RankCore,
         emit: Emit,
         metrics: AdapterMetrics,
         *,
@@ -235,15 +247,16 @@ class RankSubscriber:
                     )
                     raise _ReplayFailedError
                 frames = await dealer.recv_multipart()
-                if len(frames) != 4 or frames[0] != b"":
+                if len(frames) not in (3, 4) or frames[0] != b"":
                     self._frame_error(
-                        f"replay reply has {len(frames)} frames, expected 4", b"".join(frames)
+                        f"replay reply has {len(frames)} frames, expected 3 or 4",
+                        b"".join(frames),
                     )
                     continue
-                if frames[2] == END_SEQ:
+                if frames[-2] == END_SEQ:
                     break
                 try:
-                    seq = parse_seq(frames[2])
+                    seq = parse_seq(frames[-2])
                 except FrameError as exc:
                     self._frame_error(str(exc), b"".join(frames))
                     continue
@@ -258,7 +271,7 @@ class RankSubscriber:
                     return
                 if action is SeqAction.APPLY:
                     # Errors while rebuilding are counted; resyncing again would loop.
-                    await self._apply(seq, frames[3], resync_on_error=not rebuilding)
+                    await self._apply(seq, frames[-1], resync_on_error=not rebuilding)
                     applied += 1
         finally:
             dealer.close(linger=0)
