@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import structlog
 import zmq.asyncio
 
@@ -37,6 +36,7 @@ from adapters.base import (
     StoreNameSink,
     worker_id_for,
 )
+from adapters.engine_http import NotServedError, engine_call
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
@@ -296,7 +296,7 @@ class SGLangAdapter(AdapterShell):
         body = {"model": self.config.model_id, "messages": messages}
         try:
             answer = await self._call("POST", "/v1/tokenize", body)
-        except _NotServed:
+        except NotServedError:
             return None
         tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
@@ -312,28 +312,9 @@ class SGLangAdapter(AdapterShell):
         self, method: str, path: str, body: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """One JSON request to SGLang, with its API key; ``AdapterError`` on any failure."""
-        url = self.config.engine_url.rstrip("/") + path
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        try:
-            async with (
-                aiohttp.ClientSession(
-                    timeout=timeout, headers=self.config.engine_headers()
-                ) as session,
-                session.request(method, url, json=body) as resp,
-            ):
-                if resp.status == 404:
-                    raise _NotServed(f"{method} {url} answered 404: no such route here")
-                if resp.status != 200:
-                    text = await resp.text()
-                    hint = " (the engine wants its API key)" if resp.status == 401 else ""
-                    raise AdapterError(
-                        f"{method} {url} answered {resp.status}{hint}: {text[:200]}"
-                    )
-                answer = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AdapterError(f"cannot reach SGLang at {url}: {exc!r}") from exc
+        answer = await engine_call(self.config, method, path, body)
         if not isinstance(answer, dict):
-            raise AdapterError(f"{method} {url} did not answer a JSON object")
+            raise AdapterError(f"{method} {path} did not answer a JSON object")
         return answer
 
 
@@ -353,10 +334,6 @@ def _load_ranks(
         if not ep.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise AdapterError(f"load endpoint {ep.endpoint!r} is not a ZMQ address")
     return [(workers[ep.dp_rank], ep) for ep in load_endpoints]
-
-
-class _NotServed(AdapterError):
-    """The engine has no such route (an older SGLang)."""
 
 
 def _str_or_none(value: object) -> str | None:

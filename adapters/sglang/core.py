@@ -19,17 +19,12 @@ from adapters.sglang.wire import (
     SgBlockStored,
     decode_batch,
     decode_batch_lenient,
-    tier_of,
 )
-from adapters.zmq_events.batches import BatchNormalizer
+from adapters.zmq_events.batches import BatchNormalizer, BlockSizeMismatchError
 from adapters.zmq_events.sequencer import RankSequencer, SeqAction
-from kvcore.events import KVEvent, Tier
+from kvcore.events import KVEvent
 
 __all__ = ["BlockSizeMismatchError", "RankNormalizer", "RankSequencer", "SeqAction"]
-
-
-class BlockSizeMismatchError(RuntimeError):
-    """The engine publishes blocks of another size than the adapter hashes with."""
 
 
 class RankNormalizer(BatchNormalizer):
@@ -61,13 +56,9 @@ class RankNormalizer(BatchNormalizer):
                 if isinstance(event, SgBlockStored):
                     stored += 1
                     tier = self._tier(event.medium)
-                    if event.block_size != norm.block_size:
-                        raise BlockSizeMismatchError(
-                            f"SGLang worker {self._worker} published blocks of "
-                            f"{event.block_size} tokens but the adapter hashes blocks of "
-                            f"{norm.block_size}; start the sidecar with --block-size "
-                            f"{event.block_size} (the engine's page_size * dcp_size)"
-                        )
+                    self._check_block_size(
+                        event.block_size, "the engine's page_size * dcp_size"
+                    )
                     norm.stored(
                         event.block_hashes,
                         event.parent_block_hash,
@@ -92,9 +83,3 @@ class RankNormalizer(BatchNormalizer):
                 ok = False
         self._count(stored, removed, cleared)
         return ok
-
-    def _tier(self, medium: str | None) -> Tier:
-        tier = tier_of(medium)
-        if tier is None:
-            raise MalformedEventError(f"unknown storage medium {medium!r}")
-        return tier

@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
+from adapters.zmq_events.batches import tier_of
 from adapters.zmq_events.framing import END_SEQ, BadEvent, FrameError, parse_seq
-from kvcore.events import Tier
 
 __all__ = [
     "END_SEQ",
@@ -92,21 +92,6 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
 
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
 _raw_decoder = msgspec.msgpack.Decoder(_RawBatch)
-
-_MEDIUM_TIERS = {
-    None: Tier.GPU,
-    "GPU": Tier.GPU,
-    "CPU_PINNED": Tier.HOST,
-    "CPU": Tier.HOST,
-    "DISK": Tier.DISK,
-    "EXTERNAL": Tier.REMOTE,
-}
-
-
-def tier_of(medium: str | None) -> Tier | None:
-    """SGLang's ``StorageMedium`` value → tier (None: unknown medium)."""
-    return _MEDIUM_TIERS.get(medium)
-
 
 def decode_batch(payload: bytes) -> Batch:
     """The typed fast path; raises ``msgspec.DecodeError``/``ValidationError`` on anything odd."""

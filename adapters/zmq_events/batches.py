@@ -16,18 +16,38 @@ from typing import Any
 import msgspec
 import structlog
 
-from adapters.normalize import WorkerNormalizer
+from adapters.normalize import MalformedEventError, WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.zmq_events.framing import BadEvent, FrameError
-from kvcore.events import KVEvent
+from kvcore.events import KVEvent, Tier
 
-__all__ = ["EVENT_TYPES", "BatchNormalizer"]
+__all__ = ["EVENT_TYPES", "BatchNormalizer", "BlockSizeMismatchError", "tier_of"]
 
 log = structlog.get_logger(component="adapters.zmq_events")
 
 EVENT_TYPES = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 _HEAD = 64
 _MAX_BAD_SEQS = 4096
+
+# The ``medium`` of a stored or removed block (vLLM's strings, which SGLang's
+# ``StorageMedium`` copies) → our tier; None is the engine's own GPU pool.
+_MEDIUM_TIERS = {
+    None: Tier.GPU,
+    "GPU": Tier.GPU,
+    "CPU_PINNED": Tier.HOST,
+    "CPU": Tier.HOST,
+    "DISK": Tier.DISK,
+    "EXTERNAL": Tier.REMOTE,
+}
+
+
+def tier_of(medium: str | None) -> Tier | None:
+    """A ``medium`` → tier (None: unknown medium)."""
+    return _MEDIUM_TIERS.get(medium)
+
+
+class BlockSizeMismatchError(RuntimeError):
+    """The engine publishes blocks of another size than the adapter hashes with."""
 
 
 class BatchNormalizer(ABC):
@@ -65,6 +85,10 @@ class BatchNormalizer(ABC):
         """A new publisher counts from 0 again: seqs seen before mean nothing now."""
         self._bad_seqs.clear()
 
+    def resync(self, out: list[KVEvent]) -> None:
+        """What the engine holds is unknown: drop the worker's state (``AllBlocksCleared``)."""
+        self.normalizer.resync(out)
+
     def apply(self, seq: int, payload: bytes, out: list[KVEvent]) -> bool:
         """Normalize one batch into ``out``; False when something in it was malformed (the
         caller resyncs)."""
@@ -80,6 +104,23 @@ class BatchNormalizer(ABC):
             return self._apply_events(seq, events, out)
         finally:
             self.normalizer.flush_metrics()
+
+    def _tier(self, medium: str | None) -> Tier:
+        tier = tier_of(medium)
+        if tier is None:
+            raise MalformedEventError(f"unknown storage medium {medium!r}")
+        return tier
+
+    def _check_block_size(self, block_size: int, hint: str) -> None:
+        """``BlockSizeMismatchError`` when the engine's blocks are not the adapter's: no
+        resync can fix a misconfiguration. ``hint``: what the engine's block size is."""
+        ours = self.normalizer.block_size
+        if block_size != ours:
+            raise BlockSizeMismatchError(
+                f"{self.metrics.engine} worker {self._worker} published blocks of {block_size} "
+                f"tokens but the adapter hashes blocks of {ours}; start the sidecar with "
+                f"--block-size {block_size} ({hint})"
+            )
 
     def _bad_event(self, seq: int, event: BadEvent) -> None:
         self._bad(seq, "event", event.reason, msgspec.msgpack.encode(event.raw))

@@ -57,6 +57,8 @@ class RankCore(Protocol):
 
     def publisher_restarted(self) -> None: ...
 
+    def resync(self, out: list[KVEvent]) -> None: ...
+
 
 class _ReplayFailedError(Exception):
     """The replay socket did not answer in time."""
@@ -190,12 +192,11 @@ class RankSubscriber:
 
     async def _resync(self, reason: str) -> None:
         self._metrics.resyncs.labels(self._metrics.engine, self._worker, reason).inc()
-        norm = self._core.normalizer
         log.warning("kv_worker_resynced", worker_id=self._worker, reason=reason)
         if reason in ("sequence_reset", "publisher_reconnected"):
             self._core.publisher_restarted()
         out: list[KVEvent] = []
-        norm.resync(out)
+        self._core.resync(out)
         await self._emit(out)
         self._seq.reset()
         if self.endpoint.replay_endpoint is not None:
