@@ -45,8 +45,7 @@ from adapters.sglang.load_feed import LoadBoard, LoadSubscriber
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.shell import AdapterShell
-from adapters.zmq_events.subscriber import RankSubscriber
-from kvcore.hashing import BlockHasher
+from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
 from kvcore.stream import EngineLoad
@@ -177,27 +176,19 @@ class SGLangAdapter(AdapterShell):
             block_size, endpoints = cfg.block_size, cfg.endpoints
         dp_size = len(endpoints)
         load_ranks = _load_ranks(cfg.worker_id, endpoints, load_endpoints)
-        hasher = BlockHasher(block_size)
         self._ctx = zmq.asyncio.Context()
-        worker_ids = []
-        producers = []
-        for ep in endpoints:
-            worker = worker_id_for(cfg.worker_id, ep.dp_rank, dp_size)
-            worker_ids.append(worker)
-            norm = WorkerNormalizer(worker, cfg.model_id, hasher, self.metrics)
+
+        def core(norm: WorkerNormalizer) -> RankNormalizer:
             norm.store_names = self._name_sink()
-            self._normalizers[worker] = norm
-            sub = RankSubscriber(
-                ep,
-                self._ctx,
-                RankNormalizer(norm, self.metrics),
-                self._stream.put,
-                self.metrics,
-                replay_timeout_s=cfg.replay_timeout_s,
-                idle_probe_s=self._idle_probe_s,
-            )
-            self.subscribers.append(sub)
-            producers.append(sub.run)
+            self._normalizers[norm.worker_id] = norm
+            return RankNormalizer(norm, self.metrics)
+
+        self.subscribers = subscribe_ranks(
+            cfg, endpoints, block_size, self._ctx, self._stream.put, self.metrics, core,
+            idle_probe_s=self._idle_probe_s,
+        )
+        worker_ids = [sub.worker_id for sub in self.subscribers]
+        producers = [sub.run for sub in self.subscribers]
         if load_ranks:
             try:
                 self.load_subscriber = LoadSubscriber(load_ranks, self._ctx, self.load_board)

@@ -36,17 +36,14 @@ from adapters.base import (
     EngineRequest,
     EventEndpoint,
     PrefillDecode,
-    worker_id_for,
 )
 from adapters.engine_http import NotServedError, engine_call
-from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.shell import AdapterShell
 from adapters.vllm.core import VllmRankNormalizer
 from adapters.vllm.load import MetricsReading, parse_metrics, to_loads
 from adapters.vllm.requests import VllmResponseTranslator, to_completions_request
-from adapters.zmq_events.subscriber import RankSubscriber
-from kvcore.hashing import BlockHasher
+from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
 from kvcore.stream import EngineLoad
@@ -146,27 +143,16 @@ class VllmAdapter(AdapterShell):
                     f"vLLM at {cfg.engine_url} does not say its block size "
                     "(no vllm:cache_config_info in /metrics): pass --block-size"
                 )
-        hasher = BlockHasher(block_size)
         self._ctx = zmq.asyncio.Context()
+        self.subscribers = subscribe_ranks(
+            cfg, endpoints, block_size, self._ctx, self._stream.put, self.metrics,
+            lambda norm: VllmRankNormalizer(norm, self.metrics, cfg.lora_names),
+            idle_probe_s=self._idle_probe_s,
+        )
         dp_size = len(endpoints)
-        worker_ids = []
-        producers = []
-        for ep in endpoints:
-            worker = worker_id_for(cfg.worker_id, ep.dp_rank, dp_size)
-            worker_ids.append(worker)
-            self._ranks[ep.dp_rank] = worker
-            norm = WorkerNormalizer(worker, cfg.model_id, hasher, self.metrics)
-            sub = RankSubscriber(
-                ep,
-                self._ctx,
-                VllmRankNormalizer(norm, self.metrics, cfg.lora_names),
-                self._stream.put,
-                self.metrics,
-                replay_timeout_s=cfg.replay_timeout_s,
-                idle_probe_s=self._idle_probe_s,
-            )
-            self.subscribers.append(sub)
-            producers.append(sub.run)
+        worker_ids = [sub.worker_id for sub in self.subscribers]
+        self._ranks = {ep.dp_rank: w for ep, w in zip(endpoints, worker_ids, strict=True)}
+        producers = [sub.run for sub in self.subscribers]
         producers.append(self._poll_load)
         self._info = EngineInfo(
             kind=self.kind,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import structlog
@@ -32,14 +32,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from adapters.base import EventEndpoint
+from adapters.base import AdapterConfig, EventEndpoint, worker_id_for
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.zmq_events.framing import END_SEQ, FrameError, parse_seq
 from adapters.zmq_events.sequencer import RankSequencer, SeqAction
 from kvcore.events import KVEvent
+from kvcore.hashing import BlockHasher
 
-__all__ = ["RankCore", "RankSubscriber"]
+__all__ = ["RankCore", "RankSubscriber", "subscribe_ranks"]
 
 log = structlog.get_logger(component="adapters.zmq_events")
 
@@ -58,6 +59,31 @@ class RankCore(Protocol):
     def publisher_restarted(self) -> None: ...
 
     def resync(self, out: list[KVEvent]) -> None: ...
+
+
+def subscribe_ranks(
+    config: AdapterConfig,
+    endpoints: Sequence[EventEndpoint],
+    block_size: int,
+    ctx: zmq.asyncio.Context,
+    emit: Emit,
+    metrics: AdapterMetrics,
+    make_core: Callable[[WorkerNormalizer], RankCore],
+    *,
+    idle_probe_s: float = 1.0,
+) -> list[RankSubscriber]:
+    """One subscriber per DP rank's endpoint, each rank its canonical worker
+    (``worker_id_for``) normalized by the core ``make_core`` builds around it."""
+    hasher = BlockHasher(block_size)
+    subscribers = []
+    for ep in endpoints:
+        worker = worker_id_for(config.worker_id, ep.dp_rank, len(endpoints))
+        norm = WorkerNormalizer(worker, config.model_id, hasher, metrics)
+        subscribers.append(RankSubscriber(
+            ep, ctx, make_core(norm), emit, metrics,
+            replay_timeout_s=config.replay_timeout_s, idle_probe_s=idle_probe_s,
+        ))
+    return subscribers
 
 
 class _ReplayFailedError(Exception):
@@ -88,7 +114,7 @@ class RankSubscriber:
         self._probe_every_s = idle_probe_s  # grows while the replay socket does not answer
         self._topic = endpoint.topic.encode("utf-8")
         worker = core.normalizer.worker_id
-        self._worker = worker
+        self.worker_id = self._worker = worker
         self._gaps = metrics.gaps.labels(metrics.engine, worker)
         self._metrics = metrics
         self._peer_lost = False
