@@ -158,11 +158,15 @@ class FakeSGLangPublisher:
         """The next ``n`` batches never reach subscribers live (they stay replayable)."""
         self._drop_next = n
 
+    def reset_counter(self) -> None:
+        """Seq from 0 and an empty buffer on the same sockets: a restart no reconnect shows."""
+        self._seq = 0
+        self._buffer = []
+
     async def restart(self) -> None:
         """A new engine process on the same ports: seq from 0, empty buffer and cache."""
         await self._close_sockets()
-        self._seq = 0
-        self._buffer = []
+        self.reset_counter()
         self.truth = Truth()
 
         def bound() -> bool:
