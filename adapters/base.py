@@ -70,6 +70,7 @@ __all__ = [
 class EngineKind(enum.Enum):
     SGLANG = "sglang"
     TRTLLM = "trtllm"
+    VLLM = "vllm"
 
 
 class StoreKeys(enum.Enum):
@@ -449,6 +450,7 @@ AdapterFactory = Callable[..., EngineAdapter]
 ADAPTERS: dict[str, str] = {
     EngineKind.SGLANG.value: "adapters.sglang.adapter:SGLangAdapter",
     EngineKind.TRTLLM.value: "adapters.trtllm.adapter:TrtllmAdapter",
+    EngineKind.VLLM.value: "adapters.vllm.adapter:VllmAdapter",
 }
 
 

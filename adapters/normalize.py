@@ -259,6 +259,10 @@ class WorkerNormalizer:
 
     # --- state --------------------------------------------------------------------------
 
+    def holds(self, engine_hash: int, tier: Tier) -> bool:
+        """Whether the engine block ``engine_hash`` is held in ``tier``."""
+        return engine_hash in self._blocks[tier]
+
     def num_blocks(self, tier: Tier | None = None) -> int:
         if tier is not None:
             return len(self._blocks[tier])

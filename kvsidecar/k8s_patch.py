@@ -44,11 +44,16 @@ SGLANG_KV_EVENTS = json.dumps(
     {"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"},
     separators=(",", ":"),
 )
+VLLM_KV_EVENTS = json.dumps(
+    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
+     "replay_endpoint": "tcp://*:5558"},
+    separators=(",", ":"),
+)
 # What the sidecar needs from TensorRT-LLM (compose/trtllm-extra.yml).
 TRTLLM_OPTIONS = "kv_cache_config:\n  enable_block_reuse: true\n  event_buffer_max_size: 1024\n"
 TRTLLM_BLOCK_SIZE = 32  # TensorRT-LLM's default tokens_per_block
 _WRITE_OPTIONS = f'printf "%s" "$KVSIDECAR_TRTLLM_OPTIONS" > {TRTLLM_OPTIONS_FILE}'
-_DEFAULT_PORT = {"sglang": 30000, "trtllm": 8000}
+_DEFAULT_PORT = {"sglang": 30000, "trtllm": 8000, "vllm": 8000}
 _SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
 # Workload kinds whose pod template sits at spec.template.spec.
 _TEMPLATED = {
@@ -60,12 +65,13 @@ class InjectError(ValueError):
 
 
 class NoEngineError(InjectError):
-    """A pod spec with no container recognisably SGLang or TensorRT-LLM."""
+    """A pod spec with no container recognisably SGLang, TensorRT-LLM or vLLM."""
 
 
 class Engine(StrEnum):
     SGLANG = "sglang"
     TRTLLM = "trtllm"
+    VLLM = "vllm"
 
 
 @dataclass(frozen=True)
@@ -183,9 +189,17 @@ def _tokens(container: Mapping[str, Any]) -> list[str]:
 
 
 def detect_engine(container: Mapping[str, Any]) -> Engine | None:
-    """SGLang or TensorRT-LLM, from the container's command, args and image."""
-    words = " ".join(_tokens(container))
+    """SGLang, TensorRT-LLM or vLLM, from the container's command, args and image."""
+    tokens = _tokens(container)
+    words = " ".join(tokens)
     image = str(container.get("image", ""))
+    if (
+        "vllm.entrypoints.openai.api_server" in words
+        or (tokens[:1] != [] and posixpath.basename(tokens[0]) == "vllm"
+            and tokens[1:2] == ["serve"])
+        or "vllm/vllm-openai" in image
+    ):
+        return Engine.VLLM
     if "sglang.launch_server" in words or "lmsysorg/sglang" in image:
         return Engine.SGLANG
     if "trtllm-serve" in words or "nvcr.io/nvidia/tensorrt-llm" in image:
@@ -258,8 +272,9 @@ class _PodPlanner:
             engine = self.opts.engine or detect_engine(containers[index])
             if engine is None:
                 raise InjectError(
-                    f"{self.what}: container {self.opts.container!r} is neither SGLang nor "
-                    "TensorRT-LLM as far as its command and image tell: say which with --engine"
+                    f"{self.what}: container {self.opts.container!r} is not SGLang, "
+                    "TensorRT-LLM or vLLM as far as its command and image tell: say which "
+                    "with --engine"
                 )
             return index, engine
         found = [(i, e) for i, c in enumerate(containers) if (e := detect_engine(c)) is not None]
@@ -268,7 +283,7 @@ class _PodPlanner:
         listed = ", ".join(f"{c.get('name')} ({c.get('image', 'no image')})" for c in containers)
         if not found:
             raise NoEngineError(
-                f"{self.what}: no SGLang or TensorRT-LLM container found (containers: "
+                f"{self.what}: no SGLang, TensorRT-LLM or vLLM container found (containers: "
                 f"{listed or 'none'}); name the engine's with --container (and --engine)"
             )
         raise InjectError(
@@ -313,6 +328,11 @@ class _PodPlanner:
                 flags += ["--kv-events-config", SGLANG_KV_EVENTS]
             if self.opts.store_capacity_bytes is not None:
                 flags += self._hicache_flags(tokens)
+        elif engine is Engine.VLLM:
+            if not has_flag(tokens, "--kv-events-config"):
+                flags += ["--kv-events-config", VLLM_KV_EVENTS]
+            if not has_flag(tokens, "--enable-prompt-tokens-details"):
+                flags += ["--enable-prompt-tokens-details"]
         elif not has_flag(tokens, "--extra_llm_api_options"):
             flags += ["--extra_llm_api_options", TRTLLM_OPTIONS_FILE]
         elif not quiet:
@@ -385,6 +405,10 @@ class _PodPlanner:
                 "--store-socket", STORE_SOCKET,
             ]
             args += self._model_for_store(container, tokens, mounts)
+        elif self.opts.store_capacity_bytes is not None and engine is Engine.VLLM:
+            self.notes.append(
+                f"{self.what}: no store added: kvsidecar has no vLLM KV connector yet"
+            )
         elif self.opts.store_capacity_bytes is not None:
             self.notes.append(
                 f"{self.what}: no store added: for TensorRT-LLM it is reached through its KV "

@@ -21,6 +21,7 @@ from shm.config import parse_bytes
 __all__ = ["ENGINE_API_KEY_ENV", "SidecarConfig"]
 
 ENGINE_API_KEY_ENV = "KVSIDECAR_ENGINE_API_KEY"
+ENGINES = ("sglang", "trtllm", "vllm")  # the adapters' EngineKind values
 
 Role = Literal["agg", "prefill", "decode"]
 
@@ -79,8 +80,8 @@ class SidecarConfig:
     events_max_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
-        if self.engine not in ("sglang", "trtllm"):
-            raise ValueError(f"--engine must be sglang or trtllm, got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"--engine must be sglang, trtllm or vllm, got {self.engine!r}")
         scheme = urlsplit(self.engine_url).scheme
         if scheme not in ("http", "https"):
             raise ValueError(f"--engine-url must be an http(s) URL, got {self.engine_url!r}")
@@ -161,7 +162,7 @@ class SidecarConfig:
         g = p.add_argument_group("engine")
         g.add_argument(
             "--engine",
-            choices=["sglang", "trtllm"],
+            choices=list(ENGINES),
             default="sglang",
             help="engine kind (default: sglang; the reference engine speaks sglang)",
         )
@@ -179,7 +180,8 @@ class SidecarConfig:
         )
         g.add_argument(
             "--kv-events-endpoint",
-            help="ZMQ endpoint of the engine's KV events (default: from /server_info)",
+            help="ZMQ endpoint of the engine's KV events (default: SGLang's /server_info, "
+            "vLLM's /kv_event_sources)",
         )
         g.add_argument("--kv-events-replay-endpoint", help="ZMQ ROUTER endpoint for replay")
         g.add_argument(

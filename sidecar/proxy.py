@@ -18,7 +18,7 @@ OpenAI-shaped with the engine's status.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,7 +139,7 @@ class RequestProxy:
         try:
             response = await self._forward(
                 request, tokenized, native.path, native.body, native.stream, native.openai,
-                worker_id, report=report,
+                worker_id, report=report, engine_headers=native.headers,
             )
             ok = response.status < 400
             return response
@@ -162,7 +162,10 @@ class RequestProxy:
         worker_id: str = "",
         *,
         report: _CacheReport,
+        engine_headers: Mapping[str, str] | None = None,
     ) -> web.StreamResponse:
+        """``engine_headers``: the adapter's own for this request (e.g. vLLM's target DP
+        rank), sent to the engine alongside ours."""
         rid = tokenized.request_id
         translator = self._adapter.response_translator(tokenized)
         report.translator = translator
@@ -172,7 +175,11 @@ class RequestProxy:
                 self._engine_url + path,
                 data=orjson.dumps(body),
                 timeout=self._timeout,
-                headers={"Content-Type": "application/json", "x-request-id": rid},
+                headers={
+                    **(engine_headers or {}),
+                    "Content-Type": "application/json",
+                    "x-request-id": rid,
+                },
             ) as upstream:
                 if upstream.status != 200:
                     raw = await upstream.read()

@@ -21,7 +21,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import structlog
 import zmq.asyncio
 
@@ -37,6 +36,7 @@ from adapters.base import (
     StoreNameSink,
     worker_id_for,
 )
+from adapters.engine_http import NotServedError, engine_call
 from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer
@@ -44,9 +44,8 @@ from adapters.sglang.hicache_keys import store_hash_of
 from adapters.sglang.load_feed import LoadBoard, LoadSubscriber
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
-from adapters.sglang.subscriber import RankSubscriber
 from adapters.shell import AdapterShell
-from kvcore.hashing import BlockHasher
+from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
 from kvcore.stream import EngineLoad
@@ -177,27 +176,19 @@ class SGLangAdapter(AdapterShell):
             block_size, endpoints = cfg.block_size, cfg.endpoints
         dp_size = len(endpoints)
         load_ranks = _load_ranks(cfg.worker_id, endpoints, load_endpoints)
-        hasher = BlockHasher(block_size)
         self._ctx = zmq.asyncio.Context()
-        worker_ids = []
-        producers = []
-        for ep in endpoints:
-            worker = worker_id_for(cfg.worker_id, ep.dp_rank, dp_size)
-            worker_ids.append(worker)
-            norm = WorkerNormalizer(worker, cfg.model_id, hasher, self.metrics)
+
+        def core(norm: WorkerNormalizer) -> RankNormalizer:
             norm.store_names = self._name_sink()
-            self._normalizers[worker] = norm
-            sub = RankSubscriber(
-                ep,
-                self._ctx,
-                RankNormalizer(norm, self.metrics),
-                self._stream.put,
-                self.metrics,
-                replay_timeout_s=cfg.replay_timeout_s,
-                idle_probe_s=self._idle_probe_s,
-            )
-            self.subscribers.append(sub)
-            producers.append(sub.run)
+            self._normalizers[norm.worker_id] = norm
+            return RankNormalizer(norm, self.metrics)
+
+        self.subscribers = subscribe_ranks(
+            cfg, endpoints, block_size, self._ctx, self._stream.put, self.metrics, core,
+            idle_probe_s=self._idle_probe_s,
+        )
+        worker_ids = [sub.worker_id for sub in self.subscribers]
+        producers = [sub.run for sub in self.subscribers]
         if load_ranks:
             try:
                 self.load_subscriber = LoadSubscriber(load_ranks, self._ctx, self.load_board)
@@ -296,7 +287,7 @@ class SGLangAdapter(AdapterShell):
         body = {"model": self.config.model_id, "messages": messages}
         try:
             answer = await self._call("POST", "/v1/tokenize", body)
-        except _NotServed:
+        except NotServedError:
             return None
         tokens = answer.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
@@ -312,28 +303,9 @@ class SGLangAdapter(AdapterShell):
         self, method: str, path: str, body: dict[str, Any] | None = None
     ) -> dict[str, Any]:
         """One JSON request to SGLang, with its API key; ``AdapterError`` on any failure."""
-        url = self.config.engine_url.rstrip("/") + path
-        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
-        try:
-            async with (
-                aiohttp.ClientSession(
-                    timeout=timeout, headers=self.config.engine_headers()
-                ) as session,
-                session.request(method, url, json=body) as resp,
-            ):
-                if resp.status == 404:
-                    raise _NotServed(f"{method} {url} answered 404: no such route here")
-                if resp.status != 200:
-                    text = await resp.text()
-                    hint = " (the engine wants its API key)" if resp.status == 401 else ""
-                    raise AdapterError(
-                        f"{method} {url} answered {resp.status}{hint}: {text[:200]}"
-                    )
-                answer = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AdapterError(f"cannot reach SGLang at {url}: {exc!r}") from exc
+        answer = await engine_call(self.config, method, path, body)
         if not isinstance(answer, dict):
-            raise AdapterError(f"{method} {url} did not answer a JSON object")
+            raise AdapterError(f"{method} {path} did not answer a JSON object")
         return answer
 
 
@@ -353,10 +325,6 @@ def _load_ranks(
         if not ep.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise AdapterError(f"load endpoint {ep.endpoint!r} is not a ZMQ address")
     return [(workers[ep.dp_rank], ep) for ep in load_endpoints]
-
-
-class _NotServed(AdapterError):
-    """The engine has no such route (an older SGLang)."""
 
 
 def _str_or_none(value: object) -> str | None:

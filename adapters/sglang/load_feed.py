@@ -25,7 +25,7 @@ import zmq.asyncio
 from adapters.base import EventEndpoint
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.load_wire import decode_load, to_engine_load
-from adapters.sglang.wire import FrameError
+from adapters.zmq_events.framing import FrameError
 from kvcore.stream import EngineLoad
 
 __all__ = ["LoadBoard", "LoadSubscriber"]

@@ -25,7 +25,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from adapters.sglang.wire import FrameError, parse_seq
+from adapters.zmq_events.framing import FrameError, parse_seq
 from kvcore.stream import EngineLoad
 
 __all__ = ["LOAD_TOPIC", "LoadStat", "decode_load", "to_engine_load"]

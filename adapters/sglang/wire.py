@@ -14,12 +14,12 @@ it cannot convert as a ``BadEvent`` with the reason, so one bad event loses noth
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvcore.events import Tier
+from adapters.zmq_events.batches import tier_of
+from adapters.zmq_events.framing import END_SEQ, BadEvent, FrameError, parse_seq
 
 __all__ = [
     "END_SEQ",
@@ -36,12 +36,7 @@ __all__ = [
     "tier_of",
 ]
 
-END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True): the replay end marker
 _HEAD = 64
-
-
-class FrameError(ValueError):
-    """A message that is not SGLang's framing or whose payload is not a batch at all."""
 
 
 class SgBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", gc=False):
@@ -95,40 +90,8 @@ class _RawBatch(msgspec.Struct, array_like=True, gc=False):
     attn_dp_rank: int | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class BadEvent:
-    """One event that could not be decoded: why, and its raw form (for the log)."""
-
-    reason: str
-    raw: Any
-
-
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
 _raw_decoder = msgspec.msgpack.Decoder(_RawBatch)
-
-_MEDIUM_TIERS = {
-    None: Tier.GPU,
-    "GPU": Tier.GPU,
-    "CPU_PINNED": Tier.HOST,
-    "CPU": Tier.HOST,
-    "DISK": Tier.DISK,
-    "EXTERNAL": Tier.REMOTE,
-}
-
-
-def tier_of(medium: str | None) -> Tier | None:
-    """SGLang's ``StorageMedium`` value → tier (None: unknown medium)."""
-    return _MEDIUM_TIERS.get(medium)
-
-
-def parse_seq(frame: bytes) -> int:
-    """The 8-byte big-endian sequence number frame."""
-    if len(frame) != 8:
-        raise FrameError(
-            f"sequence frame has {len(frame)} bytes, expected 8: {frame[:_HEAD].hex()}"
-        )
-    return int.from_bytes(frame, "big")
-
 
 def decode_batch(payload: bytes) -> Batch:
     """The typed fast path; raises ``msgspec.DecodeError``/``ValidationError`` on anything odd."""

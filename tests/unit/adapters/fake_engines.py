@@ -5,6 +5,8 @@ Each fake speaks one engine's *wire format* on real sockets, on ephemeral ports:
 * ``FakeSGLangPublisher``: ZMQ PUB + ROUTER with SGLang's framing, replay buffer and end
   marker (what ``ZmqEventPublisher`` does), plus knobs to drop a live batch (a gap) and to
   restart (seq back to 0, buffer emptied, same ports);
+* ``FakeVllmPublisher``: the same for vLLM, whose replies carry no topic frame, whose stored
+  events name a salt in ``extra_keys`` and which publishes nothing when it starts;
 * ``FakeTrtllmServer``: an aiohttp ``POST /kv_cache_events`` that drains its queue, as
   ``trtllm-serve`` does, with event ids that start over on restart.
 
@@ -56,6 +58,8 @@ class Truth:
 class FakeSGLangPublisher:
     """SGLang's ZmqEventPublisher wire behaviour on loopback (PUB + replay ROUTER)."""
 
+    clears_on_start = True  # SGLang's radix cache reset at start-up is published
+
     def __init__(self, block_size: int, topic: bytes = b"") -> None:
         self.block_size = block_size
         self.topic = topic
@@ -93,9 +97,13 @@ class FakeSGLangPublisher:
             for seq, payload in self._buffer:
                 if seq >= first:
                     await self.router.send_multipart(
-                        [ident, b"", self.topic, seq.to_bytes(8, "big"), payload]
+                        [ident, *self.reply_frames(seq.to_bytes(8, "big"), payload)]
                     )
-            await self.router.send_multipart([ident, b"", b"", b"\xff" * 8, b""])
+            await self.router.send_multipart([ident, *self.reply_frames(b"\xff" * 8, b"")])
+
+    def reply_frames(self, seq: bytes, payload: bytes) -> list[bytes]:
+        """One replayed message after the client's identity (SGLang's names the topic)."""
+        return [b"", self.topic, seq, payload]
 
     async def publish(self, events: list[dict[str, Any]]) -> None:
         payload = msgspec.msgpack.encode([time.time(), events, 0])
@@ -116,6 +124,11 @@ class FakeSGLangPublisher:
         self, hashes: list[int], parent: int | None, tokens: list[int], salt: str | None = None
     ) -> None:
         self.truth.store(hashes, parent, tokens, self.block_size)
+        await self.publish([self.stored_event(hashes, parent, tokens, salt)])
+
+    def stored_event(
+        self, hashes: list[int], parent: int | None, tokens: list[int], salt: str | None
+    ) -> dict[str, Any]:
         event: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": hashes,
@@ -127,7 +140,7 @@ class FakeSGLangPublisher:
         }
         if salt is not None:
             event["cache_salt"] = salt
-        await self.publish([event])
+        return event
 
     async def remove(self, hashes: list[int]) -> None:
         for h in hashes:
@@ -145,11 +158,15 @@ class FakeSGLangPublisher:
         """The next ``n`` batches never reach subscribers live (they stay replayable)."""
         self._drop_next = n
 
+    def reset_counter(self) -> None:
+        """Seq from 0 and an empty buffer on the same sockets: a restart no reconnect shows."""
+        self._seq = 0
+        self._buffer = []
+
     async def restart(self) -> None:
         """A new engine process on the same ports: seq from 0, empty buffer and cache."""
         await self._close_sockets()
-        self._seq = 0
-        self._buffer = []
+        self.reset_counter()
         self.truth = Truth()
 
         def bound() -> bool:
@@ -161,7 +178,8 @@ class FakeSGLangPublisher:
 
         # The old sockets close asynchronously: retry the bind until the ports are free.
         await eventually(bound, "the old ports to be free again", timeout_s=5.0, interval_s=0.01)
-        await self.clear()  # SGLang's radix cache reset at start-up
+        if self.clears_on_start:
+            await self.clear()
 
     async def _close_sockets(self) -> None:
         self._server.cancel()
@@ -173,6 +191,32 @@ class FakeSGLangPublisher:
     async def aclose(self) -> None:
         await self._close_sockets()
         self.ctx.term()
+
+
+class FakeVllmPublisher(FakeSGLangPublisher):
+    """vLLM's ZmqEventPublisher wire behaviour on loopback (``vllm/distributed/kv_events.py``)."""
+
+    clears_on_start = False  # a fresh vLLM has nothing and says nothing
+
+    def reply_frames(self, seq: bytes, payload: bytes) -> list[bytes]:
+        return [b"", seq, payload]  # vLLM's replay names no topic
+
+    def stored_event(
+        self, hashes: list[int], parent: int | None, tokens: list[int], salt: str | None
+    ) -> dict[str, Any]:
+        event: dict[str, Any] = {
+            "type": "BlockStored",
+            "block_hashes": hashes,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": "GPU",
+            "lora_name": None,
+        }
+        if salt is not None:  # the salt goes into a prompt's first block's hash only
+            event["extra_keys"] = [[salt], *[None] * (len(hashes) - 1)]
+        return event
 
 
 class FakeTrtllmServer:

@@ -1,6 +1,6 @@
 """The adapter contract: every adapter's normalized stream means the same thing.
 
-One suite, parametrized over [fake, sglang, trtllm]. The engines are fakes at the engine
+One suite, parametrized over [fake, sglang, vllm, trtllm]. The engines are fakes at the engine
 boundary speaking the real wire formats on real loopback sockets (ephemeral ports); the
 adapters are the real ones. Their unstamped events go through the sidecar's real relay (the
 one place that stamps them) and its wire codec; a consumer applies the stamped stream with
@@ -22,6 +22,7 @@ from adapters.base import AdapterConfig, EngineAdapter, EngineKind, EventEndpoin
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.adapter import SGLangAdapter
 from adapters.trtllm.adapter import TrtllmAdapter
+from adapters.vllm.adapter import VllmAdapter
 from kvcore.events import (
     UNSTAMPED,
     AllBlocksCleared,
@@ -36,7 +37,12 @@ from kvcore.namespace import Namespace
 from kvcore.wire import decode
 from sidecar.relay import EventRelay
 from tests.unit.adapters.fake_adapter import FakeAdapter
-from tests.unit.adapters.fake_engines import FakeSGLangPublisher, FakeTrtllmServer, Truth
+from tests.unit.adapters.fake_engines import (
+    FakeSGLangPublisher,
+    FakeTrtllmServer,
+    FakeVllmPublisher,
+    Truth,
+)
 
 BS = 4
 DEADLINE_S = 10.0
@@ -106,7 +112,10 @@ class Harness:
                 self.consumer.apply(await anext(self.stream))
 
 
-@pytest.fixture(params=["fake", "sglang", "trtllm"])
+ZMQ_ENGINES = ("sglang", "vllm")  # replay fills their gaps
+
+
+@pytest.fixture(params=["fake", "sglang", "vllm", "trtllm"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     name = request.param
     engine: Any
@@ -127,6 +136,19 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
             replay_timeout_s=2.0,
         )
         adapter = SGLangAdapter(cfg, metrics=metrics, idle_probe_s=0.05)
+    elif name == "vllm":
+        engine = FakeVllmPublisher(BS)
+        metrics = AdapterMetrics("vllm")
+        cfg = AdapterConfig(
+            EngineKind.VLLM,
+            "http://127.0.0.1:9",
+            "w",
+            "m",
+            block_size=BS,
+            endpoints=(EventEndpoint(0, engine.endpoint, engine.replay_endpoint),),
+            replay_timeout_s=2.0,
+        )
+        adapter = VllmAdapter(cfg, metrics=metrics, idle_probe_s=0.05)
     else:
         engine = FakeTrtllmServer(BS)
         await engine.start()
@@ -143,11 +165,11 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     await adapter.start()
     assert isinstance(adapter, EngineAdapter)  # checks attributes: after start (info)
     try:
-        if name == "sglang":
+        if name in ZMQ_ENGINES:
             async with asyncio.timeout(DEADLINE_S):
                 await adapter.subscribers[0].connected.wait()
         yield Harness(
-            name, adapter, engine, metrics, name == "sglang", Consumer(), aiter(adapter.events())
+            name, adapter, engine, metrics, name in ZMQ_ENGINES, Consumer(), aiter(adapter.events())
         )
     finally:
         await adapter.aclose()
@@ -226,7 +248,8 @@ async def test_engine_restart_signals_a_resync(harness: Harness) -> None:
     assert harness.consumer.gpu() == expected(eng.truth)
     kinds = [type(e) for e in harness.consumer.events]
     assert AllBlocksCleared in kinds[kinds.index(BlockStored) + 1 :], "cleared after the store"
-    reasons = {"sglang": ("publisher_reconnected", "sequence_reset"), "trtllm": ("event_id_reset",)}
+    zmq_reasons = ("publisher_reconnected", "sequence_reset")
+    reasons = {"sglang": zmq_reasons, "vllm": zmq_reasons, "trtllm": ("event_id_reset",)}
     if harness.name in reasons:
         assert (
             sum(

@@ -27,6 +27,7 @@ from adapters.sglang.adapter import SGLangAdapter, endpoints_from_server_info
 from adapters.sglang.core import BlockSizeMismatchError
 from adapters.trtllm.adapter import TrtllmAdapter
 from adapters.trtllm.sources import LlmApiEventSource, require_tensorrt_llm
+from adapters.vllm.adapter import VllmAdapter
 from kvcore.events import AllBlocksCleared, BlockStored, Tier
 from kvcore.requests import RequestKind, TokenizedRequest
 from tests.unit.adapters import trtllm_fixtures as trt
@@ -156,14 +157,17 @@ async def test_trtllm_needs_a_block_size() -> None:
 
 def test_registry_builds_each_adapter_by_name() -> None:
     """ADAPTERS maps engine names to factories; create_adapter imports only the one asked."""
-    assert set(ADAPTERS) == {"sglang", "trtllm"}
+    assert set(ADAPTERS) == {"sglang", "trtllm", "vllm"}
     sg = create_adapter(AdapterConfig(EngineKind.SGLANG, "http://h", "w", "m"))
     trt_adapter = create_adapter(AdapterConfig(EngineKind.TRTLLM, "http://h", "w", "m"))
+    vl = create_adapter(AdapterConfig(EngineKind.VLLM, "http://h", "w", "m"))
     assert isinstance(sg, SGLangAdapter) and isinstance(trt_adapter, TrtllmAdapter)
+    assert isinstance(vl, VllmAdapter)
     assert worker_id_for("r", 0, 1) == "r" and worker_id_for("r", 3, 4) == "r/dp3"
     req = TokenizedRequest(request_id="x", model="m", kind=RequestKind.CHAT, prompt_token_ids=[1])
     assert sg.translate_request(req).path == "/generate"
     assert trt_adapter.translate_request(req).path == "/v1/completions"
+    assert vl.translate_request(req).path == "/v1/completions"
 
 
 def test_tensorrt_llm_is_imported_lazily_with_a_clear_message() -> None:

@@ -88,3 +88,17 @@ class TestJsonPatch:
             InjectOptions(sidecar_image="")
         with pytest.raises(ValueError, match="'lots' is not a byte size"):
             InjectOptions(store_capacity_bytes="lots")
+
+
+def test_vllm_is_detected_and_told_to_publish_kv_events() -> None:
+    """A ``vllm serve`` container gets --kv-events-config (zmq, replay) and prompt token
+    details; its sidecar is --engine vllm on vLLM's port."""
+    pod = _pod(image="vllm/vllm-openai:latest", command=["vllm", "serve", "/m"],
+               args=["--port", "8001"])
+    patched = jsonpatch.apply_patch(pod, json_patch(plan_object(pod, InjectOptions()).edits))
+    engine, sidecar = patched["spec"]["containers"]
+    args = engine["args"]
+    config = args[args.index("--kv-events-config") + 1]
+    assert '"enable_kv_cache_events":true' in config and '"replay_endpoint"' in config
+    assert "--enable-prompt-tokens-details" in args
+    assert sidecar["args"][:4] == ["--engine", "vllm", "--engine-url", "http://127.0.0.1:8001"]

@@ -1,9 +1,10 @@
-"""The ZMQ shell around ``core.py``: one SUB socket (plus replay) per SGLang DP rank.
+"""The ZMQ shell around a ``BatchNormalizer``: one SUB socket (plus replay) per DP rank.
 
 * **Live**: SUB connected to the rank's PUB endpoint, subscribed to its topic.
 * **Replay**: a fresh DEALER per request to the rank's ROUTER, ``[b"", start_seq]``, then
-  ``[b"", topic, seq, payload]`` messages until the seq frame is all ``0xff``. A DEALER, not
-  a REQ: a REQ socket can only ever receive the first reply.
+  ``[b"", topic, seq, payload]`` (SGLang) or ``[b"", seq, payload]`` (vLLM) messages until
+  the seq frame is all ``0xff``. A DEALER, not a REQ: a REQ socket can only ever receive the
+  first reply.
 * **Startup** replays from 0 so a subscriber that joins late still rebuilds the cache from
   the publisher's buffer; while idle it probes the replay socket every ``idle_probe_s`` for
   batches the PUB/SUB pipe dropped at the tail (nothing follows them to reveal the gap).
@@ -23,27 +24,66 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import structlog
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from adapters.base import EventEndpoint
+from adapters.base import AdapterConfig, EventEndpoint, worker_id_for
+from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
-from adapters.sglang.core import RankNormalizer, RankSequencer, SeqAction
-from adapters.sglang.wire import END_SEQ, FrameError, parse_seq
+from adapters.zmq_events.framing import END_SEQ, FrameError, parse_seq
+from adapters.zmq_events.sequencer import RankSequencer, SeqAction
 from kvcore.events import KVEvent
+from kvcore.hashing import BlockHasher
 
-__all__ = ["RankSubscriber"]
+__all__ = ["RankCore", "RankSubscriber", "subscribe_ranks"]
 
-log = structlog.get_logger(component="adapters.sglang")
+log = structlog.get_logger(component="adapters.zmq_events")
 
 Emit = Callable[[list[KVEvent]], Awaitable[None]]
 _HEAD = 64
 _MAX_PROBE_INTERVAL_S = 30.0
+
+
+class RankCore(Protocol):
+    """What the subscriber drives: one rank's batch normalizer (``BatchNormalizer``)."""
+
+    normalizer: WorkerNormalizer
+
+    def apply(self, seq: int, payload: bytes, out: list[KVEvent]) -> bool: ...
+
+    def publisher_restarted(self) -> None: ...
+
+    def resync(self, out: list[KVEvent]) -> None: ...
+
+
+def subscribe_ranks(
+    config: AdapterConfig,
+    endpoints: Sequence[EventEndpoint],
+    block_size: int,
+    ctx: zmq.asyncio.Context,
+    emit: Emit,
+    metrics: AdapterMetrics,
+    make_core: Callable[[WorkerNormalizer], RankCore],
+    *,
+    idle_probe_s: float = 1.0,
+) -> list[RankSubscriber]:
+    """One subscriber per DP rank's endpoint, each rank its canonical worker
+    (``worker_id_for``) normalized by the core ``make_core`` builds around it."""
+    hasher = BlockHasher(block_size)
+    subscribers = []
+    for ep in endpoints:
+        worker = worker_id_for(config.worker_id, ep.dp_rank, len(endpoints))
+        norm = WorkerNormalizer(worker, config.model_id, hasher, metrics)
+        subscribers.append(RankSubscriber(
+            ep, ctx, make_core(norm), emit, metrics,
+            replay_timeout_s=config.replay_timeout_s, idle_probe_s=idle_probe_s,
+        ))
+    return subscribers
 
 
 class _ReplayFailedError(Exception):
@@ -57,7 +97,7 @@ class RankSubscriber:
         self,
         endpoint: EventEndpoint,
         ctx: zmq.asyncio.Context,
-        core: RankNormalizer,
+        core: RankCore,
         emit: Emit,
         metrics: AdapterMetrics,
         *,
@@ -74,7 +114,7 @@ class RankSubscriber:
         self._probe_every_s = idle_probe_s  # grows while the replay socket does not answer
         self._topic = endpoint.topic.encode("utf-8")
         worker = core.normalizer.worker_id
-        self._worker = worker
+        self.worker_id = self._worker = worker
         self._gaps = metrics.gaps.labels(metrics.engine, worker)
         self._metrics = metrics
         self._peer_lost = False
@@ -178,12 +218,11 @@ class RankSubscriber:
 
     async def _resync(self, reason: str) -> None:
         self._metrics.resyncs.labels(self._metrics.engine, self._worker, reason).inc()
-        norm = self._core.normalizer
         log.warning("kv_worker_resynced", worker_id=self._worker, reason=reason)
         if reason in ("sequence_reset", "publisher_reconnected"):
             self._core.publisher_restarted()
         out: list[KVEvent] = []
-        norm.resync(out)
+        self._core.resync(out)
         await self._emit(out)
         self._seq.reset()
         if self.endpoint.replay_endpoint is not None:
@@ -235,15 +274,16 @@ class RankSubscriber:
                     )
                     raise _ReplayFailedError
                 frames = await dealer.recv_multipart()
-                if len(frames) != 4 or frames[0] != b"":
+                if len(frames) not in (3, 4) or frames[0] != b"":
                     self._frame_error(
-                        f"replay reply has {len(frames)} frames, expected 4", b"".join(frames)
+                        f"replay reply has {len(frames)} frames, expected 3 or 4",
+                        b"".join(frames),
                     )
                     continue
-                if frames[2] == END_SEQ:
+                if frames[-2] == END_SEQ:
                     break
                 try:
-                    seq = parse_seq(frames[2])
+                    seq = parse_seq(frames[-2])
                 except FrameError as exc:
                     self._frame_error(str(exc), b"".join(frames))
                     continue
@@ -258,7 +298,7 @@ class RankSubscriber:
                     return
                 if action is SeqAction.APPLY:
                     # Errors while rebuilding are counted; resyncing again would loop.
-                    await self._apply(seq, frames[3], resync_on_error=not rebuilding)
+                    await self._apply(seq, frames[-1], resync_on_error=not rebuilding)
                     applied += 1
         finally:
             dealer.close(linger=0)
