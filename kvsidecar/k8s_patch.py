@@ -7,7 +7,8 @@ needs when they are absent, a memory-backed ``/dev/shm`` shared by both containe
 TensorRT-LLM, the ``--extra_llm_api_options`` file that turns its KV events on. A pod that
 already has a ``kvsidecar`` container gets no plan at all, so injecting twice changes nothing.
 
-Edits and their JSON Patch: ``kvsidecar.k8s_edits``.
+Edits and their JSON Patch: ``kvsidecar.k8s_edits``; which kinds hold pod templates, and
+where: ``kvsidecar.k8s_kinds``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from enum import StrEnum
 from typing import Any
 
 from kvsidecar.k8s_edits import AddKey, Append, Edit, Path, get_path
+from kvsidecar.k8s_kinds import describe, pod_spec_paths, template_name, unhandled
 
 __all__ = [
     "SIDECAR_NAME",
@@ -50,10 +52,6 @@ TRTLLM_BLOCK_SIZE = 32  # TensorRT-LLM's default tokens_per_block
 _WRITE_OPTIONS = f'printf "%s" "$KVSIDECAR_TRTLLM_OPTIONS" > {TRTLLM_OPTIONS_FILE}'
 _DEFAULT_PORT = {"sglang": 30000, "trtllm": 8000}
 _SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
-# Workload kinds whose pod template sits at spec.template.spec.
-_TEMPLATED = {
-    "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "ReplicationController",
-}
 
 class InjectError(ValueError):
     """An object that cannot be injected, with what was found and what to do."""
@@ -104,51 +102,29 @@ class ObjectPlan:
     skipped: tuple[str, ...] = ()  # pod specs without an engine (when told to skip them)
 
 
-def describe(obj: Mapping[str, Any]) -> str:
-    """``Deployment/name`` (or ``Pod/<generateName>*``) for messages."""
-    meta = obj.get("metadata")
-    meta = meta if isinstance(meta, Mapping) else {}
-    name = meta.get("name") or (f"{meta['generateName']}*" if meta.get("generateName") else "?")
-    return f"{obj.get('kind', '?')}/{name}"
-
-
-def pod_spec_paths(obj: Mapping[str, Any]) -> list[Path]:
-    """Where the pod specs of ``obj`` are: a Pod's ``spec``, a workload's template, a List's."""
-    kind = obj.get("kind")
-    if kind == "Pod":
-        return [("spec",)] if isinstance(obj.get("spec"), Mapping) else []
-    if kind in _TEMPLATED:
-        spec = get_path(obj, ("spec", "template", "spec"))
-        return [("spec", "template", "spec")] if isinstance(spec, Mapping) else []
-    if kind == "CronJob":
-        path: Path = ("spec", "jobTemplate", "spec", "template", "spec")
-        return [path] if isinstance(get_path(obj, path), Mapping) else []
-    if isinstance(kind, str) and kind.endswith("List") and isinstance(obj.get("items"), list):
-        return [
-            ("items", i, *inner)
-            for i, item in enumerate(obj["items"])
-            if isinstance(item, Mapping)
-            for inner in pod_spec_paths(item)
-        ]
-    return []
-
-
 def plan_object(
     obj: Mapping[str, Any], opts: InjectOptions, skip_no_engine: bool = False
 ) -> ObjectPlan:
     """The edits that inject the sidecar into every pod spec of ``obj`` (none: nothing to do).
 
     Raises ``InjectError`` for a pod spec whose engine container cannot be found or patched
-    (``NoEngineError`` when none was found; with ``skip_no_engine`` that spec is only listed
-    in ``skipped``).
+    (``NoEngineError`` when none was found), and for pod templates of a kind or shape it
+    does not inject (``kvsidecar.k8s_kinds.unhandled``); with ``skip_no_engine`` both are
+    only listed in ``skipped``.
     """
     edits: list[Edit] = []
     notes: list[str] = []
     skipped: list[str] = []
     patched = injected = 0
+    for why in unhandled(obj):
+        if not skip_no_engine:
+            raise InjectError(why)
+        skipped.append(why)
     for path in pod_spec_paths(obj):
         spec = get_path(obj, path)
         what = describe(get_path(obj, path[:2]) if path[0] == "items" else obj)
+        if (template := template_name(path)) is not None:
+            what += f" {template}"
         if is_injected(spec):
             injected += 1
             continue
