@@ -7,6 +7,9 @@ needs when they are absent, a memory-backed ``/dev/shm`` shared by both containe
 TensorRT-LLM, the ``--extra_llm_api_options`` file that turns its KV events on. A pod that
 already has a ``kvsidecar`` container gets no plan at all, so injecting twice changes nothing.
 
+The sidecar's ``--role`` (agg, prefill or decode) comes from the engine's own P/D flags or the
+pod's ``kvsidecar.io/role`` annotation (``kvsidecar.engine_role``).
+
 Edits and their JSON Patch: ``kvsidecar.k8s_edits``; which kinds hold pod templates, and
 where: ``kvsidecar.k8s_kinds``.
 """
@@ -16,11 +19,13 @@ from __future__ import annotations
 import copy
 import json
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvsidecar.engine_flags import flag_value, has_flag
+from kvsidecar.engine_role import engine_role
 from kvsidecar.k8s_edits import AddKey, Append, Edit, Path, get_path
 from kvsidecar.k8s_kinds import describe, pod_spec_paths, template_name, unhandled
 
@@ -129,7 +134,8 @@ def plan_object(
             injected += 1
             continue
         try:
-            planner = _PodPlanner(spec, path, opts, what)
+            meta = get_path(obj, path[:-1]).get("metadata")
+            planner = _PodPlanner(spec, path, opts, what, _annotations(meta, what))
             edits += planner.plan()
         except NoEngineError as exc:
             if not skip_no_engine:
@@ -139,6 +145,16 @@ def plan_object(
         notes += planner.notes
         patched += 1
     return ObjectPlan(tuple(edits), tuple(notes), patched, injected, tuple(skipped))
+
+
+def _annotations(meta: Any, what: str) -> Mapping[str, Any]:
+    """The pod's (or pod template's) annotations, checked to be an object."""
+    found = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if found is None:
+        return {}
+    if not isinstance(found, Mapping):
+        raise InjectError(f"{what}: metadata.annotations must be an object, got {found!r:.60}")
+    return found
 
 
 def is_injected(spec: Mapping[str, Any]) -> bool:
@@ -169,19 +185,6 @@ def detect_engine(container: Mapping[str, Any]) -> Engine | None:
     return None
 
 
-def has_flag(tokens: Sequence[str], flag: str) -> bool:
-    return any(t == flag or t.startswith(flag + "=") for t in tokens)
-
-
-def flag_value(tokens: Sequence[str], flag: str) -> str | None:
-    for i, token in enumerate(tokens):
-        if token == flag and i + 1 < len(tokens):
-            return tokens[i + 1]
-        if token.startswith(flag + "="):
-            return token.split("=", 1)[1]
-    return None
-
-
 @dataclass
 class _PodPlanner:
     """Builds one pod spec's edits against a working copy, so later edits see earlier ones."""
@@ -190,6 +193,7 @@ class _PodPlanner:
     path: Path
     opts: InjectOptions
     what: str
+    annotations: Mapping[str, Any] = field(default_factory=dict)
     edits: list[Edit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _created: dict[Path, list[Any]] = field(default_factory=dict)
@@ -200,6 +204,13 @@ class _PodPlanner:
         cpath: Path = ("containers", index)
         tokens = _tokens(container)
         self._refuse_shell(container, engine, tokens)
+        self._not_the_orchestrator(engine, tokens)
+        try:
+            role = engine_role(str(engine), tokens, self.annotations)
+        except ValueError as exc:
+            raise InjectError(f"{self.what}: container {container.get('name')!r}: {exc}") from exc
+        if role.note is not None:
+            self.notes.append(f"{self.what}: {role.note}")
         self._check_ports(engine, tokens)
         flags = self._engine_flags(engine, tokens)
         shm = self._shm_volume(container, cpath)
@@ -215,7 +226,7 @@ class _PodPlanner:
                 )
             for flag in flags:
                 self._append((*cpath, target), flag)
-        sidecar = self._sidecar(engine, container, tokens, shm)
+        sidecar = self._sidecar(engine, container, tokens, shm, role.role)
         self._append(("containers",), sidecar)
         return self.edits
 
@@ -263,6 +274,19 @@ class _PodPlanner:
                 "Run the engine in exec form (command: [python3, -m, sglang.launch_server, ...]) "
                 "or add these flags to the shell command yourself: "
                 + " ".join(_shell_quote(f) for f in wanted)
+            )
+
+    def _not_the_orchestrator(self, engine: Engine, tokens: list[str]) -> None:
+        """``trtllm-serve disaggregated`` pairs context and generation servers and holds no
+        KV cache: it is no engine to put a sidecar beside."""
+        serve = next((i for i, t in enumerate(tokens) if "trtllm-serve" in t), None)
+        if engine is Engine.TRTLLM and serve is not None and tokens[serve + 1:serve + 2] == [
+            "disaggregated"
+        ]:
+            raise NoEngineError(
+                f"{self.what}: it runs trtllm-serve disaggregated, TensorRT-LLM's P/D "
+                "orchestrator, which holds no KV cache and needs no sidecar (its context and "
+                "generation servers get theirs)"
             )
 
     def _check_ports(self, engine: Engine, tokens: list[str]) -> None:
@@ -343,7 +367,8 @@ class _PodPlanner:
         self._append(("volumes",), volume)
 
     def _sidecar(
-        self, engine: Engine, container: Mapping[str, Any], tokens: list[str], shm: str
+        self, engine: Engine, container: Mapping[str, Any], tokens: list[str], shm: str,
+        role: str,
     ) -> dict[str, Any]:
         port = _engine_port(engine, tokens)
         mounts = [{"name": shm, "mountPath": "/dev/shm"}]
@@ -352,6 +377,7 @@ class _PodPlanner:
             "--engine-url", f"http://127.0.0.1:{port}",
             "--host", "0.0.0.0",
             "--port", str(self.opts.sidecar_port),
+            "--role", role,
         ]
         if engine is Engine.TRTLLM:
             args += ["--block-size", str(TRTLLM_BLOCK_SIZE)]

@@ -13,6 +13,8 @@ AdmissionReview is a 400 with an OpenAI-shaped error. ``GET /healthz`` answers 2
 Per pod, annotations override the webhook's flags: ``kvsidecar.io/container`` (the engine's
 container), ``kvsidecar.io/engine`` (``sglang`` or ``trtllm``) and
 ``kvsidecar.io/store-capacity-bytes`` (a host-tier store, SGLang's HiCache backend on it).
+``kvsidecar.io/role`` (the sidecar's P/D role, otherwise read off the engine's flags) is read
+by the plan itself, so ``kvsidecar inject`` honours it on pod templates too.
 """
 
 from __future__ import annotations

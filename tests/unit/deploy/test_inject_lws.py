@@ -51,13 +51,15 @@ def test_multinode_sglang_gets_its_sidecar_beside_the_leader() -> None:
     assert "# tensor parallel over both pods" in after
 
 
-def test_pd_lws_pair_each_leader_gets_a_sidecar() -> None:
-    """SGLang's LWS P/D deployment: each LWS's leader gets a sidecar; the workers, which
-    serve no HTTP, get none."""
+def test_pd_lws_pair_each_leader_announces_its_half() -> None:
+    """SGLang's LWS P/D deployment: each LWS's leader gets a sidecar with the role its
+    --disaggregation-mode gives; the workers, which serve no HTTP, get none."""
     after = check_injection(_fixture("lws-sglang-pd.yaml"), OPTS)
-    for lws in docs(after):
+    for lws, role in zip(docs(after), ["prefill", "decode"], strict=True):
         leader = _template(lws, "leaderTemplate")["spec"]
-        assert leader["containers"][-1]["name"] == "kvsidecar"
+        sidecar = leader["containers"][-1]
+        assert sidecar["name"] == "kvsidecar"
+        assert sidecar["args"][sidecar["args"].index("--role") + 1] == role
         assert "kvsidecar" not in _names(_template(lws, "workerTemplate")["spec"])
 
 
