@@ -8,7 +8,9 @@ TensorRT-LLM, the ``--extra_llm_api_options`` file that turns its KV events on. 
 already has a ``kvsidecar`` container gets no plan at all, so injecting twice changes nothing.
 
 The sidecar's ``--role`` (agg, prefill or decode) comes from the engine's own P/D flags or the
-pod's ``kvsidecar.io/role`` annotation (``kvsidecar.engine_role``).
+pod's ``kvsidecar.io/role`` annotation (``kvsidecar.engine_role``). An engine started by a
+shell script is read, never rewritten (``kvsidecar.engine_command``): when its command lacks
+a flag, the plan is refused with the exact words to add.
 
 Edits and their JSON Patch: ``kvsidecar.k8s_edits``; which kinds hold pod templates, and
 where: ``kvsidecar.k8s_kinds``.
@@ -18,12 +20,12 @@ from __future__ import annotations
 
 import copy
 import json
-import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvsidecar.engine_command import engine_command, engine_port, script_edit
 from kvsidecar.engine_flags import flag_value, has_flag
 from kvsidecar.engine_role import engine_role
 from kvsidecar.k8s_edits import AddKey, Append, Edit, Path, get_path
@@ -56,7 +58,6 @@ TRTLLM_OPTIONS = "kv_cache_config:\n  enable_block_reuse: true\n  event_buffer_m
 TRTLLM_BLOCK_SIZE = 32  # TensorRT-LLM's default tokens_per_block
 _WRITE_OPTIONS = f'printf "%s" "$KVSIDECAR_TRTLLM_OPTIONS" > {TRTLLM_OPTIONS_FILE}'
 _DEFAULT_PORT = {"sglang": 30000, "trtllm": 8000}
-_SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
 
 class InjectError(ValueError):
     """An object that cannot be injected, with what was found and what to do."""
@@ -202,19 +203,30 @@ class _PodPlanner:
         index, engine = self._engine_container()
         container = _containers(self.spec)[index]
         cpath: Path = ("containers", index)
-        tokens = _tokens(container)
-        self._refuse_shell(container, engine, tokens)
-        self._not_the_orchestrator(engine, tokens)
         try:
+            command = engine_command(
+                _tokens(container), lambda word: detect_engine({"command": [word]}) is engine,
+                str(engine),
+            )
+            tokens = command.words
+            self._not_the_orchestrator(engine, tokens)
             role = engine_role(str(engine), tokens, self.annotations)
+            port = engine_port(tokens, _DEFAULT_PORT[engine], container.get("env"))
+        except InjectError:
+            raise
         except ValueError as exc:
             raise InjectError(f"{self.what}: container {container.get('name')!r}: {exc}") from exc
         if role.note is not None:
             self.notes.append(f"{self.what}: {role.note}")
-        self._check_ports(engine, tokens)
+        self._check_ports(port)
         flags = self._engine_flags(engine, tokens)
+        if flags and command.script_line is not None:
+            name = str(container.get("name"))
+            raise InjectError(f"{self.what}: {script_edit(name, command.script_line, flags)}")
         shm = self._shm_volume(container, cpath)
-        if engine is Engine.TRTLLM and not has_flag(tokens, "--extra_llm_api_options"):
+        if engine is Engine.TRTLLM and flag_value(tokens, "--extra_llm_api_options") in (
+            None, TRTLLM_OPTIONS_FILE
+        ):
             self._trtllm_options(cpath)
         if flags:
             target = "args" if "args" in container else "command"
@@ -226,7 +238,7 @@ class _PodPlanner:
                 )
             for flag in flags:
                 self._append((*cpath, target), flag)
-        sidecar = self._sidecar(engine, container, tokens, shm, role.role)
+        sidecar = self._sidecar(engine, container, tokens, shm, port, role.role)
         self._append(("containers",), sidecar)
         return self.edits
 
@@ -263,19 +275,6 @@ class _PodPlanner:
             "name the one to serve with --container"
         )
 
-    def _refuse_shell(
-        self, container: Mapping[str, Any], engine: Engine, tokens: list[str]
-    ) -> None:
-        if tokens and posixpath.basename(tokens[0]) in _SHELLS and "-c" in tokens[1:3]:
-            wanted = self._engine_flags(engine, [], quiet=True)
-            raise InjectError(
-                f"{self.what}: container {container.get('name')!r} starts its engine through a "
-                f"shell ({tokens[0]} -c '...'), whose command line cannot be patched safely. "
-                "Run the engine in exec form (command: [python3, -m, sglang.launch_server, ...]) "
-                "or add these flags to the shell command yourself: "
-                + " ".join(_shell_quote(f) for f in wanted)
-            )
-
     def _not_the_orchestrator(self, engine: Engine, tokens: list[str]) -> None:
         """``trtllm-serve disaggregated`` pairs context and generation servers and holds no
         KV cache: it is no engine to put a sidecar beside."""
@@ -289,8 +288,8 @@ class _PodPlanner:
                 "generation servers get theirs)"
             )
 
-    def _check_ports(self, engine: Engine, tokens: list[str]) -> None:
-        if _engine_port(engine, tokens) == str(self.opts.sidecar_port):
+    def _check_ports(self, engine_port: str) -> None:
+        if engine_port == str(self.opts.sidecar_port):
             raise InjectError(
                 f"{self.what}: the engine listens on {self.opts.sidecar_port}, the sidecar's "
                 "port; pick another with --sidecar-port"
@@ -306,7 +305,7 @@ class _PodPlanner:
 
     # -- the engine's flags ---------------------------------------------------------------------
 
-    def _engine_flags(self, engine: Engine, tokens: list[str], quiet: bool = False) -> list[str]:
+    def _engine_flags(self, engine: Engine, tokens: list[str]) -> list[str]:
         flags: list[str] = []
         if engine is Engine.SGLANG:
             if not has_flag(tokens, "--kv-events-config"):
@@ -315,7 +314,7 @@ class _PodPlanner:
                 flags += self._hicache_flags(tokens)
         elif not has_flag(tokens, "--extra_llm_api_options"):
             flags += ["--extra_llm_api_options", TRTLLM_OPTIONS_FILE]
-        elif not quiet:
+        elif flag_value(tokens, "--extra_llm_api_options") != TRTLLM_OPTIONS_FILE:
             self.notes.append(
                 f"{self.what}: --extra_llm_api_options is already set and left as is; its file "
                 "must enable kv_cache_config.event_buffer_max_size (> 0) and enable_block_reuse"
@@ -368,9 +367,8 @@ class _PodPlanner:
 
     def _sidecar(
         self, engine: Engine, container: Mapping[str, Any], tokens: list[str], shm: str,
-        role: str,
+        port: str, role: str,
     ) -> dict[str, Any]:
-        port = _engine_port(engine, tokens)
         mounts = [{"name": shm, "mountPath": "/dev/shm"}]
         args = [
             "--engine", str(engine),
@@ -470,13 +468,3 @@ class _PodPlanner:
         created = [value]
         self._created[rel] = created
         self.edits.append(AddKey((*self.path, *rel[:-1]), key, created))
-
-
-def _engine_port(engine: Engine, tokens: list[str]) -> str:
-    return flag_value(tokens, "--port") or str(_DEFAULT_PORT[engine])
-
-
-def _shell_quote(word: str) -> str:
-    if word and all(ch.isalnum() or ch in "-_./:=" for ch in word):
-        return word
-    return "'" + word.replace("'", "'\\''") + "'"
