@@ -1,11 +1,12 @@
 """``kvsidecar inject -f deployment.yaml``: add the sidecar to existing manifests, offline.
 
-Like ``istioctl kube-inject``: every Deployment, StatefulSet, Pod (or ``kind: List`` of them,
-and the other pod-template workloads) whose pod runs SGLang or TensorRT-LLM gets the
-sidecar container, a memory-backed ``/dev/shm`` shared by both containers and the engine
-flags the sidecar needs when they are absent (``kvsidecar.k8s_patch``). Everything else in
-the file, other documents, comments and formatting included, comes out byte for byte as it
-went in (``kvsidecar.yaml_splice``); injecting twice changes nothing the second time.
+Like ``istioctl kube-inject``: every Deployment, StatefulSet, Pod, LeaderWorkerSet (its
+leader's template), ``kind: List`` of them, and the other pod-template workloads, whose pod
+runs SGLang or TensorRT-LLM gets the sidecar container, a memory-backed ``/dev/shm``
+shared by both containers and the engine flags the sidecar needs when they are absent
+(``kvsidecar.k8s_patch``). Everything else in the file, other documents, comments and
+formatting included, comes out byte for byte as it went in (``kvsidecar.yaml_splice``);
+injecting twice changes nothing the second time.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.k8s_edits import apply_edits
-from kvsidecar.k8s_patch import Engine, InjectError, InjectOptions, plan_object
+from kvsidecar.k8s_patch import Engine, InjectError, InjectOptions, describe, plan_object
 
 __all__ = ["build_parser", "inject_text", "main"]
 
@@ -100,6 +101,7 @@ def inject_text(text: str, opts: InjectOptions) -> InjectResult:
     inserts: list[yaml_splice.Insertion] = []
     messages: list[str] = []
     skipped: list[str] = []
+    seen: list[str] = []  # the objects, for a refusal that names what it found
     expected: list[Any] = []
     patched = injected = 0
     for doc in yaml_splice.parse_documents(text):
@@ -107,6 +109,7 @@ def inject_text(text: str, opts: InjectOptions) -> InjectResult:
             expected.append(doc.value)
             continue
         plan = plan_object(doc.value, opts, skip_no_engine=True)
+        seen.append(describe(doc.value))
         inserts += yaml_splice.insertions(text, doc, plan.edits)
         expected.append(apply_edits(copy.deepcopy(doc.value), plan.edits))
         messages += plan.notes
@@ -114,7 +117,10 @@ def inject_text(text: str, opts: InjectOptions) -> InjectResult:
         patched += plan.patched
         injected += plan.injected
     if patched == 0 and injected == 0:
-        found = "; ".join(skipped) if skipped else "no Pod, Deployment, StatefulSet or List"
+        found = "; ".join(skipped) or (
+            "no Pod, Deployment, StatefulSet, LeaderWorkerSet or List (found: "
+            f"{', '.join(seen) or 'no objects'})"
+        )
         raise InjectError(f"nothing to inject: {found}")
     messages += [f"left as is: {why}" for why in skipped]
     if injected:

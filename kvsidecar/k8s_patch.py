@@ -7,20 +7,30 @@ needs when they are absent, a memory-backed ``/dev/shm`` shared by both containe
 TensorRT-LLM, the ``--extra_llm_api_options`` file that turns its KV events on. A pod that
 already has a ``kvsidecar`` container gets no plan at all, so injecting twice changes nothing.
 
-Edits and their JSON Patch: ``kvsidecar.k8s_edits``.
+The sidecar's ``--role`` (agg, prefill or decode) comes from the engine's own P/D flags or the
+pod's ``kvsidecar.io/role`` annotation (``kvsidecar.engine_role``). An engine started by a
+shell script is read, never rewritten (``kvsidecar.engine_command``): when its command lacks
+a flag, the plan is refused with the exact words to add.
+
+Edits and their JSON Patch: ``kvsidecar.k8s_edits``; which kinds hold pod templates, and
+where: ``kvsidecar.k8s_kinds``.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import posixpath
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from kvsidecar.engine_command import engine_command, engine_port, script_edit
+from kvsidecar.engine_flags import flag_value, has_flag
+from kvsidecar.engine_role import engine_role
 from kvsidecar.k8s_edits import AddKey, Append, Edit, Path, get_path
+from kvsidecar.k8s_kinds import describe, pod_spec_paths, template_name, unhandled
 
 __all__ = [
     "SIDECAR_NAME",
@@ -54,11 +64,9 @@ TRTLLM_OPTIONS = "kv_cache_config:\n  enable_block_reuse: true\n  event_buffer_m
 TRTLLM_BLOCK_SIZE = 32  # TensorRT-LLM's default tokens_per_block
 _WRITE_OPTIONS = f'printf "%s" "$KVSIDECAR_TRTLLM_OPTIONS" > {TRTLLM_OPTIONS_FILE}'
 _DEFAULT_PORT = {"sglang": 30000, "trtllm": 8000, "vllm": 8000}
-_SHELLS = {"sh", "bash", "dash", "ash", "zsh"}
-# Workload kinds whose pod template sits at spec.template.spec.
-_TEMPLATED = {
-    "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job", "ReplicationController",
-}
+# `vllm serve` (any path to the vllm script); a lone `vllm` word is the one a script's
+# command line is searched for (engine_command)
+_VLLM_SERVE = re.compile(r"(?:^|[\s/])vllm(?:\s+serve\b|$)")
 
 class InjectError(ValueError):
     """An object that cannot be injected, with what was found and what to do."""
@@ -110,56 +118,35 @@ class ObjectPlan:
     skipped: tuple[str, ...] = ()  # pod specs without an engine (when told to skip them)
 
 
-def describe(obj: Mapping[str, Any]) -> str:
-    """``Deployment/name`` (or ``Pod/<generateName>*``) for messages."""
-    meta = obj.get("metadata")
-    meta = meta if isinstance(meta, Mapping) else {}
-    name = meta.get("name") or (f"{meta['generateName']}*" if meta.get("generateName") else "?")
-    return f"{obj.get('kind', '?')}/{name}"
-
-
-def pod_spec_paths(obj: Mapping[str, Any]) -> list[Path]:
-    """Where the pod specs of ``obj`` are: a Pod's ``spec``, a workload's template, a List's."""
-    kind = obj.get("kind")
-    if kind == "Pod":
-        return [("spec",)] if isinstance(obj.get("spec"), Mapping) else []
-    if kind in _TEMPLATED:
-        spec = get_path(obj, ("spec", "template", "spec"))
-        return [("spec", "template", "spec")] if isinstance(spec, Mapping) else []
-    if kind == "CronJob":
-        path: Path = ("spec", "jobTemplate", "spec", "template", "spec")
-        return [path] if isinstance(get_path(obj, path), Mapping) else []
-    if isinstance(kind, str) and kind.endswith("List") and isinstance(obj.get("items"), list):
-        return [
-            ("items", i, *inner)
-            for i, item in enumerate(obj["items"])
-            if isinstance(item, Mapping)
-            for inner in pod_spec_paths(item)
-        ]
-    return []
-
-
 def plan_object(
     obj: Mapping[str, Any], opts: InjectOptions, skip_no_engine: bool = False
 ) -> ObjectPlan:
     """The edits that inject the sidecar into every pod spec of ``obj`` (none: nothing to do).
 
     Raises ``InjectError`` for a pod spec whose engine container cannot be found or patched
-    (``NoEngineError`` when none was found; with ``skip_no_engine`` that spec is only listed
-    in ``skipped``).
+    (``NoEngineError`` when none was found), and for pod templates of a kind or shape it
+    does not inject (``kvsidecar.k8s_kinds.unhandled``); with ``skip_no_engine`` both are
+    only listed in ``skipped``.
     """
     edits: list[Edit] = []
     notes: list[str] = []
     skipped: list[str] = []
     patched = injected = 0
+    for why in unhandled(obj):
+        if not skip_no_engine:
+            raise InjectError(why)
+        skipped.append(why)
     for path in pod_spec_paths(obj):
         spec = get_path(obj, path)
         what = describe(get_path(obj, path[:2]) if path[0] == "items" else obj)
+        if (template := template_name(path)) is not None:
+            what += f" {template}"
         if is_injected(spec):
             injected += 1
             continue
         try:
-            planner = _PodPlanner(spec, path, opts, what)
+            meta = get_path(obj, path[:-1]).get("metadata")
+            planner = _PodPlanner(spec, path, opts, what, _annotations(meta, what))
             edits += planner.plan()
         except NoEngineError as exc:
             if not skip_no_engine:
@@ -169,6 +156,16 @@ def plan_object(
         notes += planner.notes
         patched += 1
     return ObjectPlan(tuple(edits), tuple(notes), patched, injected, tuple(skipped))
+
+
+def _annotations(meta: Any, what: str) -> Mapping[str, Any]:
+    """The pod's (or pod template's) annotations, checked to be an object."""
+    found = meta.get("annotations") if isinstance(meta, Mapping) else None
+    if found is None:
+        return {}
+    if not isinstance(found, Mapping):
+        raise InjectError(f"{what}: metadata.annotations must be an object, got {found!r:.60}")
+    return found
 
 
 def is_injected(spec: Mapping[str, Any]) -> bool:
@@ -195,8 +192,7 @@ def detect_engine(container: Mapping[str, Any]) -> Engine | None:
     image = str(container.get("image", ""))
     if (
         "vllm.entrypoints.openai.api_server" in words
-        or (tokens[:1] != [] and posixpath.basename(tokens[0]) == "vllm"
-            and tokens[1:2] == ["serve"])
+        or _VLLM_SERVE.search(words)  # vllm serve ..., in exec form or inside a script
         or "vllm/vllm-openai" in image
     ):
         return Engine.VLLM
@@ -204,19 +200,6 @@ def detect_engine(container: Mapping[str, Any]) -> Engine | None:
         return Engine.SGLANG
     if "trtllm-serve" in words or "nvcr.io/nvidia/tensorrt-llm" in image:
         return Engine.TRTLLM
-    return None
-
-
-def has_flag(tokens: Sequence[str], flag: str) -> bool:
-    return any(t == flag or t.startswith(flag + "=") for t in tokens)
-
-
-def flag_value(tokens: Sequence[str], flag: str) -> str | None:
-    for i, token in enumerate(tokens):
-        if token == flag and i + 1 < len(tokens):
-            return tokens[i + 1]
-        if token.startswith(flag + "="):
-            return token.split("=", 1)[1]
     return None
 
 
@@ -228,6 +211,7 @@ class _PodPlanner:
     path: Path
     opts: InjectOptions
     what: str
+    annotations: Mapping[str, Any] = field(default_factory=dict)
     edits: list[Edit] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     _created: dict[Path, list[Any]] = field(default_factory=dict)
@@ -236,12 +220,30 @@ class _PodPlanner:
         index, engine = self._engine_container()
         container = _containers(self.spec)[index]
         cpath: Path = ("containers", index)
-        tokens = _tokens(container)
-        self._refuse_shell(container, engine, tokens)
-        self._check_ports(engine, tokens)
+        try:
+            command = engine_command(
+                _tokens(container), lambda word: detect_engine({"command": [word]}) is engine,
+                str(engine),
+            )
+            tokens = command.words
+            self._not_the_orchestrator(engine, tokens)
+            role = engine_role(str(engine), tokens, self.annotations)
+            port = engine_port(tokens, _DEFAULT_PORT[engine], container.get("env"))
+        except InjectError:
+            raise
+        except ValueError as exc:
+            raise InjectError(f"{self.what}: container {container.get('name')!r}: {exc}") from exc
+        if role.note is not None:
+            self.notes.append(f"{self.what}: {role.note}")
+        self._check_ports(port)
         flags = self._engine_flags(engine, tokens)
+        if flags and command.script_line is not None:
+            name = str(container.get("name"))
+            raise InjectError(f"{self.what}: {script_edit(name, command.script_line, flags)}")
         shm = self._shm_volume(container, cpath)
-        if engine is Engine.TRTLLM and not has_flag(tokens, "--extra_llm_api_options"):
+        if engine is Engine.TRTLLM and flag_value(tokens, "--extra_llm_api_options") in (
+            None, TRTLLM_OPTIONS_FILE
+        ):
             self._trtllm_options(cpath)
         if flags:
             target = "args" if "args" in container else "command"
@@ -253,7 +255,7 @@ class _PodPlanner:
                 )
             for flag in flags:
                 self._append((*cpath, target), flag)
-        sidecar = self._sidecar(engine, container, tokens, shm)
+        sidecar = self._sidecar(engine, container, tokens, shm, port, role.role)
         self._append(("containers",), sidecar)
         return self.edits
 
@@ -291,21 +293,21 @@ class _PodPlanner:
             "name the one to serve with --container"
         )
 
-    def _refuse_shell(
-        self, container: Mapping[str, Any], engine: Engine, tokens: list[str]
-    ) -> None:
-        if tokens and posixpath.basename(tokens[0]) in _SHELLS and "-c" in tokens[1:3]:
-            wanted = self._engine_flags(engine, [], quiet=True)
-            raise InjectError(
-                f"{self.what}: container {container.get('name')!r} starts its engine through a "
-                f"shell ({tokens[0]} -c '...'), whose command line cannot be patched safely. "
-                "Run the engine in exec form (command: [python3, -m, sglang.launch_server, ...]) "
-                "or add these flags to the shell command yourself: "
-                + " ".join(_shell_quote(f) for f in wanted)
+    def _not_the_orchestrator(self, engine: Engine, tokens: list[str]) -> None:
+        """``trtllm-serve disaggregated`` pairs context and generation servers and holds no
+        KV cache: it is no engine to put a sidecar beside."""
+        serve = next((i for i, t in enumerate(tokens) if "trtllm-serve" in t), None)
+        if engine is Engine.TRTLLM and serve is not None and tokens[serve + 1:serve + 2] == [
+            "disaggregated"
+        ]:
+            raise NoEngineError(
+                f"{self.what}: it runs trtllm-serve disaggregated, TensorRT-LLM's P/D "
+                "orchestrator, which holds no KV cache and needs no sidecar (its context and "
+                "generation servers get theirs)"
             )
 
-    def _check_ports(self, engine: Engine, tokens: list[str]) -> None:
-        if _engine_port(engine, tokens) == str(self.opts.sidecar_port):
+    def _check_ports(self, engine_port: str) -> None:
+        if engine_port == str(self.opts.sidecar_port):
             raise InjectError(
                 f"{self.what}: the engine listens on {self.opts.sidecar_port}, the sidecar's "
                 "port; pick another with --sidecar-port"
@@ -321,7 +323,7 @@ class _PodPlanner:
 
     # -- the engine's flags ---------------------------------------------------------------------
 
-    def _engine_flags(self, engine: Engine, tokens: list[str], quiet: bool = False) -> list[str]:
+    def _engine_flags(self, engine: Engine, tokens: list[str]) -> list[str]:
         flags: list[str] = []
         if engine is Engine.SGLANG:
             if not has_flag(tokens, "--kv-events-config"):
@@ -335,7 +337,7 @@ class _PodPlanner:
                 flags += ["--enable-prompt-tokens-details"]
         elif not has_flag(tokens, "--extra_llm_api_options"):
             flags += ["--extra_llm_api_options", TRTLLM_OPTIONS_FILE]
-        elif not quiet:
+        elif flag_value(tokens, "--extra_llm_api_options") != TRTLLM_OPTIONS_FILE:
             self.notes.append(
                 f"{self.what}: --extra_llm_api_options is already set and left as is; its file "
                 "must enable kv_cache_config.event_buffer_max_size (> 0) and enable_block_reuse"
@@ -387,15 +389,16 @@ class _PodPlanner:
         self._append(("volumes",), volume)
 
     def _sidecar(
-        self, engine: Engine, container: Mapping[str, Any], tokens: list[str], shm: str
+        self, engine: Engine, container: Mapping[str, Any], tokens: list[str], shm: str,
+        port: str, role: str,
     ) -> dict[str, Any]:
-        port = _engine_port(engine, tokens)
         mounts = [{"name": shm, "mountPath": "/dev/shm"}]
         args = [
             "--engine", str(engine),
             "--engine-url", f"http://127.0.0.1:{port}",
             "--host", "0.0.0.0",
             "--port", str(self.opts.sidecar_port),
+            "--role", role,
         ]
         if engine is Engine.TRTLLM:
             args += ["--block-size", str(TRTLLM_BLOCK_SIZE)]
@@ -492,13 +495,3 @@ class _PodPlanner:
         created = [value]
         self._created[rel] = created
         self.edits.append(AddKey((*self.path, *rel[:-1]), key, created))
-
-
-def _engine_port(engine: Engine, tokens: list[str]) -> str:
-    return flag_value(tokens, "--port") or str(_DEFAULT_PORT[engine])
-
-
-def _shell_quote(word: str) -> str:
-    if word and all(ch.isalnum() or ch in "-_./:=" for ch in word):
-        return word
-    return "'" + word.replace("'", "'\\''") + "'"

@@ -5,14 +5,17 @@ An HTTPS server (TLS 1.2+) that the API server calls with an ``admission.k8s.io/
 label (``--label kvsidecar.io/inject=enabled``) gets the same edits ``kvsidecar inject``
 makes (``kvsidecar.k8s_patch``), answered as a base64 JSON Patch; any other Pod, one that
 already has the sidecar, and any other operation are allowed unchanged. A Pod that opted in
-but cannot be patched (no engine container, its engine started through a shell) is denied
-with the reason, so it never starts without the sidecar it asked for. A body that is not an
+but cannot be patched (no engine container, an engine started by a shell script that lacks
+the KV-event flags, with the exact flags to add) is denied with the reason, so it never
+starts without the sidecar it asked for. A body that is not an
 AdmissionReview is a 400 with an OpenAI-shaped error. ``GET /healthz`` answers 200;
 ``GET /metrics`` counts reviews by outcome.
 
 Per pod, annotations override the webhook's flags: ``kvsidecar.io/container`` (the engine's
 container), ``kvsidecar.io/engine`` (``sglang`` or ``trtllm``) and
 ``kvsidecar.io/store-capacity-bytes`` (a host-tier store, SGLang's HiCache backend on it).
+``kvsidecar.io/role`` (the sidecar's P/D role, otherwise read off the engine's flags) is read
+by the plan itself, so ``kvsidecar inject`` honours it on pod templates too.
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ async def test_pods_not_opted_in_pass(session: aiohttp.ClientSession, webhook: W
 
 async def test_unpatchable_pod_is_denied(session: aiohttp.ClientSession, webhook: Webhook) -> None:
     """An opted-in Pod without an engine, with containers that are not a list, or with its
-    engine behind `sh -c`, is denied with the reason; an annotation naming its container
-    lets the first through."""
+    engine behind `sh -c` lacking the KV-event flags, is denied with the reason; an
+    annotation naming its container lets the first through, the flags the denial names
+    the last."""
     pod = _template_pod("sglang-deployment.yaml", "Deployment")
     container = pod["spec"]["containers"][0]
     container.update(image="corp/llm:7", command=["python3", "-m", "corp.serve"])
@@ -179,10 +180,18 @@ async def test_unpatchable_pod_is_denied(session: aiohttp.ClientSession, webhook
     assert "containers must be a list" in response["status"]["message"]
 
     shell = _template_pod("sglang-deployment.yaml", "Deployment")
-    args = " ".join(shell["spec"]["containers"][0].pop("args"))
-    shell["spec"]["containers"][0]["command"] = ["sh", "-c", f"python3 -m {args}"]
+    container = shell["spec"]["containers"][0]
+    container["command"] = ["sh", "-c", " ".join([*container["command"], *container.pop("args")])]
     response = await _admit(session, webhook, _review(shell))
-    assert response["allowed"] is False and "shell" in response["status"]["message"]
+    assert response["allowed"] is False and "shell script" in response["status"]["message"]
+
+    # Refused once: the script with the words the message gives is admitted, unchanged.
+    words = response["status"]["message"].split("`: ", 1)[1].split(" (then", 1)[0]
+    container["command"][2] += " " + words
+    patched = _patched(shell, await _admit(session, webhook, _review(shell)))
+    validate_object(patched)
+    assert patched["spec"]["containers"][0]["command"] == container["command"]
+    assert patched["spec"]["containers"][1]["name"] == "kvsidecar"
 
 
 async def test_store_annotation(session: aiohttp.ClientSession, webhook: Webhook) -> None:

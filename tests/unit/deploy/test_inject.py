@@ -3,70 +3,29 @@ patched by insertion only, every object valid against the Kubernetes schema, twi
 
 from __future__ import annotations
 
-import difflib
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import jsonpatch
 import pytest
 import yaml
 
 from kvsidecar.inject import inject_text
-from kvsidecar.k8s_edits import json_patch
-from kvsidecar.k8s_patch import SGLANG_KV_EVENTS, Engine, InjectError, InjectOptions, plan_object
-from tests.support.k8s import pod_specs, validate_object
+from kvsidecar.k8s_patch import SGLANG_KV_EVENTS, Engine, InjectError, InjectOptions
+from tests.support.inject_checks import check_injection, docs, inserted_lines
+from tests.support.k8s import pod_specs
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = ROOT / "deploy" / "examples"
 OPTS = InjectOptions(sidecar_image="registry.example/kvsidecar:0.1.0")
 
 
-def _inserted_lines(before: str, after: str, flow: tuple[str, ...] = ()) -> list[str]:
-    """The lines ``after`` adds to ``before``; fails if any line of ``before`` changed, but
-    for the lines in ``flow``, which may only gain text before their closing brackets."""
-    a, b = before.splitlines(keepends=True), after.splitlines(keepends=True)
-    added: list[str] = []
-    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
-        if tag == "replace" and i2 - i1 == j2 - j1:
-            for old, new in zip(a[i1:i2], b[j1:j2], strict=True):
-                assert old.rstrip("\r\n") in flow, f"changed {old!r} into {new!r}"
-                head = old.rstrip("]}\r\n")
-                assert new.startswith(head) and new.endswith(old[len(head):]), (old, new)
-            continue
-        assert tag in ("equal", "insert"), f"changed {a[i1:i2]!r} into {b[j1:j2]!r}"
-        if tag == "insert":
-            added += b[j1:j2]
-    return added
-
-
-def _docs(text: str) -> list[Any]:
-    return [d for d in yaml.safe_load_all(text) if d is not None]
-
-
-def _expected(before: str, opts: InjectOptions = OPTS) -> list[Any]:
-    """What the documents must be: the originals with the plan's JSON Patch applied."""
-    return [
-        jsonpatch.apply_patch(d, json_patch(plan_object(d, opts, skip_no_engine=True).edits))
-        for d in _docs(before)
-    ]
-
-
 def _check(
     before: str, opts: InjectOptions = OPTS, block: bool = True, flow: tuple[str, ...] = ()
 ) -> str:
-    """Inject, and check everything that must hold of any injection; the output text."""
-    after = inject_text(before, opts).text
-    if block:
-        _inserted_lines(before, after, flow)
-    docs = _docs(after)
-    assert docs == _expected(before, opts), "the text edits and the JSON Patch disagree"
-    for doc in docs:
-        validate_object(doc)
-    assert inject_text(after, opts).text == after, "a second injection changed the text"
-    return after
+    return check_injection(before, opts, block, flow)
 
 
 def _engine(doc: dict[str, Any]) -> dict[str, Any]:
@@ -83,8 +42,8 @@ class TestExamples:
         Service and every comment pass through."""
         before = (EXAMPLES / "sglang-deployment.yaml").read_text()
         after = _check(before)
-        deployment, service = _docs(after)
-        assert service == _docs(before)[1]
+        deployment, service = docs(after)
+        assert service == docs(before)[1]
         assert after.split("\n---\n")[1] == before.split("\n---\n")[1]
         engine, sidecar = _engine(deployment), _sidecar(deployment)
         assert engine["args"][-2:] == ["--kv-events-config", SGLANG_KV_EVENTS]
@@ -104,9 +63,9 @@ class TestExamples:
         with KV events on, written by an init container; its ConfigMap passes through."""
         before = (EXAMPLES / "trtllm-deployment.yaml").read_text()
         after = _check(before)
-        config_map, statefulset = _docs(after)
+        config_map, statefulset = docs(after)
         assert after.startswith(before.split("\n---\n")[0] + "\n---\n")
-        assert config_map == _docs(before)[0]
+        assert config_map == docs(before)[0]
         engine, sidecar = _engine(statefulset), _sidecar(statefulset)
         assert engine["command"][-2:] == ["--extra_llm_api_options",
                                           "/etc/kvsidecar/trtllm-extra.yml"]
@@ -124,7 +83,7 @@ class TestExamples:
         under /dev/shm which both containers mount."""
         before = (EXAMPLES / "sglang-deployment.yaml").read_text()
         opts = InjectOptions(store_capacity_bytes="16GiB", sidecar_args=("--model-id", "llama"))
-        deployment = _docs(_check(before, opts))[0]
+        deployment = docs(_check(before, opts))[0]
         args, sidecar = _engine(deployment)["args"], _sidecar(deployment)["args"]
         assert "--enable-hierarchical-cache" in args
         assert args[args.index("--hicache-storage-backend") + 1] == "dynamic"
@@ -224,7 +183,7 @@ class TestStyles:
         --port=N sets the engine URL; the comment stays in place."""
         after = _check(POD_INDENTLESS)
         assert "    # trailing comment inside the list\n  restartPolicy: Always\n" in after
-        assert "http://127.0.0.1:31000" in _sidecar(_docs(after)[0])["args"]
+        assert "http://127.0.0.1:31000" in _sidecar(docs(after)[0])["args"]
 
     def test_flow_style(self) -> None:
         """Flow collections get their new entries before the closing bracket, the rest of
@@ -238,14 +197,14 @@ class TestStyles:
         """A JSON manifest stays JSON."""
         before = json.dumps(yaml.safe_load(POD_FLOW), indent=2) + "\n"
         after = _check(before, block=False)
-        assert json.loads(after) == _docs(after)[0]
+        assert json.loads(after) == docs(after)[0]
 
     def test_list_with_other_workloads_and_existing_shm(self) -> None:
         """In a List only the engine's Deployment is patched; its own /dev/shm volume is
         reused rather than a second one added; a literal block ending the container stays."""
         after = _check(LIST, flow=("              command: [trtllm-serve, /models/m]",))
-        gateway, trt = _docs(after)[0]["items"]
-        assert gateway == _docs(LIST)[0]["items"][0]
+        gateway, trt = docs(after)[0]["items"]
+        assert gateway == docs(LIST)[0]["items"][0]
         spec = pod_specs(trt)[0]
         assert [v["name"] for v in spec["volumes"]] == ["shm", "kvsidecar-config"]
         assert {"name": "shm", "mountPath": "/dev/shm"} in _sidecar(trt)["volumeMounts"]
@@ -255,14 +214,14 @@ class TestStyles:
         """--container picks the engine in the workloads that have it; the others pass."""
         opts = InjectOptions(container="trt")
         after = _check(LIST, opts, flow=("              command: [trtllm-serve, /models/m]",))
-        assert _docs(after)[0]["items"][0] == _docs(LIST)[0]["items"][0]
+        assert docs(after)[0]["items"][0] == docs(LIST)[0]["items"][0]
         assert any("gateway" in m for m in inject_text(LIST, opts).messages)
 
     def test_crlf_and_no_final_newline(self) -> None:
         """A CRLF file gets CRLF lines; a file without a final newline is still parsed right."""
         before = POD_INDENTLESS.replace("\n", "\r\n").rstrip("\r\n")
         after = _check(before, block=False)
-        _inserted_lines(before + "\r\n", after)  # the last line gains its line break
+        inserted_lines(before + "\r\n", after)  # the last line gains its line break
         assert "\n" not in after.replace("\r\n", "")
 
     def test_flags_already_there_are_not_repeated(self) -> None:
@@ -271,7 +230,7 @@ class TestStyles:
             "    - --port=31000\n", "    - --port=31000\n    - --kv-events-config={}\n"
         )
         after = _check(before)
-        command = _engine(_docs(after)[0])["command"]
+        command = _engine(docs(after)[0])["command"]
         assert [t for t in command if t.startswith("--kv-events-config")] == [
             "--kv-events-config={}"
         ]
