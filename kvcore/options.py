@@ -5,7 +5,8 @@ help and group (the metadata). ``OptionParser.add_options(cls)`` turns those fie
 flags, so a default, a choice list or a conversion is written in one place, and
 ``OptionParser.build(cls, args)`` makes the dataclass from the parsed flags: the field's type
 says how (``Path``, an ``Enum`` by value, ``tuple[X, ...]`` from a repeated flag, ``X | None``
-for a flag that may be absent, ``bool`` from a switch).
+for a flag that may be absent, ``bool`` from a switch). An option without a default is
+required: on the command line or in the config file.
 
 ``--config FILE`` reads the same options from TOML. Its keys are field names or flag names,
 with dashes or underscores; its values, checked as the flags' are, become the flags' defaults,
@@ -22,7 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, Literal, TypeVar, overload
 
 __all__ = ["OptionParser", "option"]
 
@@ -40,25 +41,69 @@ class _Meta:
     metavar: str | None
     parse: Callable[[str], object] | None
     default_text: str | None
+    aliases: tuple[str, ...]
+    choices: tuple[object, ...] | None
+    required: bool
 
 
+@overload
 def option(
     default: _T,
     *,
     help: str,
     group: str,
     flag: str | None = None,
+    aliases: Iterable[str] = (),
     metavar: str | None = None,
     parse: Callable[[str], object] | None = None,
+    choices: Iterable[object] | None = None,
     default_text: str | None = None,
-) -> _T:
-    """A dataclass field that is also a flag, ``--<name-with-dashes>`` unless ``flag`` says.
+) -> _T: ...
+@overload
+def option(
+    *,
+    required: Literal[True],
+    help: str,
+    group: str,
+    flag: str | None = None,
+    aliases: Iterable[str] = (),
+    metavar: str | None = None,
+    parse: Callable[[str], object] | None = None,
+    choices: Iterable[object] | None = None,
+) -> Any: ...
+
+
+def option(
+    default: object = dataclasses.MISSING,
+    *,
+    help: str,
+    group: str,
+    flag: str | None = None,
+    aliases: Iterable[str] = (),
+    metavar: str | None = None,
+    parse: Callable[[str], object] | None = None,
+    choices: Iterable[object] | None = None,
+    default_text: str | None = None,
+    required: bool = False,
+) -> Any:
+    """A dataclass field that is also a flag, ``--<name-with-dashes>`` unless ``flag`` says;
+    ``aliases`` are more spellings of it (a flag renamed, its old name kept working).
 
     ``parse`` converts one command-line string when the field's type alone cannot (a URL into
-    an address); its ``ValueError`` becomes an argparse error naming the flag. The help gets
+    an address, "4GiB" into an int); its ``ValueError`` becomes an argparse error naming the
+    flag. ``choices`` are the values allowed where the type cannot say (a ``str`` from a
+    table's keys); an ``Enum`` field has its members' values already. The help gets
     "(default X)" from ``default``, or "(default: <default_text>)" where the default needs
-    words (None meaning "learned", "unlimited"). A ``bool`` is a switch, off by default."""
-    meta = _Meta(help, group, flag, metavar, parse, default_text)
+    words (None meaning "learned", "unlimited"). A ``bool`` is a switch, off by default.
+
+    ``required=True``, given instead of a default, makes a field without one: code that builds
+    the dataclass must give it, and so must the command line or a ``--config`` file."""
+    if required == (default is not dataclasses.MISSING):
+        raise TypeError("an option has a default or is required=True, one of the two")
+    meta = _Meta(help, group, flag, metavar, parse, default_text, tuple(aliases),
+                 None if choices is None else tuple(choices), required)
+    if required:
+        return dataclasses.field(metadata={_KEY: meta})
     return dataclasses.field(default=default, metadata={_KEY: meta})
 
 
@@ -75,9 +120,14 @@ class _Spec:
     meta: _Meta
 
     @property
+    def flags(self) -> tuple[str, ...]:
+        """Its option strings: the flag, then its aliases."""
+        return (self.flag, *self.meta.aliases)
+
+    @property
     def raw_default(self) -> object:
         """The default as argparse holds it (the command line's form: enum values, strings)."""
-        if self.repeat:
+        if self.repeat or self.meta.required:
             return None
         if isinstance(self.default, enum.Enum):
             return self.default.value
@@ -111,7 +161,9 @@ class _Spec:
 
     def _file_scalar(self, value: object) -> object:
         kind = self.kind
-        if kind is bool:
+        if self.meta.parse is not None and isinstance(value, str):
+            ok = True  # what a flag would get; parse checks it below
+        elif kind is bool:
             ok = isinstance(value, bool)
         elif kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
@@ -122,9 +174,12 @@ class _Spec:
         else:
             ok = isinstance(value, str)
         if not ok:
-            raise ValueError(f"expected {_kind_name(kind)}, got {value!r}")
-        if isinstance(kind, type) and issubclass(kind, enum.Enum) and self.meta.parse is None:
-            choices = [m.value for m in kind]
+            expected = _kind_name(kind)
+            if self.meta.parse is not None and expected != "a string":
+                expected += " or a string"  # "4GiB" as well as 4294967296
+            raise ValueError(f"expected {expected}, got {value!r}")
+        choices = self.choices
+        if choices is not None and self.meta.parse is None:
             if value not in choices:
                 raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {value!r}")
         else:
@@ -132,8 +187,19 @@ class _Spec:
         return value
 
     @property
+    def choices(self) -> tuple[object, ...] | None:
+        """The raw values allowed: ``choices=``'s, or an ``Enum``'s members' values."""
+        if self.meta.choices is not None:
+            return self.meta.choices
+        if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
+            return tuple(m.value for m in self.kind)
+        return None
+
+    @property
     def help(self) -> str:
         text = self.meta.help.replace("%", "%%")  # argparse %-formats help strings
+        if self.meta.required:
+            return text  # argparse's usage line shows it without brackets
         if self.meta.default_text is not None:
             return f"{text} (default: {self.meta.default_text})".lstrip()
         if self.default is None or self.default is False or self.default == ():
@@ -165,7 +231,7 @@ def _specs(cls: type) -> tuple[_Spec, ...]:
         meta = f.metadata.get(_KEY)
         if meta is None:
             continue
-        if f.default is dataclasses.MISSING:
+        if f.default is dataclasses.MISSING and not meta.required:
             raise TypeError(f"{cls.__name__}.{f.name}: an option needs a default")
         kind, optional, repeat = _shape(hints[f.name])
         spec = _Spec(f.name, meta.flag or "--" + f.name.replace("_", "-"), kind, optional,
@@ -199,7 +265,9 @@ def _check(cls: type, spec: _Spec) -> None:
         raise TypeError(f"{where}: give parse= to read a {spec.kind!r} from the command line")
     if spec.kind is bool and (spec.default is not False or spec.repeat):
         raise TypeError(f"{where}: a bool option is a switch, off by default")
-    if spec.repeat and spec.default != ():
+    if spec.meta.choices is not None and (is_enum or spec.kind is bool):
+        raise TypeError(f"{where}: an Enum's or a switch's choices are its own")
+    if spec.repeat and spec.default != () and not spec.meta.required:
         raise TypeError(f"{where}: a repeated option's default is ()")
 
 
@@ -246,21 +314,21 @@ class OptionParser(argparse.ArgumentParser):
             if group is None:
                 group = self._groups[spec.meta.group] = self.add_argument_group(spec.meta.group)
             kwargs: dict[str, Any] = {"dest": spec.name, "default": spec.raw_default,
-                                      "help": spec.help}
+                                      "help": spec.help, "required": spec.meta.required}
             if spec.kind is bool:
                 kwargs["action"] = "store_true"
             else:
                 if spec.repeat:
                     kwargs["action"] = _Repeat
-                if isinstance(spec.kind, type) and issubclass(spec.kind, enum.Enum):
-                    kwargs["choices"] = [m.value for m in spec.kind]
-                elif spec.kind in (int, float):
+                if spec.choices is not None:
+                    kwargs["choices"] = list(spec.choices)
+                if spec.kind in (int, float) and spec.meta.parse is None:
                     kwargs["type"] = spec.kind
                 if spec.meta.metavar is not None:
                     kwargs["metavar"] = spec.meta.metavar
-            group.add_argument(spec.flag, **kwargs)
+            group.add_argument(*spec.flags, **kwargs)
             self._specs[spec.name] = spec
-            for key in (spec.name, spec.flag.lstrip("-").replace("-", "_")):
+            for key in (spec.name, *(f.lstrip("-").replace("-", "_") for f in spec.flags)):
                 self._keys[key] = spec.name
 
     def build(self, cls: type[_T], args: argparse.Namespace, **given: object) -> _T:
@@ -295,7 +363,11 @@ class OptionParser(argparse.ArgumentParser):
         argv = None if args is None else list(args)
         path = self._config_path(argv)
         if path is not None:
-            self.set_defaults(**self._read(path))
+            defaults = self._read(path)
+            self.set_defaults(**defaults)
+            for action in self._actions:
+                if action.dest in defaults:
+                    action.required = False  # the file gave it
         return super().parse_known_args(argv, namespace)
 
     def _config_path(self, argv: list[str] | None) -> str | None:

@@ -214,7 +214,7 @@ class Bench:
         store = ManagedProcess.start("store", [
             "shm", "--owner-id", f"bt{uuid.uuid4().hex[:8]}", "--socket", str(socket),
             "--capacity-bytes", str(cap), "--block-bytes", str(self.page_bytes),
-            "--remote-url", self.redis.url, "--remote-scope", SCOPE, *tiers,
+            "--remote-tier-url", self.redis.url, "--remote-scope", SCOPE, *tiers,
             "--log-level", "warning"], workdir=self.workdir)
         store.wait_ready(60)
         return store
@@ -222,8 +222,8 @@ class Bench:
     def start_store_a(self) -> ManagedProcess:
         """The first replica's store: disk and remote (written through) below it."""
         cap = self.slots * self.page_bytes
-        return self.start_store(self.socket, "--disk-dir", str(self.disk_dir),
-                                "--disk-capacity-bytes", str(4 * (cap + self.pages * 4096)))
+        return self.start_store(self.socket, "--disk-tier-dir", str(self.disk_dir),
+                                "--disk-tier-capacity-bytes", str(4 * (cap + self.pages * 4096)))
 
     async def settle(self, store: BlockStoreClient) -> None:
         """Until the remote tier's writes are done."""

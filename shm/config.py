@@ -1,20 +1,27 @@
-"""The block store owner's typed configuration, and its command-line form."""
+"""The block store owner's typed configuration, and its command-line form: each field below is
+one flag of ``python -m shm`` (``kvsidecar shm``), declared once with ``kvcore.options``."""
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvcore.layout import DTYPE_BYTES, LayoutKind
+from kvcore.options import OptionParser, option
 from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 from shm.segment import check_owner_id
 
-__all__ = ["OwnerConfig"]
+__all__ = ["OwnerConfig", "owner_parser"]
 
 LAYOUTS = tuple(kind.value for kind in LayoutKind)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+REMOTE_WRITES = ("through", "evict")
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
           "gib": 1 << 30}
+_STORE = "block store"
+_RUN = "process"
+_TIERS = "tiers below the store (flags named as the sidecar's)"
 
 
 def parse_bytes(text: str) -> int:
@@ -31,24 +38,59 @@ def parse_bytes(text: str) -> int:
 class OwnerConfig:
     """What one block store owner needs; ``num_slots`` follows from the two sizes."""
 
-    owner_id: str
-    socket_path: Path
-    capacity_bytes: int
-    block_bytes: int
-    dtype: str = "uint8"
-    layout: str = "raw"
-    worker_id: str | None = None
-    ready_file: Path | None = None
-    log_level: str = "info"
-    sched_batch: bool = False
-    grant_fraction: float = 0.25
-    disk_dir: Path | None = None  # the disk tier below the store (``shm.disk_tier``)
-    disk_capacity_bytes: int = 0
+    owner_id: str = option(required=True, group=_STORE, metavar="ID",
+                           help="unique id on this host, part of every segment name")
+    socket_path: Path = option(required=True, group=_STORE, flag="--socket", metavar="PATH",
+                               help="Unix socket path for the control channel")
+    capacity_bytes: int = option(required=True, group=_STORE, parse=parse_bytes,
+                                 metavar="SIZE",
+                                 help="byte budget for blocks, e.g. 256MiB (sets the slot count)")
+    block_bytes: int = option(required=True, group=_STORE, parse=parse_bytes, metavar="SIZE",
+                              help="bytes per block, e.g. 256KiB")
+    dtype: str = option("uint8", group=_STORE, choices=sorted(DTYPE_BYTES),
+                        help="element type of a block")
+    layout: str = option("raw", group=_STORE, choices=LAYOUTS,
+                         help="block layout name recorded in the header")
+    worker_id: str | None = option(None, group=_STORE, metavar="ID", default_text="the owner id",
+                                   help="worker id in host-tier events")
+    grant_fraction: float = option(
+        0.25, group=_STORE, metavar="F",
+        help="share of the slots the owner may grant writers ahead of their puts, so that a "
+        "put copies while its slots are claimed instead of after a reserve round trip (0 turns "
+        "write-ahead grants off; a granted slot holds no block)")
+    ready_file: Path | None = option(None, group=_RUN, metavar="PATH",
+                                     help="also write the ready line to this file")
+    log_level: str = option("info", group=_RUN, choices=LOG_LEVELS,
+                            help="the least severe log records written to stderr")
+    sched_batch: bool = option(
+        False, group=_RUN,
+        help="run the owner under Linux SCHED_BATCH, so that a client's one-way frames "
+        "(Release, Publish) do not preempt the client when both share a CPU; the owner "
+        "handles them once the client waits for a reply. Off by default: it helps single-CPU "
+        "placements and costs small batches across CPUs")
+    disk_dir: Path | None = option(  # the disk tier below the store (``shm.disk_tier``)
+        None, group=_TIERS, flag="--disk-tier-dir", aliases=("--disk-dir",), metavar="DIR",
+        default_text="none",
+        help="keep blocks evicted from shared memory in this directory (the disk tier: a get "
+        "that misses in shared memory reads them back; they survive a restart and are "
+        "announced as tier 'disk')")
+    disk_capacity_bytes: int = option(
+        0, group=_TIERS, flag="--disk-tier-capacity-bytes", aliases=("--disk-capacity-bytes",),
+        parse=parse_bytes, metavar="SIZE", default_text="none",
+        help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)")
     # The remote tier (``shm.remote_tier``): a Redis-protocol store's URL, the scope its
-    # keys live under (the model), and when blocks are written ("through" or "evict").
-    remote_url: str | None = None
-    remote_scope: str = "default"
-    remote_write: str = "through"
+    # keys live under (the model), and when blocks are written.
+    remote_url: str | None = option(
+        None, group=_TIERS, flag="--remote-tier-url", aliases=("--remote-url",), metavar="URL",
+        help="a Redis-protocol store shared by every replica of the model (the remote tier), "
+        "e.g. redis://cache:6379/0: blocks are written to it, gets that miss below read them "
+        "back, and what it holds is announced as tier 'remote'")
+    remote_scope: str = option("default", group=_TIERS, metavar="NAME", default_text="'default'",
+                               help="what the remote tier's keys are scoped by (the model)")
+    remote_write: str = option(
+        "through", group=_TIERS, flag="--remote-tier-write", aliases=("--remote-write",),
+        choices=REMOTE_WRITES,
+        help="write every block committed (through) or only those evicted (evict)")
 
     def __post_init__(self) -> None:
         check_owner_id(self.owner_id)
@@ -74,7 +116,7 @@ class OwnerConfig:
                              f"{self.disk_capacity_bytes}")
         if self.disk_dir is None and self.disk_capacity_bytes:
             raise ValueError("a disk tier capacity needs a disk tier directory")
-        if self.remote_write not in ("through", "evict"):
+        if self.remote_write not in REMOTE_WRITES:
             raise ValueError(f"remote write policy must be 'through' or 'evict', got "
                              f"{self.remote_write!r}")
         if self.remote_url is not None and not self.remote_url.startswith(
@@ -98,85 +140,23 @@ class OwnerConfig:
         return self.worker_id or self.owner_id
 
     @classmethod
-    def from_args(cls, argv: list[str] | None, prog: str = "python -m shm") -> OwnerConfig:
-        parser = argparse.ArgumentParser(
-            prog=prog,
-            description=(
-                "Run a shared-memory KV block store owner: create the segment in /dev/shm "
-                "(unlinking stale ones left by a dead owner with the same id), serve clients "
-                "on a Unix socket, and unlink everything on SIGTERM or SIGINT. Prints one JSON "
-                "ready line on stdout once clients can connect."
-            ),
-        )
-        parser.add_argument("--owner-id", required=True,
-                            help="unique id on this host, part of every segment name")
-        parser.add_argument("--socket", required=True, type=Path,
-                            help="Unix socket path for the control channel")
-        parser.add_argument("--capacity-bytes", required=True, type=parse_bytes,
-                            help="byte budget for blocks, e.g. 256MiB (sets the slot count)")
-        parser.add_argument("--block-bytes", required=True, type=parse_bytes,
-                            help="bytes per block, e.g. 256KiB")
-        parser.add_argument("--dtype", default="uint8", choices=sorted(DTYPE_BYTES),
-                            help="element type of a block (default: uint8)")
-        parser.add_argument("--layout", default="raw", choices=LAYOUTS,
-                            help="block layout name recorded in the header (default: raw)")
-        parser.add_argument("--worker-id", default=None,
-                            help="worker id in host-tier events (default: the owner id)")
-        parser.add_argument("--ready-file", type=Path, default=None,
-                            help="also write the ready line to this file")
-        parser.add_argument("--log-level", default="info",
-                            choices=["debug", "info", "warning", "error"])
-        parser.add_argument(
-            "--sched-batch", action="store_true",
-            help="run the owner under Linux SCHED_BATCH, so that a client's one-way frames "
-                 "(Release, Publish) do not preempt the client when both share a CPU; the "
-                 "owner handles them once the client waits for a reply. Off by default: it "
-                 "helps single-CPU placements and costs small batches across CPUs")
-        parser.add_argument(
-            "--grant-fraction", type=float, default=0.25, metavar="F",
-            help="share of the slots the owner may grant writers ahead of their puts, so "
-                 "that a put copies while its slots are claimed instead of after a reserve "
-                 "round trip (default 0.25; 0 turns write-ahead grants off; a granted slot "
-                 "holds no block)")
-        parser.add_argument(
-            "--disk-dir", type=Path, default=None, metavar="DIR",
-            help="keep blocks evicted from shared memory in this directory (the disk tier: "
-                 "a get that misses in shared memory reads them back; they survive a "
-                 "restart and are announced as tier 'disk'). Default: none")
-        parser.add_argument(
-            "--disk-capacity-bytes", type=parse_bytes, default=0, metavar="SIZE",
-            help="byte budget of the disk tier, e.g. 64GiB (required with --disk-dir)")
-        parser.add_argument(
-            "--remote-url", default=None, metavar="URL",
-            help="a Redis-protocol store shared by every replica of the model (the remote "
-                 "tier), e.g. redis://cache:6379/0: blocks are written to it, gets that miss "
-                 "below read them back, and what it holds is announced as tier 'remote'")
-        parser.add_argument(
-            "--remote-scope", default="default", metavar="NAME",
-            help="what the remote tier's keys are scoped by (the model; default 'default')")
-        parser.add_argument(
-            "--remote-write", choices=("through", "evict"), default="through",
-            help="write every block committed (through, default) or only those evicted")
-        args = parser.parse_args(argv)
-        try:
-            return cls(
-                owner_id=args.owner_id,
-                socket_path=args.socket,
-                capacity_bytes=args.capacity_bytes,
-                block_bytes=args.block_bytes,
-                dtype=args.dtype,
-                layout=args.layout,
-                worker_id=args.worker_id,
-                ready_file=args.ready_file,
-                log_level=args.log_level,
-                sched_batch=args.sched_batch,
-                grant_fraction=args.grant_fraction,
-                disk_dir=args.disk_dir,
-                disk_capacity_bytes=args.disk_capacity_bytes,
-                remote_url=args.remote_url,
-                remote_scope=args.remote_scope,
-                remote_write=args.remote_write,
-            )
-        except ValueError as exc:
-            parser.error(str(exc))
-            raise  # unreachable: parser.error exits
+    def from_args(cls, argv: Sequence[str] | None, prog: str = "python -m shm") -> OwnerConfig:
+        """From the command line (and ``--config FILE``); a bad flag or an invalid config is
+        an argparse error (exit 2)."""
+        parser = owner_parser(prog)
+        return parser.build(cls, parser.parse_args(argv))
+
+
+def owner_parser(prog: str = "python -m shm") -> OptionParser:
+    """The owner's flags: ``OwnerConfig``'s fields."""
+    parser = OptionParser(
+        prog=prog,
+        description=(
+            "Run a shared-memory KV block store owner: create the segment in /dev/shm "
+            "(unlinking stale ones left by a dead owner with the same id), serve clients "
+            "on a Unix socket, and unlink everything on SIGTERM or SIGINT. Prints one JSON "
+            "ready line on stdout once clients can connect."
+        ),
+    )
+    parser.add_options(OwnerConfig)
+    return parser

@@ -129,8 +129,8 @@ class BlockStoreOwner:
         self._busy_ns = 0  # when the poll last found a commit or a grant taken
         self._loop: asyncio.AbstractEventLoop | None = None  # the one we serve in
         self.num_internal_errors = 0
-        # The tiers below the store (``--disk-dir``, ``--remote-url``): evicted blocks spill
-        # to them, and a lease that misses in shared memory promotes them back.
+        # The tiers below the store (``--disk-tier-dir``, ``--remote-tier-url``): evicted
+        # blocks spill to them, and a lease that misses in shared memory promotes them back.
         self.lower_tiers = LowerTiers()
 
     @property

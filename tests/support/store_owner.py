@@ -90,8 +90,8 @@ class OwnerProcess:
              str(c.socket_path), "--capacity-bytes", str(c.capacity_bytes), "--block-bytes",
              str(c.block_bytes), "--dtype", c.dtype, "--layout", c.layout,
              "--ready-file", str(self.ready_file), "--log-level", "warning",
-             *(() if c.disk_dir is None else ("--disk-dir", str(c.disk_dir),
-                                              "--disk-capacity-bytes",
+             *(() if c.disk_dir is None else ("--disk-tier-dir", str(c.disk_dir),
+                                              "--disk-tier-capacity-bytes",
                                               str(c.disk_capacity_bytes)))],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
         proc = self.proc

@@ -173,3 +173,92 @@ def test_fields_must_be_options_it_can_read() -> None:
     for cls in (NoParse, OnSwitch):
         with pytest.raises(TypeError):
             OptionParser().add_options(cls)
+
+
+SIZES = {"": 1, "k": 1024}
+
+
+def _size(text: str) -> int:
+    digits = text.rstrip("k")
+    if not digits.isdigit():
+        raise ValueError(f"not a size: {text!r}")
+    return int(digits) * SIZES[text[len(digits):]]
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """Required options (no default), a str from a table's keys, a renamed flag, a size."""
+
+    name: str = option(required=True, group="job", help="what it is called")
+    size: int = option(required=True, group="job", parse=_size, metavar="SIZE", help="how big")
+    kind: str = option("b", group="job", choices=sorted({"b": 1, "a": 2}), help="which")
+    spill_dir: Path | None = option(None, group="job", flag="--spill-tier-dir",
+                                    aliases=("--spill-dir",), help="where")
+
+
+def _job(argv: list[str]) -> Job:
+    p = OptionParser(prog="job")
+    p.add_options(Job)
+    return p.build(Job, p.parse_args(argv))
+
+
+def test_required_options_have_no_default_and_must_be_given(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(TypeError):
+        Job()  # type: ignore[call-arg]  # code must give them as well
+    assert _job(["--name", "j", "--size", "2k"]) == Job("j", 2048)
+    with pytest.raises(SystemExit) as info:
+        _job(["--size", "2k"])
+    assert info.value.code == 2
+    assert "the following arguments are required: --name" in capsys.readouterr().err
+    p = OptionParser(prog="job")
+    p.add_options(Job)
+    assert "[--name" not in p.format_usage() and "how big\n" in p.format_help()
+
+
+def test_a_required_option_may_come_from_the_config_file(tmp_path: Path) -> None:
+    """Sizes as a string (parsed) or as the field's type; a flag beats the file."""
+    path = _write(tmp_path, 'name = "j"\nsize = "3k"\n')
+    assert _job(["--config", path]) == Job("j", 3072)
+    assert _job(["--config", path, "--name", "k"]) == Job("k", 3072)
+    assert _job(["--config", _write(tmp_path, 'name = "j"\nsize = 5\n')]) == Job("j", 5)
+
+
+def test_aliases_and_choices() -> None:
+    """An alias is the same flag (and config key); choices= limits a str option."""
+    assert _job(["--name", "j", "--size", "1", "--spill-dir", "/s", "--kind", "a"]) == Job(
+        "j", 1, "a", Path("/s"))
+    p = OptionParser(prog="job")
+    p.add_options(Job)
+    text = p.format_help()
+    assert "--spill-tier-dir SPILL_DIR, --spill-dir SPILL_DIR" in text and "{a,b}" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "text", "message"),
+    [
+        (["--kind", "c"], "", "argument --kind: invalid choice: 'c'"),
+        (["--size", "2x"], "", "argument --size: not a size: '2x'"),
+        ([], 'name = "j"\nsize = true\n', "size: expected an int or a string, got True"),
+        ([], 'name = "j"\nsize = "2x"\n', "size: not a size: '2x'"),
+        ([], 'name = "j"\nsize = 1\nkind = "c"\n', "kind: must be one of a, b, got 'c'"),
+        ([], 'name = "j"\nsize = 1\nspill-dir = 7\n', "spill-dir: expected a string, got 7"),
+    ],
+)
+def test_bad_choices_and_sizes_are_refused(
+    tmp_path: Path, argv: list[str], text: str, message: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = ["--config", _write(tmp_path, text)] if text else ["--name", "j", "--size", "1"]
+    with pytest.raises(SystemExit) as info:
+        _job([*config, *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_option_has_a_default_or_is_required() -> None:
+    with pytest.raises(TypeError):
+        option(1, required=True, group="g", help="h")  # type: ignore[call-overload]
+    with pytest.raises(TypeError):
+        option(group="g", help="h")  # type: ignore[call-overload]
