@@ -25,6 +25,8 @@ import aiohttp
 from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
 from kvsidecar.launch import LaunchError, ManagedProcess
 from routing.config import FailurePolicy, PdMode, RouterMode
+from routing.flags import gateway_config
+from sidecar.config import SidecarConfig
 
 _ROOT = Path(__file__).resolve().parent.parent
 _DEFAULT_MODEL = _ROOT / "refengine" / "models" / "tiny"
@@ -123,6 +125,23 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop the stack once the demo has printed (for scripts and tests)",
     )
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the gateway(s), after the ones up sets, so it wins "
+        "(repeatable; written with '=' since it starts with a dash: "
+        "--gateway-arg=--overlap-weight=10; see kvsidecar gateway --help)",
+    )
+    p.add_argument(
+        "--sidecar-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every sidecar, after the ones up sets, so it wins "
+        "(repeatable, with '=': --sidecar-arg=--log-level=debug; see kvsidecar sidecar --help)",
+    )
     p.add_argument("--workdir", help="where logs and ready files go (default: a new temp dir)")
     p.add_argument("--ready-file", help="write {'url': gateway URL} JSON here once every "
                    "worker is routable (for scripts and tests)")
@@ -215,6 +234,7 @@ def _start_sidecars(
     workdir: Path,
     procs: list[ManagedProcess],
     handoff_ms: float = 0.0,
+    extra: list[str] | None = None,
 ) -> list[str]:
     started = []
     index: dict[str, int] = {}
@@ -223,13 +243,49 @@ def _start_sidecars(
         worker_id = f"replica-{i}" if role == "agg" else f"{role}-{i}"
         proc = ManagedProcess.start(
             f"sidecar-{i}" if role == "agg" else f"sidecar-{role}-{i}",
-            ["sidecar", "--engine-url", url, "--worker-id", worker_id, "--role", role,
-             "--port", "0", "--sim-handoff-ms-per-1k-tokens", str(handoff_ms)],
+            ["sidecar", *sidecar_argv(url, worker_id, role, handoff_ms, extra)],
             workdir=workdir,
         )
         procs.append(proc)
         started.append(proc)
     return [p.wait_ready(120)[0]["url"] for p in started]
+
+
+def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
+                 extra: list[str] | None = None) -> list[str]:
+    """A sidecar's arguments: up's own, then ``--sidecar-arg``'s (a later flag wins)."""
+    return ["--engine-url", url, "--worker-id", worker_id, "--role", role, "--port", "0",
+            "--sim-handoff-ms-per-1k-tokens", str(handoff_ms), *(extra or [])]
+
+
+def gateway_argv(port: int, mode: str, args: argparse.Namespace, sidecars: list[str]) -> list[str]:
+    """The gateway's arguments: up's own, then ``--gateway-arg``'s (a later flag wins)."""
+    return [
+        "--host", args.host, "--port", str(port), "--router-mode", mode,
+        "--model-path", args.model_path, "--health-check-interval-s", "1",
+        "--pd-mode", args.pd_mode, "--kv-load-failure-policy", args.kv_load_failure_policy,
+        *[flag for url in sidecars for flag in ("--sidecar", url)],
+        *args.gateway_arg,
+    ]
+
+
+def check_passed_args(args: argparse.Namespace) -> str | None:
+    """Why ``--gateway-arg`` / ``--sidecar-arg`` would stop a gateway or sidecar (their own
+    parsers' words, already printed), before any process starts; None: they parse."""
+    placeholder = "http://127.0.0.1:9"
+    checks = (
+        ("--gateway-arg", lambda: gateway_config(
+            gateway_argv(args.port, args.router_mode, args, [placeholder]))),
+        ("--sidecar-arg", lambda: SidecarConfig.from_args(
+            sidecar_argv(placeholder, "replica-0", "agg", 0.0, args.sidecar_arg))),
+    )
+    for flag, check in checks:
+        try:
+            check()
+        except SystemExit as exc:
+            if exc.code:
+                return f"{flag}: the arguments above were refused"
+    return None
 
 
 def _start_gateway(
@@ -241,29 +297,8 @@ def _start_gateway(
     workdir: Path,
     procs: list[ManagedProcess],
 ) -> str:
-    sidecar_flags = [flag for url in sidecars for flag in ("--sidecar", url)]
     proc = ManagedProcess.start(
-        name,
-        [
-            "routing",
-            "--host",
-            args.host,
-            "--port",
-            str(port),
-            "--router-mode",
-            mode,
-            "--model-path",
-            args.model_path,
-            "--health-check-interval-s",
-            "1",
-            "--pd-mode",
-            args.pd_mode,
-            "--kv-load-failure-policy",
-            args.kv_load_failure_policy,
-            *sidecar_flags,
-        ],
-        workdir=workdir,
-    )
+        name, ["routing", *gateway_argv(port, mode, args, sidecars)], workdir=workdir)
     procs.append(proc)
     return str(proc.wait_ready(60)[0]["url"])
 
@@ -319,7 +354,8 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
         )
         engines = await asyncio.to_thread(_start_engines, args, workdir, procs)
         sidecars = await asyncio.to_thread(
-            _start_sidecars, engines, workdir, procs, args.sim_handoff_ms_per_1k_tokens
+            _start_sidecars, engines, workdir, procs, args.sim_handoff_ms_per_1k_tokens,
+            args.sidecar_arg,
         )
         url = await asyncio.to_thread(
             _start_gateway, "gateway", args.port, args.router_mode, args, sidecars, workdir, procs
@@ -367,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--replicas must be >= 1 (>= 0 with --prefill/--decode)")
     if args.max_total_tokens is None:
         args.max_total_tokens = DEMO_KV_TOKENS if args.demo else 32768
+    refused = check_passed_args(args)
+    if refused is not None:
+        _parser().error(refused)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvsidecar-up-"))
     try:
         return asyncio.run(_serve(args, workdir))

@@ -1,0 +1,41 @@
+"""`kvsidecar up --gateway-arg / --sidecar-arg`: any gateway or sidecar flag through up, after
+up's own (a later flag wins), checked by the gateway's and sidecar's own parsers before any
+process starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsidecar.up import _parser, check_passed_args, gateway_argv, main, sidecar_argv
+from routing.config import RouterMode
+from routing.flags import gateway_config
+from sidecar.config import SidecarConfig
+
+
+def test_gateway_args_come_after_ups_own_and_win() -> None:
+    args = _parser().parse_args(["--gateway-arg=--overlap-weight=7",
+                                 "--gateway-arg=--router-mode=random"])
+    cfg = gateway_config(gateway_argv(0, "kv", args, ["http://127.0.0.1:9000"]))
+    assert cfg.overlap_weight == 7.0
+    assert cfg.router_mode is RouterMode.RANDOM  # over up's own --router-mode kv
+    assert check_passed_args(args) is None
+
+
+def test_sidecar_args_reach_every_sidecar() -> None:
+    args = _parser().parse_args(["--sidecar-arg=--log-level=debug"])
+    cfg = SidecarConfig.from_args(
+        sidecar_argv("http://127.0.0.1:30000", "replica-1", "agg", 0.0, args.sidecar_arg))
+    assert cfg.log_level == "debug" and cfg.worker_id == "replica-1"
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--gateway-arg", "--no-such-flag"),
+                                             ("--sidecar-arg", "--no-such-flag"),
+                                             ("--gateway-arg", "--overlap-weight=lots")])
+def test_refused_before_anything_starts(flag: str, value: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        main([f"{flag}={value}", "--workdir", "/nonexistent/never-made"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: the arguments above were refused" in err
+    assert "no-such-flag" in err or "lots" in err  # the gateway's or sidecar's own words
