@@ -20,6 +20,7 @@ from routing.vocabulary import (
     KvTransport,
     LogLevel,
     PdMode,
+    QueueOrder,
     RouterMode,
     WorkerAddress,
 )
@@ -149,12 +150,18 @@ class RouterConfig:
         help="a worker with N prompt tokens waiting for prefill is busy", default_text="off")
     queue_timeout_s: float = option(
         0.0, group=_ADMISSION, metavar="S",
-        help="when every worker is busy, a request waits up to S seconds for one (FIFO, "
-        "higher x-kvsidecar-priority first), then gets 503 with retry-after; 0: 429 with "
-        "retry-after at once")
+        help="when every worker is busy, a request waits up to S seconds for one (higher "
+        "x-kvsidecar-priority first, then by --queue-order), then gets 503 with retry-after; "
+        "0: 429 with retry-after at once")
     queue_max: int = option(
         1024, group=_ADMISSION, metavar="N",
-        help="requests that may wait at once; past it, 429 with retry-after")
+        help="requests that may wait at once; past it, the one ranking last gets 429 with "
+        "retry-after")
+    queue_order: QueueOrder = option(
+        QueueOrder.FAIR, group=_ADMISSION,
+        help="within a priority, waiting requests are served by their tenants' weighted fair "
+        "shares of tokens (fair; the API key file's weight= column) or first come, first "
+        "served (fcfs)")
     session_affinity: bool = option(
         False, group=_ADMISSION,
         help="keep a client's x-session-id on the worker that served it last, while that "

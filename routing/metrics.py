@@ -378,6 +378,7 @@ class AdmissionCounts(Protocol):
     num_admitted: int
     num_expired: int
     num_full: int
+    num_shed: int
 
     def __len__(self) -> int: ...
 
@@ -387,11 +388,13 @@ def _admission_metrics(p: str, q: AdmissionCounts) -> list[Metric]:
         p + "admission_requests",
         "Requests that found every worker busy, by outcome: queued (waited), admitted "
         "(placed after waiting), expired (503 after --queue-timeout-s), full (429: the queue "
-        "was full)",
+        "was full of requests ranking ahead), shed (429: left the full queue for one ranking "
+        "ahead, of a tenant under its fair share)",
         labels=["outcome"],
     )
     for outcome, n in (("queued", q.num_queued), ("admitted", q.num_admitted),
-                       ("expired", q.num_expired), ("full", q.num_full)):
+                       ("expired", q.num_expired), ("full", q.num_full),
+                       ("shed", q.num_shed)):
         c.add_metric([outcome], n)
     waiting = GaugeMetricFamily(p + "admission_waiting", "Requests waiting for a worker now",
                                 value=len(q))

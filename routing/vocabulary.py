@@ -7,8 +7,8 @@ import enum
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["EventsVia", "FailurePolicy", "KvTransport", "LogLevel", "PdMode", "RouterMode",
-           "WorkerAddress"]
+__all__ = ["EventsVia", "FailurePolicy", "KvTransport", "LogLevel", "PdMode", "QueueOrder",
+           "RouterMode", "WorkerAddress"]
 
 
 class RouterMode(enum.Enum):
@@ -61,6 +61,13 @@ class EventsVia(enum.StrEnum):
 
     DIRECT = "direct"  # each sidecar's own stream
     NATS = "nats"  # the model's JetStream stream (routing/replicas/durable.py)
+
+
+class QueueOrder(enum.StrEnum):
+    """In what order requests waiting for a busy fleet are served, within a priority."""
+
+    FAIR = "fair"  # by the tenants' weighted shares of tokens (start-time fair queuing)
+    FCFS = "fcfs"  # first come, first served
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,12 +9,25 @@ plus what the engine's own load report holds beyond it (``routing.placement.acti
 other gateways' requests count too where engines publish their load.
 
 When every candidate is busy the request waits in a bounded queue (``AdmissionQueue``,
-``--queue-timeout-s``, ``--queue-max``): highest ``x-kvsidecar-priority`` first, first come
-first served within a priority. Whenever a request ends (and every ``_RECHECK_S`` while any
-waits, for load reports and workers that join) the queue's head is placed again; it leaves
-when placed, when its client goes away, or at its deadline, answered 503 with
-``retry-after``. A full queue answers 429 with ``retry-after`` at once. Nothing is dropped
-without an answer.
+``--queue-timeout-s``, ``--queue-max``): highest ``x-kvsidecar-priority`` first; within a
+priority, by the tenants' fair shares (``--queue-order fair``, the default) or first come,
+first served (``fcfs``). Whenever a request ends (and every ``_RECHECK_S`` while any waits,
+for load reports and workers that join) the queue's head is placed again; it leaves when
+placed, when its client goes away, or at its deadline, answered 503 with ``retry-after``.
+While any request waits, a new one waits too: a free worker goes to the queue's head, not to
+whoever arrives first. Nothing is dropped without an answer, and every refusal says why in
+``x-kvsidecar-shed-reason`` (``SHED_*``).
+
+Fair shares are start-time fair queuing over tokens: each request is charged its prompt
+plus ``max_tokens`` (``Waiter.cost``), divided by its tenant's weight (the API key file's
+``weight=`` column). It is tagged ``start = max(virtual time, its tenant's last finish)``,
+its tenant's finish moves to ``start + cost / weight``, and the queue serves the smallest
+start first; the virtual time is the start of the last one served. A tenant that floods
+queues behind itself, and one that sends little finds its requests near the head: under
+overload each backlogged tenant gets its weighted share of the tokens served, whatever its
+number of clients. A full queue sheds the request that ranks last (lowest priority, then
+latest start) when the newcomer ranks ahead of it, so the flooding tenant's newest request
+is the one refused (429 ``fair_share``), not a quiet tenant's.
 """
 
 from __future__ import annotations
@@ -24,16 +37,37 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from routing.placement.active_load import ActiveLoad
+from routing.vocabulary import QueueOrder
 
-__all__ = ["PRIORITY_HEADER", "AdmissionQueue", "Busy", "Waiter", "parse_priority"]
+__all__ = [
+    "PRIORITY_HEADER",
+    "SHED_BUSY",
+    "SHED_FAIR_SHARE",
+    "SHED_HEADER",
+    "SHED_QUEUE_FULL",
+    "SHED_QUEUE_TIMEOUT",
+    "SHED_RATE_LIMIT",
+    "AdmissionQueue",
+    "Busy",
+    "Waiter",
+    "parse_priority",
+]
 
 _RECHECK_S = 0.05
 PRIORITY_HEADER = b"x-kvsidecar-priority"
 _PRIORITY_RANGE = (-1000, 1000)
+
+# Why a request was refused for load, in ``x-kvsidecar-shed-reason`` (with ``retry-after``).
+SHED_HEADER = b"x-kvsidecar-shed-reason"
+SHED_BUSY = b"busy"  # every worker busy, no queue (--queue-timeout-s 0)
+SHED_QUEUE_FULL = b"queue_full"  # --queue-max requests waiting, none ranking after it
+SHED_QUEUE_TIMEOUT = b"queue_timeout"  # waited --queue-timeout-s
+SHED_FAIR_SHARE = b"fair_share"  # shed from a full queue for a request ranking ahead of it
+SHED_RATE_LIMIT = b"rate_limit"  # its tenant's requests or tokens per second
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +134,9 @@ class Waiter(Protocol):
     """A request waiting for a worker (``routing.pipeline.exchange.Exchange``)."""
 
     priority: int
+    tenant: str  # its API key's tenant ("" without keys)
+    weight: float  # its tenant's share weight
+    cost: int  # tokens it asks for: prompt + max_tokens
     done: bool
 
     def admit_waiting(self) -> bool:
@@ -110,24 +147,42 @@ class Waiter(Protocol):
         """Its deadline passed: answer it (503 with ``retry-after``)."""
         ...
 
+    def wait_shed(self, tenant_ahead: str) -> None:
+        """Shed from a full queue for a request of ``tenant_ahead``'s: answer it (429)."""
+        ...
+
+
+@dataclass(order=True, slots=True)
+class _Entry:
+    rank: tuple[int, float, int]  # (-priority, start tag, arrival): the smallest goes first
+    since: float = field(compare=False)  # when it was queued, on the queue's clock
+    finish: float = field(compare=False)  # its tenant's finish tag once it was queued
+    waiter: Waiter = field(compare=False)
+
 
 class AdmissionQueue:
     """Requests waiting for a worker, bounded in number and in time.
 
+    ``order``: within a priority, by tenants' fair shares or first come, first served.
     ``clock``: what waits are timed by (seconds; default: the running loop's clock)."""
 
     def __init__(self, timeout_s: float, max_waiting: int,
+                 order: QueueOrder = QueueOrder.FAIR,
                  clock: Callable[[], float] | None = None) -> None:
         if timeout_s <= 0 or max_waiting < 1:
             raise ValueError("the admission queue needs timeout_s > 0 and max_waiting >= 1")
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
+        self.order = order
         self._clock = clock
-        self._heap: list[tuple[int, int, float, Waiter]] = []  # (-priority, seq, since, w)
+        self._heap: list[_Entry] = []
         self._seq = itertools.count()
+        self._virtual = 0.0  # the start tag of the request served last
+        self._finish: dict[str, float] = {}  # tenant → finish tag of its latest request
         self._pass: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.num_queued = self.num_admitted = self.num_expired = self.num_full = 0
+        self.num_shed = 0  # waiting requests shed for newcomers ranking ahead (fair_share)
 
     @property
     def retry_after_s(self) -> int:
@@ -138,13 +193,29 @@ class AdmissionQueue:
         return len(self._heap)
 
     def offer(self, waiter: Waiter) -> bool:
-        """Queue ``waiter``; False (not queued) when the queue is full."""
-        if len(self._heap) >= self.max_waiting:
-            self.num_full += 1
-            return False
+        """Queue ``waiter``; False (not queued) when the queue is full of requests that rank
+        ahead of it. A full queue sheds its last for a newcomer that ranks ahead of that."""
+        start = finish = 0.0
+        if self.order is QueueOrder.FAIR:
+            start = max(self._virtual, self._finish.get(waiter.tenant, 0.0))
+            finish = start + waiter.cost / waiter.weight
         loop = asyncio.get_running_loop()
         since = loop.time() if self._clock is None else self._clock()
-        heapq.heappush(self._heap, (-waiter.priority, next(self._seq), since, waiter))
+        entry = _Entry((-waiter.priority, start, next(self._seq)), since, finish, waiter)
+        heap = self._heap
+        if len(heap) >= self.max_waiting:
+            last = max(heap)
+            if self.order is QueueOrder.FCFS or not entry < last:
+                self.num_full += 1
+                return False
+            heap.remove(last)
+            heapq.heapify(heap)
+            self._refund(last)
+            self.num_shed += 1
+            last.waiter.wait_shed(waiter.tenant)
+        if self.order is QueueOrder.FAIR:
+            self._finish[waiter.tenant] = finish
+        heapq.heappush(heap, entry)
         self.num_queued += 1
         self._arm(loop)
         return True
@@ -162,29 +233,39 @@ class AdmissionQueue:
         self._timer = None
         self._run()
 
+    def _refund(self, entry: _Entry) -> None:
+        """A request that leaves unserved gives its tenant back its charge, where it was
+        that tenant's latest (an earlier one's charge is spent: later tags build on it)."""
+        tenant = entry.waiter.tenant
+        if self._finish.get(tenant) == entry.finish:
+            self._finish[tenant] = entry.rank[1]
+
     def _run(self) -> None:
         """Place from the head while workers take them; expire what waited too long."""
         self._pass = None
         heap, loop = self._heap, asyncio.get_running_loop()
         now = loop.time() if self._clock is None else self._clock()
         while heap:
-            waiter = heap[0][3]
-            if waiter.done:  # its client went away
+            entry = heap[0]
+            if entry.waiter.done:  # its client went away
                 heapq.heappop(heap)
+                self._refund(entry)
                 continue
-            if not waiter.admit_waiting():
+            if not entry.waiter.admit_waiting():
                 break
             heapq.heappop(heap)
+            self._virtual = max(self._virtual, entry.rank[1])
             self.num_admitted += 1
         if heap:  # expire anywhere in the queue, not only at the head
             kept = []
             for entry in heap:
-                waited = now - entry[2]
-                if entry[3].done:
-                    continue
-                if waited >= self.timeout_s:
+                waited = now - entry.since
+                if entry.waiter.done:
+                    self._refund(entry)
+                elif waited >= self.timeout_s:
                     self.num_expired += 1
-                    entry[3].wait_expired(waited)
+                    self._refund(entry)
+                    entry.waiter.wait_expired(waited)
                 else:
                     kept.append(entry)
             if len(kept) != len(heap):
@@ -192,6 +273,8 @@ class AdmissionQueue:
                 self._heap = kept
         if self._heap:
             self._arm(loop)
+        else:  # idle: no tenant is behind any other any more
+            self._finish.clear()
 
     def close(self) -> None:
         for handle in (self._pass, self._timer):

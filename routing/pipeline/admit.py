@@ -19,7 +19,12 @@ import structlog
 
 from kvcore.errors import MODEL_NOT_FOUND, RATE_LIMIT_EXCEEDED, Dialect, OpenAIError
 from routing.http.server import HttpRequest, ServerConnection
-from routing.pipeline.admission import PRIORITY_HEADER, parse_priority
+from routing.pipeline.admission import (
+    PRIORITY_HEADER,
+    SHED_HEADER,
+    SHED_RATE_LIMIT,
+    parse_priority,
+)
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.exchange import Exchange
 from routing.pipeline.legs import LegTarget
@@ -45,6 +50,7 @@ class TenantAdmission(Protocol):
 
     name: str
     salt: str
+    weight: float  # its share of a busy fleet (``routing.pipeline.admission``)
 
     def take_tokens(self, tokens: int) -> float: ...
 
@@ -132,7 +138,8 @@ def _refuse(ctx: PipelineContext, conn: ServerConnection, record: RequestRecord,
     record.finish(exc.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
     reply_headers = b"x-request-id: %s\r\n" % record.request_id
     if isinstance(exc, _OverTokenLimit):
-        reply_headers += b"retry-after: %d\r\n" % max(1, math.ceil(exc.wait_s))
+        reply_headers += b"retry-after: %d\r\n%s: %s\r\n" % (
+            max(1, math.ceil(exc.wait_s)), SHED_HEADER, SHED_RATE_LIMIT)
     conn.respond(exc.status, exc.body(dialect), extra_headers=reply_headers)
 
 
@@ -174,6 +181,8 @@ def _start(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
     kind = Exchange if ctx.pd is None else PairExchange
     exchange = kind(ctx, conn, record, parsed, prepared, target)
     exchange.priority = priority
+    if tenant is not None:
+        exchange.tenant, exchange.weight = tenant.name, tenant.weight
     if ctx.sessions is not None:
         exchange.session = headers.get(SESSION_HEADER)
     exchange.start()

@@ -31,9 +31,23 @@ import time
 
 import structlog
 
-from kvcore.errors import ENGINE_UNREACHABLE, SERVICE_UNAVAILABLE, UPSTREAM_TIMEOUT, OpenAIError
+from kvcore.errors import (
+    ENGINE_UNREACHABLE,
+    RATE_LIMIT_EXCEEDED,
+    SERVICE_UNAVAILABLE,
+    UPSTREAM_TIMEOUT,
+    OpenAIError,
+)
 from routing.http.client import UpstreamConnection
 from routing.http.server import ServerConnection
+from routing.pipeline.admission import (
+    SHED_BUSY,
+    SHED_FAIR_SHARE,
+    SHED_HEADER,
+    SHED_QUEUE_FULL,
+    SHED_QUEUE_TIMEOUT,
+    AdmissionQueue,
+)
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.error_relay import ErrorRelay
 from routing.pipeline.legs import Drain, Leg, LegTarget
@@ -59,6 +73,7 @@ class Exchange(ErrorRelay):
     __slots__ = (
         "_error_parts",
         "client",
+        "cost",
         "ctx",
         "done",
         "last_activity",
@@ -73,7 +88,9 @@ class Exchange(ErrorRelay):
         "session",
         "stale_retry_used",
         "target",
+        "tenant",
         "tried",
+        "weight",
     )
 
     def __init__(
@@ -99,7 +116,12 @@ class Exchange(ErrorRelay):
         self.done = False
         self.last_activity = record.t_start
         self._error_parts: list[bytes] | None = None  # an error reply held (``_holds_errors``)
-        self.priority = 0  # x-kvsidecar-priority: its place in the admission queue
+        # Its place in the admission queue: x-kvsidecar-priority, then its tenant's share.
+        self.priority = 0
+        self.tenant = ""  # its API key's tenant ("" without --api-key-file)
+        self.weight = 1.0  # the tenant's share weight
+        # The tokens it asks for; at least 1, so that without a tokenizer requests count.
+        self.cost = max(1, prompt.prompt_tokens + (request.max_tokens or 0))
         self.session: bytes | None = None  # x-session-id, with --session-affinity
         self.may_hold = ctx.prompt_hold is not None  # a new prompt waits once for its owner
         if (ctx.migration_limit and request.stream and target.token_path
@@ -122,20 +144,37 @@ class Exchange(ErrorRelay):
             ids = self.ctx.workers.routable_ids(Role.AGG)
             if hold.offer(self, self.prompt.block_hashes, ids):
                 return  # ``hold_released`` places it
+        queue = self.ctx.admission
+        if queue is not None and len(queue) and not self.tried:
+            # Others wait for a worker: a free one goes to the queue's head, which may be
+            # this request (a higher priority, a tenant under its share), not to it first.
+            self._placed()
+            self._wait(queue, None)
+            return
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
                                   self.session)
         self._placed()
         if isinstance(placed, Refusal) and placed.busy:
-            queue = self.ctx.admission
-            if queue is not None and queue.offer(self):
-                return  # it waits: ``admit_waiting`` places it, or ``wait_expired`` answers
-            retry_after = 1 if queue is None else queue.retry_after_s
-            message = placed.message if queue is None else (
-                f"{placed.message}; {len(queue)} requests are already waiting")
-            self._reply_error(placed.status, message, placed.code,
-                              b"retry-after: %d\r\n" % retry_after)
+            if queue is None:
+                self._reply_error(placed.status, placed.message, placed.code,
+                                  b"retry-after: 1\r\n%s: %s\r\n" % (SHED_HEADER, SHED_BUSY))
+            else:
+                self._wait(queue, placed)
             return
         self._go(placed)
+
+    def _wait(self, queue: AdmissionQueue, busy: Refusal | None) -> None:
+        """Queue it (``admit_waiting`` places it, or ``wait_expired`` answers), or refuse it
+        when the queue is full of requests ranking ahead of it."""
+        if queue.offer(self):
+            queue.wake()
+            return
+        reason = busy.message if busy is not None else "every worker is busy"
+        self._reply_error(429, f"{reason}; {len(queue)} requests are already waiting "
+                          f"(--queue-max {queue.max_waiting}), none ranking after this one",
+                          RATE_LIMIT_EXCEEDED,
+                          b"retry-after: %d\r\n%s: %s\r\n"
+                          % (queue.retry_after_s, SHED_HEADER, SHED_QUEUE_FULL))
 
     def _go(self, placed: tuple[Worker, Placement] | Refusal) -> None:
         if isinstance(placed, Refusal):
@@ -172,7 +211,19 @@ class Exchange(ErrorRelay):
         assert queue is not None
         self._reply_error(503, f"every worker stayed busy for {waited_s:.1f}s "
                           f"(--queue-timeout-s {queue.timeout_s:g}); retry later",
-                          SERVICE_UNAVAILABLE, b"retry-after: %d\r\n" % queue.retry_after_s)
+                          SERVICE_UNAVAILABLE, b"retry-after: %d\r\n%s: %s\r\n"
+                          % (queue.retry_after_s, SHED_HEADER, SHED_QUEUE_TIMEOUT))
+
+    def wait_shed(self, tenant_ahead: str) -> None:
+        queue = self.ctx.admission
+        assert queue is not None
+        who = f"tenant {self.tenant!r}" if self.tenant else "this client"
+        ahead = f"tenant {tenant_ahead!r}" if tenant_ahead else "another client"
+        self._reply_error(429, f"every worker is busy and the queue is full (--queue-max "
+                          f"{queue.max_waiting}); {who} is over its fair share, so this "
+                          f"request made way for one of {ahead}'s", RATE_LIMIT_EXCEEDED,
+                          b"retry-after: %d\r\n%s: %s\r\n"
+                          % (queue.retry_after_s, SHED_HEADER, SHED_FAIR_SHARE))
 
     _place = _place_aggregated  # a pair's exchange places a pair first (``pair.py``)
 

@@ -2,9 +2,12 @@
 
 The file has one key a line: ``KEY TENANT`` or ``sha256:HEX TENANT`` (the key's SHA-256 in
 hex, so the file need not hold it in clear), optionally followed by the tenant's own limits
-``rps=N`` and ``tps=N``; blank lines and ``#`` comments are ignored. Several keys may name one
-tenant. The file is re-read when its inode, mtime or size changes, checked at most once a
-second; a file that fails to parse keeps the keys loaded before (and says so in the log).
+``rps=N`` and ``tps=N`` and its share ``weight=W`` of a busy fleet (default 1: a tenant with
+weight 2 gets twice the tokens of one with weight 1 while requests wait for workers,
+``routing.pipeline.admission``); blank lines and ``#`` comments are ignored. Several keys
+may name one tenant. The file is re-read when its inode, mtime or size changes, checked at
+most once a second; a file that fails to parse keeps the keys loaded before (and says so in
+the log).
 
 A presented key is hashed with SHA-256 and looked up by digest, then confirmed with
 ``hmac.compare_digest``: timing reveals at most something about a digest, never the key.
@@ -50,12 +53,13 @@ def tenant_salt(secret: bytes, tenant: str) -> str:
 class Tenant:
     """One tenant: its name, salt and rate-limit buckets."""
 
-    __slots__ = ("buckets", "name", "salt")
+    __slots__ = ("buckets", "name", "salt", "weight")
 
-    def __init__(self, name: str, salt: str, limits: RateLimits) -> None:
+    def __init__(self, name: str, salt: str, limits: RateLimits, weight: float = 1.0) -> None:
         self.name = name
         self.salt = salt
         self.buckets = TenantBuckets(limits)
+        self.weight = weight
 
     def take_request(self) -> float:
         """0.0 when a request may pass now, else the seconds to wait."""
@@ -72,6 +76,7 @@ class KeyLine:
     tenant: str
     requests_per_s: float | None
     tokens_per_s: float | None
+    weight: float | None = None
 
 
 def parse_key_file(text: str, where: str) -> list[KeyLine]:
@@ -84,7 +89,7 @@ def parse_key_file(text: str, where: str) -> list[KeyLine]:
             continue
         fields = line.split()
         if len(fields) < 2:
-            raise ValueError(f"{where}:{number}: expected 'KEY TENANT [rps=N] [tps=N]'")
+            raise ValueError(f"{where}:{number}: expected 'KEY TENANT [rps=N] [tps=N] [weight=W]'")
         key, tenant, *extra = fields
         if key.startswith("sha256:"):
             hexdigest = key[len("sha256:"):]
@@ -103,15 +108,17 @@ def parse_key_file(text: str, where: str) -> list[KeyLine]:
         limits: dict[str, float] = {}
         for item in extra:
             name, sep, value = item.partition("=")
-            if not sep or name not in ("rps", "tps"):
-                raise ValueError(f"{where}:{number}: unknown column {item!r} (rps=N, tps=N)")
+            if not sep or name not in ("rps", "tps", "weight"):
+                raise ValueError(
+                    f"{where}:{number}: unknown column {item!r} (rps=N, tps=N, weight=W)")
             try:
                 limits[name] = float(value)
             except ValueError:
                 raise ValueError(f"{where}:{number}: {name} must be a number") from None
             if not limits[name] > 0 or limits[name] == float("inf"):
                 raise ValueError(f"{where}:{number}: {name} must be a finite number > 0")
-        out.append(KeyLine(digest, tenant, limits.get("rps"), limits.get("tps")))
+        out.append(KeyLine(digest, tenant, limits.get("rps"), limits.get("tps"),
+                           limits.get("weight")))
     if not out:
         raise ValueError(f"{where} lists no key")
     return out
@@ -187,6 +194,12 @@ class ApiKeys:
         lines = parse_key_file(self.path.read_text(), str(self.path))
         tenants: dict[str, Tenant] = {}
         by_digest: dict[bytes, tuple[bytes, Tenant]] = {}
+        weights: dict[str, float] = {}
+        for line in lines:
+            weight = line.weight
+            if weight is not None and weights.setdefault(line.tenant, weight) != weight:
+                raise ValueError(f"{self.path}: tenant {line.tenant!r} is given two weights, "
+                                 f"{weights[line.tenant]:g} and {weight:g}")
         for line in lines:
             tenant = tenants.get(line.tenant)
             if tenant is None:
@@ -202,6 +215,7 @@ class ApiKeys:
                 else:
                     tenant = Tenant(line.tenant, tenant_salt(self.salt_secret, line.tenant),
                                     limits)
+                tenant.weight = weights.get(line.tenant, 1.0)
                 tenants[line.tenant] = tenant
             by_digest[line.digest] = (line.digest, tenant)
         self._tenants, self._by_digest, self._signature = tenants, by_digest, signature

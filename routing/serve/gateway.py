@@ -169,7 +169,7 @@ class Gateway:
             in_flight={},
             model_names=self.model_names,
             busy=busy if busy.any else None,
-            admission=(AdmissionQueue(cfg.queue_timeout_s, cfg.queue_max)
+            admission=(AdmissionQueue(cfg.queue_timeout_s, cfg.queue_max, cfg.queue_order)
                        if cfg.queue_timeout_s > 0 and busy.any else None),
             sessions=(SessionAffinity(cfg.session_ttl_s) if cfg.session_affinity else None),
             forwarded_headers=_FORWARDED_HEADERS

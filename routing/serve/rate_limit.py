@@ -13,6 +13,8 @@ import math
 import time
 from dataclasses import dataclass
 
+from routing.pipeline.admission import SHED_HEADER, SHED_RATE_LIMIT
+
 __all__ = ["RateLimits", "TenantBuckets", "TokenBucket", "retry_after_header"]
 
 
@@ -77,5 +79,6 @@ class TenantBuckets:
 
 
 def retry_after_header(wait_s: float) -> bytes:
-    """``retry-after`` in whole seconds, rounded up, at least 1."""
-    return b"retry-after: %d\r\n" % max(1, math.ceil(wait_s))
+    """``retry-after`` in whole seconds, rounded up, at least 1, and the refusal's reason."""
+    return b"retry-after: %d\r\n%s: %s\r\n" % (max(1, math.ceil(wait_s)), SHED_HEADER,
+                                               SHED_RATE_LIMIT)

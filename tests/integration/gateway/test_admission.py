@@ -1,12 +1,14 @@
-"""Admission control end to end: requests wait for a busy worker (highest priority first),
-give up with 503 and retry-after, are refused with 429 and retry-after when the queue is
-full; a bad priority is a 400; a session stays on its worker."""
+"""Admission control end to end: requests wait for a busy worker (highest priority first,
+then by their tenants' fair shares), give up with 503 and retry-after, are refused with 429
+and retry-after when the queue is full (the flooding tenant's, when another's arrives); each
+refusal names its reason; a bad priority is a 400; a session stays on its worker."""
 
 from __future__ import annotations
 
 import asyncio
 import re
 from collections import Counter
+from pathlib import Path
 
 import orjson
 
@@ -16,12 +18,13 @@ from tests.support.polling import eventually
 BUSY = ("--router-mode", "least-loaded", "--max-in-flight-per-worker", "1")
 
 
-async def _hold(port: int) -> asyncio.StreamWriter:
+async def _hold(port: int, key: bytes | None = None) -> asyncio.StreamWriter:
     """A stream that takes the worker's one slot until its writer is closed."""
     raw = orjson.dumps(h.chat(stream=True, fake_hang=True))
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw))
+    auth = b"" if key is None else b"authorization: Bearer %s\r\n" % key
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n%scontent-type: "
+                 b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (auth, len(raw), raw))
     async with asyncio.timeout(10):
         assert (await reader.readuntil(b"data: ")).startswith(b"HTTP/1.1 200")
     return writer
@@ -73,6 +76,7 @@ async def test_a_request_that_waits_too_long_gets_503_with_retry_after(spawn) ->
     holder = await _hold(gateway.port)
     status, headers, body = await h.post(gateway.url, "/v1/chat/completions", h.chat())
     assert status == 503 and headers["retry-after"] == "1"
+    assert headers["x-kvsidecar-shed-reason"] == "queue_timeout"
     error = orjson.loads(body)["error"]
     assert error["code"] == "service_unavailable" and "--queue-timeout-s" in error["message"]
     holder.close()
@@ -88,6 +92,7 @@ async def test_a_full_queue_refuses_at_once_and_a_gone_client_leaves_it(spawn) -
     await _waiting(gateway.url, 1)
     status, headers, body = await h.post(gateway.url, "/v1/chat/completions", h.chat())
     assert status == 429 and headers["retry-after"] == "60"
+    assert headers["x-kvsidecar-shed-reason"] == "queue_full"
     assert "1 requests are already waiting" in orjson.loads(body)["error"]["message"]
     waiting.cancel()  # its client goes away while it waits
     await _waiting(gateway.url, 0)
@@ -104,7 +109,59 @@ async def test_without_a_queue_a_busy_fleet_answers_429_with_retry_after(spawn) 
     holder = await _hold(gateway.port)
     status, headers, _ = await h.post(gateway.url, "/v1/chat/completions", h.chat())
     assert status == 429 and headers["retry-after"] == "1"
+    assert headers["x-kvsidecar-shed-reason"] == "busy"
     holder.close()
+
+
+def _tenants(tmp_path: Path) -> Path:
+    keys = tmp_path / "keys.txt"
+    keys.write_text("flood-key flood\nquiet-key quiet weight=1\n")
+    return keys
+
+
+async def test_a_quiet_tenant_passes_a_flooding_tenants_backlog(spawn, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = spawn.engine()
+    gateway = spawn.gateway([engine], *BUSY, "--queue-timeout-s", "60",
+                            "--api-key-file", str(_tenants(tmp_path)))
+    holder = await _hold(gateway.port, b"flood-key")
+    done: list[str] = []
+
+    async def ask(name: str, key: str) -> None:
+        status, _, body = await h.post(
+            gateway.url, "/v1/chat/completions", h.chat(max_tokens=4, fake_delay_s=0.01),
+            {"authorization": f"Bearer {key}"})
+        assert status == 200, (name, body)
+        done.append(name)
+
+    tasks = []
+    for n, (name, key) in enumerate((("f1", "flood-key"), ("f2", "flood-key"),
+                                     ("f3", "flood-key"), ("q1", "quiet-key"))):
+        tasks.append(asyncio.ensure_future(ask(name, key)))
+        await _waiting(gateway.url, n + 1)
+    holder.close()
+    await asyncio.gather(*tasks)
+    assert done == ["f1", "q1", "f2", "f3"]  # q1 came last and is served second
+
+
+async def test_a_full_queue_sheds_the_flooding_tenants_newest(spawn, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine = spawn.engine()
+    gateway = spawn.gateway([engine], *BUSY, "--queue-timeout-s", "60", "--queue-max", "2",
+                            "--api-key-file", str(_tenants(tmp_path)))
+    holder = await _hold(gateway.port, b"flood-key")
+    flood = {"authorization": "Bearer flood-key"}
+    first = asyncio.ensure_future(h.post(gateway.url, "/v1/chat/completions", h.chat(), flood))
+    await _waiting(gateway.url, 1)
+    newest = asyncio.ensure_future(h.post(gateway.url, "/v1/chat/completions", h.chat(), flood))
+    await _waiting(gateway.url, 2)
+    quiet = asyncio.ensure_future(h.post(gateway.url, "/v1/chat/completions", h.chat(),
+                                         {"authorization": "Bearer quiet-key"}))
+    status, headers, body = await newest
+    assert status == 429 and headers["x-kvsidecar-shed-reason"] == "fair_share"
+    assert headers["retry-after"] == "60"
+    assert "tenant 'flood' is over its fair share" in orjson.loads(body)["error"]["message"]
+    holder.close()
+    assert (await first)[0] == 200 and (await quiet)[0] == 200
+    assert await _metric(gateway.url, 'admission_requests_total{outcome="shed"}') == 1
 
 
 async def test_a_bad_priority_is_refused_and_names_the_header(spawn) -> None:  # type: ignore[no-untyped-def]

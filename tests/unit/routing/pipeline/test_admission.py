@@ -9,6 +9,7 @@ from kvcore.stream import EngineLoad
 from routing.pipeline.admission import AdmissionQueue, Busy, parse_priority
 from routing.placement.active_load import ActiveLoad
 from routing.placement.sessions import SessionAffinity
+from routing.vocabulary import QueueOrder
 from tests.support.polling import wait_for
 
 
@@ -42,8 +43,10 @@ def test_priority_header() -> None:
 
 
 class _Waiter:
-    def __init__(self, name: str, priority: int, log: list[str]) -> None:
+    def __init__(self, name: str, priority: int, log: list[str], tenant: str = "",
+                 cost: int = 100, weight: float = 1.0) -> None:
         self.name, self.priority, self.done, self.log = name, priority, False, log
+        self.tenant, self.cost, self.weight = tenant, cost, weight
         self.room = False
         self.tries = 0
 
@@ -59,6 +62,10 @@ class _Waiter:
         self.done = True
         self.log.append(f"{self.name} expired")
 
+    def wait_shed(self, tenant_ahead: str) -> None:
+        self.done = True
+        self.log.append(f"{self.name} shed for {tenant_ahead}")
+
 
 async def test_the_queue_admits_by_priority_then_arrival_and_expires_the_rest() -> None:
     log: list[str] = []
@@ -66,7 +73,7 @@ async def test_the_queue_admits_by_priority_then_arrival_and_expires_the_rest() 
     queue = AdmissionQueue(timeout_s=0.3, max_waiting=3, clock=lambda: now[0])
     waiters = [_Waiter("a", 0, log), _Waiter("b", 2, log), _Waiter("c", 0, log)]
     assert all(queue.offer(w) for w in waiters)
-    assert not queue.offer(_Waiter("d", 9, log)) and queue.num_full == 1
+    assert not queue.offer(_Waiter("d", -1, log)) and queue.num_full == 1  # ranks last
     queue.wake()
     await wait_for(lambda: waiters[1].tries, "a pass over the queue")  # its head: priority 2
     assert log == [] and len(queue) == 3  # every worker still busy: nobody admitted
@@ -91,6 +98,58 @@ async def test_a_gone_client_leaves_the_queue_unanswered() -> None:
     await wait_for(lambda: not len(queue), "the gone request dropped")
     assert log == [] and queue.num_admitted == 0
     queue.close()
+
+
+async def test_a_flooding_tenant_waits_behind_its_own_requests() -> None:
+    """Within a priority, each tenant's requests are tagged by its tokens served and
+    queued, over its weight: a quiet tenant's request passes the flood's backlog."""
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=30, max_waiting=16)
+    flood = [_Waiter(f"f{i}", 0, log, tenant="flood") for i in range(6)]
+    quiet = [_Waiter("q0", 0, log, tenant="quiet"), _Waiter("q1", 0, log, tenant="quiet")]
+    heavy = _Waiter("h0", 0, log, tenant="heavy", weight=2.0, cost=200)  # = 100 of weight 1
+    urgent = _Waiter("u", 5, log, tenant="flood")
+    for w in (*flood, quiet[0], heavy, quiet[1], urgent):
+        assert queue.offer(w)
+    for w in (*flood, *quiet, heavy, urgent):
+        w.room = True
+    queue.wake()
+    await wait_for(lambda: not len(queue), "every request admitted")
+    # The priority band first; then by start tag (flood: 0, 100, 200 ...; quiet: 0, 100;
+    # heavy: 0), ties in arrival order.
+    assert log == ["u", "f0", "q0", "h0", "f1", "q1", "f2", "f3", "f4", "f5"]
+    queue.close()
+
+
+async def test_first_come_first_served_ignores_tenants() -> None:
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=30, max_waiting=16, order=QueueOrder.FCFS)
+    waiters = [_Waiter("f0", 0, log, "flood"), _Waiter("f1", 0, log, "flood"),
+               _Waiter("q0", 0, log, "quiet")]
+    for w in waiters:
+        assert queue.offer(w)
+        w.room = True
+    queue.wake()
+    await wait_for(lambda: not len(queue), "every request admitted")
+    assert log == ["f0", "f1", "q0"]
+    queue.close()
+
+
+async def test_a_full_queue_sheds_the_request_ranking_last() -> None:
+    """A newcomer ranking ahead of the full queue's last takes its place; the shed one is
+    answered (429 fair_share) and its tenant's charge for it given back."""
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=30, max_waiting=3)
+    for i in range(3):
+        assert queue.offer(_Waiter(f"f{i}", 0, log, "flood"))
+    assert queue.offer(_Waiter("q0", 0, log, "quiet"))  # start 0 < f2's 200: f2 is shed
+    assert log == ["f2 shed for quiet"] and queue.num_shed == 1 and len(queue) == 3
+    assert not queue.offer(_Waiter("f3", 0, log, "flood"))  # start 200: ranks last
+    assert queue.num_full == 1
+    queue.close()
+    fcfs = AdmissionQueue(timeout_s=30, max_waiting=1, order=QueueOrder.FCFS)
+    assert fcfs.offer(_Waiter("a", 0, log)) and not fcfs.offer(_Waiter("b", 0, log, "x"))
+    fcfs.close()
 
 
 def test_sessions_expire_and_stay_bounded() -> None:

@@ -72,6 +72,7 @@ def test_two_keys_of_one_tenant_share_it(tmp_path: Path) -> None:
         ("k t rps=fast\n", "rps must be a number"),
         ("k t rps=0\n", "rps must be a finite number > 0"),
         ("k t burst=3\n", "unknown column"),
+        ("k t weight=-1\n", "weight must be a finite number > 0"),
         ("k bad'tenant\n", "tenant"),
     ],
 )
@@ -88,6 +89,15 @@ def test_per_tenant_columns_override_the_defaults(tmp_path: Path) -> None:
     assert small is not None and big is not None
     assert small.buckets.limits == RateLimits(2.0, 50.0)
     assert big.buckets.limits == RateLimits(10.0, 1000.0)
+
+
+def test_a_tenants_weight_is_its_share_of_a_busy_fleet(tmp_path: Path) -> None:
+    keys = _keys(tmp_path, "k1 gold weight=3\nk2 gold\nk3 plain\n")
+    gold, plain = keys.authenticate(_bearer("k2")), keys.authenticate(_bearer("k3"))
+    assert gold is not None and plain is not None
+    assert (gold.weight, plain.weight) == (3.0, 1.0)  # one line gives it, for every key
+    with pytest.raises(ValueError, match="tenant 'gold' is given two weights, 3 and 2"):
+        _keys(tmp_path, "k1 gold weight=3\nk2 gold weight=2\n")
 
 
 def test_the_file_is_reloaded_when_it_changes_at_most_once_a_second(tmp_path: Path) -> None:

@@ -43,4 +43,5 @@ def test_limits_must_be_positive_and_finite(value: float) -> None:
 
 @pytest.mark.parametrize(("wait", "header"), [(0.01, b"1"), (1.0, b"1"), (1.2, b"2")])
 def test_retry_after_is_whole_seconds_rounded_up(wait: float, header: bytes) -> None:
-    assert retry_after_header(wait) == b"retry-after: " + header + b"\r\n"
+    assert retry_after_header(wait) == (b"retry-after: " + header
+                                        + b"\r\nx-kvsidecar-shed-reason: rate_limit\r\n")
