@@ -47,6 +47,7 @@ log = structlog.get_logger(component="indexer")
 
 # The RFC's publisher types we read, by lower-cased name → how the RFC spells it.
 PUBLISHER_TYPES = {"vllm": "vLLM", "sglang": "SGLang"}
+_ZMQ_SCHEMES = ("tcp://", "ipc://")  # what the engines' publishers bind
 
 
 def registration_key(instance_id: str, tenant_id: str, dp_rank: int) -> str:
@@ -123,6 +124,12 @@ class Registrations:
             raise OpenAIError(400, f"POST /register: publisher type {reg.type!r} is not read "
                               f"here; known: {list(PUBLISHER_TYPES.values())} (vLLM's and "
                               "SGLang's ZMQ KV events)", param="type")
+        for name, address in (("endpoint", reg.endpoint),
+                              ("replay_endpoint", reg.replay_endpoint)):
+            if address is not None and not address.startswith(_ZMQ_SCHEMES):
+                raise OpenAIError(400, f"POST /register: '{name}' {address!r} is no ZMQ "
+                                  f"endpoint; it starts with one of {list(_ZMQ_SCHEMES)}",
+                                  param=name)
         key = registration_key(reg.instance_id, reg.tenant_id, reg.dp_rank)
         if key in self._followed:
             raise OpenAIError(409, f"POST /register: {key!r} (instance|tenant|dp_rank) is "

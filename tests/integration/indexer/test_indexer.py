@@ -165,7 +165,8 @@ async def test_rfc_examples_and_refusals(indexer, session) -> None:  # type: ign
     status, body = await post(session, f"{indexer}/register", RFC_REGISTER)
     assert (status, body["error"]["code"]) == (409, "already_registered")
     for bad, param in (({**RFC_REGISTER, "type": "Mooncake"}, "type"),
-                       ({**RFC_REGISTER, "weight": 1}, "weight")):
+                       ({**RFC_REGISTER, "weight": 1}, "weight"),
+                       ({**RFC_REGISTER, "dp_rank": 1, "endpoint": "1.1.1.1:5557"}, "endpoint")):
         status, body = await post(session, f"{indexer}/register", bad)
         assert (status, body["error"]["param"]) == (400, param), body
     query = {"model": "deepseek", "lora_name": "sql-adapter", "token_ids": [101, 15, 100, 55, 89],
