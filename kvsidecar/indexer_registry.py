@@ -205,7 +205,7 @@ class Registrations:
             {
                 "key": key,
                 **dataclasses.asdict(f.reg),
-                "connected": f.subscriber.connected.is_set(),
+                "connected": f.error is None and f.subscriber.connected.is_set(),
                 "error": f.error,
                 "cached_blocks": {t.name.lower(): self.index.num_blocks(key, t) if key in known
                                   else 0 for t in Tier},

@@ -29,7 +29,8 @@ __all__ = ["INSTANCE_NOT_FOUND", "MEDIUM_NAMES", "Rank", "answer", "answer_query
 
 INSTANCE_NOT_FOUND = "instance_not_found"
 
-MEDIUM_NAMES = {Tier.GPU: "GPU", Tier.HOST: "CPU", Tier.DISK: "DISK", Tier.REMOTE: "REMOTE"}
+# Each tier by the RFC's name for its medium: its own name, but ``host`` is the RFC's ``CPU``.
+MEDIUM_NAMES = {tier: "CPU" if tier is Tier.HOST else tier.name for tier in Tier}
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,3 +186,27 @@ async def test_rfc_examples_and_refusals(indexer, session) -> None:  # type: ign
     assert (status, body["error"]["code"]) == (404, "instance_not_found")
     async with session.get(f"{indexer}/query") as resp:
         assert resp.status == 405 and (await resp.json())["error"]["code"] == "method_not_allowed"
+
+
+async def test_a_publisher_of_other_blocks_is_reported_not_indexed(indexer, session) -> None:  # type: ignore[no-untyped-def]
+    """A publisher whose blocks are not the registered block size stops being followed, and
+    GET /workers says why."""
+    publisher = FakeVllmPublisher(BLOCK)
+    try:
+        status, _ = await post(session, f"{indexer}/register", {
+            "endpoint": publisher.endpoint, "type": "vllm", "modelname": "tiny",
+            "instance_id": "vllm-2", "block_size": 2 * BLOCK, "dp_rank": 0})
+        assert status == 200
+        await connected(session, indexer, 1)
+        await publisher.store([1], None, list(range(BLOCK)))
+
+        async def reported() -> str:
+            async with session.get(f"{indexer}/workers") as resp:
+                (worker,) = await resp.json()
+            assert worker["error"] and not worker["connected"], worker
+            return str(worker["error"])
+
+        error = await eventually(reported, "the mismatch reported", 15, 0.05)
+        assert f"blocks of {BLOCK}" in error
+    finally:
+        await publisher.aclose()
