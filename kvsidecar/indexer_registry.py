@@ -37,7 +37,7 @@ from adapters.zmq_events.subscriber import RankCore, RankSubscriber
 from kvcore import BlockHasher
 from kvcore.errors import OpenAIError
 from kvcore.events import KVEvent, Tier
-from routing.indexer.answer import Rank
+from routing.indexer.answer import INSTANCE_NOT_FOUND, Rank
 from routing.indexer.requests import Registration, Unregistration
 from routing.placement.prefix_index import PrefixIndex
 
@@ -151,16 +151,17 @@ class Registrations:
 
     async def unregister(self, unreg: Unregistration) -> list[str]:
         """Stop following ``(instance_id, tenant_id, dp_rank)`` and forget its blocks; 404
-        when it is not registered, 400 when its model or block size are not the
-        registration's."""
+        when it is not registered, 400 when its type, model, block size or LoRA name are not
+        the registration's."""
         key = registration_key(unreg.instance_id, unreg.tenant_id, unreg.dp_rank)
         followed = self._followed.get(key)
         if followed is None:
             raise OpenAIError(404, f"POST /unregister: {key!r} (instance|tenant|dp_rank) is not "
                               f"registered; registered: {sorted(self._followed)}",
-                              param="instance_id", code="instance_not_found")
+                              param="instance_id", code=INSTANCE_NOT_FOUND)
         reg = followed.reg
-        for name, asked, held in (("modelname", unreg.modelname, reg.modelname),
+        for name, asked, held in (("type", unreg.type.lower(), reg.type.lower()),
+                                  ("modelname", unreg.modelname, reg.modelname),
                                   ("block_size", unreg.block_size, reg.block_size),
                                   ("lora_name", unreg.lora_name, reg.lora_name)):
             if asked != held:

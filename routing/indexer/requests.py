@@ -157,11 +157,13 @@ class _Fields:
         value = self.obj.get(name)
         if value is None:
             return None
-        if not isinstance(value, list) or not all(
-            type(v) is int and low <= v <= high for v in value
-        ):
+        if not isinstance(value, list):
             raise _bad(f"{self.route}: '{name}' must be an array of integers in "
-                       f"[{low}, {high}]", name)
+                       f"[{low}, {high}], got {_kind(value)}", name)
+        for i, v in enumerate(value):
+            if type(v) is not int or not low <= v <= high:
+                raise _bad(f"{self.route}: '{name}' must be an array of integers in "
+                           f"[{low}, {high}]; {name}[{i}] is {_shown(v)}", name)
         return value
 
 

@@ -78,8 +78,9 @@ class IndexerRoutes:
             f"POST {route}: this gateway does not subscribe to event publishers: its workers "
             "are its sidecars' (--sidecar, --sidecar-file, --discover-k8s-selector), and a "
             "sidecar beside each engine follows that engine's own events (`kvsidecar sidecar "
-            f"--engine vllm|sglang|trtllm`); instance {registration.instance_id!r} joins by "
-            "starting one and naming it to the gateway",
+            f"--engine vllm|sglang|trtllm`): instance {registration.instance_id!r} joins by "
+            "starting one and naming it to the gateway. `kvsidecar indexer` takes "
+            "registrations of ZMQ publishers",
             code=REGISTRATION_NOT_SUPPORTED,
         )
 

@@ -179,6 +179,9 @@ async def test_rfc_examples_and_refusals(indexer, session) -> None:  # type: ign
     assert (status, body["error"]["param"]) == (400, "block_size")
     status, body = await post(session, f"{indexer}/query", {**query, "model": "other"})
     assert (status, body["error"]["code"]) == (404, "model_not_found")
+    status, body = await post(session, f"{indexer}/unregister", {**RFC_UNREGISTER,
+                                                                 "type": "SGLang"})
+    assert (status, body["error"]["param"]) == (400, "type")
     status, body = await post(session, f"{indexer}/unregister", RFC_UNREGISTER)
     assert (status, body) == (200, {"status": "unregistered successfully",
                                     "removed_instances": ["vllm-prefill-node1|default|0"]})
