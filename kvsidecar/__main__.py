@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv-size": ("kvsidecar.kv_size", "KV bytes per token and tier sizing from a model config"),
     "gateway": ("routing.__main__", "the OpenAI-compatible gateway with KV-aware placement"),
     "epp": ("routing.epp.__main__", "Gateway API Inference Extension endpoint picker (ext_proc)"),
+    "indexer": ("kvsidecar.indexer",
+                "the KV indexer API (Mooncake RFC #1403) over registered engines' KV events"),
     "sidecar": ("sidecar.__main__", "run beside one engine replica: event relay, proxy, health"),
     "engine": ("refengine.__main__", "the CPU reference engine (SGLang-compatible API and events)"),
     "replay": ("replay.__main__", "replay request traces live or offline, with a report"),

@@ -35,7 +35,7 @@ from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
 from routing.prompt.preparer import PreparedPrompt
 from routing.prompt.tokenizer import TokenizeLater
 
-__all__ = ["SESSION_HEADER", "TenantAdmission", "admit", "check_model"]
+__all__ = ["SESSION_HEADER", "TenantAdmission", "admit", "check_model", "tenant_cache_salt"]
 
 SESSION_HEADER = b"x-session-id"
 log = structlog.get_logger("routing.pipeline", component="gateway")
@@ -195,11 +195,15 @@ def _priority(raw: bytes | None) -> int:
         raise OpenAIError(400, str(exc), param=PRIORITY_HEADER.decode()) from None
 
 
+def tenant_cache_salt(tenant_salt: str, client_salt: str | None) -> str:
+    """The salt of a tenant's namespace: the tenant's salt, then the client's own (a hex salt
+    holds no ``:``, so no client salt can name another tenant's namespace)."""
+    return tenant_salt if client_salt is None else f"{tenant_salt}:{client_salt}"
+
+
 def _salted(parsed: OpenAIRequest, tenant_salt: str) -> OpenAIRequest:
-    """The request in its tenant's namespace: the tenant's salt, then the client's own
-    (a hex salt holds no ``:``, so no client salt can name another tenant's namespace)."""
-    client = parsed.cache_salt
-    salt = tenant_salt if client is None else f"{tenant_salt}:{client}"
+    """The request in its tenant's namespace (``tenant_cache_salt``)."""
+    salt = tenant_cache_salt(tenant_salt, parsed.cache_salt)
     return replace(parsed, cache_salt=salt, body={**parsed.body, "cache_salt": salt})
 
 

@@ -196,6 +196,21 @@ class PrefixIndex:
                     out[tier] = scores
         return out
 
+    def held_depth(self, worker_id: str, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks the worker holds in some tier, each block in whichever
+        tier it is (block 0 on the GPU and block 1 on the host count as two): a walk, for
+        queries (the indexer API), not for placement's hot path."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return 0
+        held = [b.par for b in worker.tiers if b.blocks]
+        depth = 0
+        for block in block_hashes:
+            if not any(block in par for par in held):
+                break
+            depth += 1
+        return depth
+
     def num_blocks(self, worker_id: str | None = None, tier: Tier | None = None) -> int:
         """Indexed (worker, block) pairs, optionally for one worker and/or one tier."""
         workers = self._workers.values() if worker_id is None else [self._workers[worker_id]]

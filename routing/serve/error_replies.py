@@ -47,8 +47,9 @@ def no_route(method: bytes, path: bytes) -> OpenAIError:
     routes = ", ".join(e.value for e in Endpoint)
     return OpenAIError(
         404, f"no route for {method.decode()} {path.decode()}: this gateway serves POST "
-        f"{routes}, GET /v1/models[/<model>], /health, /metrics, /v1/workers and "
-        "/openapi.json", code=UNKNOWN_ENDPOINT)
+        f"{routes}, the KV indexer API's POST /query and /query_by_hash, GET "
+        "/v1/models[/<model>], /health, /metrics, /v1/workers and /openapi.json",
+        code=UNKNOWN_ENDPOINT)
 
 
 def model_not_found(name: str, names: Sequence[str]) -> OpenAIError:

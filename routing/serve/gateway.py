@@ -46,6 +46,7 @@ from routing.replicas.link import ReplicaLink
 from routing.replicas.shared_load import SharedLoad
 from routing.serve import error_replies, views
 from routing.serve.auth import Tenant
+from routing.serve.indexer_routes import INDEXER_PATHS, IndexerRoutes
 from routing.serve.openapi import openapi_json
 from routing.serve.rate_limit import retry_after_header
 from routing.serve.startup import api_keys, tls_context
@@ -185,6 +186,8 @@ class Gateway:
             discover_models=not cfg.model_names,
             spawn=self.spawn,
         )
+        self.indexer = IndexerRoutes(self.router, self.workers, self.prompts.hasher,
+                                     self.model_names)
         self.auth = api_keys(cfg)
         self.sidecar_token = (
             None if cfg.sidecar_token_file is None
@@ -341,6 +344,9 @@ class Gateway:
                 request_id = request.headers.get(b"x-request-id") or self._new_request_id()
                 admit(self.ctx, conn, request, endpoint, key, request_id, tenant)
             return
+        if path in INDEXER_PATHS:
+            self._indexer(conn, request, tenant)
+            return
         if method not in (b"GET", b"HEAD"):
             self._no_route(conn, request)
         elif path == b"/health":
@@ -386,6 +392,20 @@ class Gateway:
 
     def _no_route(self, conn: ServerConnection, request: HttpRequest) -> None:
         self._plain_error(conn, request, error_replies.no_route(request.method, request.path))
+
+    def _indexer(self, conn: ServerConnection, request: HttpRequest,
+                 tenant: Tenant | None) -> None:
+        """The KV indexer API (``indexer_routes``): what our index holds, for other routers."""
+        if request.method != b"POST":
+            self._plain_error(conn, request, error_replies.method_not_allowed(
+                request.path, request.method), headers=b"allow: POST\r\n")
+            return
+        try:
+            body = self.indexer.answer(request.path, request.body, tenant)
+        except OpenAIError as exc:
+            self._plain_error(conn, request, exc)
+            return
+        conn.respond(200, body, extra_headers=self._id_header(request))
 
     def _model_view(self, conn: ServerConnection, request: HttpRequest, raw: bytes) -> None:
         """``GET /v1/models/{model}``: the model object, or 404 ``model_not_found``."""

@@ -100,6 +100,39 @@ def _model_read() -> dict[str, Any]:
     }}
 
 
+_U32_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 4294967295}}
+_INDEX_QUERY = {  # Mooncake's RFC #1403 (docs/indexer-api.md); any other field is a 400
+    "block_size": {"type": "integer", "minimum": 1},
+    "lora_name": {"type": "string"},
+    "tenant_id": {"type": "string"},
+    "instance_id": {"type": "string"},
+    "cache_salt": {"type": "string"},
+}
+_INDEX_ANSWER = {"description": "{tenant: {instance: {longest_matched, GPU, CPU, DISK, REMOTE, "
+                 "DP: {rank: tokens}}}}, in tokens", "content": {"application/json": {}}}
+
+
+def _index_query(summary: str, model: dict[str, Any], blocks: dict[str, Any],
+                 required: str) -> dict[str, Any]:
+    schema = {"type": "object", "additionalProperties": False,
+              "required": ["model", "block_size", required],
+              "properties": {"model": model, **_INDEX_QUERY, **blocks}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+        "responses": {"200": _INDEX_ANSWER, **{
+            str(status): {"description": why, "content": {"application/json": {
+                "schema": _ERROR}}}
+            for status, why in (
+                (400, "malformed body, an unknown field, a block size or hash scheme not "
+                      "this index's"),
+                (401, "a missing or unknown API key (--api-key-file)"),
+                (403, "a tenant_id other than the API key's tenant"),
+                (404, "unknown model (model_not_found) or instance (instance_not_found)"),
+                (413, "body over --max-body-bytes"))}},
+    }}
+
+
 def document(model_names: Sequence[str] = ()) -> dict[str, Any]:
     """The document; ``model_names``: the names clients may ask for (empty: any string)."""
     model: dict[str, Any] = {"type": "string"}
@@ -121,6 +154,13 @@ def document(model_names: Sequence[str] = ()) -> dict[str, Any]:
             "/health": _read("200 while some worker is routable"),
             "/metrics": _read("Prometheus metrics", "text/plain"),
             "/openapi.json": _read("this document"),
+            "/query": _index_query("KV indexer API: what each instance holds of these tokens",
+                                   model, {"token_ids": _U32_LIST}, "token_ids"),
+            "/query_by_hash": _index_query(
+                "KV indexer API: what each instance holds of these block hashes (ours: "
+                "hash_scheme kvsidecar-v1)", model,
+                {"seq_hashes": {"type": "array", "items": {"type": "integer"}},
+                 "hash_scheme": {"type": "string", "enum": ["kvsidecar-v1"]}}, "seq_hashes"),
         },
     }
 

@@ -1,0 +1,215 @@
+"""``kvsidecar indexer`` as a real process: publishers registered through the RFC's /register
+(real reference engines' SGLang-format streams, and a vLLM-format publisher on loopback), then
+/query answers checked against what each publisher really stored."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvcore import BlockHasher, namespace_seed
+from kvsidecar.launch import ManagedProcess
+from tests.integration.stack.test_stack import EVENTS
+from tests.support.polling import eventually
+from tests.unit.adapters.fake_engines import FakeVllmPublisher
+from tests.unit.routing.indexer.test_requests import RFC_REGISTER, RFC_UNREGISTER
+
+pytestmark = pytest.mark.slow
+BLOCK = 16
+PROMPT_A = [(5 * i + 1) % 900 + 10 for i in range(70)]  # 4 full blocks
+PROMPT_B = [(11 * i + 2) % 900 + 10 for i in range(120)]  # 7 full blocks
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
+    """Two reference engines (simulated compute) publishing SGLang-format KV events."""
+    proc = ManagedProcess.start(
+        "engines", ["refengine", "--compute", "sim", "--replicas", "2", "--port", "0",
+                    "--kv-events-config", EVENTS], workdir=tmp_path_factory.mktemp("engines"))
+    try:
+        yield proc.wait_ready(60, count=2)
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+async def indexer(tmp_path: Path) -> AsyncIterator[str]:
+    proc = ManagedProcess.start("indexer", ["kvsidecar", "indexer", "--port", "0",
+                                            "--host", "127.0.0.1", "--idle-probe-s", "0.2"],
+                                workdir=tmp_path)
+    try:
+        proc.wait_ready(30)
+        yield proc.url
+    finally:
+        proc.stop()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
+    async with session.post(url, json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+def registration(engine: dict[str, Any], instance: str, rank: int, **extra: Any) -> dict[str, Any]:
+    return {"endpoint": engine["kv_events_endpoint"],
+            "replay_endpoint": engine["kv_replay_endpoint"], "type": "SGLang",
+            "modelname": "tiny", "instance_id": instance, "block_size": BLOCK, "dp_rank": rank,
+            **extra}
+
+
+async def generate(session: aiohttp.ClientSession, engine: dict[str, Any],
+                   tokens: list[int]) -> None:
+    body = {"input_ids": tokens, "sampling_params": {"max_new_tokens": 1}}
+    async with session.post(f"{engine['url']}/generate", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+
+
+async def connected(session: aiohttp.ClientSession, url: str, count: int) -> None:
+    async def check() -> bool:
+        async with session.get(f"{url}/workers") as resp:
+            workers = await resp.json()
+        assert sum(w["connected"] for w in workers) >= count, workers
+        return True
+    await eventually(check, f"{count} publishers connected", 15, 0.05)
+
+
+async def test_dp_ranks_and_tenants_of_real_engines(engines, indexer, session) -> None:  # type: ignore[no-untyped-def]
+    """Two engines registered as DP ranks 0 and 1 of one instance: each prompt counts on the
+    rank that ran it; the same publisher under another tenant answers only that tenant."""
+    for rank, engine in enumerate(engines):
+        status, body = await post(session, f"{indexer}/register",
+                                  registration(engine, "node-a", rank))
+        assert (status, body) == (200, {"status": "registered successfully",
+                                        "instance_id": "node-a"})
+    status, _ = await post(session, f"{indexer}/register",
+                           registration(engines[0], "node-b", 0, tenant_id="acme"))
+    assert status == 200
+    await connected(session, indexer, 3)
+    await generate(session, engines[0], PROMPT_A)
+    await generate(session, engines[1], PROMPT_B)
+    query = {"model": "tiny", "block_size": BLOCK, "tenant_id": "default"}
+
+    async def answered(tokens: list[int], rank: str) -> dict[str, Any]:
+        status, body = await post(session, f"{indexer}/query", {**query, "token_ids": tokens})
+        assert status == 200 and body["default"]["node-a"]["DP"][rank] > 0, body
+        return dict(body)
+
+    a = await eventually(lambda: answered(PROMPT_A, "0"), "prompt A indexed", 15, 0.05)
+    assert a == {"default": {"node-a": {"longest_matched": 64, "GPU": 64, "CPU": 0, "DISK": 0,
+                                        "REMOTE": 0, "DP": {"0": 64, "1": 0}}}}
+    b = await eventually(lambda: answered(PROMPT_B, "1"), "prompt B indexed", 15, 0.05)
+    assert b["default"]["node-a"]["DP"] == {"0": 0, "1": 112}
+    status, acme = await post(session, f"{indexer}/query",
+                              {**query, "tenant_id": "acme", "token_ids": PROMPT_A})
+    assert status == 200 and list(acme) == ["acme"]
+    assert acme["acme"]["node-b"]["longest_matched"] == 64 and "node-a" not in acme["acme"]
+    # Our canonical hashes of the prompt answer the same through /query_by_hash.
+    hashes = BlockHasher(BLOCK).hash_tokens(PROMPT_A, namespace_seed("tiny"))
+    status, by_hash = await post(session, f"{indexer}/query_by_hash", {
+        **query, "seq_hashes": hashes, "hash_scheme": "kvsidecar-v1"})
+    assert (status, by_hash) == (200, a)
+    # Unregistering a rank takes its blocks out of the answers.
+    status, body = await post(session, f"{indexer}/unregister", {
+        "type": "SGLang", "modelname": "tiny", "instance_id": "node-a", "block_size": BLOCK,
+        "dp_rank": 0})
+    assert (status, body) == (200, {"status": "unregistered successfully",
+                                    "removed_instances": ["node-a|default|0"]})
+    status, body = await post(session, f"{indexer}/query", {**query, "token_ids": PROMPT_A})
+    assert body["default"]["node-a"]["DP"] == {"1": 0}
+
+
+async def test_tiers_and_registration_salt_from_a_vllm_publisher(indexer, session) -> None:  # type: ignore[no-untyped-def]
+    """A vLLM publisher's GPU and CPU blocks count per medium; its registration's
+    additionalsalt is the namespace a query's cache_salt names."""
+    publisher = FakeVllmPublisher(BLOCK)
+    try:
+        status, _ = await post(session, f"{indexer}/register", {
+            "endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
+            "type": "vLLM", "modelname": "tiny", "instance_id": "vllm-1", "block_size": BLOCK,
+            "dp_rank": 0, "additionalsalt": "w8a8"})
+        assert status == 200
+        await connected(session, indexer, 1)
+        tokens = list(range(100, 100 + 4 * BLOCK))
+        await publisher.store([1, 2], None, tokens[: 2 * BLOCK])  # blocks 0-1 on the GPU
+        await publisher.publish([{  # blocks 0-3 offloaded to CPU memory
+            "type": "BlockStored", "block_hashes": [11, 12, 13, 14], "parent_block_hash": None,
+            "token_ids": tokens, "block_size": BLOCK, "lora_id": None, "medium": "CPU",
+            "lora_name": None}])
+        query = {"model": "tiny", "block_size": BLOCK, "token_ids": tokens,
+                 "cache_salt": "w8a8"}
+
+        async def answered() -> dict[str, Any]:
+            status, body = await post(session, f"{indexer}/query", query)
+            assert status == 200 and body["default"]["vllm-1"]["CPU"] > 0, body
+            return dict(body["default"]["vllm-1"])
+
+        got = await eventually(answered, "the CPU blocks indexed", 15, 0.05)
+        assert got == {"longest_matched": 64, "GPU": 32, "CPU": 64, "DISK": 0, "REMOTE": 0,
+                       "DP": {"0": 64}}
+        status, body = await post(session, f"{indexer}/query", {**query, "cache_salt": None})
+        assert body["default"]["vllm-1"]["longest_matched"] == 0  # another namespace
+    finally:
+        await publisher.aclose()
+
+
+async def test_rfc_examples_and_refusals(indexer, session) -> None:  # type: ignore[no-untyped-def]
+    """The RFC's /register and /unregister examples round-trip with the RFC's answers; a
+    second registration of the same key, unknown fields, types and models are refused in the
+    gateway's error shape."""
+    status, body = await post(session, f"{indexer}/register", RFC_REGISTER)
+    assert (status, body) == (200, {"status": "registered successfully",
+                                    "instance_id": "vllm-prefill-node1"})
+    status, body = await post(session, f"{indexer}/register", RFC_REGISTER)
+    assert (status, body["error"]["code"]) == (409, "already_registered")
+    for bad, param in (({**RFC_REGISTER, "type": "Mooncake"}, "type"),
+                       ({**RFC_REGISTER, "weight": 1}, "weight"),
+                       ({**RFC_REGISTER, "dp_rank": 1, "endpoint": "1.1.1.1:5557"}, "endpoint")):
+        status, body = await post(session, f"{indexer}/register", bad)
+        assert (status, body["error"]["param"]) == (400, param), body
+    query = {"model": "deepseek", "lora_name": "sql-adapter", "token_ids": [101, 15, 100, 55, 89],
+             "tenant_id": "default", "instance_id": "vllm-prefill-node1", "block_size": 128,
+             "cache_salt": "w8a8"}  # the RFC's /query example, at the registered block size
+    status, body = await post(session, f"{indexer}/query", query)
+    assert (status, body) == (200, {"default": {"vllm-prefill-node1": {
+        "longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "DP": {"0": 0}}}})
+    status, body = await post(session, f"{indexer}/query", {**query, "block_size": 64})
+    assert (status, body["error"]["param"]) == (400, "block_size")
+    status, body = await post(session, f"{indexer}/query", {**query, "model": "other"})
+    assert (status, body["error"]["code"]) == (404, "model_not_found")
+    status, body = await post(session, f"{indexer}/unregister", {**RFC_UNREGISTER,
+                                                                 "type": "SGLang"})
+    assert (status, body["error"]["param"]) == (400, "type")
+    status, body = await post(session, f"{indexer}/unregister", RFC_UNREGISTER)
+    assert (status, body) == (200, {"status": "unregistered successfully",
+                                    "removed_instances": ["vllm-prefill-node1|default|0"]})
+    status, body = await post(session, f"{indexer}/unregister", RFC_UNREGISTER)
+    assert (status, body["error"]["code"]) == (404, "instance_not_found")
+    async with session.get(f"{indexer}/query") as resp:
+        assert resp.status == 405 and (await resp.json())["error"]["code"] == "method_not_allowed"
+
+
+async def test_a_publisher_of_other_blocks_is_reported_not_indexed(indexer, session) -> None:  # type: ignore[no-untyped-def]
+    """A publisher whose blocks are not the registered block size stops being followed, and
+    GET /workers says why."""
+    publisher = FakeVllmPublisher(BLOCK)
+    try:
+        status, _ = await post(session, f"{indexer}/register", {
+            "endpoint": publisher.endpoint, "type": "vllm", "modelname": "tiny",
+            "instance_id": "vllm-2", "block_size": 2 * BLOCK, "dp_rank": 0})
+        assert status == 200
+        await connected(session, indexer, 1)
+        await publisher.store([1], None, list(range(BLOCK)))
+
+        async def reported() -> str:
+            async with session.get(f"{indexer}/workers") as resp:
+                (worker,) = await resp.json()
+            assert worker["error"] and not worker["connected"], worker
+            return str(worker["error"])
+
+        error = await eventually(reported, "the mismatch reported", 15, 0.05)
+        assert f"blocks of {BLOCK}" in error
+    finally:
+        await publisher.aclose()
