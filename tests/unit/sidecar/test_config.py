@@ -71,3 +71,23 @@ def test_events_via_nats_and_its_limits(capsys: pytest.CaptureFixture[str]) -> N
         with pytest.raises(SystemExit):
             SidecarConfig.from_args([*BASE, *flags], {})
         assert "go together" in capsys.readouterr().err
+
+
+def test_publish_zmq_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--publish-zmq* build the republisher's config (also from --config); a replay endpoint
+    without a PUB one, a non-ZMQ endpoint or an unknown hash scheme is refused."""
+    assert SidecarConfig.from_args(BASE, {}).zmq_publish.endpoint is None
+    cfg = SidecarConfig.from_args([*BASE, "--publish-zmq", "tcp://*:5557", "--publish-zmq-replay",
+                                   "tcp://*:5558", "--publish-zmq-hash", "xxhash_cbor"], {})
+    z = cfg.zmq_publish
+    assert (z.endpoint, z.replay_endpoint, z.hash_algo, z.hash_seed, z.topic) == (
+        "tcp://*:5557", "tcp://*:5558", "xxhash_cbor", "0", "")
+    toml = tmp_path / "sidecar.toml"
+    toml.write_text('publish-zmq = "ipc:///tmp/kv"\npublish_zmq_hash_seed = "7"\n')
+    from_file = SidecarConfig.from_args([*BASE, "--config", str(toml)], {}).zmq_publish
+    assert (from_file.endpoint, from_file.hash_seed) == ("ipc:///tmp/kv", "7")
+    for bad in (["--publish-zmq-replay", "tcp://*:5558"], ["--publish-zmq", "http://x:1"],
+                ["--publish-zmq", "tcp://*:1", "--publish-zmq-hash", "md5"]):
+        with pytest.raises(SystemExit):
+            SidecarConfig.from_args([*BASE, *bad], {})
+    assert "--publish-zmq" in capsys.readouterr().err
