@@ -139,7 +139,7 @@ class _Rank:
     def flush(self) -> None:
         self.flush_due = False
         events, self.pending = self.pending, []
-        if not events:
+        if not events or self.pub.closed:  # (shutting down: the sockets went first)
             return
         payload = encode_batch(time.time(), events, self.rank)
         seq = self.seq

@@ -84,12 +84,15 @@ async def chat(session: aiohttp.ClientSession, url: str, system: str, user: str)
     return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
-async def replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
-    """vLLM's replay protocol: [b"", start] in, [b"", seq, payload]... then seq -1."""
+async def replay(endpoint: str, start: int, junk: bool = False) -> list[tuple[int, bytes]]:
+    """vLLM's replay protocol: [b"", start] in, [b"", seq, payload]... then seq -1 (after
+    a malformed request, with ``junk``, which gets no answer)."""
     ctx = zmq.asyncio.Context()
     dealer = ctx.socket(zmq.DEALER)
     dealer.connect(endpoint)
     try:
+        if junk:
+            await dealer.send_multipart([b"", b"\x01"])
         await dealer.send_multipart([b"", start.to_bytes(8, "big")])
         out = []
         while True:
@@ -170,7 +173,7 @@ async def test_subscriber_reads_vllm_format_with_vllm_hashes(
         everything = await replay(published["replay_endpoint"], 0)
         assert [s for s, _ in everything] == list(range(len(everything)))
         assert dict(everything)[seqs[-1]] == live[-1][1]
-        tail = await replay(published["replay_endpoint"], seqs[-1])
+        tail = await replay(published["replay_endpoint"], seqs[-1], junk=True)
         assert tail == [live[-1]]
     finally:
         sub.close(linger=0)

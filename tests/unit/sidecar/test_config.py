@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import ENGINE_API_KEY_ENV, SidecarConfig
+from sidecar.zmq_publisher import rank_endpoint
 
 BASE = ["--engine-url", "http://127.0.0.1:30000", "--worker-id", "r0"]
 
@@ -91,3 +92,11 @@ def test_publish_zmq_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         with pytest.raises(SystemExit):
             SidecarConfig.from_args([*BASE, *bad], {})
     assert "--publish-zmq" in capsys.readouterr().err
+
+
+def test_each_rank_publishes_on_its_own_port() -> None:
+    """Worker i binds the port plus i, as vLLM offsets its DP ranks; a wildcard stays one."""
+    assert rank_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert rank_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert rank_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+    assert rank_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv"
