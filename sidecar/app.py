@@ -59,6 +59,7 @@ from sidecar.pd_handoff import (
 from sidecar.proxy import RequestProxy
 from sidecar.relay import EventRelay
 from sidecar.transfer import PullRecord
+from sidecar.zmq_publisher import ZmqRepublisher
 
 __all__ = ["Sidecar"]
 
@@ -98,6 +99,7 @@ class Sidecar:
         self._silence = SilenceDetector(cfg.silent_after_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._capacity_blocks: int | None = None  # the engine's KV per worker, once it says
+        self._zmq: ZmqRepublisher | None = None  # --publish-zmq
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -176,6 +178,11 @@ class Sidecar:
                 asyncio.create_task(self._canary(adapter, info.block_size).run(),
                                     name="check_kv_events"),
             ]
+            if cfg.zmq_publish.endpoint is not None:
+                self._zmq = ZmqRepublisher(self.streams, cfg.zmq_publish, model_id=self.model_id,
+                                           block_size=info.block_size)
+                self.metrics.registry.register(self._zmq)
+                self._tasks.append(asyncio.create_task(self._zmq.run(), name="publish_zmq"))
             await self._serve()
         except BaseException:
             await self._close()
@@ -227,6 +234,8 @@ class Sidecar:
             except Exception as exc:  # gathered below, so no failure hides another
                 errors.append(exc)
         self._tasks = []
+        if self._zmq is not None:
+            self._zmq.close()  # (also when its task was cancelled before it ran)
         # Release in the reverse order of acquisition; the shared memory goes last.
         for close in (
             self._stop_serving,
@@ -329,7 +338,8 @@ class Sidecar:
         port = _bound_port(runner) or self.cfg.port
         self.url = f"http://{self.cfg.host}:{port}"
         if self.cfg.ready_file:
-            ready = {"url": self.url, "worker_ids": list(self.streams)}
+            ready = {"url": self.url, "worker_ids": list(self.streams),
+                     "zmq_publish": None if self._zmq is None else self._zmq.endpoints}
             Path(self.cfg.ready_file).write_text(json.dumps(ready) + "\n")
 
     def _pd_routes(self) -> PdRoutes:

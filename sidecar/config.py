@@ -4,7 +4,6 @@ engine's API key and the control token alone, the environment variables
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 from collections.abc import Mapping
@@ -16,7 +15,9 @@ from urllib.parse import urlsplit
 from adapters.base import LoraAdapter
 from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.layout import LayoutKind
+from kvcore.options import OptionParser
 from shm.config import parse_bytes
+from sidecar.zmq_publisher import ZmqPublishConfig
 
 __all__ = ["ENGINE_API_KEY_ENV", "SidecarConfig"]
 
@@ -78,6 +79,8 @@ class SidecarConfig:
     nats_url: str | None = field(default=None, repr=False)  # may carry a password
     events_max_age_s: float = 3600.0
     events_max_bytes: int = 1 << 30
+    # The events republished in vLLM's ZMQ wire format (sidecar/zmq_publisher.py).
+    zmq_publish: ZmqPublishConfig = field(default_factory=ZmqPublishConfig)
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -151,8 +154,8 @@ class SidecarConfig:
             raise ValueError("--events-max-age-s must be > 0 and --events-max-bytes >= 1MiB")
 
     @classmethod
-    def parser(cls) -> argparse.ArgumentParser:
-        p = argparse.ArgumentParser(
+    def parser(cls) -> OptionParser:
+        p = OptionParser(
             prog="kvsidecar sidecar",
             description="Run beside one engine replica: relay its KV cache events to gateways "
             "as one resumable stream, proxy requests to it with load accounting, and report "
@@ -382,6 +385,7 @@ class SidecarConfig:
             default=1 << 30,
             help="and at most this much of them, oldest dropped first (default 1GiB)",
         )
+        p.add_options(ZmqPublishConfig)
         s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
         s.add_argument("--ready-file", help="write {'url': ...} JSON here once serving")
         return p
@@ -442,6 +446,7 @@ class SidecarConfig:
                 nats_url=args.nats,
                 events_max_age_s=args.events_max_age_s,
                 events_max_bytes=args.events_max_bytes,
+                zmq_publish=parser.build(ZmqPublishConfig, args),
             )
         except ValueError as exc:
             parser.error(str(exc))

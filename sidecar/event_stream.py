@@ -54,6 +54,8 @@ class EventStream:
         self._direct: set[_Subscriber] = set()  # those that take every live event here
         # The JetStream publisher: True when it took the frame (--events-via nats).
         self.outlet: Callable[[bytes], bool] | None = None
+        # Other formats this stream is republished in (--publish-zmq), given every event.
+        self.taps: list[Callable[[KVEvent], None]] = []
         self.events_relayed = 0
         self.subscribers_dropped = 0
         self.replays_served = 0
@@ -73,6 +75,8 @@ class EventStream:
         """Stamp, record and send one event to every live subscriber (those reading
         JetStream only when the outlet refused it)."""
         frame = self.relay.publish(event)
+        for tap in self.taps:
+            tap(event)
         outlet = self.outlet
         if outlet is not None and outlet(frame):
             self._fanout(frame, self._direct)

@@ -40,6 +40,7 @@ __all__ = [
     "VlEvent",
     "decode_batch",
     "decode_batch_lenient",
+    "encode_batch",
     "hash_key",
 ]
 
@@ -96,12 +97,18 @@ def hash_key(value: int | bytes) -> int:
 
 
 _batch_decoder = msgspec.msgpack.Decoder(Batch)
+_batch_encoder = msgspec.msgpack.Encoder()
 _any_decoder = msgspec.msgpack.Decoder()
 
 
 def decode_batch(payload: bytes) -> Batch:
     """The typed fast path; raises ``msgspec.DecodeError``/``ValidationError`` on anything odd."""
     return _batch_decoder.decode(payload)
+
+
+def encode_batch(ts: float, events: list[VlEvent], rank: int | None) -> bytes:
+    """A batch as vLLM's publisher sends it (what ``decode_batch`` reads back)."""
+    return _batch_encoder.encode(Batch(ts, events, rank))
 
 
 def decode_batch_lenient(payload: bytes) -> tuple[float, list[VlEvent | BadEvent], int | None]:

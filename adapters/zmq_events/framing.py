@@ -1,6 +1,7 @@
 """The ZMQ framing SGLang and vLLM share: ``[topic, seq (8 bytes, big-endian), payload]``
 live, ``[b"", topic?, seq, payload]`` replayed, the replay's end marked by seq -1; and how an
-event that cannot be decoded is reported.
+event that cannot be decoded is reported. Read by the adapters' subscribers, written by the
+sidecar's republisher (``sidecar/zmq_publisher.py``).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["END_SEQ", "BadEvent", "FrameError", "parse_seq"]
+__all__ = ["END_SEQ", "BadEvent", "FrameError", "parse_seq", "seq_frame"]
 
 END_SEQ = b"\xff" * 8  # (-1).to_bytes(8, "big", signed=True): the replay end marker
 _HEAD = 64
@@ -33,3 +34,8 @@ def parse_seq(frame: bytes) -> int:
             f"sequence frame has {len(frame)} bytes, expected 8: {frame[:_HEAD].hex()}"
         )
     return int.from_bytes(frame, "big")
+
+
+def seq_frame(seq: int) -> bytes:
+    """The sequence number frame for ``seq`` (``parse_seq``'s inverse)."""
+    return seq.to_bytes(8, "big")

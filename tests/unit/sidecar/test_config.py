@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import ENGINE_API_KEY_ENV, SidecarConfig
+from sidecar.zmq_publisher import rank_endpoint
 
 BASE = ["--engine-url", "http://127.0.0.1:30000", "--worker-id", "r0"]
 
@@ -71,3 +72,31 @@ def test_events_via_nats_and_its_limits(capsys: pytest.CaptureFixture[str]) -> N
         with pytest.raises(SystemExit):
             SidecarConfig.from_args([*BASE, *flags], {})
         assert "go together" in capsys.readouterr().err
+
+
+def test_publish_zmq_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--publish-zmq* build the republisher's config (also from --config); a replay endpoint
+    without a PUB one, a non-ZMQ endpoint or an unknown hash scheme is refused."""
+    assert SidecarConfig.from_args(BASE, {}).zmq_publish.endpoint is None
+    cfg = SidecarConfig.from_args([*BASE, "--publish-zmq", "tcp://*:5557", "--publish-zmq-replay",
+                                   "tcp://*:5558", "--publish-zmq-hash", "xxhash_cbor"], {})
+    z = cfg.zmq_publish
+    assert (z.endpoint, z.replay_endpoint, z.hash_algo, z.hash_seed, z.topic) == (
+        "tcp://*:5557", "tcp://*:5558", "xxhash_cbor", "0", "")
+    toml = tmp_path / "sidecar.toml"
+    toml.write_text('publish-zmq = "ipc:///tmp/kv"\npublish_zmq_hash_seed = "7"\n')
+    from_file = SidecarConfig.from_args([*BASE, "--config", str(toml)], {}).zmq_publish
+    assert (from_file.endpoint, from_file.hash_seed) == ("ipc:///tmp/kv", "7")
+    for bad in (["--publish-zmq-replay", "tcp://*:5558"], ["--publish-zmq", "http://x:1"],
+                ["--publish-zmq", "tcp://*:1", "--publish-zmq-hash", "md5"]):
+        with pytest.raises(SystemExit):
+            SidecarConfig.from_args([*BASE, *bad], {})
+    assert "--publish-zmq" in capsys.readouterr().err
+
+
+def test_each_rank_publishes_on_its_own_port() -> None:
+    """Worker i binds the port plus i, as vLLM offsets its DP ranks; a wildcard stays one."""
+    assert rank_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert rank_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert rank_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
+    assert rank_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv"
