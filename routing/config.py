@@ -169,6 +169,15 @@ class RouterConfig:
     session_ttl_s: float = option(
         600.0, group=_ADMISSION, metavar="S",
         help="how long a session stays pinned after its last request")
+    # What counts as served well (routing/pipeline/slo.py), counted on /metrics as goodput.
+    slo_ttft_ms: float = option(
+        2000.0, group=_ADMISSION, metavar="MS",
+        help="a request's time-to-first-token target, unless it names its own in "
+        "x-kvsidecar-slo-ttft-ms")
+    slo_itl_ms: float = option(
+        100.0, group=_ADMISSION, metavar="MS",
+        help="a stream's mean inter-token latency target, unless it names its own in "
+        "x-kvsidecar-slo-itl-ms")
 
     # Prefill/decode disaggregation (routing/pd/coordinator.py).
     pd_mode: PdMode = option(
@@ -359,6 +368,10 @@ class RouterConfig:
             raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s!r}")
         if self.queue_max < 1:
             raise ValueError(f"queue_max must be >= 1, got {self.queue_max}")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or not 0 < value <= 3_600_000:
+                raise ValueError(f"{name} must be in (0, 3600000] ms, got {value!r}")
         if not math.isfinite(self.session_ttl_s) or self.session_ttl_s <= 0:
             raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
         if not 0 <= self.port <= 65535:

@@ -105,6 +105,8 @@ class GatewayMetrics:
         self.unauthorized = 0  # refused for a missing or unknown API key (--api-key-file)
         self.rate_limited = 0  # refused with 429 by a tenant's rate limit
         self.session_affinity_hits = 0  # placed on their x-session-id's worker
+        # served requests by how they met their TTFT and ITL targets (``pipeline.slo``)
+        self.goodput: dict[str, int] = {}
         self.admission: AdmissionCounts | None = None  # the admission queue, when there is one
         self.upstream_timeouts = 0
         self.predicted_cached_tokens = 0
@@ -150,6 +152,16 @@ class _Collector:
         for (endpoint, status), n in sorted(m.responses.items()):
             c.add_metric([endpoint, str(status)], n)
         yield c
+        goodput = CounterMetricFamily(
+            p + "goodput_requests",
+            "Served requests by how they met their targets (--slo-ttft-ms, --slo-itl-ms, or "
+            "the request's x-kvsidecar-slo-* headers): met, missed_ttft, missed_itl, "
+            "missed_both; goodput is met",
+            labels=["outcome"],
+        )
+        for outcome, n in sorted(m.goodput.items()):
+            goodput.add_metric([outcome], n)
+        yield goodput
         for name, doc, table in (
             ("worker_requests", "Requests dispatched to each worker", m.worker_requests),
             (

@@ -31,6 +31,7 @@ from routing.pipeline.legs import LegTarget
 from routing.pipeline.pair import PairExchange
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.sidecar_body import takes_token_path
+from routing.pipeline.slo import SLO_ITL_HEADER, SLO_TTFT_HEADER, Slo, parse_slo
 from routing.prompt.openai_api import Endpoint, OpenAIRequest, parse_request
 from routing.prompt.preparer import PreparedPrompt
 from routing.prompt.tokenizer import TokenizeLater
@@ -83,6 +84,7 @@ def admit(
     record = RequestRecord(key, request_id, endpoint._value_, 0, time.monotonic())
     try:
         priority = 0 if ctx.admission is None else _priority(request.headers.get(PRIORITY_HEADER))
+        record.slo = _slo(request.headers, ctx.slo)
         parsed = check_model(parse_request(endpoint, request.body), ctx.model_names())
         if tenant is not None and parsed.prompted:
             parsed = _salted(parsed, tenant.salt)
@@ -186,6 +188,14 @@ def _start(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
     if ctx.sessions is not None:
         exchange.session = headers.get(SESSION_HEADER)
     exchange.start()
+
+
+def _slo(headers: dict[bytes, bytes], default: Slo) -> Slo:
+    try:
+        return parse_slo(headers, default)
+    except ValueError as exc:
+        header = SLO_TTFT_HEADER if SLO_TTFT_HEADER.decode() in str(exc) else SLO_ITL_HEADER
+        raise OpenAIError(400, str(exc), param=header.decode()) from None
 
 
 def _priority(raw: bytes | None) -> int:

@@ -12,6 +12,7 @@ from routing.metrics import GatewayMetrics
 from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
 from routing.pipeline.refusals import Refusals
+from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import Policy
 from routing.placement.sessions import SessionAffinity
@@ -53,3 +54,4 @@ class PipelineContext:
     # with other gateway replicas: where a new prompt another replica owns waits for it
     prompt_hold: PromptHold | None = None
     refusals: Refusals = field(default_factory=Refusals)  # routes workers' engines lack
+    slo: Slo = field(default_factory=Slo)  # each request's targets unless it names its own

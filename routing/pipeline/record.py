@@ -13,6 +13,7 @@ import time
 import structlog
 
 from routing.metrics import GatewayMetrics
+from routing.pipeline.slo import Slo, judge
 from routing.placement.scorer import Placement
 
 __all__ = ["RequestRecord"]
@@ -37,6 +38,7 @@ class RequestRecord:
         "reported_cached",
         "request_id",
         "retries",
+        "slo",
         "status",
         "t_first",
         "t_last",
@@ -62,6 +64,7 @@ class RequestRecord:
         self.events = 0  # SSE events relayed
         self.t_first = 0.0
         self.t_last = 0.0
+        self.slo: Slo | None = None  # its targets, judged at finish (None: not judged)
 
     @property
     def worker_id(self) -> str:
@@ -105,10 +108,15 @@ class RequestRecord:
                 _count_scored(metrics, placement.reason, placement.best_overlap, depth)
                 if self.reported_cached >= 0:
                     _count_prediction(metrics, wid, predicted, self.reported_cached)
+        itl: float | None = None
         if self.events:
             metrics.completion_tokens += self.events
             if self.events > 1:
-                metrics.itl.observe((self.t_last - self.t_first) / (self.events - 1))
+                itl = (self.t_last - self.t_first) / (self.events - 1)
+                metrics.itl.observe(itl)
+        if self.slo is not None and status < 400 and self.t_first:
+            outcome = judge(self.slo, self.t_first - self.t_start, itl)
+            metrics.goodput[outcome] = metrics.goodput.get(outcome, 0) + 1
         if log_line:
             scored = placement if placement is not None and placement.reason else None
             log.debug(

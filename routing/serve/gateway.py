@@ -33,6 +33,7 @@ from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
+from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
 from routing.placement.scorer import ScoringWeights
@@ -173,6 +174,7 @@ class Gateway:
             admission=(AdmissionQueue(cfg.queue_timeout_s, cfg.queue_max, cfg.queue_order)
                        if cfg.queue_timeout_s > 0 and busy.any else None),
             sessions=(SessionAffinity(cfg.session_ttl_s) if cfg.session_affinity else None),
+            slo=Slo(cfg.slo_ttft_ms / 1000, cfg.slo_itl_ms / 1000),
             forwarded_headers=_FORWARDED_HEADERS
             + ((b"authorization",) if cfg.forward_authorization else ()),
             log_requests=cfg.log_level is LogLevel.DEBUG,
