@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import enum
 import socket
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from adapters.base import EngineKind, LoraAdapter
 from kvcore.jetstream import EventsVia
 from kvcore.layout import LayoutKind
 from sidecar.config import HandoffKind, SidecarConfig
+from tests.support.options import as_flag_default, config_toml, refusal
 
 URL = "http://127.0.0.1:30000"
 SECRETS = {"engine_api_key", "control_token"}  # derived: never flags
@@ -70,13 +70,6 @@ def _option_actions() -> list[argparse.Action]:
     return [a for a in SidecarConfig.parser()._actions if a.dest not in ("help", "config")]
 
 
-def _raw(value: object) -> object:
-    """A field's default as the command line holds it."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    return None if value in ((), dataclasses.MISSING) else value
-
-
 def test_every_flag_is_a_field_and_every_field_a_flag_but_the_secrets() -> None:
     actions = _option_actions()
     fields = {f.name for f in dataclasses.fields(SidecarConfig)}
@@ -91,7 +84,7 @@ def test_the_flags_defaults_are_the_fields() -> None:
     actions = {a.dest: a for a in _option_actions()}
     for f in dataclasses.fields(SidecarConfig):
         if f.name not in SECRETS:
-            assert actions[f.name].default == _raw(f.default), f.name
+            assert actions[f.name].default == as_flag_default(f.default), f.name
             assert actions[f.name].required == (f.name == "engine_url"), f.name
     cfg = SidecarConfig.from_args(["--engine-url", URL], {})
     assert cfg == SidecarConfig(engine_url=URL)
@@ -108,21 +101,6 @@ def test_the_flags_keep_their_spellings() -> None:
     assert (flags["lora_adapters"], flags["nats_url"]) == ("--lora-adapter", "--nats")
 
 
-def _toml(values: dict[str, object]) -> str:
-    lines = []
-    for key, given in values.items():
-        value = given.value if isinstance(given, enum.Enum) else given
-        if isinstance(value, bool):
-            lines.append(f"{key} = {str(value).lower()}")
-        elif isinstance(value, int | float):
-            lines.append(f"{key} = {value}")
-        elif isinstance(value, tuple):
-            lines.append(f"{key} = [{', '.join(repr(str(v)) for v in value)}]")
-        elif value is not None:
-            lines.append(f'{key} = "{value}"')
-    return "\n".join(lines) + "\n"
-
-
 def test_a_config_file_round_trips(tmp_path: Path) -> None:
     """Every option written to a TOML file by field name reads back as the same config (the
     engine URL, required, included; the secrets read from the files it names); a flag on the
@@ -132,7 +110,7 @@ def test_a_config_file_round_trips(tmp_path: Path) -> None:
     values = {k: v for k, v in dataclasses.asdict(full).items() if k not in SECRETS}
     values["lora_adapters"] = ("ad=1:/ckpt/ad",)
     path = tmp_path / "sidecar.toml"
-    path.write_text(_toml(values))
+    path.write_text(config_toml(values))
     assert SidecarConfig.from_args(["--config", str(path)], {}) == full
     again = SidecarConfig.from_args(["--config", str(path), "--role", "prefill"], {})
     assert again == dataclasses.replace(full, role="prefill")
@@ -171,10 +149,7 @@ def test_a_bad_config_file_is_refused(
     """An unknown key (never dropped) or a bad value: exit 2, naming the key or the flag."""
     path = tmp_path / "sidecar.toml"
     path.write_text(f'engine_url = "{URL}"\n{text}')
-    with pytest.raises(SystemExit) as info:
-        SidecarConfig.from_args(["--config", str(path)], {})
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message in refusal(lambda: SidecarConfig.from_args(["--config", str(path)], {}), capsys)
 
 
 def test_the_engine_url_is_required_from_the_flags_or_the_file(
@@ -203,10 +178,8 @@ def test_the_engine_url_is_required_from_the_flags_or_the_file(
 )
 def test_bad_flags_exit_2(argv: list[str], message: str,
                           capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        SidecarConfig.from_args(["--engine-url", URL, *argv], {})
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
+    argv = ["--engine-url", URL, *argv]
+    assert message in refusal(lambda: SidecarConfig.from_args(argv, {}), capsys)
 
 
 def test_code_may_give_a_vocabularys_plain_string() -> None:
@@ -231,14 +204,25 @@ def _choices(parser: argparse.ArgumentParser) -> dict[str, list[object] | None]:
 def test_names_and_values_agree_across_commands() -> None:
     """A flag that two commands share is spelled alike and takes the same values: the engine
     kinds of the sidecar and of inject, the roles inject announces, the gateway's and the
-    sidecar's --events-via, every --log-level, and the tier flags of the sidecar and shm."""
+    sidecar's --events-via, every --log-level, the tier flags of the sidecar and shm, and the
+    simulated timing of the engine and of offline replay."""
     from kvsidecar.engine_role import ROLES
     from kvsidecar.inject import build_parser as inject_parser
+    from refengine.config import build_parser as engine_parser
+    from replay.__main__ import build_parser as replay_parser
     from routing.flags import gateway_parser
     from shm.config import owner_parser
 
     sidecar = _choices(SidecarConfig.parser())
     gateway, shm = _choices(gateway_parser()), _choices(owner_parser())
+    engine = _choices(engine_parser())
+    assert engine["--log-level"] == sidecar["--log-level"]
+    defaults = {p.prog: {a.option_strings[0]: a.default for a in p._actions if a.option_strings}
+                for p in (engine_parser(), replay_parser())}
+    for flag in ("--sim-prefill-base-ms", "--sim-prefill-us-per-token", "--sim-decode-base-ms",
+                 "--sim-decode-us-per-seq", "--page-size", "--chunked-prefill-size",
+                 "--max-running-requests", "--speedup"):
+        assert defaults["kvsidecar engine"][flag] == defaults["kvsidecar replay"][flag], flag
     engines = [e.value for e in EngineKind]
     assert sidecar["--engine"] == _choices(inject_parser())["--engine"] == engines
     assert sidecar["--role"] == list(ROLES)
