@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,13 +20,12 @@ from kvcore.logs import LOG_LEVELS
 from kvcore.options import OptionParser, member, option
 from refengine.kv_events import KVEventsConfig
 from refengine.presets import PRESETS
-from refengine.timing import TimingModel
+from refengine.timing import SIM_GROUP, SimTiming, TimingModel
 from refengine.tokenizer import DEFAULT_MODEL_PATH
 
 __all__ = ["DEFAULT_POOL_BYTES", "Compute", "DisaggMode", "EngineConfig", "build_parser"]
 
 DEFAULT_POOL_BYTES = 1 << 30  # default KV pool budget when --max-total-tokens is not given
-_TIMING = TimingModel()  # the simulated timing's defaults, which the --sim-* flags start from
 
 
 class Compute(enum.Enum):
@@ -49,13 +48,12 @@ _MODEL = "model"
 _CACHE = "KV cache"
 _HOST = "host tier (HiCache storage interface)"
 _PD = "disaggregation"
-_SIM = "simulated timing (--compute sim)"
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Everything ``kvsidecar engine`` needs; validated on construction. Each field is a flag,
-    ``--`` and its name with dashes."""
+    ``--`` and its name with dashes; ``sim`` holds the ``--sim-*`` flags (``SimTiming``'s)."""
 
     host: str = option("127.0.0.1", group=_SERVER, help="HTTP bind address")
     port: int = option(30000, group=_SERVER, default_text="30000",
@@ -119,15 +117,9 @@ class EngineConfig:
         help="prefill: stop after the first token and export the prompt's pages; "
         "decode: import the prompt's pages from the page store")
 
-    speedup: float = option(1.0, group=_SIM, help="divide every simulated duration")
-    sim_prefill_base_ms: float = option(
-        _TIMING.prefill_base_s * 1e3, group=_SIM, help="per prefill step")
-    sim_prefill_us_per_token: float = option(
-        _TIMING.prefill_per_token_s * 1e6, group=_SIM, help="per uncached prompt token")
-    sim_decode_base_ms: float = option(
-        _TIMING.decode_base_s * 1e3, group=_SIM, help="per decode step")
-    sim_decode_us_per_seq: float = option(
-        _TIMING.decode_per_seq_s * 1e6, group=_SIM, help="per sequence in a decode step")
+    speedup: float = option(1.0, group=SIM_GROUP, help="divide every simulated duration")
+    # --sim-prefill-base-ms and the other --sim-* flags (shared with replay: SimTiming's)
+    sim: SimTiming = field(default_factory=SimTiming)
 
     def __post_init__(self) -> None:
         # frozen, but not yet shared: a plain string from code becomes its member
@@ -171,14 +163,7 @@ class EngineConfig:
     @property
     def timing(self) -> TimingModel:
         """The simulated compute's durations, from ``--speedup`` and the ``--sim-*`` flags."""
-        return replace(
-            _TIMING,
-            prefill_base_s=self.sim_prefill_base_ms / 1e3,
-            prefill_per_token_s=self.sim_prefill_us_per_token / 1e6,
-            decode_base_s=self.sim_decode_base_ms / 1e3,
-            decode_per_seq_s=self.sim_decode_us_per_seq / 1e6,
-            speedup=self.speedup,
-        )
+        return self.sim.model(self.speedup)
 
     @property
     def page_store(self) -> PageStoreBackend | None:
@@ -230,7 +215,8 @@ class EngineConfig:
         """From the command line (and ``--config FILE``); a bad flag or an invalid config is
         an argparse error (exit 2)."""
         parser = build_parser()
-        return parser.build(cls, parser.parse_args(argv))
+        args = parser.parse_args(argv)
+        return parser.build(cls, args, sim=parser.build(SimTiming, args))
 
 
 def build_parser() -> OptionParser:
@@ -241,4 +227,5 @@ def build_parser() -> OptionParser:
         "prefix-cached KV cache, serving SGLang's HTTP API and publishing SGLang's KV events.",
     )
     p.add_options(EngineConfig)
+    p.add_options(SimTiming)
     return p

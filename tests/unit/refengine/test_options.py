@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from refengine.config import Compute, DisaggMode, EngineConfig, build_parser
-from refengine.timing import TimingModel
+from refengine.timing import SimTiming, TimingModel
 from refengine.tokenizer import DEFAULT_MODEL_PATH
 from tests.support.options import as_flag_default, config_toml, refusal
 
@@ -36,8 +36,12 @@ FULL = EngineConfig(
     chunked_prefill_size=256, max_running_requests=8, kv_events_config=EVENTS,
     enable_hierarchical_cache=True, hicache_storage_backend="file",
     hicache_storage_backend_extra_config=EXTRA, hicache_host_pages=64,
-    disaggregation_mode=DisaggMode.PREFILL, speedup=10.0, sim_prefill_base_ms=1.0,
-    sim_prefill_us_per_token=20.0, sim_decode_base_ms=4.0, sim_decode_us_per_seq=100.0)
+    disaggregation_mode=DisaggMode.PREFILL, speedup=10.0,
+    sim=SimTiming(sim_prefill_base_ms=1.0, sim_prefill_us_per_token=20.0,
+                  sim_decode_base_ms=4.0, sim_decode_us_per_seq=100.0))
+# The options: EngineConfig's fields but sim, whose own fields are the --sim-* flags.
+OPTIONS = [f for cls in (EngineConfig, SimTiming) for f in dataclasses.fields(cls)
+           if f.name != "sim"]
 
 
 def _option_actions() -> list[argparse.Action]:
@@ -46,7 +50,7 @@ def _option_actions() -> list[argparse.Action]:
 
 def test_every_flag_is_a_field_and_every_field_a_flag() -> None:
     actions = _option_actions()
-    assert {a.dest for a in actions} == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {a.dest for a in actions} == {f.name for f in OPTIONS}
     assert {a.option_strings[0] for a in actions} == {a for a in EVERY if a.startswith("--")}
 
 
@@ -54,7 +58,7 @@ def test_the_flags_defaults_are_the_fields() -> None:
     """Each flag's default is its field's; no flags make the dataclass's defaults, whose
     simulated timing is TimingModel's own."""
     actions = {a.dest: a for a in _option_actions()}
-    for f in dataclasses.fields(EngineConfig):
+    for f in OPTIONS:
         assert actions[f.name].default == as_flag_default(f.default), f.name
     cfg = EngineConfig.from_args([])
     assert cfg == EngineConfig()
@@ -78,7 +82,9 @@ def test_hierarchical_cache_alone_is_the_memory_store() -> None:
 def test_a_config_file_round_trips(tmp_path: Path) -> None:
     """Every field written to TOML by name reads back as the same config; a flag wins."""
     path = tmp_path / "engine.toml"
-    path.write_text(config_toml(dataclasses.asdict(FULL)))
+    values = {**dataclasses.asdict(FULL), **dataclasses.asdict(FULL.sim)}
+    del values["sim"]
+    path.write_text(config_toml(values))
     assert EngineConfig.from_args(["--config", str(path)]) == FULL
     again = EngineConfig.from_args(["--config", str(path), "--page-size", "64"])
     assert again == dataclasses.replace(FULL, page_size=64)

@@ -205,11 +205,11 @@ def test_names_and_values_agree_across_commands() -> None:
     """A flag that two commands share is spelled alike and takes the same values: the engine
     kinds of the sidecar and of inject, the roles inject announces, the gateway's and the
     sidecar's --events-via, every --log-level, the tier flags of the sidecar and shm, and the
-    simulated timing of the engine and of offline replay."""
+    engine's and the router's options that offline replay simulates."""
     from kvsidecar.engine_role import ROLES
     from kvsidecar.inject import build_parser as inject_parser
     from refengine.config import build_parser as engine_parser
-    from replay.__main__ import build_parser as replay_parser
+    from replay.config import build_parser as replay_parser
     from routing.flags import gateway_parser
     from shm.config import owner_parser
 
@@ -218,11 +218,14 @@ def test_names_and_values_agree_across_commands() -> None:
     engine = _choices(engine_parser())
     assert engine["--log-level"] == sidecar["--log-level"]
     defaults = {p.prog: {a.option_strings[0]: a.default for a in p._actions if a.option_strings}
-                for p in (engine_parser(), replay_parser())}
+                for p in (engine_parser(), replay_parser(), gateway_parser())}
+    engine_d, replay_d = defaults["kvsidecar engine"], defaults["kvsidecar replay"]
     for flag in ("--sim-prefill-base-ms", "--sim-prefill-us-per-token", "--sim-decode-base-ms",
                  "--sim-decode-us-per-seq", "--page-size", "--chunked-prefill-size",
-                 "--max-running-requests", "--speedup"):
-        assert defaults["kvsidecar engine"][flag] == defaults["kvsidecar replay"][flag], flag
+                 "--max-running-requests"):
+        assert engine_d[flag] == replay_d[flag], flag
+    for flag in ("--router-temperature", "--approx-ttl-s"):  # replay's router is the gateway's
+        assert defaults["kvsidecar gateway"][flag] == replay_d[flag], flag
     engines = [e.value for e in EngineKind]
     assert sidecar["--engine"] == _choices(inject_parser())["--engine"] == engines
     assert sidecar["--role"] == list(ROLES)
