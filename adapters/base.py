@@ -67,7 +67,10 @@ __all__ = [
 ]
 
 
-class EngineKind(enum.Enum):
+class EngineKind(enum.StrEnum):
+    """The engines we adapt: ``kvsidecar sidecar --engine``'s values, what ``inject`` detects,
+    and the keys of ``ADAPTERS`` (a StrEnum: its value goes into flags, logs and labels)."""
+
     SGLANG = "sglang"
     TRTLLM = "trtllm"
     VLLM = "vllm"

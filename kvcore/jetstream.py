@@ -9,9 +9,20 @@ the frames carry the real worker id, the subject only routes.
 
 from __future__ import annotations
 
+import enum
 import re
 
-__all__ = ["events_subject", "events_subjects", "snapshot_bucket", "stream_name"]
+__all__ = ["EventsVia", "events_subject", "events_subjects", "snapshot_bucket", "stream_name"]
+
+
+
+class EventsVia(enum.StrEnum):
+    """Where KV events travel (``--events-via`` of the sidecar, which writes them, and of the
+    gateway, which reads them)."""
+
+    DIRECT = "direct"  # each sidecar's own HTTP stream, alone
+    NATS = "nats"  # also the model's JetStream stream (sidecar/jetstream_publisher.py)
+
 
 _INVALID = re.compile(r"[^A-Za-z0-9_-]")
 

@@ -11,7 +11,10 @@ import sys
 import orjson
 import structlog
 
-__all__ = ["configure_logging"]
+__all__ = ["LOG_LEVELS", "configure_logging"]
+
+# Every command's --log-level: the least severe records written.
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def configure_logging(level: str = "info") -> None:

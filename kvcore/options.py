@@ -4,9 +4,10 @@ A field made with ``option(...)`` carries its default and type (the field's own)
 help and group (the metadata). ``OptionParser.add_options(cls)`` turns those fields into argparse
 flags, so a default, a choice list or a conversion is written in one place, and
 ``OptionParser.build(cls, args)`` makes the dataclass from the parsed flags: the field's type
-says how (``Path``, an ``Enum`` by value, ``tuple[X, ...]`` from a repeated flag, ``X | None``
-for a flag that may be absent, ``bool`` from a switch). An option without a default is
-required: on the command line or in the config file.
+says how (``Path``, an ``Enum`` by value, a ``Literal`` of strings as its choices,
+``tuple[X, ...]`` from a repeated flag, ``X | None`` for a flag that may be absent, ``bool``
+from a switch). An option without a default is required: on the command line or in the config
+file.
 
 ``--config FILE`` reads the same options from TOML. Its keys are field names or flag names,
 with dashes or underscores; its values, checked as the flags' are, become the flags' defaults,
@@ -25,10 +26,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-__all__ = ["OptionParser", "option"]
+__all__ = ["OptionParser", "member", "option"]
 
 _KEY = "kvcore.option"
 _T = TypeVar("_T")
+_E = TypeVar("_E", bound=enum.Enum)
 _N = TypeVar("_N")
 _SCALARS = (bool, int, float, str, Path)
 
@@ -58,6 +60,7 @@ def option(
     parse: Callable[[str], object] | None = None,
     choices: Iterable[object] | None = None,
     default_text: str | None = None,
+    secret: bool = False,
 ) -> _T: ...
 @overload
 def option(
@@ -70,6 +73,7 @@ def option(
     metavar: str | None = None,
     parse: Callable[[str], object] | None = None,
     choices: Iterable[object] | None = None,
+    secret: bool = False,
 ) -> Any: ...
 
 
@@ -85,6 +89,7 @@ def option(
     choices: Iterable[object] | None = None,
     default_text: str | None = None,
     required: bool = False,
+    secret: bool = False,
 ) -> Any:
     """A dataclass field that is also a flag, ``--<name-with-dashes>`` unless ``flag`` says;
     ``aliases`` are more spellings of it (a flag renamed, its old name kept working).
@@ -97,14 +102,28 @@ def option(
     words (None meaning "learned", "unlimited"). A ``bool`` is a switch, off by default.
 
     ``required=True``, given instead of a default, makes a field without one: code that builds
-    the dataclass must give it, and so must the command line or a ``--config`` file."""
+    the dataclass must give it, and so must the command line or a ``--config`` file.
+    ``secret=True`` keeps the value out of the dataclass's repr (a URL with a password)."""
     if required == (default is not dataclasses.MISSING):
         raise TypeError("an option has a default or is required=True, one of the two")
     meta = _Meta(help, group, flag, metavar, parse, default_text, tuple(aliases),
                  None if choices is None else tuple(choices), required)
     if required:
-        return dataclasses.field(metadata={_KEY: meta})
-    return dataclasses.field(default=default, metadata={_KEY: meta})
+        return dataclasses.field(repr=not secret, metadata={_KEY: meta})
+    return dataclasses.field(default=default, repr=not secret, metadata={_KEY: meta})
+
+
+def member(what: str, value: object, vocabulary: type[_E]) -> _E:
+    """``value``'s member of ``vocabulary``, for a config's ``__post_init__`` (code that builds
+    the config may give the plain string); ``ValueError`` naming ``what`` (the option) and its
+    choices for any other value."""
+    if isinstance(value, vocabulary):
+        return value
+    choices = [m.value for m in vocabulary]
+    if value not in choices:
+        raise ValueError(f"{what} must be {', '.join(map(str, choices[:-1]))} or "
+                         f"{choices[-1]}, got {value!r}")
+    return vocabulary(value)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -234,6 +253,12 @@ def _specs(cls: type) -> tuple[_Spec, ...]:
         if f.default is dataclasses.MISSING and not meta.required:
             raise TypeError(f"{cls.__name__}.{f.name}: an option needs a default")
         kind, optional, repeat = _shape(hints[f.name])
+        if typing.get_origin(kind) is Literal:  # a vocabulary the wire types already name
+            values = typing.get_args(kind)
+            if meta.choices is not None or not all(isinstance(v, str) for v in values):
+                raise TypeError(f"{cls.__name__}.{f.name}: a Literal option is of strings, "
+                                "its choices its own")
+            kind, meta = str, dataclasses.replace(meta, choices=values)
         spec = _Spec(f.name, meta.flag or "--" + f.name.replace("_", "-"), kind, optional,
                      repeat, f.default, meta)
         _check(cls, spec)

@@ -14,14 +14,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
+from adapters.base import EngineKind
+from kvcore.stream import Role
 from kvsidecar.engine_flags import flag_value
 
 __all__ = ["ROLES", "ROLE_ANNOTATION", "RoleChoice", "engine_role"]
 
 ROLE_ANNOTATION = "kvsidecar.io/role"
-ROLES = ("agg", "prefill", "decode")
+ROLES: tuple[str, ...] = get_args(Role)  # the sidecar's --role values
 # SGLang's --disaggregation-mode: "null" is its own spelling of "not disaggregated".
 _SGLANG_MODES = {"null": "agg", "prefill": "prefill", "decode": "decode"}
 # TensorRT-LLM's ServerRole names (--server_role is matched case-blind, as trtllm-serve does).
@@ -35,7 +37,7 @@ class RoleChoice:
 
 
 def engine_role(
-    engine: str, words: Sequence[str], annotations: Mapping[str, Any]
+    engine: EngineKind, words: Sequence[str], annotations: Mapping[str, Any]
 ) -> RoleChoice:
     """The role for an ``engine`` run with ``words``, ``annotations`` overriding.
 
@@ -63,9 +65,9 @@ def engine_role(
     return RoleChoice(wanted, note)
 
 
-def _from_flags(engine: str, words: Sequence[str]) -> tuple[str, str | None]:
+def _from_flags(engine: EngineKind, words: Sequence[str]) -> tuple[str, str | None]:
     """The role the flags give, and the flag that gave it (``None``: no flag, ``agg``)."""
-    if engine == "sglang":
+    if engine is EngineKind.SGLANG:
         mode = flag_value(words, "--disaggregation-mode")
         if mode is None:
             return "agg", None
@@ -75,7 +77,7 @@ def _from_flags(engine: str, words: Sequence[str]) -> tuple[str, str | None]:
                 f"for: give the pod the annotation {ROLE_ANNOTATION} (agg, prefill or decode)"
             )
         return _SGLANG_MODES[mode], f"--disaggregation-mode {mode}"
-    if engine == "trtllm":
+    if engine is EngineKind.TRTLLM:
         if "disaggregated_mpi_worker" in words:
             raise ValueError(
                 "the engine is trtllm-serve disaggregated_mpi_worker, whose context and "

@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from adapters.base import EngineKind
 from kvsidecar.k8s_edits import apply_edits
-from kvsidecar.k8s_patch import Engine, InjectError, InjectOptions, describe, plan_object
+from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
 
 __all__ = ["build_parser", "inject_text", "main"]
 
@@ -52,7 +53,7 @@ def options_from(args: argparse.Namespace) -> InjectOptions:
         sidecar_image=args.sidecar_image,
         sidecar_port=args.sidecar_port,
         container=getattr(args, "container", None),
-        engine=Engine(args.engine) if getattr(args, "engine", None) else None,
+        engine=EngineKind(args.engine) if getattr(args, "engine", None) else None,
         store_capacity_bytes=args.store_capacity_bytes,
         sidecar_args=tuple(args.sidecar_arg),
     )
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or TensorRT-LLM's)",
     )
     parser.add_argument(
-        "--engine", choices=[e.value for e in Engine],
+        "--engine", choices=[e.value for e in EngineKind],
         help="the engine kind, when its container does not tell (default: detected)",
     )
     add_inject_options(parser)

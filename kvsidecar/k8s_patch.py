@@ -23,9 +23,9 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
+from adapters.base import EngineKind
 from kvsidecar.engine_command import engine_command, engine_port, script_edit
 from kvsidecar.engine_flags import flag_value, has_flag
 from kvsidecar.engine_role import engine_role
@@ -34,7 +34,6 @@ from kvsidecar.k8s_kinds import describe, pod_spec_paths, template_name, unhandl
 
 __all__ = [
     "SIDECAR_NAME",
-    "Engine",
     "InjectError",
     "InjectOptions",
     "NoEngineError",
@@ -63,7 +62,7 @@ VLLM_KV_EVENTS = json.dumps(
 TRTLLM_OPTIONS = "kv_cache_config:\n  enable_block_reuse: true\n  event_buffer_max_size: 1024\n"
 TRTLLM_BLOCK_SIZE = 32  # TensorRT-LLM's default tokens_per_block
 _WRITE_OPTIONS = f'printf "%s" "$KVSIDECAR_TRTLLM_OPTIONS" > {TRTLLM_OPTIONS_FILE}'
-_DEFAULT_PORT = {"sglang": 30000, "trtllm": 8000, "vllm": 8000}
+_DEFAULT_PORT = {EngineKind.SGLANG: 30000, EngineKind.TRTLLM: 8000, EngineKind.VLLM: 8000}
 # `vllm serve` (any path to the vllm script); a lone `vllm` word is the one a script's
 # command line is searched for (engine_command)
 _VLLM_SERVE = re.compile(r"(?:^|[\s/])vllm(?:\s+serve\b|$)")
@@ -76,12 +75,6 @@ class NoEngineError(InjectError):
     """A pod spec with no container recognisably SGLang, TensorRT-LLM or vLLM."""
 
 
-class Engine(StrEnum):
-    SGLANG = "sglang"
-    TRTLLM = "trtllm"
-    VLLM = "vllm"
-
-
 @dataclass(frozen=True)
 class InjectOptions:
     """What ``inject`` and ``webhook`` share: the sidecar and how to find the engine."""
@@ -89,7 +82,7 @@ class InjectOptions:
     sidecar_image: str = "kvsidecar:latest"
     sidecar_port: int = 9000
     container: str | None = None  # the engine container's name (default: detected)
-    engine: Engine | None = None  # the engine kind (default: detected)
+    engine: EngineKind | None = None  # the engine kind (default: detected)
     store_capacity_bytes: str | None = None  # a host-tier store: SGLang's HiCache backend
     sidecar_args: tuple[str, ...] = ()
 
@@ -185,7 +178,7 @@ def _tokens(container: Mapping[str, Any]) -> list[str]:
     return [str(t) for key in ("command", "args") for t in (container.get(key) or [])]
 
 
-def detect_engine(container: Mapping[str, Any]) -> Engine | None:
+def detect_engine(container: Mapping[str, Any]) -> EngineKind | None:
     """SGLang, TensorRT-LLM or vLLM, from the container's command, args and image."""
     tokens = _tokens(container)
     words = " ".join(tokens)
@@ -195,11 +188,11 @@ def detect_engine(container: Mapping[str, Any]) -> Engine | None:
         or _VLLM_SERVE.search(words)  # vllm serve ..., in exec form or inside a script
         or "vllm/vllm-openai" in image
     ):
-        return Engine.VLLM
+        return EngineKind.VLLM
     if "sglang.launch_server" in words or "lmsysorg/sglang" in image:
-        return Engine.SGLANG
+        return EngineKind.SGLANG
     if "trtllm-serve" in words or "nvcr.io/nvidia/tensorrt-llm" in image:
-        return Engine.TRTLLM
+        return EngineKind.TRTLLM
     return None
 
 
@@ -227,7 +220,7 @@ class _PodPlanner:
             )
             tokens = command.words
             self._not_the_orchestrator(engine, tokens)
-            role = engine_role(str(engine), tokens, self.annotations)
+            role = engine_role(engine, tokens, self.annotations)
             port = engine_port(tokens, _DEFAULT_PORT[engine], container.get("env"))
         except InjectError:
             raise
@@ -241,7 +234,7 @@ class _PodPlanner:
             name = str(container.get("name"))
             raise InjectError(f"{self.what}: {script_edit(name, command.script_line, flags)}")
         shm = self._shm_volume(container, cpath)
-        if engine is Engine.TRTLLM and flag_value(tokens, "--extra_llm_api_options") in (
+        if engine is EngineKind.TRTLLM and flag_value(tokens, "--extra_llm_api_options") in (
             None, TRTLLM_OPTIONS_FILE
         ):
             self._trtllm_options(cpath)
@@ -261,7 +254,7 @@ class _PodPlanner:
 
     # -- finding and checking the engine ------------------------------------------------------
 
-    def _engine_container(self) -> tuple[int, Engine]:
+    def _engine_container(self) -> tuple[int, EngineKind]:
         containers = _containers(self.spec)
         names = [str(c.get("name")) for c in containers]
         if self.opts.container is not None:
@@ -293,11 +286,11 @@ class _PodPlanner:
             "name the one to serve with --container"
         )
 
-    def _not_the_orchestrator(self, engine: Engine, tokens: list[str]) -> None:
+    def _not_the_orchestrator(self, engine: EngineKind, tokens: list[str]) -> None:
         """``trtllm-serve disaggregated`` pairs context and generation servers and holds no
         KV cache: it is no engine to put a sidecar beside."""
         serve = next((i for i, t in enumerate(tokens) if "trtllm-serve" in t), None)
-        if engine is Engine.TRTLLM and serve is not None and tokens[serve + 1:serve + 2] == [
+        if engine is EngineKind.TRTLLM and serve is not None and tokens[serve + 1:serve + 2] == [
             "disaggregated"
         ]:
             raise NoEngineError(
@@ -323,14 +316,14 @@ class _PodPlanner:
 
     # -- the engine's flags ---------------------------------------------------------------------
 
-    def _engine_flags(self, engine: Engine, tokens: list[str]) -> list[str]:
+    def _engine_flags(self, engine: EngineKind, tokens: list[str]) -> list[str]:
         flags: list[str] = []
-        if engine is Engine.SGLANG:
+        if engine is EngineKind.SGLANG:
             if not has_flag(tokens, "--kv-events-config"):
                 flags += ["--kv-events-config", SGLANG_KV_EVENTS]
             if self.opts.store_capacity_bytes is not None:
                 flags += self._hicache_flags(tokens)
-        elif engine is Engine.VLLM:
+        elif engine is EngineKind.VLLM:
             if not has_flag(tokens, "--kv-events-config"):
                 flags += ["--kv-events-config", VLLM_KV_EVENTS]
             if not has_flag(tokens, "--enable-prompt-tokens-details"):
@@ -389,7 +382,7 @@ class _PodPlanner:
         self._append(("volumes",), volume)
 
     def _sidecar(
-        self, engine: Engine, container: Mapping[str, Any], tokens: list[str], shm: str,
+        self, engine: EngineKind, container: Mapping[str, Any], tokens: list[str], shm: str,
         port: str, role: str,
     ) -> dict[str, Any]:
         mounts = [{"name": shm, "mountPath": "/dev/shm"}]
@@ -400,15 +393,15 @@ class _PodPlanner:
             "--port", str(self.opts.sidecar_port),
             "--role", role,
         ]
-        if engine is Engine.TRTLLM:
+        if engine is EngineKind.TRTLLM:
             args += ["--block-size", str(TRTLLM_BLOCK_SIZE)]
-        if self.opts.store_capacity_bytes is not None and engine is Engine.SGLANG:
+        if self.opts.store_capacity_bytes is not None and engine is EngineKind.SGLANG:
             args += [
                 "--store-capacity-bytes", self.opts.store_capacity_bytes,
                 "--store-socket", STORE_SOCKET,
             ]
             args += self._model_for_store(container, tokens, mounts)
-        elif self.opts.store_capacity_bytes is not None and engine is Engine.VLLM:
+        elif self.opts.store_capacity_bytes is not None and engine is EngineKind.VLLM:
             self.notes.append(
                 f"{self.what}: no store added: kvsidecar has no vLLM KV connector yet"
             )

@@ -36,11 +36,12 @@ import structlog
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from adapters.base import EngineKind
 from kvcore.errors import OpenAIError
 from kvcore.logs import configure_logging
 from kvsidecar.inject import add_inject_options, options_from
 from kvsidecar.k8s_edits import json_patch
-from kvsidecar.k8s_patch import Engine, InjectError, InjectOptions, describe, plan_object
+from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
 
 __all__ = ["WebhookConfig", "admit", "main"]
 
@@ -200,15 +201,16 @@ def _pod_options(pod: dict[str, Any], opts: InjectOptions) -> InjectOptions:
             raise InjectError(f"annotation {key} must be a string")
     container = annotations.get(CONTAINER_ANNOTATION)
     engine = annotations.get(ENGINE_ANNOTATION)
-    if engine is not None and engine not in {e.value for e in Engine}:
+    if engine is not None and engine not in {e.value for e in EngineKind}:
         raise InjectError(
-            f"annotation {ENGINE_ANNOTATION} must be sglang or trtllm, got {engine!r}"
+            f"annotation {ENGINE_ANNOTATION} must be one of "
+            f"{', '.join(e.value for e in EngineKind)}, got {engine!r}"
         )
     store = annotations.get(STORE_ANNOTATION)
     return replace(
         opts,
         container=container or opts.container,
-        engine=Engine(engine) if engine else opts.engine,
+        engine=EngineKind(engine) if engine else opts.engine,
         store_capacity_bytes=store or opts.store_capacity_bytes,
     )
 

@@ -20,11 +20,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = EngineConfig.from_args(argv)
-    except ValueError as exc:
-        print(f"refengine: {exc}", file=sys.stderr)
-        return 2
+    cfg = EngineConfig.from_args(argv)  # a bad flag or config: argparse's error, exit 2
     configure_logging(cfg.log_level)
     from refengine.launcher import serve  # noqa: PLC0415 - torch loads only once flags are valid
 

@@ -97,13 +97,13 @@ class Engine:
             self.executor = SimExecutor(cfg.timing, bare, spaced)
         self.kv_store = kv_store
         self.host: HostTier | None = None
-        if cfg.hicache_storage_backend:
+        if cfg.page_store:
             storage_cfg = StorageConfig(
                 model_name=f"{cfg.model_name}-{model_cfg.seed}",
                 extra_config=dict(cfg.hicache_extra_config),
                 logical_page_size=cfg.page_size,
             )
-            store = create_page_store(cfg.hicache_storage_backend, storage_cfg)
+            store = create_page_store(cfg.page_store, storage_cfg)
             pool = HostKVPool(
                 cfg.hicache_host_pages, cfg.page_size, kv_store.page_numel, kv_store.dtype
             )

@@ -15,9 +15,11 @@ one datacenter GPU (about 20k prefill tokens/s, ~10 ms decode steps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["TimingModel"]
+from kvcore.options import option
+
+__all__ = ["SIM_GROUP", "SimTiming", "TimingModel"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +54,34 @@ class TimingModel:
 
     def load(self, pages: int) -> float:
         return self.load_per_page_s * pages / self.speedup
+
+
+_DEFAULT = TimingModel()
+SIM_GROUP = "simulated timing (the engine's --compute sim)"  # the --sim-* flags' in --help
+
+
+@dataclass(frozen=True, slots=True)
+class SimTiming:
+    """The ``--sim-*`` flags of the engine and of offline replay, one declaration for both:
+    ``TimingModel``'s main terms in the units its users think in; the others keep their
+    defaults."""
+
+    sim_prefill_base_ms: float = option(
+        _DEFAULT.prefill_base_s * 1e3, group=SIM_GROUP, help="per prefill step")
+    sim_prefill_us_per_token: float = option(
+        _DEFAULT.prefill_per_token_s * 1e6, group=SIM_GROUP, help="per uncached prompt token")
+    sim_decode_base_ms: float = option(
+        _DEFAULT.decode_base_s * 1e3, group=SIM_GROUP, help="per decode step")
+    sim_decode_us_per_seq: float = option(
+        _DEFAULT.decode_per_seq_s * 1e6, group=SIM_GROUP, help="per sequence in a decode step")
+
+    def model(self, speedup: float = 1.0) -> TimingModel:
+        """The timing model these flags give, every duration divided by ``speedup``."""
+        return replace(
+            _DEFAULT,
+            prefill_base_s=self.sim_prefill_base_ms / 1e3,
+            prefill_per_token_s=self.sim_prefill_us_per_token / 1e6,
+            decode_base_s=self.sim_decode_base_ms / 1e3,
+            decode_per_seq_s=self.sim_decode_us_per_seq / 1e6,
+            speedup=speedup,
+        )

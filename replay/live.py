@@ -17,7 +17,6 @@ Arrivals are scheduled on the loop's clock (``--speedup`` compresses them); at m
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import sys
@@ -30,6 +29,7 @@ from typing import TypedDict
 import aiohttp
 import orjson
 
+from replay.config import ReplayConfig
 from replay.report import PolicyResult, TraceReport, markdown_table, write_report
 from replay.summary import RequestOutcome, summarize
 from replay.synthesis import TokenSynthesizer, vocab_size_from_model_dir
@@ -285,28 +285,30 @@ def write_jsonl(path: Path, records: Sequence[LiveRecord]) -> None:
             f.write(orjson.dumps(record.to_json()) + b"\n")
 
 
-async def main_live(args: argparse.Namespace) -> int:
+async def main_live(opts: ReplayConfig) -> int:
     """``kvsidecar replay TRACE --url ...``: the CLI's live mode."""
+    if opts.url is None:
+        raise ValueError("live replay needs --url")
     cfg = LiveConfig(
-        url=args.url.rstrip("/"),
-        model=args.model,
-        speedup=args.speedup,
-        max_concurrency=args.max_concurrency,
-        block_size=args.block_size,
-        request_timeout_s=args.request_timeout_s,
+        url=opts.url.rstrip("/"),
+        model=opts.model,
+        speedup=opts.speedup,
+        max_concurrency=opts.max_concurrency,
+        block_size=opts.block_size,
+        request_timeout_s=opts.request_timeout_s,
     )
-    vocab = vocab_size_from_model_dir(args.model_path) if args.model_path else args.vocab_size
-    synth = TokenSynthesizer(vocab, seed=args.seed)
+    vocab = vocab_size_from_model_dir(opts.model_path) if opts.model_path else opts.vocab_size
+    synth = TokenSynthesizer(vocab, seed=opts.seed)
     reports = []
-    for trace in args.traces:
+    for trace in opts.traces:
         records = await asyncio.to_thread(
-            load_for_replay, trace, args.limit, args.prefix_share, args.seed
+            load_for_replay, trace, opts.limit, opts.prefix_share, opts.seed
         )
-        bar = _Bar(len(records), args.quiet)
+        bar = _Bar(len(records), opts.quiet)
         results = await replay_live(records, synth, cfg, bar)
         bar.close()
-        output = Path(args.output or f"replay-{Path(trace).stem}.jsonl")
-        if len(args.traces) > 1 and args.output:
+        output = Path(opts.output or f"replay-{Path(trace).stem}.jsonl")
+        if len(opts.traces) > 1 and opts.output:
             output = output.with_name(f"{output.stem}-{Path(trace).stem}{output.suffix}")
         await asyncio.to_thread(write_jsonl, output, results)
         outs = [
@@ -334,7 +336,7 @@ async def main_live(args: argparse.Namespace) -> int:
         )
         reports.append(report)
         print(f"## {report.trace}\n\n{report.settings}\n\n{markdown_table(report)}\n")
-    if args.report:
-        written = await asyncio.to_thread(write_report, reports, args.report, "Live trace replay")
+    if opts.report:
+        written = await asyncio.to_thread(write_report, reports, opts.report, "Live trace replay")
         print(f"report written to {written}")
     return 0 if all(p.summary.errors == 0 for r in reports for p in r.policies) else 1

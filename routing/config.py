@@ -6,14 +6,13 @@ passes them on (``kvsidecar up``, replay) uses too."""
 
 from __future__ import annotations
 
-import enum
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from kvcore.options import option
+from kvcore.options import member, option
 from routing.vocabulary import (
     EventsVia,
     FailurePolicy,
@@ -385,7 +384,7 @@ class RouterConfig:
                                  ("kv_load_failure_policy", FailurePolicy),
                                  ("events_via", EventsVia)):
             # frozen, but not yet shared: a plain string from code becomes its member
-            object.__setattr__(self, name, _choice(name, getattr(self, name), vocabulary))
+            object.__setattr__(self, name, member(name, getattr(self, name), vocabulary))
         for name in ("kv_transfer_timeout_s", "pd_queue_timeout_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
@@ -465,13 +464,3 @@ class RouterConfig:
         if self.model_path is not None:
             return (self.model_path.resolve().name,)
         return ()
-
-
-def _choice(name: str, value: object, vocabulary: type[enum.StrEnum]) -> enum.StrEnum:
-    """``value``'s member of ``vocabulary`` (a config built in code may give the plain string);
-    ``ValueError`` naming the choices for any other value."""
-    choices = [m.value for m in vocabulary]
-    if value not in choices:
-        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got "
-                         f"{value!r}")
-    return vocabulary(value)

@@ -7,6 +7,8 @@ import enum
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvcore.jetstream import EventsVia  # shared with the sidecars, which write the events
+
 __all__ = ["EventsVia", "FailurePolicy", "KvTransport", "LogLevel", "PdMode", "QueueOrder",
            "RouterMode", "WorkerAddress"]
 
@@ -54,13 +56,6 @@ class KvTransport(enum.StrEnum):
     SHM = "shm"
     NIXL = "nixl"
     TCP = "tcp"
-
-
-class EventsVia(enum.StrEnum):
-    """Where the gateway reads the sidecars' KV events."""
-
-    DIRECT = "direct"  # each sidecar's own stream
-    NATS = "nats"  # the model's JetStream stream (routing/replicas/durable.py)
 
 
 class QueueOrder(enum.StrEnum):

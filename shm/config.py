@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcore.layout import DTYPE_BYTES, LayoutKind
+from kvcore.logs import LOG_LEVELS
 from kvcore.options import OptionParser, option
 from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 from shm.segment import check_owner_id
@@ -15,7 +16,6 @@ from shm.segment import check_owner_id
 __all__ = ["OwnerConfig", "owner_parser"]
 
 LAYOUTS = tuple(kind.value for kind in LayoutKind)
-LOG_LEVELS = ("debug", "info", "warning", "error")
 REMOTE_WRITES = ("through", "evict")
 _UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30,
           "gib": 1 << 30}

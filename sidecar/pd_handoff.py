@@ -21,14 +21,13 @@ becomes visible (the transfer service commits all or nothing).
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from adapters.base import PrefillDecode
-from sidecar.config import SidecarConfig
+from sidecar.config import HandoffKind, SidecarConfig
 
 if TYPE_CHECKING:
     from sidecar.transfer import BlockTransferService
@@ -43,13 +42,6 @@ __all__ = [
     "TransferServiceHandoff",
     "make_handoff",
 ]
-
-
-class HandoffKind(enum.StrEnum):
-    """How a decode sidecar obtains the prompt's blocks (``--kv-handoff``)."""
-
-    SHARED_STORE = "shared-store"
-    TRANSFER = "transfer"
 
 
 class HandoffError(RuntimeError):

@@ -4,6 +4,8 @@ process starts."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvsidecar.up import _parser, check_passed_args, gateway_argv, main, sidecar_argv
@@ -39,3 +41,15 @@ def test_refused_before_anything_starts(flag: str, value: str,
     err = capsys.readouterr().err
     assert f"{flag}: the arguments above were refused" in err
     assert "no-such-flag" in err or "lots" in err  # the gateway's or sidecar's own words
+
+
+def test_a_sidecar_config_file_reaches_every_sidecar(tmp_path: Path) -> None:
+    """--sidecar-arg=--config=FILE: the file's options, under up's own flags (which win)."""
+    path = tmp_path / "sidecar.toml"
+    path.write_text('log-level = "warning"\nrole = "decode"\nsilent_after_s = 5\n')
+    args = _parser().parse_args([f"--sidecar-arg=--config={path}"])
+    assert check_passed_args(args) is None
+    cfg = SidecarConfig.from_args(
+        sidecar_argv("http://127.0.0.1:30000", "replica-1", "agg", 0.0, args.sidecar_arg))
+    assert (cfg.log_level, cfg.silent_after_s) == ("warning", 5.0)
+    assert cfg.role == "agg"  # up's --role, given as a flag, beats the file

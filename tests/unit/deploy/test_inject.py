@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
+from adapters.base import EngineKind
 from kvsidecar.inject import inject_text
-from kvsidecar.k8s_patch import SGLANG_KV_EVENTS, Engine, InjectError, InjectOptions
+from kvsidecar.k8s_patch import SGLANG_KV_EVENTS, InjectError, InjectOptions
 from tests.support.inject_checks import check_injection, docs, inserted_lines
 from tests.support.k8s import pod_specs
 
@@ -265,7 +266,7 @@ class TestRefusals:
             inject_text(renamed, InjectOptions(container="engine"))
         with pytest.raises(InjectError, match=r"no container named 'nope'.*engine"):
             inject_text(renamed, InjectOptions(container="nope"))
-        _check(renamed, InjectOptions(container="engine", engine=Engine.SGLANG))
+        _check(renamed, InjectOptions(container="engine", engine=EngineKind.SGLANG))
 
     def test_shell_form_is_refused_with_the_flags(self) -> None:
         """An engine started by `sh -c` is refused with the exact flags to add."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from adapters.base import EngineKind
 from kvsidecar.engine_role import engine_role
 from kvsidecar.inject import inject_text
 from kvsidecar.k8s_patch import InjectError, InjectOptions
@@ -40,7 +41,7 @@ def _sidecar_role(spec: dict[str, Any]) -> str:
 )
 def test_role_from_flags(engine: str, words: list[str], role: str) -> None:
     """Each engine's P/D flag, in each spelling it accepts, gives the sidecar's pool."""
-    assert engine_role(engine, words, {}).role == role
+    assert engine_role(EngineKind(engine), words, {}).role == role
 
 
 def test_role_refusals_and_the_annotation() -> None:
@@ -48,14 +49,14 @@ def test_role_refusals_and_the_annotation() -> None:
     unless the annotation settles it; an annotation that is not a role is refused; one
     that contradicts the flags wins, with a note."""
     with pytest.raises(ValueError, match=r"kvsidecar\.io/role"):
-        engine_role("sglang", ["--disaggregation-mode", "encode"], {})
+        engine_role(EngineKind.SGLANG, ["--disaggregation-mode", "encode"], {})
     with pytest.raises(ValueError, match="MPI"):
-        engine_role("trtllm", ["trtllm-serve", "disaggregated_mpi_worker", "-c", "x"], {})
-    assert engine_role("sglang", ["--disaggregation-mode", "encode"],
+        engine_role(EngineKind.TRTLLM, ["trtllm-serve", "disaggregated_mpi_worker", "-c", "x"], {})
+    assert engine_role(EngineKind.SGLANG, ["--disaggregation-mode", "encode"],
                        {"kvsidecar.io/role": "prefill"}).role == "prefill"
     with pytest.raises(ValueError, match="must be one of agg, prefill, decode"):
-        engine_role("sglang", [], {"kvsidecar.io/role": "context"})
-    choice = engine_role("sglang", ["--disaggregation-mode", "prefill"],
+        engine_role(EngineKind.SGLANG, [], {"kvsidecar.io/role": "context"})
+    choice = engine_role(EngineKind.SGLANG, ["--disaggregation-mode", "prefill"],
                          {"kvsidecar.io/role": "decode"})
     assert choice.role == "decode" and "--disaggregation-mode prefill" in str(choice.note)
 

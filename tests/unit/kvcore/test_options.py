@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -262,3 +263,41 @@ def test_an_option_has_a_default_or_is_required() -> None:
         option(1, required=True, group="g", help="h")  # type: ignore[call-overload]
     with pytest.raises(TypeError):
         option(group="g", help="h")  # type: ignore[call-overload]
+
+
+Mode = Literal["agg", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    """A vocabulary that a wire type already spells as a ``Literal``."""
+
+    role: Mode = option("agg", group="worker", help="which pool")
+    via: Literal["direct", "nats"] | None = option(None, group="worker", help="events from")
+
+
+def test_a_literal_is_a_str_with_its_own_choices(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its values are the flag's choices, on the command line and in the file."""
+    p = OptionParser(prog="worker")
+    p.add_options(Worker)
+    assert "{agg,prefill,decode}" in p.format_help()
+    assert p.build(Worker, p.parse_args(["--role", "decode"])) == Worker("decode")
+    path = _write(tmp_path, 'role = "prefill"\nvia = "nats"\n')
+    assert p.build(Worker, p.parse_args(["--config", path])) == Worker("prefill", "nats")
+    for argv, message in ((["--role", "both"], "argument --role: invalid choice: 'both'"),
+                          (["--config", _write(tmp_path, 'via = "x"\n')],
+                           "via: must be one of direct, nats, got 'x'")):
+        with pytest.raises(SystemExit):
+            p.parse_args(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_a_literals_choices_are_its_own() -> None:
+    @dataclass(frozen=True)
+    class Twice:
+        role: Mode = option("agg", group="g", choices=("agg",), help="h")
+
+    with pytest.raises(TypeError):
+        OptionParser().add_options(Twice)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from shm.config import OwnerConfig, owner_parser
+from tests.support.options import config_toml
 
 REQUIRED = ["--owner-id", "o1", "--socket", "/tmp/o1.sock", "--capacity-bytes", "1MiB",
             "--block-bytes", "64KiB"]
@@ -66,23 +67,11 @@ def test_the_old_spellings_still_work() -> None:
     assert "--remote-tier-url URL, --remote-url URL" in text
 
 
-def _toml(values: dict[str, object]) -> str:
-    lines = []
-    for key, value in values.items():
-        if isinstance(value, bool):
-            lines.append(f"{key} = {str(value).lower()}")
-        elif isinstance(value, int | float):
-            lines.append(f"{key} = {value}")
-        elif value is not None:
-            lines.append(f'{key} = "{value}"')
-    return "\n".join(lines) + "\n"
-
-
 def test_a_config_file_round_trips(tmp_path: Path) -> None:
     """Every field written to a TOML file by name reads back as the same config, the
     required ones included; a flag on the command line still wins."""
     path = tmp_path / "shm.toml"
-    path.write_text(_toml(dataclasses.asdict(FULL)))
+    path.write_text(config_toml(dataclasses.asdict(FULL)))
     assert tomllib.loads(path.read_text())["capacity_bytes"] == 1 << 20
     assert OwnerConfig.from_args(["--config", str(path)]) == FULL
     again = OwnerConfig.from_args(["--config", str(path), "--remote-tier-write", "through"])
