@@ -79,6 +79,7 @@ class EngineSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     sidecars: bool = True  # a sidecar beside each replica
     sidecar_args: tuple[str, ...] = ()  # for these replicas' sidecars, after the stack's
+    worker_prefix: str | None = None  # sidecars' worker ids <prefix>-<i>; None: by role
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,13 @@ class LocalStack:
 
     def _launch(self, name: str, argv: list[str],
                 env: Mapping[str, str] | None = None) -> ManagedProcess:
-        proc = ManagedProcess.start(name, argv, workdir=self.workdir, env=env)
+        """Start one child; a name already taken (its log and ready file) gets ``-<n>``."""
+        taken = {p.name for p in self._procs}
+        unique, n = name, 0
+        while unique in taken:
+            n += 1
+            unique = f"{name}-{n}"
+        proc = ManagedProcess.start(unique, argv, workdir=self.workdir, env=env)
         self._procs.append(proc)
         return proc
 
@@ -283,7 +290,8 @@ class LocalStack:
 
     def _start_sidecars(self) -> None:
         """A sidecar beside each replica that wants one: worker ``replica-<i>`` when
-        aggregated, ``<role>-<i>`` otherwise, counted per role."""
+        aggregated, ``<role>-<i>`` otherwise (``<worker_prefix>-<i>`` if set), counted per
+        role."""
         spec = self.spec
         remote = ["--remote-tier-url", self.redis.url] if self.redis is not None else []
         wanted = [e for e in spec.engines for _ in range(e.replicas)]
@@ -293,7 +301,8 @@ class LocalStack:
             if not engine.sidecars:
                 continue
             i = index[part.role] = index.get(part.role, -1) + 1
-            worker_id = f"replica-{i}" if part.role == "agg" else f"{part.role}-{i}"
+            prefix = engine.worker_prefix or ("replica" if part.role == "agg" else part.role)
+            worker_id = f"{prefix}-{i}"
             extra = [*self._ours(), *remote, *spec.sidecar_args, *engine.sidecar_args]
             proc = self._launch(_name("sidecar", part.role, i), [
                 "sidecar",

@@ -12,11 +12,12 @@ import aiohttp
 import pytest
 
 from kvsidecar.launch import LaunchError, ManagedProcess
+from kvsidecar.local_redis import redis_command
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from tests.support.polling import wait_until
 
 TINY = StackSpec(
-    engines=(EngineSpec(replicas=2),),
+    engines=(EngineSpec(), EngineSpec()),  # two simulated engine processes, one name each
     gateways=(GatewaySpec(count=2, seed=1, health_check_interval_s=0.5),),
     speedup=5.0,
     nats=True,
@@ -68,7 +69,7 @@ async def test_a_tiny_stack_serves_then_stops_gateways_first_leaving_no_process(
         assert stack.nats is not None
         assert [p.worker_id for p in stack.sidecars] == ["replica-0", "replica-1"]
         assert [p.name for p in stack.procs] == [
-            "engines", "sidecar-0", "sidecar-1", "gateway", "gateway-1"]
+            "engines", "engines-1", "sidecar-0", "sidecar-1", "gateway", "gateway-1"]
         assert len({e.url for e in stack.engines}) == 2
         for gateway in stack.gateways:
             async with session.get(f"{gateway.url}/v1/workers") as resp:
@@ -111,3 +112,17 @@ def test_a_sidecar_that_fails_stops_the_engines_already_up(tmp_path: Path) -> No
     engines = stack.engines[0].proc
     assert engines.proc.returncode is not None
     wait_until(lambda: _groups_gone([engines]), "the engines' process group to be gone", 10)
+
+
+def test_every_sidecar_gets_the_stacks_redis_as_its_remote_tier(tmp_path: Path) -> None:
+    """With ``redis``, a redis-server serves beside the stack, each sidecar is told its URL
+    as the remote tier, and it is stopped with the stack."""
+    spec = StackSpec(redis=True, gateways=(), sidecar_args=(
+        "--store-capacity-bytes", "1MiB", "--store-block-bytes", "4KiB"))
+    with LocalStack(spec, tmp_path) as stack:
+        assert stack.redis is not None and stack.redis.proc is not None
+        redis, url = stack.redis.proc, stack.redis.url
+        assert redis_command(stack.redis.port, "PING").startswith(b"+PONG")
+        argv = stack.sidecars[0].proc.proc.args
+        assert isinstance(argv, list) and argv[argv.index("--remote-tier-url") + 1] == url
+    assert redis.returncode is not None
