@@ -76,10 +76,17 @@ class EngineSpec:
     compute: Literal["sim", "torch"] = "sim"
     kind: str = "refengine"
     args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)  # for the engines and their sidecars
     sidecars: bool = True  # a sidecar beside each replica
     sidecar_args: tuple[str, ...] = ()  # for these replicas' sidecars, after the stack's
-    worker_prefix: str | None = None  # sidecars' worker ids <prefix>-<i>; None: by role
+    worker_ids: tuple[str, ...] = ()  # one per replica; none: replica-<i> or <role>-<i>
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.worker_ids and len(self.worker_ids) != self.replicas:
+            raise ValueError(f"worker_ids names {len(self.worker_ids)} workers for "
+                             f"{self.replicas} replicas")
 
 
 @dataclass(frozen=True)
@@ -290,24 +297,23 @@ class LocalStack:
 
     def _start_sidecars(self) -> None:
         """A sidecar beside each replica that wants one: worker ``replica-<i>`` when
-        aggregated, ``<role>-<i>`` otherwise (``<worker_prefix>-<i>`` if set), counted per
-        role."""
+        aggregated, ``<role>-<i>`` otherwise, counted per role (or the spec's ``worker_ids``)."""
         spec = self.spec
         remote = ["--remote-tier-url", self.redis.url] if self.redis is not None else []
-        wanted = [e for e in spec.engines for _ in range(e.replicas)]
+        wanted = [(e, j) for e in spec.engines for j in range(e.replicas)]
         index: dict[str, int] = {}
         started: list[tuple[Part, ManagedProcess]] = []
-        for engine, part in zip(wanted, self.engines, strict=True):
+        for (engine, j), part in zip(wanted, self.engines, strict=True):
             if not engine.sidecars:
                 continue
             i = index[part.role] = index.get(part.role, -1) + 1
-            prefix = engine.worker_prefix or ("replica" if part.role == "agg" else part.role)
-            worker_id = f"{prefix}-{i}"
+            worker_id = (engine.worker_ids[j] if engine.worker_ids
+                         else f"replica-{i}" if part.role == "agg" else f"{part.role}-{i}")
             extra = [*self._ours(), *remote, *spec.sidecar_args, *engine.sidecar_args]
             proc = self._launch(_name("sidecar", part.role, i), [
                 "sidecar",
                 *sidecar_argv(part.url, worker_id, part.role, spec.handoff_ms_per_1k_tokens, extra),
-            ])
+            ], dict(engine.env) or None)
             part.worker_id = worker_id
             started.append((part, proc))
         for part, proc in started:

@@ -66,9 +66,10 @@ def start_stack(kind: str, workdir: Path) -> EngineStack:
         sidecar_args = ("--engine", "trtllm", "--block-size", "16",
                         "--lora-adapter", f"{ADAPTER}=1:{checkpoint}")
     if kind == "refengine":
-        engine = EngineSpec(compute="torch", env=env, worker_prefix=kind)
+        engine = EngineSpec(compute="torch", env=env, worker_ids=(f"{kind}-0",))
     else:
-        engine = EngineSpec(kind=f"tests.support.{kind}_standin", env=env, worker_prefix=kind,
+        engine = EngineSpec(kind=f"tests.support.{kind}_standin", env=env,
+                            worker_ids=(f"{kind}-0",),
                             args=("--model-path", str(MODEL), "--served-model-name", "tiny",
                                   "--lora", ADAPTER), sidecar_args=sidecar_args)
     spec = StackSpec(
