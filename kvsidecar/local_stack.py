@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, Self
+from urllib.parse import urlsplit
 
 from kvsidecar.launch import LaunchError, ManagedProcess, Stoppable, stop_newest_first
 from kvsidecar.local_nats import NatsServer
@@ -161,6 +162,16 @@ def gateway_argv(spec: GatewaySpec, model_path: str, sidecars: list[str], *,
     ]
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """How a child was started: what ``LocalStack.restart`` starts again."""
+
+    origin: str  # the first incarnation's name
+    argv: list[str]
+    env: Mapping[str, str] | None
+    wait_s: float
+
+
 def _role_flags(role: str, workdir: Path) -> list[str]:
     """Engine flags of a role: prefill/decode engines share one page store (the handoff)."""
     if role == "agg":
@@ -208,6 +219,7 @@ class LocalStack:
         self.gateways: list[Part] = []
         self.workers: list[Any] = []  # what the first gateway listed once all were routable
         self._procs: list[ManagedProcess] = []  # in start order; stopped in reverse
+        self._launched: dict[str, _Launch] = {}  # by process name: how to start it again
 
     @property
     def url(self) -> str:
@@ -241,16 +253,16 @@ class LocalStack:
         if self.spec.redis:
             self.redis = RedisServer(self.workdir, maxmemory=self.spec.redis_maxmemory).start()
 
-    def _launch(self, name: str, argv: list[str],
+    def _launch(self, name: str, argv: list[str], wait_s: float,
                 env: Mapping[str, str] | None = None) -> ManagedProcess:
         """Start one child; a name already taken (its log and ready file) gets ``-<n>``."""
-        taken = {p.name for p in self._procs}
         unique, n = name, 0
-        while unique in taken:
+        while unique in self._launched:
             n += 1
             unique = f"{name}-{n}"
         proc = ManagedProcess.start(unique, argv, workdir=self.workdir, env=env)
         self._procs.append(proc)
+        self._launched[unique] = _Launch(unique, argv, env, wait_s)
         return proc
 
     def _ours(self) -> list[str]:
@@ -280,7 +292,7 @@ class LocalStack:
             env = dict(engine.env) or None
             if engine.kind == "refengine" and engine.compute == "sim":
                 proc = self._launch(_name("engines", engine.role), self._refengine_argv(engine),
-                                    env)
+                                    _READY_S["sim"], env)
                 started.append((engine, proc, engine.replicas, _READY_S["sim"]))
                 continue
             for _ in range(engine.replicas):
@@ -289,7 +301,7 @@ class LocalStack:
                     argv, wait = self._refengine_argv(engine), _READY_S[engine.compute]
                 else:
                     argv, wait = [engine.kind, *engine.args], _READY_S["standin"]
-                proc = self._launch(_name("engine", engine.role, i), argv, env)
+                proc = self._launch(_name("engine", engine.role, i), argv, wait, env)
                 started.append((engine, proc, 1, wait))
         for engine, proc, count, wait in started:
             for line in proc.wait_ready(wait, count=count)[:count]:
@@ -313,7 +325,7 @@ class LocalStack:
             proc = self._launch(_name("sidecar", part.role, i), [
                 "sidecar",
                 *sidecar_argv(part.url, worker_id, part.role, spec.handoff_ms_per_1k_tokens, extra),
-            ], dict(engine.env) or None)
+            ], _READY_S["sidecar"], dict(engine.env) or None)
             part.worker_id = worker_id
             started.append((part, proc))
         for part, proc in started:
@@ -340,7 +352,7 @@ class LocalStack:
             argv = gateway_argv(gateway, self.spec.model_path, sidecars,
                                 port=gateway.port if g == 0 else 0,
                                 more=[*workers, *seed, *nats, *self._ours()])
-            started.append(self._launch(name, ["routing", *argv]))
+            started.append(self._launch(name, ["routing", *argv], _READY_S["gateway"]))
         parts = [Part(p.name, str(p.wait_ready(_READY_S["gateway"])[0]["url"]), p)
                  for p in started]
         self.gateways += parts
@@ -350,6 +362,40 @@ class LocalStack:
                 if not self.workers:
                     self.workers = workers_listed
         return parts
+
+    # -- restarting
+
+    def restart(self, proc: ManagedProcess) -> ManagedProcess:
+        """Start a child again where it was, stopping it first if it still runs: the same
+        arguments plus the HTTP port it had bound and, for an engine, the KV event endpoints
+        it had bound, so its sidecar and the gateways find it unchanged (a restarted engine's
+        cache is empty and its event sequence starts over). The new process takes ``proc``'s
+        place among the parts and in the stopping order, named ``<name>-r<n>``."""
+        launch = self._launched.get(proc.name)
+        if launch is None or len(proc.ready) != 1:
+            raise ValueError(f"{proc.name}: only a child of this stack serving one endpoint "
+                             "restarts (a simulated engine process serving several does not)")
+        ready = proc.ready[0]
+        proc.stop()
+        more = ["--port", str(urlsplit(str(ready["url"])).port)]
+        if ready.get("kv_events_endpoint"):
+            events = {**json.loads(self.spec.events_config), "bind": True,
+                      "endpoint": ready["kv_events_endpoint"],
+                      "replay_endpoint": ready["kv_replay_endpoint"]}
+            more += ["--kv-events-config", json.dumps(events)]
+        n = 1
+        while f"{launch.origin}-r{n}" in self._launched:
+            n += 1
+        name = f"{launch.origin}-r{n}"
+        new = ManagedProcess.start(name, [*launch.argv, *more], workdir=self.workdir,
+                                   env=launch.env)
+        self._launched[name] = launch
+        self._procs[self._procs.index(proc)] = new
+        for part in (*self.engines, *self.sidecars, *self.gateways):
+            if part.proc is proc:
+                part.proc = new
+        new.wait_ready(launch.wait_s)
+        return new
 
     # -- stopping
 

@@ -1,6 +1,6 @@
 """``kvsidecar.local_stack``: a tiny simulated stack started in dependency order, ready
-through every gateway, stopped gateways first with no process of any child's group left,
-and a child that fails to start named with its log's tail."""
+through every gateway, stopped gateways first with no process of any child's group left, a
+child that fails to start named with its log's tail, and children restarted in place."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from kvsidecar.launch import LaunchError, ManagedProcess
 from kvsidecar.local_redis import redis_command
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
-from tests.support.polling import wait_until
+from tests.support.polling import eventually, wait_until
 
 TINY = StackSpec(
     engines=(EngineSpec(), EngineSpec()),  # two simulated engine processes, one name each
@@ -126,3 +126,29 @@ def test_every_sidecar_gets_the_stacks_redis_as_its_remote_tier(tmp_path: Path) 
         argv = stack.sidecars[0].proc.proc.args
         assert isinstance(argv, list) and argv[argv.index("--remote-tier-url") + 1] == url
     assert redis.returncode is not None
+
+
+async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
+    tmp_path: Path, session: aiohttp.ClientSession
+) -> None:
+    """``restart``: a SIGKILLed engine and a running sidecar come back on their ports (the
+    engine on its event endpoints too), in their places, and the gateway serves through them."""
+    spec = StackSpec(gateways=(GatewaySpec(health_check_interval_s=0.5),), speedup=5.0)
+    async with LocalStack(spec, tmp_path) as stack:
+        engine, sidecar = stack.engines[0], stack.sidecars[0]
+        engine_url, sidecar_url = engine.url, sidecar.url
+        engine.proc.kill()
+        new_engine = await asyncio.to_thread(stack.restart, engine.proc)
+        new_sidecar = await asyncio.to_thread(stack.restart, sidecar.proc)
+        assert (new_engine.name, new_sidecar.name) == ("engines-r1", "sidecar-0-r1")
+        assert (new_engine.url, new_sidecar.url) == (engine_url, sidecar_url)
+        assert stack.engines[0].proc is new_engine and stack.sidecars[0].proc is new_sidecar
+        assert [p.name for p in stack.procs] == ["engines-r1", "sidecar-0-r1", "gateway"]
+        body = {"model": "tiny", "prompt": "cache token prefix", "max_tokens": 2}
+
+        async def served() -> bool:
+            async with session.post(f"{stack.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+            return True
+
+        await eventually(served, "a completion through the restarted worker", 30, 0.2)
