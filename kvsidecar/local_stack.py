@@ -14,6 +14,8 @@ Every child runs as ``python -m <module> ... --ready-file`` through ``ManagedPro
 its own process group, polled against a deadline, a child that exits or stays silent fails
 the start with its log's tail; stopping sends SIGTERM, then SIGKILL, and then kills whatever
 is left of its group. Logs and ready files go in the work directory, one per child.
+``add_gateway`` starts more gateways beside a running stack; ``restart`` brings a child back
+on the ports it had (fault tests and the soak).
 """
 
 from __future__ import annotations
