@@ -2,8 +2,10 @@
 
 Every server of ours (engine, sidecar, gateway) takes ``--ready-file PATH`` and writes one
 JSON line per endpoint it serves once it is serving, with the port actually bound (so
-``--port 0`` works). ``ManagedProcess`` starts one, polls that file with a deadline (failing
-early, with the log's tail, if the process dies), and stops it: SIGTERM, then SIGKILL.
+``--port 0`` works). ``ManagedProcess`` starts one in its own process group, polls that file
+with a deadline (failing early, with the log's tail, if the process dies), and stops it:
+SIGTERM, then SIGKILL, then SIGKILL to whatever is left of its group (a child it spawned and
+did not reap). ``kvsidecar.local_stack`` starts whole stacks of them.
 """
 
 from __future__ import annotations
@@ -17,15 +19,35 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol, TypeVar
 
-__all__ = ["LaunchError", "ManagedProcess"]
+__all__ = ["LaunchError", "ManagedProcess", "Stoppable", "stop_newest_first"]
 
 _POLL_S = 0.02
 
 
 class LaunchError(RuntimeError):
     """A process exited or stayed silent instead of becoming ready."""
+
+
+class Stoppable(Protocol):
+    def stop(self) -> object: ...
+
+
+S = TypeVar("S", bound=Stoppable)
+
+
+def stop_newest_first(procs: list[S], what: str = "processes failed to stop") -> None:
+    """Pop and stop every one of ``procs`` (``Stoppable``), newest first; each is stopped
+    even when stopping an earlier one failed, the failures raised together afterwards."""
+    errors: list[Exception] = []
+    while procs:
+        try:
+            procs.pop().stop()
+        except Exception as exc:
+            errors.append(exc)
+    if errors:
+        raise ExceptionGroup(what, errors)
 
 
 @dataclass
@@ -89,8 +111,24 @@ class ManagedProcess:
     def url(self) -> str:
         return str(self.ready[0]["url"])
 
+    @property
+    def pgid(self) -> int:
+        """Its process group: its own (``start_new_session``), so its pid."""
+        return self.proc.pid
+
+    def group_alive(self) -> bool:
+        """Whether any process of its group (it, or one it spawned) still exists."""
+        try:
+            os.killpg(self.pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # the group's id taken by someone else's: none of ours
+            return False
+        return True
+
     def stop(self, timeout_s: float = 15.0, sig: int = signal.SIGTERM) -> int:
-        """Signal the process (SIGTERM by default), wait, SIGKILL if it lingers; exit code."""
+        """Signal the process (SIGTERM by default), wait, SIGKILL if it lingers, then SIGKILL
+        what is left of its group; its exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
@@ -98,6 +136,11 @@ class ManagedProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
+        if self.group_alive():
+            try:
+                os.killpg(self.pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass  # gone meanwhile
         if self._log is not None:
             self._log.close()
             self._log = None

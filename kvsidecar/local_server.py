@@ -62,7 +62,7 @@ class LocalServer:
             port = self.port or _free_port()
             log = open(self.workdir / f"{self.binary_name}-{port}.log", "ab")  # noqa: SIM115
             self.proc = subprocess.Popen(self.argv(port), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
             log.close()
             if self._wait_ready(port):
                 self.port = port

@@ -1,10 +1,12 @@
 """``kvsidecar up``: the whole stack on loopback, on the embedded CPU reference engine.
 
-Starts N reference engines (simulated compute in one process, or N torch processes), a
-sidecar beside each, and a gateway following the sidecars; waits until each is ready;
-prints the URL and a one-screen status; with ``--demo`` runs a short chat workload through
-KV-aware placement and through round-robin on the same engines and prints cache hit rate
-and TTFT side by side. Ctrl-C (or SIGTERM) stops everything, gateway first.
+A thin CLI over ``kvsidecar.local_stack``: its flags become a ``StackSpec`` of N reference
+engines (simulated compute in one process, or N torch processes), a sidecar beside each,
+and a gateway following the sidecars; ``LocalStack`` starts them and waits until each is
+ready and every worker routable. ``up`` prints the URL and a one-screen status; with
+``--demo`` runs a short chat workload through KV-aware placement and through round-robin on
+the same engines and prints cache hit rate and TTFT side by side. Ctrl-C (or SIGTERM)
+stops everything, gateway first.
 """
 
 from __future__ import annotations
@@ -15,29 +17,24 @@ import json
 import signal
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import aiohttp
-
+from kvsidecar import local_stack
 from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
-from kvsidecar.launch import LaunchError, ManagedProcess
+from kvsidecar.launch import LaunchError
+from kvsidecar.local_stack import (
+    DEFAULT_MODEL,
+    EngineSpec,
+    GatewaySpec,
+    LocalStack,
+    StackSpec,
+    sidecar_argv,
+)
 from routing.config import FailurePolicy, PdMode, RouterMode
 from routing.flags import gateway_config
-from sidecar.config import SidecarConfig
+from sidecar.config import Role, SidecarConfig
 
-_ROOT = Path(__file__).resolve().parent.parent
-_DEFAULT_MODEL = _ROOT / "refengine" / "models" / "tiny"
-_EVENTS_CONFIG = json.dumps(
-    {
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:*",
-        "replay_endpoint": "tcp://127.0.0.1:*",
-        "topic": "kv-events",
-    }
-)
+__all__ = ["check_passed_args", "gateway_argv", "main", "sidecar_argv", "stack_spec"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model-path",
-        default=str(_DEFAULT_MODEL),
+        default=str(DEFAULT_MODEL),
         help="model directory for engines and gateway (default: the shipped tiny one)",
     )
     p.add_argument(
@@ -148,125 +145,34 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextmanager
-def _stack_processes() -> Iterator[list[ManagedProcess]]:
-    procs: list[ManagedProcess] = []
-    try:
-        yield procs
-    finally:
-        for proc in reversed(procs):  # gateway first, engines last
-            proc.stop()
+def stack_spec(args: argparse.Namespace) -> StackSpec:
+    """The stack ``up``'s flags ask for: aggregated engines, then prefill, then decode."""
+    counts: tuple[tuple[Role, int], ...] = (
+        ("agg", args.replicas), ("prefill", args.prefill), ("decode", args.decode))
+    engines = tuple(EngineSpec(replicas=count, role=role, compute=args.compute)
+                    for role, count in counts if count)
+    return StackSpec(
+        engines=engines,
+        gateways=(gateway_spec("gateway", args.port, args.router_mode, args),),
+        model_path=args.model_path,
+        max_total_tokens=args.max_total_tokens,
+        speedup=args.speedup,
+        handoff_ms_per_1k_tokens=args.sim_handoff_ms_per_1k_tokens,
+        sidecar_args=tuple(args.sidecar_arg),
+    )
 
 
-def _role_flags(role: str, workdir: Path) -> list[str]:
-    """Engine flags of a role: prefill/decode engines share one page store (the handoff)."""
-    if role == "agg":
-        return []
-    store = json.dumps({"file_path": str(workdir / "pd-pages")})
-    return [
-        "--disaggregation-mode",
-        role,
-        "--hicache-storage-backend",
-        "file",
-        "--hicache-storage-backend-extra-config",
-        store,
-    ]
-
-
-def _start_engines(
-    args: argparse.Namespace, workdir: Path, procs: list[ManagedProcess]
-) -> list[tuple[str, str]]:
-    """(role, engine URL) of every replica: aggregated ones, then prefill, then decode."""
-    common = [
-        "--model-path",
-        args.model_path,
-        "--max-total-tokens",
-        str(args.max_total_tokens),
-        "--kv-events-config",
-        _EVENTS_CONFIG,
-        "--port",
-        "0",
-    ]
-    counts = [("agg", args.replicas), ("prefill", args.prefill), ("decode", args.decode)]
-    if args.compute == "sim":
-        waits = []
-        for role, count in counts:
-            if not count:
-                continue
-            proc = ManagedProcess.start(
-                "engines" if role == "agg" else f"engines-{role}",
-                [
-                    "refengine",
-                    "--compute",
-                    "sim",
-                    "--replicas",
-                    str(count),
-                    "--speedup",
-                    str(args.speedup),
-                    *common,
-                    *_role_flags(role, workdir),
-                ],
-                workdir=workdir,
-            )
-            procs.append(proc)
-            waits.append((role, count, proc))
-        return [
-            (role, line["url"])
-            for role, count, proc in waits
-            for line in proc.wait_ready(120, count=count)
-        ]
-    started = []
-    for role, count in counts:
-        for i in range(count):
-            name = f"engine-{i}" if role == "agg" else f"engine-{role}-{i}"
-            proc = ManagedProcess.start(
-                name,
-                ["refengine", "--compute", "torch", *common, *_role_flags(role, workdir)],
-                workdir=workdir,
-            )
-            procs.append(proc)
-            started.append((role, proc))
-    return [(role, p.wait_ready(300)[0]["url"]) for role, p in started]
-
-
-def _start_sidecars(
-    engines: list[tuple[str, str]],
-    workdir: Path,
-    procs: list[ManagedProcess],
-    handoff_ms: float = 0.0,
-    extra: list[str] | None = None,
-) -> list[str]:
-    started = []
-    index: dict[str, int] = {}
-    for role, url in engines:
-        i = index[role] = index.get(role, -1) + 1
-        worker_id = f"replica-{i}" if role == "agg" else f"{role}-{i}"
-        proc = ManagedProcess.start(
-            f"sidecar-{i}" if role == "agg" else f"sidecar-{role}-{i}",
-            ["sidecar", *sidecar_argv(url, worker_id, role, handoff_ms, extra)],
-            workdir=workdir,
-        )
-        procs.append(proc)
-        started.append(proc)
-    return [p.wait_ready(120)[0]["url"] for p in started]
-
-
-def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
-                 extra: list[str] | None = None) -> list[str]:
-    """A sidecar's arguments: up's own, then ``--sidecar-arg``'s (a later flag wins)."""
-    return ["--engine-url", url, "--worker-id", worker_id, "--role", role, "--port", "0",
-            "--sim-handoff-ms-per-1k-tokens", str(handoff_ms), *(extra or [])]
+def gateway_spec(name: str, port: int, mode: str, args: argparse.Namespace) -> GatewaySpec:
+    """A gateway of ``up``: its flags, then ``--gateway-arg``'s."""
+    return GatewaySpec(
+        name=name, host=args.host, port=port, router_mode=mode, pd_mode=args.pd_mode,
+        kv_load_failure_policy=args.kv_load_failure_policy, args=tuple(args.gateway_arg))
 
 
 def gateway_argv(port: int, mode: str, args: argparse.Namespace, sidecars: list[str]) -> list[str]:
     """The gateway's arguments: up's own, then ``--gateway-arg``'s (a later flag wins)."""
-    return [
-        "--host", args.host, "--port", str(port), "--router-mode", mode,
-        "--model-path", args.model_path, "--health-check-interval-s", "1",
-        "--pd-mode", args.pd_mode, "--kv-load-failure-policy", args.kv_load_failure_policy,
-        *[flag for url in sidecars for flag in ("--sidecar", url)],
-        *args.gateway_arg,
-    ]
+    return local_stack.gateway_argv(gateway_spec("gateway", port, mode, args), args.model_path,
+                                    sidecars)
 
 
 def check_passed_args(args: argparse.Namespace) -> str | None:
@@ -286,35 +192,6 @@ def check_passed_args(args: argparse.Namespace) -> str | None:
             if exc.code:
                 return f"{flag}: the arguments above were refused"
     return None
-
-
-def _start_gateway(
-    name: str,
-    port: int,
-    mode: str,
-    args: argparse.Namespace,
-    sidecars: list[str],
-    workdir: Path,
-    procs: list[ManagedProcess],
-) -> str:
-    proc = ManagedProcess.start(
-        name, ["routing", *gateway_argv(port, mode, args, sidecars)], workdir=workdir)
-    procs.append(proc)
-    return str(proc.wait_ready(60)[0]["url"])
-
-
-async def _wait_routable(url: str, count: int, timeout_s: float = 60.0) -> list[dict[str, object]]:
-    """Poll the gateway's /v1/workers until ``count`` workers are routable."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while True:
-            async with session.get(f"{url}/v1/workers") as resp:
-                workers = (await resp.json())["workers"]
-            if sum(bool(w["routable"]) and bool(w["healthy"]) for w in workers) >= count:
-                return list(workers)
-            if time.monotonic() > deadline:
-                raise LaunchError(f"only some workers became routable: {workers}")
-            await asyncio.sleep(0.1)
 
 
 def _print_status(url: str, workers: list[dict[str, object]], workdir: Path) -> None:
@@ -343,25 +220,17 @@ def _print_demo(results: list[DemoResult], kv_tokens: int) -> None:
 
 
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
-    with _stack_processes() as procs:
-        total = args.replicas + args.prefill + args.decode
-        pd = f" ({args.prefill} prefill, {args.decode} decode)" if args.prefill else ""
-        print(
-            f"starting {total} {args.compute} engine replica(s){pd}, their sidecars and "
-            f"the gateway (logs in {workdir})...",
-            file=sys.stderr,
-            flush=True,
-        )
-        engines = await asyncio.to_thread(_start_engines, args, workdir, procs)
-        sidecars = await asyncio.to_thread(
-            _start_sidecars, engines, workdir, procs, args.sim_handoff_ms_per_1k_tokens,
-            args.sidecar_arg,
-        )
-        url = await asyncio.to_thread(
-            _start_gateway, "gateway", args.port, args.router_mode, args, sidecars, workdir, procs
-        )
-        workers = await _wait_routable(url, total)
-        _print_status(url, workers, workdir)
+    total = args.replicas + args.prefill + args.decode
+    pd = f" ({args.prefill} prefill, {args.decode} decode)" if args.prefill else ""
+    print(
+        f"starting {total} {args.compute} engine replica(s){pd}, their sidecars and "
+        f"the gateway (logs in {workdir})...",
+        file=sys.stderr,
+        flush=True,
+    )
+    async with LocalStack(stack_spec(args), workdir) as stack:
+        url = stack.url
+        _print_status(url, stack.workers, workdir)
         if args.ready_file:
             Path(args.ready_file).write_text(json.dumps({"url": url}) + "\n")
         if args.demo and args.prefill:
@@ -371,13 +240,12 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
             gateways = {args.router_mode: url}
             for mode in (RouterMode.ROUND_ROBIN.value, RouterMode.LEAST_LOADED.value):
                 if mode not in gateways:
-                    gateways[mode] = await asyncio.to_thread(
-                        _start_gateway, f"gateway-{mode}", 0, mode, args, sidecars, workdir,
-                        procs)
-                    await _wait_routable(gateways[mode], args.replicas)
+                    started = await asyncio.to_thread(
+                        stack.add_gateway, gateway_spec(f"gateway-{mode}", 0, mode, args))
+                    gateways[mode] = started[0].url
             results = await run_demo(
                 gateways,
-                [engine_url for _, engine_url in engines],
+                [engine.url for engine in stack.engines],
                 model=Path(args.model_path).resolve().name,
             )
             _print_demo(results, args.max_total_tokens)

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from benchkit import ROOT, Better, Report, add_json_flag, print_table, progress
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 MODEL = ROOT / "refengine" / "models" / "tiny"
@@ -124,13 +124,13 @@ def metric(export: dict[str, object], tag: str, stat: str) -> float:
 
 def run_policy(args: argparse.Namespace, policy: str, aiperf: Path, dataset: Path,
                workdir: Path, tokenizer: str) -> dict[str, float]:
-    stack = ManagedProcess.start(f"stack-{policy}", [
-        "kvsidecar", "up", "--replicas", str(args.replicas), "--port", "0",
-        "--router-mode", policy, "--max-total-tokens", str(args.max_total_tokens),
-        "--model-path", str(MODEL), "--workdir", str(workdir / f"stack-{policy}")],
-        workdir=workdir)
+    spec = StackSpec(  # the stack of kvsidecar up --replicas N --router-mode POLICY
+        engines=(EngineSpec(replicas=args.replicas),),
+        gateways=(GatewaySpec(router_mode=policy),),
+        model_path=str(MODEL), max_total_tokens=args.max_total_tokens, speedup=1.0)
+    stack = LocalStack(spec, workdir / f"stack-{policy}").start()
     try:
-        url = stack.wait_ready(180)[0]["url"]
+        url = stack.url
         progress(f"{policy}: stack up at {url}; AIPerf replays {dataset.name}")
         artifacts = workdir / f"aiperf-{policy}"
         cmd = [str(aiperf), "profile", "--model", MODEL.name, "--url", url,

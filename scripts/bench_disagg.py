@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Aggregated vs disaggregated serving on the local stack, with simulated engines.
 
-Each run is ``kvsidecar up --compute sim`` (the reference engine's timing model: a prefill
-step delays every decode step of its replica, the interference disaggregation removes),
-driven through the gateway with a mixed workload:
+Each run is the stack of ``kvsidecar up --compute sim``, started through its launcher
+``kvsidecar.local_stack`` (the reference engine's timing model: a prefill step delays every
+decode step of its replica, the interference disaggregation removes), driven through the
+gateway with a mixed workload:
 
 * *decoders*: ``--decoders`` clients, each sending one streaming request after another
   (a ``--short-prompt``-token prompt, ``--decode-tokens`` generated);
@@ -49,7 +50,7 @@ import aiohttp
 from benchkit import Report, add_json_flag, progress
 
 from kvcore.logs import configure_logging
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 VOCAB = (10, 1000)  # the tiny model has 1,024 token ids
 
@@ -153,28 +154,24 @@ async def _workload(url: str, run: Run, args: argparse.Namespace) -> Samples:
     return samples
 
 
-def _start(run: Run, args: argparse.Namespace, workdir: Path) -> ManagedProcess:
-    flags = ["kvsidecar", "up", "--compute", "sim", "--port", "0", "--speedup",
-             str(args.speedup), "--max-total-tokens", "65536", "--workdir",
-             str(workdir / "stack")]
+def _spec(run: Run, args: argparse.Namespace) -> StackSpec:
+    """What ``kvsidecar up --compute sim`` would run for ``run``."""
     if run.mode == "agg":
-        flags += ["--replicas", str(run.replicas)]
+        engines = (EngineSpec(replicas=run.replicas),)
     else:
         half = run.replicas // 2
-        flags += ["--prefill", str(half), "--decode", str(run.replicas - half), "--replicas",
-                  "0", "--sim-handoff-ms-per-1k-tokens", str(run.handoff_ms_per_1k),
-                  "--kv-load-failure-policy", run.policy]
-    proc = ManagedProcess.start(f"up-{run.scenario}-{run.mode}", flags, workdir=workdir)
-    proc.wait_ready(180)
-    return proc
+        engines = (EngineSpec(replicas=half, role="prefill"),
+                   EngineSpec(replicas=run.replicas - half, role="decode"))
+    return StackSpec(engines=engines,
+                     gateways=(GatewaySpec(kv_load_failure_policy=run.policy),),
+                     max_total_tokens=65536, speedup=args.speedup,
+                     handoff_ms_per_1k_tokens=0.0 if run.mode == "agg" else run.handoff_ms_per_1k)
 
 
 async def _measure(run: Run, args: argparse.Namespace, workdir: Path) -> Samples:
-    proc = await asyncio.to_thread(_start, run, args, workdir / f"{run.scenario}-{run.mode}")
-    try:
-        return await _workload(proc.url, run, args)
-    finally:
-        await asyncio.to_thread(proc.stop)
+    stack_dir = workdir / f"{run.scenario}-{run.mode}" / "stack"
+    async with LocalStack(_spec(run, args), stack_dir) as stack:
+        return await _workload(stack.url, run, args)
 
 
 def _runs(args: argparse.Namespace) -> list[Run]:

@@ -46,7 +46,7 @@ from pathlib import Path
 from bench_aiperf import MODEL, POLICIES, gateway_hit_rate  # the same stack
 from benchkit import ROOT, Better, Report, add_json_flag, print_table, progress
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 MIN_PYTHON = (3, 12)
 
@@ -146,13 +146,13 @@ def lifecycle_figures(summary: dict[str, object]) -> dict[str, float]:
 
 def run_policy(args: argparse.Namespace, policy: str, binary: Path,
                workdir: Path) -> dict[str, float]:
-    stack = ManagedProcess.start(f"stack-{policy}", [
-        "kvsidecar", "up", "--replicas", str(args.replicas), "--port", "0", "--compute", "sim",
-        "--router-mode", policy, "--max-total-tokens", str(args.max_total_tokens),
-        "--model-path", str(MODEL), "--workdir", str(workdir / f"stack-{policy}")],
-        workdir=workdir)
+    spec = StackSpec(  # the stack of kvsidecar up --replicas N --router-mode POLICY
+        engines=(EngineSpec(replicas=args.replicas),),
+        gateways=(GatewaySpec(router_mode=policy),),
+        model_path=str(MODEL), max_total_tokens=args.max_total_tokens, speedup=1.0)
+    stack = LocalStack(spec, workdir / f"stack-{policy}").start()
     try:
-        url = stack.wait_ready(180)[0]["url"]
+        url = stack.url
         reports = workdir / f"reports-{policy}"
         config_file = workdir / f"config-{policy}.yaml"
         write_config(config_file, args, url, reports)

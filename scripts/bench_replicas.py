@@ -2,14 +2,14 @@
 """Benchmark gateway replicas: one gateway against two that agree over NATS against two that
 do not, on multi-turn chat loads behind a round-robin client-side split.
 
-Each configuration runs on a fresh stack: a local ``nats-server``, ``--workers`` simulated
-reference engines (``refengine --compute sim``, each with a KV cache of the load's size, so
-the sessions need several workers' caches) with their sidecars, and the gateways
-(``kvsidecar gateway``, with ``--nats`` in the synced case). Request i goes to gateway
-i mod n, so a session's turns alternate between the replicas. Two loads (``--load``), each a
-set of sessions in groups that share a long system prompt (an agent's instructions, a shared
-document), each turn's prompt the whole conversation so far with the replies the engine
-gave:
+Each configuration runs on a fresh stack (``kvsidecar.local_stack``): ``--workers``
+simulated reference engines (``refengine --compute sim``, each with a KV cache of the load's
+size, so the sessions need several workers' caches) with their sidecars, and the gateways
+(``kvsidecar gateway``; in the synced case a local ``nats-server`` and ``--nats``). Request
+i goes to gateway i mod n, so a session's turns alternate between the replicas. Two loads
+(``--load``), each a set of sessions in groups that share a long system prompt (an agent's
+instructions, a shared document), each turn's prompt the whole conversation so far with the
+replies the engine gave:
 
 * ``groups``: 96 sessions in 12 groups (~700-token system prompts), 4 turns, started in
   waves of 24; each engine caches 6,144 tokens. The caches hold the 12 prompts and most
@@ -56,12 +56,9 @@ from typing import Any, TextIO
 import aiohttp
 from benchkit import ROOT, Report, add_json_flag, progress
 
-from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_nats import NatsServer
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory",
          "placement", "request", "session", "worker", "stream", "answer", "context", "model",
          "prompt", "system", "user", "assistant"]
@@ -332,38 +329,18 @@ async def wait_routable(urls: list[str], workers: int, synced: bool) -> None:
 def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace, load: Load,
                work: Workload, tmp: Path, repeat: int) -> Result:
     workdir = tmp / f"{load.name}-{name}-{repeat}"
-    procs: list[ManagedProcess] = []
-    nats = NatsServer(workdir.parent).start() if synced else None
-    try:
-        engines = ManagedProcess.start(
-            "engines",
-            ["refengine", "--compute", "sim", "--replicas", str(args.workers), "--port", "0",
-             "--max-total-tokens", str(load.cache_tokens), "--speedup", str(args.speedup),
-             "--kv-events-config", EVENTS, "--log-level", "warning"],
-            workdir=workdir,
-        )
-        procs.append(engines)
-        urls = [r["url"] for r in engines.wait_ready(90, count=args.workers)]
-        sidecars = [ManagedProcess.start(
-            f"sidecar-{i}", ["sidecar", "--engine-url", url, "--worker-id", f"w{i}",
-                             "--port", "0", "--log-level", "warning"], workdir=workdir)
-            for i, url in enumerate(urls)]
-        procs += sidecars
-        for sc in sidecars:
-            sc.wait_ready(90)
-        flags = [f for sc in sidecars for f in ("--sidecar", sc.url)]
-        extra = ["--nats", nats.url] if nats is not None else []
-        w = load.overlap_weight if args.overlap_weight is None else args.overlap_weight
-        weight = [] if w is None else ["--overlap-weight", str(w)]
-        gws = [ManagedProcess.start(
-            f"gateway-{g}",
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--log-level", "warning",
-             *weight, "--seed", str(repeat * 10 + g), *flags, *extra, *args.gateway_arg],
-            workdir=workdir) for g in range(gateways)]
-        procs += gws
-        for gw in gws:
-            gw.wait_ready(90)
-        gw_urls = [gw.url for gw in gws]
+    w = load.overlap_weight if args.overlap_weight is None else args.overlap_weight
+    weight = () if w is None else ("--overlap-weight", str(w))
+    spec = StackSpec(
+        engines=(EngineSpec(replicas=args.workers),),
+        # the gateway's own health-check interval; the peers are waited for below
+        gateways=(GatewaySpec(count=gateways, seed=repeat * 10, health_check_interval_s=10.0,
+                              args=(*weight, *args.gateway_arg), wait_routable=False),),
+        model_path=str(MODEL), max_total_tokens=load.cache_tokens, speedup=args.speedup,
+        log_level="warning", nats=synced,
+    )
+    with LocalStack(spec, workdir) as stack:
+        gw_urls = [gw.url for gw in stack.gateways]
         asyncio.run(wait_routable(gw_urls, args.workers, synced))
         if args.trace is None:
             result = asyncio.run(drive(gw_urls, work, load, None))
@@ -375,11 +352,6 @@ def run_config(name: str, gateways: int, synced: bool, args: argparse.Namespace,
             result.held = asyncio.run(holds(gw_urls))
         result.weights = asyncio.run(scorer_weights(gw_urls))
         return result
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        if nats is not None:
-            nats.stop()
 
 
 def report(load: Load, args: argparse.Namespace, results: dict[str, Result],

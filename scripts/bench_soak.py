@@ -2,14 +2,15 @@
 """Soak: concurrent streams through two gateway replicas while an engine, a sidecar and a
 gateway are each killed and restarted; requests lost, memory growth, TTFT before/during/after.
 
-The fleet, all real processes on loopback: a ``nats-server`` (JetStream), ``--engines``
-simulated reference engines (one process each, fixed ports, so a restarted one is found
-where it was), a sidecar beside each, and two gateways (``--nats``, ``--migration-limit``,
-``--drain-timeout-s``). ``--streams`` clients each run multi-turn chats (``--groups`` shared
-system prompts) in a closed loop for ``--duration-s``, request i of a client going to gateway
-i mod 2, as a round-robin balancer would; a request that cannot reach a gateway (refused, or
-its connection closed before any byte) is sent to the other one, as a balancer would retry,
-and a stopping gateway is out of rotation until its ``/health`` says ready again.
+The fleet, all real processes on loopback started by ``kvsidecar.local_stack``: a
+``nats-server`` (JetStream), ``--engines`` simulated reference engines (one process each, so a
+killed one is restarted alone, on its ports), a sidecar beside each, and two gateways
+(``--nats``, ``--migration-limit``, ``--drain-timeout-s``). ``--streams`` clients each run
+multi-turn chats (``--groups`` shared system prompts) in a closed loop for ``--duration-s``,
+request i of a client going to gateway i mod 2, as a round-robin balancer would; a request
+that cannot reach a gateway (refused, or its connection closed before any byte) is sent to
+the other one, as a balancer would retry, and a stopping gateway is out of rotation until
+its ``/health`` says ready again.
 
 The faults, at fractions of the run (each process restarted ``--down-s`` later):
 engine 0 SIGKILLed at 0.2 (its streams migrate), sidecar 1 SIGKILLed at 0.4 (its streams
@@ -33,7 +34,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -44,18 +44,12 @@ import aiohttp
 from benchkit import ROOT, Report, add_json_flag, progress
 
 from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_nats import NatsServer
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory",
          "placement", "request", "session", "worker", "stream", "answer", "context", "model"]
 PHASES = ("before", "during", "after")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_mib(pid: int) -> float:
@@ -67,50 +61,29 @@ def rss_mib(pid: int) -> float:
 
 @dataclass
 class Slot:
-    """One process of the fleet, restartable on the same ports."""
+    """One process of the fleet, restarted in place by ``LocalStack.restart``."""
 
     name: str
-    args: list[str]
-    proc: ManagedProcess | None = None
+    proc: ManagedProcess
     restarts: int = 0
 
 
 class Fleet:
     def __init__(self, tmp: Path, args: argparse.Namespace) -> None:
-        self.tmp = tmp
-        self.nats = NatsServer(tmp).start()
-        self.engines: list[Slot] = []
-        self.sidecars: list[Slot] = []
-        self.gateways: list[Slot] = []
-        sidecar_urls = []
-        for i in range(args.engines):
-            port, zmq, replay = free_port(), free_port(), free_port()
-            events = json.dumps({"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{zmq}",
-                                 "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                                 "topic": "kv"})
-            self.engines.append(Slot(f"engine-{i}", [
-                "refengine", "--compute", "sim", "--port", str(port), "--speedup",
-                str(args.speedup), "--max-total-tokens", str(args.cache_tokens),
-                "--kv-events-config", events, "--log-level", "warning"]))
-            sport = free_port()
-            sidecar_urls.append(f"http://127.0.0.1:{sport}")
-            self.sidecars.append(Slot(f"sidecar-{i}", [
-                "sidecar", "--engine-url", f"http://127.0.0.1:{port}", "--worker-id", f"w{i}",
-                "--port", str(sport), "--log-level", "warning"]))
-        flags = [f for url in sidecar_urls for f in ("--sidecar", url)]
-        for g in range(2):
-            self.gateways.append(Slot(f"gateway-{g}", [
-                "routing", "--port", str(free_port()), "--model-path", str(MODEL),
-                "--nats", self.nats.url, "--migration-limit", str(args.migration_limit),
-                "--drain-timeout-s", "60", "--upstream-timeout-s", "30",
-                "--health-check-interval-s", "0.5", "--seed", str(g), "--log-level", "warning",
-                *flags]))
-        for group in (self.engines, self.sidecars, self.gateways):
-            for slot in group:
-                self.start(slot)
-            for slot in group:
-                assert slot.proc is not None
-                slot.proc.wait_ready(120)
+        spec = StackSpec(
+            # one process per engine, so that one can be killed and restarted on its ports
+            engines=tuple(EngineSpec(worker_ids=(f"w{i}",)) for i in range(args.engines)),
+            gateways=(GatewaySpec(
+                count=2, seed=0, health_check_interval_s=0.5, wait_routable=False,
+                args=("--migration-limit", str(args.migration_limit), "--drain-timeout-s",
+                      "60", "--upstream-timeout-s", "30")),),
+            model_path=str(MODEL), max_total_tokens=args.cache_tokens, speedup=args.speedup,
+            log_level="warning", nats=True,
+        )
+        self.stack = LocalStack(spec, tmp).start()
+        self.engines = [Slot(f"engine-{i}", p.proc) for i, p in enumerate(self.stack.engines)]
+        self.sidecars = [Slot(f"sidecar-{i}", p.proc) for i, p in enumerate(self.stack.sidecars)]
+        self.gateways = [Slot(f"gateway-{g}", p.proc) for g, p in enumerate(self.stack.gateways)]
 
     @property
     def gateway_urls(self) -> list[str]:
@@ -118,27 +91,18 @@ class Fleet:
 
     @staticmethod
     def url_of(slot: Slot) -> str:
-        return f"http://127.0.0.1:{slot.args[slot.args.index('--port') + 1]}"
-
-    def start(self, slot: Slot) -> None:
-        tag = f"{slot.name}-r{slot.restarts}" if slot.restarts else slot.name
-        slot.proc = ManagedProcess.start(tag, slot.args, workdir=self.tmp)
+        return slot.proc.url
 
     def restart(self, slot: Slot) -> None:
         slot.restarts += 1
-        self.start(slot)
-        assert slot.proc is not None
-        slot.proc.wait_ready(120)
+        slot.proc = self.stack.restart(slot.proc)
 
     def stable(self) -> list[Slot]:
         """The processes never restarted (so far)."""
         return [s for s in (*self.engines, *self.sidecars, *self.gateways) if not s.restarts]
 
     def stop(self) -> None:
-        for slot in (*self.gateways, *self.sidecars, *self.engines):
-            if slot.proc is not None:
-                slot.proc.stop()
-        self.nats.stop()
+        self.stack.stop()
 
 
 @dataclass

@@ -19,7 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
+
+from kvsidecar.launch import Stoppable, stop_newest_first
 
 __all__ = [
     "ProcessExitedError",
@@ -99,10 +101,6 @@ def read_line(proc: subprocess.Popen[Any], timeout_s: float = 20.0, prefix: str 
                 return line
 
 
-class Stoppable(Protocol):
-    def stop(self) -> object: ...
-
-
 P = TypeVar("P", bound=Stoppable)
 
 
@@ -121,14 +119,7 @@ class ProcessGroup(Generic[P]):
         return proc
 
     def stop(self) -> None:
-        errors: list[Exception] = []
-        while self._procs:
-            try:
-                self._procs.pop().stop()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise ExceptionGroup("processes failed to stop", errors)
+        stop_newest_first(self._procs)
 
     def __enter__(self) -> ProcessGroup[P]:
         return self

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import GatewaySpec, LocalStack, StackSpec
 from tests.support.polling import wait_until
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,9 +33,15 @@ def routable_workers(url: str) -> int:
 @dataclass
 class Stack:
     tmp: Path
-    engine: ManagedProcess
-    sidecar: ManagedProcess
-    procs: list[ManagedProcess] = field(default_factory=list)
+    local: LocalStack
+
+    @property
+    def engine(self) -> ManagedProcess:
+        return self.local.engines[0].proc
+
+    @property
+    def sidecar(self) -> ManagedProcess:
+        return self.local.sidecars[0].proc
 
     @property
     def engine_url(self) -> str:
@@ -43,40 +50,25 @@ class Stack:
     def gateway(self, name: str, *flags: str, wait_routable: bool = True) -> ManagedProcess:
         """A gateway serving the tiny model with ``flags`` (its workers among them),
         stopped with the stack; with ``wait_routable``, once a worker is routable."""
-        gateway = ManagedProcess.start(
-            name, ["routing", "--port", "0", "--host", "127.0.0.1", "--model-path", str(MODEL),
-                   "--health-check-interval-s", "0.2", *flags],
-            workdir=self.tmp)
-        self.procs.append(gateway)
-        gateway.wait_ready(60)
+        gateway = self.local.add_gateway(GatewaySpec(
+            name=name, workers="none", health_check_interval_s=0.2, wait_routable=False,
+            args=flags))[0].proc
         if wait_routable:
             wait_until(lambda: routable_workers(gateway.url) >= 1,
                        f"a routable worker behind {name}", 60, 0.05)
         return gateway
 
     def stop(self) -> None:
-        for proc in reversed([self.engine, self.sidecar, *self.procs]):
-            proc.stop()
+        self.local.stop()
 
 
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """One simulated engine and its sidecar, shared by the client suites."""
     tmp = tmp_path_factory.mktemp("clients")
-    engine = ManagedProcess.start(
-        "engine", ["refengine", "--compute", "sim", "--replicas", "1", "--port", "0",
-                   "--kv-events-config", EVENTS], workdir=tmp)
+    spec = StackSpec(gateways=(), model_path=str(MODEL), events_config=EVENTS)
+    s = Stack(tmp, LocalStack(spec, tmp).start())
     try:
-        engine.wait_ready(60)
-        sidecar = ManagedProcess.start(
-            "sidecar", ["sidecar", "--engine-url", engine.url, "--worker-id", "replica-0",
-                        "--port", "0"], workdir=tmp)
-    except BaseException:
-        engine.stop()
-        raise
-    s = Stack(tmp, engine, sidecar)
-    try:
-        sidecar.wait_ready(60)
         yield s
     finally:
         s.stop()

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from tests.integration.disagg.pd_stack import MODEL, answer_text, complete, metric, routable
 from tests.integration.disagg.trtllm_pd_standin import signature
 from tests.support.polling import eventually
@@ -29,41 +29,36 @@ ROLES = {"agg": "aggregated", "prefill": "context", "decode": "generation"}
 @dataclass
 class TrtStack:
     tmp: Path
-    procs: list[ManagedProcess] = field(default_factory=list)
+    local: LocalStack | None = None
     engines: dict[str, str] = field(default_factory=dict)
     sidecars: dict[str, str] = field(default_factory=dict)
 
     def start(self, workers: Sequence[tuple[str, tuple[str, ...]]]) -> None:
         """Stand-in engines, then a sidecar beside each (worker ids ``<role>-<i>``)."""
         env = {"PYTHONPATH": str(ROOT), KEY_ENV: KEY}
-        started = []
-        for i, (role, extra) in enumerate(workers):
-            engine = ManagedProcess.start(f"trtllm-{role}-{i}", [
-                STANDIN, "--role", ROLES[role], "--auth-key", KEY, *extra], workdir=self.tmp,
-                env=env)
-            self.procs.append(engine)
-            started.append((f"{role}-{i}", role, engine))
-        for worker_id, role, engine in started:
-            self.engines[worker_id] = engine.wait_ready(30)[0]["url"]
-            sidecar = ManagedProcess.start(f"sidecar-{worker_id}", [
-                "sidecar", "--engine", "trtllm", "--engine-url", self.engines[worker_id],
-                "--worker-id", worker_id, "--role", role, "--block-size", "16", "--port", "0"],
-                workdir=self.tmp, env=env)
-            self.procs.append(sidecar)
-            self.sidecars[worker_id] = sidecar.wait_ready(60)[0]["url"]
+        spec = StackSpec(
+            engines=tuple(
+                EngineSpec(role=role,  # type: ignore[arg-type]  # a key of ROLES
+                           kind=STANDIN, env=env, worker_ids=(f"{role}-{i}",),
+                           args=("--role", ROLES[role], "--auth-key", KEY, *extra),
+                           sidecar_args=("--engine", "trtllm", "--block-size", "16"))
+                for i, (role, extra) in enumerate(workers)
+            ),
+            gateways=(), model_path=str(MODEL),
+        )
+        self.local = LocalStack(spec, self.tmp).start()
+        self.engines = {p.worker_id: p.url for p in self.local.engines}
+        self.sidecars = {p.worker_id: p.url for p in self.local.sidecars}
 
     def gateway(self, name: str, workers: Sequence[str], *flags: str) -> str:
-        proc = ManagedProcess.start(name, [
-            "routing", "--port", "0", "--model-path", str(MODEL), "--health-check-interval-s",
-            "0.5", "--seed", "1", *flags, *(f for w in workers for f in
-                                              ("--sidecar", self.sidecars[w]))],
-            workdir=self.tmp)
-        self.procs.append(proc)
-        return str(proc.wait_ready(60)[0]["url"])
+        assert self.local is not None
+        return self.local.add_gateway(GatewaySpec(
+            name=name, workers="none", health_check_interval_s=0.5, seed=1, wait_routable=False,
+            args=(*flags, *(f for w in workers for f in ("--sidecar", self.sidecars[w])))))[0].url
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+        if self.local is not None:
+            self.local.stop()
 
 
 async def records(session: aiohttp.ClientSession, url: str) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ import pytest
 
 from kvcore.control_token import CONTROL_TOKEN_HEADER
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from routing.serve.auth import tenant_salt
 from sidecar.transfer.messages import (
     ExportOffer,
@@ -37,7 +38,6 @@ from sidecar.transfer.messages import (
     encode,
 )
 from tests.support.polling import eventually
-from tests.support.processes import ProcessGroup
 from tests.support.tls import write_self_signed
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ class Stack:
     gateway: ManagedProcess
     cert: Path
     store_socket: Path
-    group: ProcessGroup[ManagedProcess]
+    local: LocalStack
 
 
 @pytest.fixture(scope="module")
@@ -82,31 +82,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     token.write_text(TOKEN + "\n")
     write_self_signed(cert, key, "kvsidecar test gateway")
     store_socket = sock_dir / "store.sock"
-    with ProcessGroup[ManagedProcess]() as group:
-        engine = group.add(ManagedProcess.start(
-            "engine",
-            ["refengine", "--compute", "sim", "--port", "0", "--speedup", "20",
-             "--kv-events-config", EVENTS],
-            workdir=tmp,
-        ))
-        engine.wait_ready(60)
-        sidecar = group.add(ManagedProcess.start(
-            "sidecar",
-            ["sidecar", "--engine-url", engine.url, "--worker-id", "r0", "--port", "0",
-             "--control-token-file", str(token), "--store-capacity-bytes", "1MiB",
-             "--store-block-bytes", "4KiB", "--store-socket", str(store_socket)],
-            workdir=tmp,
-        ))
-        sidecar.wait_ready(60)
-        gateway = group.add(ManagedProcess.start(
-            "gateway",
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--sidecar", sidecar.url,
-             "--health-check-interval-s", "0.5", "--api-key-file", str(keys),
-             "--tls-cert", str(cert), "--tls-key", str(key), "--sidecar-token-file", str(token)],
-            workdir=tmp,
-        ))
-        gateway.wait_ready(60)
-        yield Stack(tmp, engine, sidecar, gateway, cert, store_socket, group)
+    spec = StackSpec(
+        engines=(EngineSpec(sidecar_args=(
+            "--control-token-file", str(token), "--store-capacity-bytes", "1MiB",
+            "--store-block-bytes", "4KiB", "--store-socket", str(store_socket))),),
+        gateways=(GatewaySpec(health_check_interval_s=0.5, wait_routable=False, args=(
+            "--api-key-file", str(keys), "--tls-cert", str(cert), "--tls-key", str(key),
+            "--sidecar-token-file", str(token))),),
+        model_path=str(MODEL), speedup=20.0, events_config=EVENTS,
+    )
+    with LocalStack(spec, tmp) as local:
+        yield Stack(tmp, local.engines[0].proc, local.sidecars[0].proc, local.gateways[0].proc,
+                    cert, store_socket, local)
     shutil.rmtree(sock_dir, ignore_errors=True)
 
 
@@ -441,11 +428,8 @@ async def test_the_store_socket_and_segment_are_mode_0600(
 async def test_a_gateway_without_the_token_reports_the_sidecar_unauthorized(
     stack: Stack, session: aiohttp.ClientSession
 ) -> None:
-    gateway = stack.group.add(ManagedProcess.start(
-        "gateway-no-token",
-        ["routing", "--port", "0", "--model-path", str(MODEL), "--sidecar", stack.sidecar.url],
-        workdir=stack.tmp,
-    ))
+    gateway = stack.local.add_gateway(GatewaySpec(
+        name="gateway-no-token", health_check_interval_s=10.0, wait_routable=False))[0].proc
     gateway.wait_ready(60)
 
     async def pending() -> list[dict[str, str]]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from tests.support.openai_shapes import check_error, check_reply, check_stream_chunk
 
 __all__ = ["ADAPTER", "KINDS", "MODEL", "Assembled", "EngineStack", "Reply", "send", "start_stack"]
@@ -34,7 +34,7 @@ _EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
 @dataclass
 class EngineStack:
     kind: str
-    procs: list[ManagedProcess]
+    local: LocalStack
     engine_url: str
     url: str
 
@@ -51,54 +51,34 @@ class EngineStack:
             return list(await resp.json())
 
     def stop(self) -> None:
-        errors = []
-        for proc in reversed(self.procs):
-            try:
-                proc.stop()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise ExceptionGroup("stack failed to stop", errors)
+        self.local.stop()
 
 
 def start_stack(kind: str, workdir: Path) -> EngineStack:
     """Engine, sidecar and gateway of ``kind``, each ready (ready files, never sleeps)."""
-    procs: list[ManagedProcess] = []
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
                                                        os.environ.get("PYTHONPATH")]))}
-    try:
-        if kind == "refengine":
-            engine_args = ["refengine", "--compute", "torch", "--port", "0",
-                           "--kv-events-config", _EVENTS]
-        else:
-            engine_args = [f"tests.support.{kind}_standin", "--model-path", str(MODEL),
-                           "--served-model-name", "tiny", "--lora", ADAPTER]
-        engine = ManagedProcess.start(f"{kind}-engine", engine_args, workdir=workdir, env=env)
-        procs.append(engine)
-        engine_url = engine.wait_ready(120)[0]["url"]
-        sidecar_args = ["sidecar", "--engine-url", engine_url, "--worker-id", f"{kind}-0",
-                        "--port", "0"]
-        if kind == "trtllm":
-            # trtllm-serve selects adapters by id and checkpoint: the sidecar is told them
-            checkpoint = workdir / ADAPTER
-            checkpoint.mkdir(exist_ok=True)
-            sidecar_args += ["--engine", "trtllm", "--block-size", "16",
-                             "--lora-adapter", f"{ADAPTER}=1:{checkpoint}"]
-        sidecar = ManagedProcess.start(f"{kind}-sidecar", sidecar_args, workdir=workdir)
-        procs.append(sidecar)
-        sidecar.wait_ready(60)
-        gateway = ManagedProcess.start(
-            f"{kind}-gateway",
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--sidecar", sidecar.url,
-             "--health-check-interval-s", "0.5"],
-            workdir=workdir,
-        )
-        procs.append(gateway)
-        gateway.wait_ready(60)
-    except BaseException:
-        EngineStack(kind, procs, "", "").stop()
-        raise
-    return EngineStack(kind, procs, engine_url, gateway.url)
+    sidecar_args: tuple[str, ...] = ()
+    if kind == "trtllm":
+        # trtllm-serve selects adapters by id and checkpoint: the sidecar is told them
+        checkpoint = workdir / ADAPTER
+        checkpoint.mkdir(exist_ok=True)
+        sidecar_args = ("--engine", "trtllm", "--block-size", "16",
+                        "--lora-adapter", f"{ADAPTER}=1:{checkpoint}")
+    if kind == "refengine":
+        engine = EngineSpec(compute="torch", env=env, worker_ids=(f"{kind}-0",))
+    else:
+        engine = EngineSpec(kind=f"tests.support.{kind}_standin", env=env,
+                            worker_ids=(f"{kind}-0",),
+                            args=("--model-path", str(MODEL), "--served-model-name", "tiny",
+                                  "--lora", ADAPTER), sidecar_args=sidecar_args)
+    spec = StackSpec(
+        engines=(engine,),
+        gateways=(GatewaySpec(health_check_interval_s=0.5, wait_routable=False),),
+        model_path=str(MODEL), events_config=_EVENTS,
+    )
+    local = LocalStack(spec, workdir).start()
+    return EngineStack(kind, local, local.engines[0].url, local.url)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from tests.support.gateway import routable
 from tests.support.polling import eventually
 
@@ -35,6 +36,7 @@ class Stack:
     sidecars: list[ManagedProcess]
     gateway: ManagedProcess
     engine_urls: list[str]
+    local: LocalStack
 
     @property
     def url(self) -> str:
@@ -43,72 +45,19 @@ class Stack:
 
 def start_stack(tmp: Path, replicas: int = 2, speedup: str = "5",
                 gateway_flags: tuple[str, ...] = ()) -> Stack:
-    procs: list[ManagedProcess] = []
-    try:
-        engines = ManagedProcess.start(
-            "engines",
-            [
-                "refengine",
-                "--compute",
-                "sim",
-                "--replicas",
-                str(replicas),
-                "--speedup",
-                speedup,
-                "--port",
-                "0",
-                "--kv-events-config",
-                EVENTS,
-            ],
-            workdir=tmp,
-        )
-        procs.append(engines)
-        engine_urls = [r["url"] for r in engines.wait_ready(60, count=replicas)]
-        sidecars = []
-        for i, url in enumerate(engine_urls):
-            sc = ManagedProcess.start(
-                f"sidecar-{i}",
-                ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}", "--port", "0"],
-                workdir=tmp,
-            )
-            procs.append(sc)
-            sidecars.append(sc)
-        for sc in sidecars:
-            sc.wait_ready(60)
-        flags = [f for sc in sidecars for f in ("--sidecar", sc.url)]
-        gateway = ManagedProcess.start(
-            "gateway",
-            [
-                "routing",
-                "--port",
-                "0",
-                "--model-path",
-                str(MODEL),
-                "--router-mode",
-                "kv",
-                "--health-check-interval-s",
-                "0.5",
-                "--dead-after-s",
-                "1",
-                "--seed",
-                "1",
-                *flags,
-                *gateway_flags,
-            ],
-            workdir=tmp,
-        )
-        procs.append(gateway)
-        gateway.wait_ready(60)
-    except BaseException:
-        for proc in reversed(procs):
-            proc.stop()
-        raise
-    return Stack(engines, sidecars, gateway, engine_urls)
+    spec = StackSpec(
+        engines=(EngineSpec(replicas=replicas),),
+        gateways=(GatewaySpec(health_check_interval_s=0.5, wait_routable=False,
+                              args=("--dead-after-s", "1", "--seed", "1", *gateway_flags)),),
+        model_path=str(MODEL), speedup=float(speedup), events_config=EVENTS,
+    )
+    local = LocalStack(spec, tmp).start()
+    return Stack(local.engines[0].proc, [p.proc for p in local.sidecars], local.gateways[0].proc,
+                 [e.url for e in local.engines], local)
 
 
 def stop_stack(stack: Stack) -> None:
-    for proc in [stack.gateway, *reversed(stack.sidecars), stack.engines]:
-        proc.stop()
+    stack.local.stop()
 
 
 @pytest.fixture
@@ -355,21 +304,9 @@ async def test_sidecar_file_is_reread_on_change(tmp_path: Path, session) -> None
     stack = start_stack(tmp_path)
     listing = tmp_path / "sidecars.txt"
     listing.write_text(f"# the fleet\n{stack.sidecars[0].url}\n")
-    gateway = ManagedProcess.start(
-        "gateway-file",
-        [
-            "routing",
-            "--port",
-            "0",
-            "--model-path",
-            str(MODEL),
-            "--sidecar-file",
-            str(listing),
-            "--health-check-interval-s",
-            "0.5",
-        ],
-        workdir=tmp_path,
-    )
+    gateway = stack.local.add_gateway(GatewaySpec(
+        name="gateway-file", workers="none", health_check_interval_s=0.5, wait_routable=False,
+        args=("--sidecar-file", str(listing))))[0].proc
     try:
         url = gateway.wait_ready(60)[0]["url"]
 

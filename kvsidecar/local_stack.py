@@ -1,0 +1,432 @@
+"""The one launcher of the local stack: ``kvsidecar up``, the tests and the benchmarks all
+start engines, sidecars, gateways, NATS and Redis through it.
+
+A ``StackSpec`` says what runs; ``LocalStack(spec, workdir)`` starts it in dependency order
+(NATS and Redis, engines, sidecars, gateways) and stops it in reverse, gateways first::
+
+    with LocalStack(StackSpec(engines=(EngineSpec(replicas=2),)), tmp) as stack:
+        stack.url  # the first gateway's, once every worker is routable through it
+
+    async with LocalStack(spec, tmp) as stack:  # the same, off the event loop
+        ...
+
+Every child runs as ``python -m <module> ... --ready-file`` through ``ManagedProcess``: in
+its own process group, polled against a deadline, a child that exits or stays silent fails
+the start with its log's tail; stopping sends SIGTERM, then SIGKILL, and then kills whatever
+is left of its group. Logs and ready files go in the work directory, one per child.
+``add_gateway`` starts more gateways beside a running stack; ``restart`` brings a child back
+on the ports it had (fault tests and the soak).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self
+from urllib.parse import urlsplit
+
+from kvsidecar.launch import LaunchError, ManagedProcess, Stoppable, stop_newest_first
+from kvsidecar.local_nats import NatsServer
+from kvsidecar.local_redis import RedisServer
+from routing.config import FailurePolicy, PdMode, RouterMode
+from sidecar.config import Role
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "EVENTS_CONFIG",
+    "EngineSpec",
+    "GatewaySpec",
+    "LocalStack",
+    "Part",
+    "StackSpec",
+    "gateway_argv",
+    "sidecar_argv",
+]
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "refengine" / "models" / "tiny"
+EVENTS_CONFIG = json.dumps(
+    {
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+        "topic": "kv-events",
+    }
+)
+# Deadlines for a child's ready file: torch engines load a model, the rest only bind.
+_READY_S = {"sim": 120.0, "torch": 300.0, "standin": 120.0, "sidecar": 120.0, "gateway": 60.0}
+_ROUTABLE_S = 60.0
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engines of one role.
+
+    ``kind="refengine"``: the CPU reference engine, given the stack's flags (model, KV pool,
+    KV events, the handoff store of a P/D role), then ``args``; ``compute="sim"`` serves all
+    ``replicas`` from one process, ``"torch"`` runs one process each. Any other ``kind`` is
+    a module run as ``python -m <kind> *args``, one process per replica (a stand-in engine
+    of the tests), which must write a ready file like ours.
+    """
+
+    replicas: int = 1
+    role: Role = "agg"
+    compute: Literal["sim", "torch"] = "sim"
+    kind: str = "refengine"
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)  # for the engines and their sidecars
+    sidecars: bool = True  # a sidecar beside each replica
+    sidecar_args: tuple[str, ...] = ()  # for these replicas' sidecars, after the stack's
+    worker_ids: tuple[str, ...] = ()  # one per replica; none: replica-<i> or <role>-<i>
+
+    def __post_init__(self) -> None:
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.worker_ids and len(self.worker_ids) != self.replicas:
+            raise ValueError(f"worker_ids names {len(self.worker_ids)} workers for "
+                             f"{self.replicas} replicas")
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    """``count`` gateways alike (named ``name``, then ``name-1``...), in front of every
+    sidecar (``workers="sidecars"``), every engine as a plain worker (``"engines"``), or
+    only what ``args`` names (``"none"``)."""
+
+    name: str = "gateway"
+    count: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0  # the first one's; the others bind any
+    router_mode: str = RouterMode.KV.value
+    pd_mode: str = PdMode.AUTO.value
+    kv_load_failure_policy: str = FailurePolicy.FALLBACK.value
+    health_check_interval_s: float = 1.0
+    seed: int | None = None  # gateway i gets seed + i
+    workers: Literal["sidecars", "engines", "none"] = "sidecars"
+    args: tuple[str, ...] = ()  # after the stack's own, so they win
+    wait_routable: bool = True  # start() returns once every worker is routable through it
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """What runs: engines, their sidecars, gateways, and NATS / Redis when asked for."""
+
+    engines: tuple[EngineSpec, ...] = (EngineSpec(),)
+    gateways: tuple[GatewaySpec, ...] = (GatewaySpec(),)
+    model_path: str = str(DEFAULT_MODEL)
+    max_total_tokens: int | None = None  # None: the engine's default pool
+    speedup: float | None = None  # sim compute; None: the engine's default
+    events_config: str = EVENTS_CONFIG
+    handoff_ms_per_1k_tokens: float = 0.0
+    sidecar_args: tuple[str, ...] = ()  # for every sidecar, after the stack's own
+    log_level: str | None = None  # for every engine, sidecar and gateway of ours
+    nats: bool = False  # a nats-server (JetStream); every gateway gets --nats
+    redis: bool = False  # a redis-server; every sidecar gets --remote-tier-url
+    redis_maxmemory: str | None = None
+
+
+@dataclass
+class Part:
+    """One served endpoint: an engine replica, a sidecar or a gateway. Simulated replicas
+    of one engine process share its ``proc``."""
+
+    name: str
+    url: str
+    proc: ManagedProcess
+    role: str = "agg"
+    worker_id: str = ""
+
+
+def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
+                 extra: list[str] | None = None) -> list[str]:
+    """A sidecar's arguments: the stack's own, then ``extra`` (a later flag wins)."""
+    return ["--engine-url", url, "--worker-id", worker_id, "--role", role, "--port", "0",
+            "--sim-handoff-ms-per-1k-tokens", str(handoff_ms), *(extra or [])]
+
+
+def gateway_argv(spec: GatewaySpec, model_path: str, sidecars: list[str], *,
+                 port: int | None = None, more: list[str] | None = None) -> list[str]:
+    """A gateway's arguments: the stack's own, ``--sidecar`` per sidecar URL, ``more`` (the
+    stack's wiring: workers, seed, NATS), then the spec's ``args`` (a later flag wins)."""
+    return [
+        "--host", spec.host, "--port", str(spec.port if port is None else port),
+        "--router-mode", spec.router_mode, "--model-path", model_path,
+        "--health-check-interval-s", f"{spec.health_check_interval_s:g}",
+        "--pd-mode", spec.pd_mode, "--kv-load-failure-policy", spec.kv_load_failure_policy,
+        *[flag for url in sidecars for flag in ("--sidecar", url)],
+        *(more or []),
+        *spec.args,
+    ]
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """How a child was started: what ``LocalStack.restart`` starts again."""
+
+    origin: str  # the first incarnation's name
+    argv: list[str]
+    env: Mapping[str, str] | None
+    wait_s: float
+
+
+def _role_flags(role: str, workdir: Path) -> list[str]:
+    """Engine flags of a role: prefill/decode engines share one page store (the handoff)."""
+    if role == "agg":
+        return []
+    store = json.dumps({"file_path": str(workdir / "pd-pages")})
+    return [
+        "--disaggregation-mode",
+        role,
+        "--hicache-storage-backend",
+        "file",
+        "--hicache-storage-backend-extra-config",
+        store,
+    ]
+
+
+def _name(kind: str, role: str, i: int | None = None) -> str:
+    """``engines``, ``engine-0``, ``sidecar-prefill-1``: the role named unless aggregated."""
+    base = kind if role == "agg" else f"{kind}-{role}"
+    return base if i is None else f"{base}-{i}"
+
+
+def routable_workers(url: str, count: int, timeout_s: float = _ROUTABLE_S) -> list[Any]:
+    """Poll the gateway's /v1/workers until ``count`` workers are routable and healthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"{url}/v1/workers", timeout=10) as resp:
+            workers = json.loads(resp.read())["workers"]
+        if sum(bool(w["routable"]) and bool(w["healthy"]) for w in workers) >= count:
+            return list(workers)
+        if time.monotonic() > deadline:
+            raise LaunchError(f"only some workers became routable through {url}: {workers}")
+        time.sleep(0.1)  # between polls of a deadline-bounded wait
+
+
+class LocalStack:
+    """The processes of one ``StackSpec``; see the module's docstring."""
+
+    def __init__(self, spec: StackSpec, workdir: Path) -> None:
+        self.spec = spec
+        self.workdir = workdir
+        self.nats: NatsServer | None = None
+        self.redis: RedisServer | None = None
+        self.engines: list[Part] = []
+        self.sidecars: list[Part] = []
+        self.gateways: list[Part] = []
+        self.workers: list[Any] = []  # what the first gateway listed once all were routable
+        self._procs: list[ManagedProcess] = []  # in start order; stopped in reverse
+        self._launched: dict[str, _Launch] = {}  # by process name: how to start it again
+
+    @property
+    def url(self) -> str:
+        """The first gateway's URL."""
+        return self.gateways[0].url
+
+    @property
+    def procs(self) -> list[ManagedProcess]:
+        """Every child of ours, in start order."""
+        return list(self._procs)
+
+    # -- starting
+
+    def start(self) -> Self:
+        """Start everything in dependency order; on any failure stop what started, raise."""
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            self._start_servers()
+            self._start_engines()
+            self._start_sidecars()
+            for gateway in self.spec.gateways:
+                self.add_gateway(gateway)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_servers(self) -> None:
+        if self.spec.nats:
+            self.nats = NatsServer(self.workdir).start()
+        if self.spec.redis:
+            self.redis = RedisServer(self.workdir, maxmemory=self.spec.redis_maxmemory).start()
+
+    def _launch(self, name: str, argv: list[str], wait_s: float,
+                env: Mapping[str, str] | None = None) -> ManagedProcess:
+        """Start one child; a name already taken (its log and ready file) gets ``-<n>``."""
+        unique, n = name, 0
+        while unique in self._launched:
+            n += 1
+            unique = f"{name}-{n}"
+        proc = ManagedProcess.start(unique, argv, workdir=self.workdir, env=env)
+        self._procs.append(proc)
+        self._launched[unique] = _Launch(unique, argv, env, wait_s)
+        return proc
+
+    def _ours(self) -> list[str]:
+        """Flags every child of ours gets before its own extras."""
+        return ["--log-level", self.spec.log_level] if self.spec.log_level else []
+
+    def _refengine_argv(self, engine: EngineSpec) -> list[str]:
+        spec = self.spec
+        argv = ["refengine", "--compute", engine.compute]
+        if engine.compute == "sim":
+            argv += ["--replicas", str(engine.replicas)]
+            if spec.speedup is not None:
+                argv += ["--speedup", str(spec.speedup)]
+        argv += ["--model-path", spec.model_path]
+        if spec.max_total_tokens is not None:
+            argv += ["--max-total-tokens", str(spec.max_total_tokens)]
+        return [*argv, "--kv-events-config", spec.events_config, "--port", "0",
+                *_role_flags(engine.role, self.workdir), *self._ours(), *engine.args]
+
+    def _start_engines(self) -> None:
+        """Every engine process at once, then wait for each; parts in spec order."""
+        started: list[tuple[EngineSpec, ManagedProcess, int, float]] = []
+        index: dict[str, int] = {}
+        for engine in self.spec.engines:
+            if not engine.replicas:
+                continue
+            env = dict(engine.env) or None
+            if engine.kind == "refengine" and engine.compute == "sim":
+                proc = self._launch(_name("engines", engine.role), self._refengine_argv(engine),
+                                    _READY_S["sim"], env)
+                started.append((engine, proc, engine.replicas, _READY_S["sim"]))
+                continue
+            for _ in range(engine.replicas):
+                i = index[engine.role] = index.get(engine.role, -1) + 1
+                if engine.kind == "refengine":
+                    argv, wait = self._refengine_argv(engine), _READY_S[engine.compute]
+                else:
+                    argv, wait = [engine.kind, *engine.args], _READY_S["standin"]
+                proc = self._launch(_name("engine", engine.role, i), argv, wait, env)
+                started.append((engine, proc, 1, wait))
+        for engine, proc, count, wait in started:
+            for line in proc.wait_ready(wait, count=count)[:count]:
+                self.engines.append(Part(proc.name, str(line["url"]), proc, engine.role))
+
+    def _start_sidecars(self) -> None:
+        """A sidecar beside each replica that wants one: worker ``replica-<i>`` when
+        aggregated, ``<role>-<i>`` otherwise, counted per role (or the spec's ``worker_ids``)."""
+        spec = self.spec
+        remote = ["--remote-tier-url", self.redis.url] if self.redis is not None else []
+        wanted = [(e, j) for e in spec.engines for j in range(e.replicas)]
+        index: dict[str, int] = {}
+        started: list[tuple[Part, ManagedProcess]] = []
+        for (engine, j), part in zip(wanted, self.engines, strict=True):
+            if not engine.sidecars:
+                continue
+            i = index[part.role] = index.get(part.role, -1) + 1
+            worker_id = (engine.worker_ids[j] if engine.worker_ids
+                         else f"replica-{i}" if part.role == "agg" else f"{part.role}-{i}")
+            extra = [*self._ours(), *remote, *spec.sidecar_args, *engine.sidecar_args]
+            proc = self._launch(_name("sidecar", part.role, i), [
+                "sidecar",
+                *sidecar_argv(part.url, worker_id, part.role, spec.handoff_ms_per_1k_tokens, extra),
+            ], _READY_S["sidecar"], dict(engine.env) or None)
+            part.worker_id = worker_id
+            started.append((part, proc))
+        for part, proc in started:
+            url = str(proc.wait_ready(_READY_S["sidecar"])[0]["url"])
+            self.sidecars.append(Part(proc.name, url, proc, part.role, part.worker_id))
+
+    def add_gateway(self, gateway: GatewaySpec) -> list[Part]:
+        """Start ``gateway.count`` gateways (now, or beside a running stack); stopped first."""
+        match gateway.workers:
+            case "sidecars":
+                sidecars, workers = [p.url for p in self.sidecars], []
+                count = len(self.sidecars)
+            case "engines":
+                sidecars = []
+                workers = [f for p in self.engines for f in ("--worker", p.url)]
+                count = len(self.engines)
+            case "none":
+                sidecars, workers, count = [], [], 0
+        nats = ["--nats", self.nats.url] if self.nats is not None else []
+        started = []
+        for g in range(gateway.count):
+            seed = [] if gateway.seed is None else ["--seed", str(gateway.seed + g)]
+            name = gateway.name if g == 0 else f"{gateway.name}-{g}"
+            argv = gateway_argv(gateway, self.spec.model_path, sidecars,
+                                port=gateway.port if g == 0 else 0,
+                                more=[*workers, *seed, *nats, *self._ours()])
+            started.append(self._launch(name, ["routing", *argv], _READY_S["gateway"]))
+        parts = [Part(p.name, str(p.wait_ready(_READY_S["gateway"])[0]["url"]), p)
+                 for p in started]
+        self.gateways += parts
+        if gateway.wait_routable and count:
+            for part in parts:
+                workers_listed = routable_workers(part.url, count)
+                if not self.workers:
+                    self.workers = workers_listed
+        return parts
+
+    # -- restarting
+
+    def restart(self, proc: ManagedProcess) -> ManagedProcess:
+        """Start a child again where it was, stopping it first if it still runs: the same
+        arguments plus the HTTP port it had bound and, for an engine, the KV event endpoints
+        it had bound, so its sidecar and the gateways find it unchanged (a restarted engine's
+        cache is empty and its event sequence starts over). The new process takes ``proc``'s
+        place among the parts and in the stopping order, named ``<name>-r<n>``."""
+        launch = self._launched.get(proc.name)
+        if launch is None or len(proc.ready) != 1:
+            raise ValueError(f"{proc.name}: only a child of this stack serving one endpoint "
+                             "restarts (a simulated engine process serving several does not)")
+        ready = proc.ready[0]
+        proc.stop()
+        more = ["--port", str(urlsplit(str(ready["url"])).port)]
+        if ready.get("kv_events_endpoint"):
+            events = {**json.loads(self.spec.events_config), "bind": True,
+                      "endpoint": ready["kv_events_endpoint"],
+                      "replay_endpoint": ready["kv_replay_endpoint"]}
+            more += ["--kv-events-config", json.dumps(events)]
+        n = 1
+        while f"{launch.origin}-r{n}" in self._launched:
+            n += 1
+        name = f"{launch.origin}-r{n}"
+        new = ManagedProcess.start(name, [*launch.argv, *more], workdir=self.workdir,
+                                   env=launch.env)
+        self._launched[name] = launch
+        self._procs[self._procs.index(proc)] = new
+        for part in (*self.engines, *self.sidecars, *self.gateways):
+            if part.proc is proc:
+                part.proc = new
+        new.wait_ready(launch.wait_s)
+        return new
+
+    # -- stopping
+
+    def stop(self) -> None:
+        """Stop every child, newest first (gateways, sidecars, engines), then Redis and NATS;
+        each is stopped even when an earlier one failed to, the failures raised together."""
+        servers = [s for s in (self.nats, self.redis) if s is not None]
+        procs: list[Stoppable] = [*servers, *self._procs]
+        self.redis = self.nats = None
+        self._procs.clear()
+        stop_newest_first(procs, "local stack failed to stop cleanly")
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Self:
+        starting = asyncio.ensure_future(asyncio.to_thread(self.start))
+        try:
+            return await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            # the thread goes on starting: let it finish, then stop what it started
+            await asyncio.gather(starting, return_exceptions=True)
+            await asyncio.to_thread(self.stop)
+            raise
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await asyncio.to_thread(self.stop)
