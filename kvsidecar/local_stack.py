@@ -31,11 +31,11 @@ from types import TracebackType
 from typing import Any, Literal, Self
 from urllib.parse import urlsplit
 
+from kvcore.stream import Role
 from kvsidecar.launch import LaunchError, ManagedProcess, Stoppable, stop_newest_first
 from kvsidecar.local_nats import NatsServer
 from kvsidecar.local_redis import RedisServer
 from routing.config import FailurePolicy, PdMode, RouterMode
-from sidecar.config import Role
 
 __all__ = [
     "DEFAULT_MODEL",

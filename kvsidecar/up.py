@@ -19,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvcore.stream import Role
 from kvsidecar import local_stack
 from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
 from kvsidecar.launch import LaunchError
@@ -32,7 +33,7 @@ from kvsidecar.local_stack import (
 )
 from routing.config import FailurePolicy, PdMode, RouterMode
 from routing.flags import gateway_config
-from sidecar.config import Role, SidecarConfig
+from sidecar.config import SidecarConfig
 
 __all__ = ["check_passed_args", "gateway_argv", "main", "sidecar_argv", "stack_spec"]
 
