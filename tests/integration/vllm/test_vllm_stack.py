@@ -5,81 +5,64 @@ the gateway's index is vLLM's live blocks after evictions and after a prefix-cac
 (checked against vLLM's own replay buffer, read here with no code of ours), and tools,
 ``json_schema`` and logprobs come back through the OpenAI path.
 
-One stack for the module (vLLM takes about a minute to start). Without ``.venv-vllm/`` the
-tests fail and say how to build it (``scripts/test`` does, through ``scripts/_vllm_venv.sh``).
+One stack for the module, started by ``kvsidecar up --engine vllm`` (vLLM takes one to two
+minutes to start). Without ``.venv-vllm/`` the tests fail and say how to build it
+(``scripts/test`` does, through ``scripts/_vllm_venv.sh``).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
 
-from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_vllm import VllmOptions, VllmServer
+from kvsidecar.launch import LaunchError, ManagedProcess
+from kvsidecar.local_vllm import VLLM_BLOCK_SIZE
 from tests.support.polling import wait_until
-from tests.support.processes import ProcessGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-ROOT = Path(__file__).resolve().parents[3]
-BLOCK = 32  # vLLM's CPU attention wants a multiple of 32
+BLOCK = VLLM_BLOCK_SIZE
 KV_BLOCKS = 64  # a small pool: a few prompts evict
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 @dataclass(frozen=True)
 class Stack:
-    vllm: VllmServer
-    sidecar: ManagedProcess
-    gateway: ManagedProcess
-
-
-def _weights() -> Path:
-    """The tiny model with the reference engine's weights (cached; scripts/make_tiny_weights)."""
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "make_tiny_weights.py")],
-        capture_output=True, text=True, check=True,
-    )
-    return Path(out.stdout.strip())
+    gateway: str
+    vllm: str
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """vLLM (64 blocks of 32 tokens, hermes tools) + its sidecar + a gateway, for the module."""
+    """``kvsidecar up --engine vllm``: one vLLM (64 blocks of 32 tokens, hermes tools), its
+    sidecar and a gateway, for the module."""
     tmp = tmp_path_factory.mktemp("vllm")
+    up = ManagedProcess.start("up", [
+        "kvsidecar", "up", "--engine", "vllm", "--replicas", "1", "--port", "0",
+        "--max-total-tokens", str(KV_BLOCKS * BLOCK), "--workdir", str(tmp),
+        "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser",
+        "--engine-arg=hermes", "--engine-arg=--structured-outputs-config",
+        # the random tiny model would pad JSON with whitespace until max_tokens
+        '--engine-arg={"backend": "xgrammar", "disable_any_whitespace": true}',
+    ], workdir=tmp)
     try:
-        options = VllmOptions(
-            model=_weights(), block_size=BLOCK, kv_blocks=KV_BLOCKS, tools=True,
-            # the random tiny model would pad JSON with whitespace until max_tokens
-            extra_args=("--structured-outputs-config",
-                        '{"backend": "xgrammar", "disable_any_whitespace": true}'),
-        )
-        vllm = VllmServer(tmp, options)
-    except RuntimeError as exc:
-        pytest.fail(str(exc), pytrace=False)
-    with vllm, ProcessGroup[ManagedProcess]() as group:
-        sidecar = group.add(ManagedProcess.start(
-            "sidecar", ["sidecar", "--engine", "vllm", "--engine-url", vllm.url,
-                        "--worker-id", "v0", "--port", "0"], workdir=tmp))
-        sidecar.wait_ready(60)
-        gateway = group.add(ManagedProcess.start(
-            "gateway", ["routing", "--port", "0", "--sidecar", sidecar.url, "--model-path",
-                        str(options.model), "--served-model-name", "tiny",
-                        "--block-size", str(BLOCK)], workdir=tmp))
-        gateway.wait_ready(60)
-        yield Stack(vllm, sidecar, gateway)
+        try:
+            gateway = str(up.wait_ready(360)[0]["url"])
+        except LaunchError as exc:
+            pytest.fail(str(exc), pytrace=False)
+        workers = _get(f"{gateway}/v1/workers")["workers"]
+        yield Stack(gateway, workers[0]["engine_url"])
+    finally:
+        up.stop(timeout_s=90)
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -95,15 +78,15 @@ def _get(url: str) -> Any:
 
 
 def _worker(stack: Stack) -> dict[str, Any]:
-    workers = _get(f"{stack.gateway.url}/v1/workers")["workers"]
-    assert [w["worker_id"] for w in workers] == ["v0"], workers
+    workers = _get(f"{stack.gateway}/v1/workers")["workers"]
+    assert [w["worker_id"] for w in workers] == ["replica-0"], workers
     return dict(workers[0])
 
 
 def _live_blocks(stack: Stack) -> tuple[int, Counter[str]]:
     """vLLM's live block hashes as its own replay buffer tells them (all batches from seq 0,
     read with a plain DEALER), and how many events of each kind it sent."""
-    sources = _get(f"{stack.vllm.url}/kv_event_sources")
+    sources = _get(f"{stack.vllm}/kv_event_sources")
     replay = sources["0"]["replay_endpoint"]
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -145,7 +128,7 @@ def _fill(stack: Stack, first: int, count: int) -> None:
     for i in range(first, first + count):
         prompt = " ".join(f"Request {i} asks about value {j * i} and number {j}."
                           for j in range(40))
-        _post(f"{stack.gateway.url}/v1/completions",
+        _post(f"{stack.gateway}/v1/completions",
               {"model": "tiny", "prompt": prompt, "max_tokens": 1})
 
 
@@ -168,7 +151,7 @@ def test_a_second_chat_turn_hits_what_the_gateway_predicted(stack: Stack) -> Non
         f"Item {i} is the cache block number {i}." for i in range(30))
     turn = [{"role": "system", "content": system},
             {"role": "user", "content": "Explain the first block please."}]
-    url = f"{stack.gateway.url}/v1/chat/completions"
+    url = f"{stack.gateway}/v1/chat/completions"
     _, first = _post(url, {"model": "tiny", "messages": turn, "max_tokens": 4})
     turn += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
              {"role": "user", "content": "And the second one?"}]
@@ -192,7 +175,7 @@ def test_the_index_is_vllms_live_blocks_after_a_prefix_cache_reset(stack: Stack)
     index of the worker; then it holds the next prompt's blocks, as vLLM does."""
     before, _ = _index_matches_engine(stack)
     assert before > 0
-    _, answer = _post(f"{stack.vllm.url}/reset_prefix_cache", {})
+    _, answer = _post(f"{stack.vllm}/reset_prefix_cache", {})
     assert answer == {"success": True}
     _fill(stack, 100, 1)
     live, kinds = _index_matches_engine(stack)
@@ -202,7 +185,7 @@ def test_the_index_is_vllms_live_blocks_after_a_prefix_cache_reset(stack: Stack)
 
 def test_tools_json_schema_and_logprobs_come_back(stack: Stack) -> None:
     """OpenAI features the gateway passes through to vLLM's own chat route."""
-    url = f"{stack.gateway.url}/v1/chat/completions"
+    url = f"{stack.gateway}/v1/chat/completions"
     ask = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}]}
     tool = {"type": "function", "function": {
         "name": "get_weather",
