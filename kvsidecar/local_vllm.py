@@ -125,8 +125,6 @@ class VllmServer:
             "--block-size", str(o.block_size),
             "--max-model-len", str(o.max_model_len),
             "--enforce-eager",  # no torch.compile: starts in under a minute
-            # the model runs in the engine core's process: one import of vLLM fewer
-            "--distributed-executor-backend", "uni",
             "--enable-prefix-caching",
             "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(events),
@@ -138,15 +136,16 @@ class VllmServer:
         return [*argv, *o.extra_args]
 
     def env(self) -> Mapping[str, str]:
-        """vLLM's environment: offline, quiet, and ``/reset_prefix_cache`` served."""
+        """vLLM's environment: offline, quiet, loopback, ``/reset_prefix_cache`` served; a
+        KV space of 1 GiB and no thread pinning unless the caller's environment says else."""
         return {
+            "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, when --num-gpu-blocks-override is not given
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # a shared machine: leave cores unpinned
             **os.environ,
             "HF_HUB_OFFLINE": "1",
-            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_HOST_IP": "127.0.0.1",  # where tcp://*:0 publishers bind
             "VLLM_NO_USAGE_STATS": "1",
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache and the other dev routes
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
         }
 
     def start(self) -> Self:
