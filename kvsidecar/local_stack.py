@@ -25,6 +25,7 @@ import json
 import time
 import urllib.request
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -35,6 +36,7 @@ from kvcore.stream import Role
 from kvsidecar.launch import LaunchError, ManagedProcess, Stoppable, stop_newest_first
 from kvsidecar.local_nats import NatsServer
 from kvsidecar.local_redis import RedisServer
+from kvsidecar.local_vllm import VllmOptions, VllmServer
 from routing.config import FailurePolicy, PdMode, RouterMode
 
 __all__ = [
@@ -71,7 +73,9 @@ class EngineSpec:
     KV events, the handoff store of a P/D role), then ``args``; ``compute="sim"`` serves all
     ``replicas`` from one process, ``"torch"`` runs one process each. Any other ``kind`` is
     a module run as ``python -m <kind> *args``, one process per replica (a stand-in engine
-    of the tests), which must write a ready file like ours.
+    of the tests), which must write a ready file like ours. ``kind="vllm"``: real vLLM
+    servers with the options ``vllm`` (``kvsidecar.local_vllm``), started side by side, each
+    sidecar given ``--engine vllm``.
     """
 
     replicas: int = 1
@@ -83,10 +87,13 @@ class EngineSpec:
     sidecars: bool = True  # a sidecar beside each replica
     sidecar_args: tuple[str, ...] = ()  # for these replicas' sidecars, after the stack's
     worker_ids: tuple[str, ...] = ()  # one per replica; none: replica-<i> or <role>-<i>
+    vllm: VllmOptions | None = None  # kind="vllm": the servers' options
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if (self.kind == "vllm") != (self.vllm is not None):
+            raise ValueError("kind='vllm' and its vllm options go together")
         if self.worker_ids and len(self.worker_ids) != self.replicas:
             raise ValueError(f"worker_ids names {len(self.worker_ids)} workers for "
                              f"{self.replicas} replicas")
@@ -137,7 +144,7 @@ class Part:
 
     name: str
     url: str
-    proc: ManagedProcess
+    proc: ManagedProcess | VllmServer
     role: str = "agg"
     worker_id: str = ""
 
@@ -221,6 +228,7 @@ class LocalStack:
         self.gateways: list[Part] = []
         self.workers: list[Any] = []  # what the first gateway listed once all were routable
         self._procs: list[ManagedProcess] = []  # in start order; stopped in reverse
+        self._vllm: list[VllmServer] = []  # real vLLM engines: stopped after our processes
         self._launched: dict[str, _Launch] = {}  # by process name: how to start it again
 
     @property
@@ -286,12 +294,15 @@ class LocalStack:
 
     def _start_engines(self) -> None:
         """Every engine process at once, then wait for each; parts in spec order."""
-        started: list[tuple[EngineSpec, ManagedProcess, int, float]] = []
+        started: list[tuple[EngineSpec, ManagedProcess | list[VllmServer], int, float]] = []
         index: dict[str, int] = {}
         for engine in self.spec.engines:
             if not engine.replicas:
                 continue
             env = dict(engine.env) or None
+            if engine.kind == "vllm":
+                started.append((engine, self._start_vllm(engine), engine.replicas, 0.0))
+                continue
             if engine.kind == "refengine" and engine.compute == "sim":
                 proc = self._launch(_name("engines", engine.role), self._refengine_argv(engine),
                                     _READY_S["sim"], env)
@@ -305,9 +316,27 @@ class LocalStack:
                     argv, wait = [engine.kind, *engine.args], _READY_S["standin"]
                 proc = self._launch(_name("engine", engine.role, i), argv, wait, env)
                 started.append((engine, proc, 1, wait))
-        for engine, proc, count, wait in started:
-            for line in proc.wait_ready(wait, count=count)[:count]:
-                self.engines.append(Part(proc.name, str(line["url"]), proc, engine.role))
+        for engine, launched, count, wait in started:
+            if isinstance(launched, list):  # vLLM servers, ready already
+                self.engines += [Part(v.name, v.url, v, engine.role) for v in launched]
+                continue
+            for line in launched.wait_ready(wait, count=count)[:count]:
+                self.engines.append(Part(launched.name, str(line["url"]), launched, engine.role))
+
+    def _start_vllm(self, engine: EngineSpec) -> list[VllmServer]:
+        """``engine.replicas`` real vLLM servers, started side by side (each takes a minute
+        or more) and ready; a start that fails is a ``LaunchError`` with vLLM's words."""
+        assert engine.vllm is not None
+        first = len(self._vllm)
+        try:
+            servers = [VllmServer(self.workdir, engine.vllm, f"vllm-{first + i}")
+                       for i in range(engine.replicas)]
+            self._vllm += servers
+            with ThreadPoolExecutor(len(servers)) as pool:
+                list(pool.map(VllmServer.start, servers))
+        except RuntimeError as exc:
+            raise LaunchError(str(exc)) from exc
+        return servers
 
     def _start_sidecars(self) -> None:
         """A sidecar beside each replica that wants one: worker ``replica-<i>`` when
@@ -323,7 +352,8 @@ class LocalStack:
             i = index[part.role] = index.get(part.role, -1) + 1
             worker_id = (engine.worker_ids[j] if engine.worker_ids
                          else f"replica-{i}" if part.role == "agg" else f"{part.role}-{i}")
-            extra = [*self._ours(), *remote, *spec.sidecar_args, *engine.sidecar_args]
+            kind = ["--engine", "vllm"] if engine.kind == "vllm" else []
+            extra = [*kind, *self._ours(), *remote, *spec.sidecar_args, *engine.sidecar_args]
             proc = self._launch(_name("sidecar", part.role, i), [
                 "sidecar",
                 *sidecar_argv(part.url, worker_id, part.role, spec.handoff_ms_per_1k_tokens, extra),
@@ -405,9 +435,10 @@ class LocalStack:
         """Stop every child, newest first (gateways, sidecars, engines), then Redis and NATS;
         each is stopped even when an earlier one failed to, the failures raised together."""
         servers = [s for s in (self.nats, self.redis) if s is not None]
-        procs: list[Stoppable] = [*servers, *self._procs]
+        procs: list[Stoppable] = [*servers, *self._vllm, *self._procs]
         self.redis = self.nats = None
         self._procs.clear()
+        self._vllm.clear()
         stop_newest_first(procs, "local stack failed to stop cleanly")
 
     def __enter__(self) -> Self:

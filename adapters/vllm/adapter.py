@@ -1,9 +1,11 @@
 """``VllmAdapter``: the ``EngineAdapter`` for one vLLM server (``vllm serve``).
 
-Discovery: ``GET /kv_event_sources`` (``vllm/entrypoints/serve/kv_events/api_router.py``)
-lists the enabled ZMQ publishers, one per DP rank: ``data_parallel_rank``, ``endpoint``,
-``replay_endpoint`` (or null) and ``topic``, as a bare JSON array (some releases wrap it in
-``{"sources": [...]}``); a wildcard bind host is replaced by the engine URL's host. The
+Discovery: ``GET /kv_event_sources`` (``vllm/entrypoints/serve/instrumentator/basic.py``)
+lists the enabled ZMQ publishers, one per DP rank. vLLM 0.32 answers a map from the rank
+(a JSON string key) to that rank's resolved ``KVEventsConfig`` (``endpoint`` as bound, with
+the rank's port offset, or the port the OS picked for ``tcp://*:0``; ``replay_endpoint`` or
+null; ``topic``); a list of entries naming their ``data_parallel_rank`` (bare or wrapped in
+``{"sources": [...]}``) is read too. A wildcard bind host is replaced by the engine URL's host. The
 block size comes from ``/metrics`` (``vllm:cache_config_info``'s ``block_size``) unless given;
 given both ways they must agree. Flags (``--kv-events-endpoint``, ``--block-size``) win over
 discovery. Each DP rank becomes one canonical worker consumed by a ``RankSubscriber``.
@@ -58,6 +60,8 @@ _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::", "[::]"}
 def endpoints_from_sources(answer: Any, engine_url: str) -> tuple[EventEndpoint, ...]:
     """One endpoint per DP rank from ``/kv_event_sources``'s answer (sorted by rank)."""
     sources = answer.get("sources") if isinstance(answer, Mapping) else answer
+    if isinstance(answer, Mapping) and "sources" not in answer:
+        sources = _ranked(answer)
     if not isinstance(sources, list):
         raise AdapterError(f"malformed /kv_event_sources answer: {str(answer)[:200]}")
     if not sources:
@@ -83,6 +87,15 @@ def endpoints_from_sources(answer: Any, engine_url: str) -> tuple[EventEndpoint,
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise AdapterError(f"malformed /kv_event_sources answer: {str(answer)[:200]}") from exc
     return tuple(sorted(endpoints, key=lambda e: e.dp_rank))
+
+
+def _ranked(answer: Mapping[str, Any]) -> list[Any] | None:
+    """vLLM 0.32's ``{"<rank>": KVEventsConfig, ...}`` as entries naming their rank (None if
+    a key is not a rank or a value not a map)."""
+    try:
+        return [{**config, "data_parallel_rank": int(rank)} for rank, config in answer.items()]
+    except (TypeError, ValueError):
+        return None
 
 
 def _dialable(endpoint: str, host: str) -> str:

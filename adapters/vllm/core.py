@@ -8,7 +8,8 @@ gap and restart rules are the shared ones). What is vLLM's own:
   prompt sent again can fill a fresh block whose hash is already cached, so one hash is
   stored twice and later removed twice. A count per (tier, hash) turns the first of two
   removals into nothing: only the last copy's removal removes the block.
-* **Extra keys.** A block whose hash took more than its tokens (``extra_keys``: multimodal
+* **Extra keys.** vLLM 0.32 sends ``extra_keys`` on every store, ``None`` for each block
+  whose hash took only its tokens. A block whose hash took more (multimodal
   identifiers, prompt embeddings) cannot be hashed canonically from the tokens: it and the
   rest of its chain are skipped (counted ``skipped``). The LoRA name is the event's
   ``lora_name`` (or ``--lora-adapter``'s name of ``lora_id``); on a prompt's first block the
@@ -75,7 +76,7 @@ class VllmRankNormalizer(BatchNormalizer):
             (i, len(e.block_hashes), e.token_ids)
             for i, e in enumerate(events)
             if isinstance(e, VlBlockStored)
-            and e.extra_keys is None
+            and not _has_extra_keys(e)
             and len(e.block_hashes) < SHORT_CHAIN_BLOCKS
         ])
         for index, event in enumerate(events):
@@ -116,7 +117,7 @@ class VllmRankNormalizer(BatchNormalizer):
         if lora is None and event.lora_id is not None:
             lora = self._lora_names.get(event.lora_id, f"lora-id-{event.lora_id}")
         hashes, tokens, salt = event.block_hashes, event.token_ids, None
-        if event.extra_keys is not None:
+        if _has_extra_keys(event):
             plain, salt = _plain_blocks(event, lora)
             if plain < len(hashes):
                 self.normalizer.count("skipped", len(hashes) - plain)
@@ -166,6 +167,12 @@ class VllmRankNormalizer(BatchNormalizer):
             self._group = group
             return True
         return False
+
+
+def _has_extra_keys(event: VlBlockStored) -> bool:
+    """Whether any block's hash took more than its tokens (vLLM 0.32 sends ``[None]`` per
+    block when none did)."""
+    return event.extra_keys is not None and any(k is not None for k in event.extra_keys)
 
 
 def _plain_blocks(event: VlBlockStored, lora: str | None) -> tuple[int, str | None]:

@@ -1,7 +1,8 @@
 """vLLM's KV-event wire format (``vllm/distributed/kv_events.py``), decoded.
 
-Framing and replay are the ones SGLang copied (``adapters.zmq_events``), except that a
-replayed message is ``[b"", seq, payload]`` (no topic frame). The payload is a msgpack array
+Framing and replay are the ones SGLang copied (``adapters.zmq_events``): vLLM 0.32 answers a
+replay with ``[b"", topic, seq, payload]`` per batch and ``[b"", b"", -1, b""]`` at the end
+(older releases left the topic frame out). The payload is a msgpack array
 ``[ts, events, data_parallel_rank]`` (``EventBatch``: ``array_like=True``); each event is a
 msgpack map tagged by ``"type"`` (the class name: ``KVCacheEvent`` is ``tag=True``,
 ``omit_defaults=True``, not array-like since vLLM 0.10). The structs below mirror vLLM's

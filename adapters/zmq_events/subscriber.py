@@ -2,9 +2,9 @@
 
 * **Live**: SUB connected to the rank's PUB endpoint, subscribed to its topic.
 * **Replay**: a fresh DEALER per request to the rank's ROUTER, ``[b"", start_seq]``, then
-  ``[b"", topic, seq, payload]`` (SGLang) or ``[b"", seq, payload]`` (vLLM) messages until
-  the seq frame is all ``0xff``. A DEALER, not a REQ: a REQ socket can only ever receive the
-  first reply.
+  ``[b"", topic, seq, payload]`` (SGLang; vLLM 0.32 too) or ``[b"", seq, payload]`` (older
+  vLLM) messages until the seq frame is all ``0xff``. A DEALER, not a REQ: a REQ socket can
+  only ever receive the first reply.
 * **Startup** replays from 0 so a subscriber that joins late still rebuilds the cache from
   the publisher's buffer; while idle it probes the replay socket every ``idle_probe_s`` for
   batches the PUB/SUB pipe dropped at the tail (nothing follows them to reveal the gap).

@@ -1,10 +1,8 @@
 """`kvsidecar up --gateway-arg / --sidecar-arg`: any gateway or sidecar flag through up, after
 up's own (a later flag wins), checked by the gateway's and sidecar's own parsers before any
-process starts."""
+process starts; `--engine vllm`'s gateway block size and what it refuses."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
@@ -43,13 +41,22 @@ def test_refused_before_anything_starts(flag: str, value: str,
     assert "no-such-flag" in err or "lots" in err  # the gateway's or sidecar's own words
 
 
-def test_a_sidecar_config_file_reaches_every_sidecar(tmp_path: Path) -> None:
-    """--sidecar-arg=--config=FILE: the file's options, under up's own flags (which win)."""
-    path = tmp_path / "sidecar.toml"
-    path.write_text('log-level = "warning"\nrole = "decode"\nsilent_after_s = 5\n')
-    args = _parser().parse_args([f"--sidecar-arg=--config={path}"])
-    assert check_passed_args(args) is None
-    cfg = SidecarConfig.from_args(
-        sidecar_argv("http://127.0.0.1:30000", "replica-1", "agg", 0.0, args.sidecar_arg))
-    assert (cfg.log_level, cfg.silent_after_s) == ("warning", 5.0)
-    assert cfg.role == "agg"  # up's --role, given as a flag, beats the file
+def test_vllm_engines_hash_in_blocks_of_32() -> None:
+    """With --engine vllm the gateway hashes as vLLM's CPU engine pages (32 tokens)."""
+    args = _parser().parse_args(["--engine", "vllm"])
+    cfg = gateway_config(gateway_argv(0, "kv", args, ["http://127.0.0.1:9000"]))
+    assert cfg.block_size == 32
+
+
+@pytest.mark.parametrize(("argv", "why"), [
+    (["--engine-arg=--enforce-eager"], "--engine-arg goes with --engine vllm"),
+    (["--engine", "vllm", "--prefill", "1", "--decode", "1"], "aggregated replicas only"),
+    (["--engine", "vllm", "--demo"], "aggregated replicas only"),
+])
+def test_vllm_combinations_refused(argv: list[str], why: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """What up cannot do with vLLM is refused before anything starts."""
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--workdir", "/nonexistent/never-made"])
+    assert stopped.value.code == 2
+    assert why in capsys.readouterr().err

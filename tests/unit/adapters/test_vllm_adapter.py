@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from adapters.base import AdapterConfig, EngineKind, EventEndpoint
+from adapters.base import AdapterConfig, AdapterError, EngineKind, EventEndpoint
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.vllm.adapter import VllmAdapter, endpoints_from_sources
 from adapters.vllm.load import parse_metrics, to_loads
@@ -54,6 +54,24 @@ def test_sources_are_dialled_on_the_engines_host() -> None:
             EventEndpoint(0, "tcp://engine-a:5557", "tcp://10.0.0.2:5600", "kv"),
             EventEndpoint(1, "tcp://engine-a:5558", None, "kv"),
         )
+
+
+def test_vllm_032_answers_a_map_keyed_by_rank() -> None:
+    """vLLM 0.32's ``{"<rank>": KVEventsConfig}`` (as a real engine answered); ``{}`` says no
+    publisher, with how to start one."""
+    answer = {
+        "0": {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": "tcp://127.0.0.1:41001", "replay_endpoint": "tcp://127.0.0.1:41002",
+              "buffer_steps": 10000, "hwm": 100000, "max_queue_size": 100000, "topic": ""},
+        "1": {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": "tcp://*:5558", "replay_endpoint": None, "topic": ""},
+    }
+    assert endpoints_from_sources(answer, "http://127.0.0.1:8000") == (
+        EventEndpoint(0, "tcp://127.0.0.1:41001", "tcp://127.0.0.1:41002", ""),
+        EventEndpoint(1, "tcp://127.0.0.1:5558", None, ""),
+    )
+    with pytest.raises(AdapterError, match="--kv-events-config"):
+        endpoints_from_sources({}, "http://127.0.0.1:8000")
 
 
 def test_metrics_give_each_ranks_load_and_the_pool() -> None:
