@@ -174,9 +174,9 @@ async def test_each_rank_is_a_worker_and_gaps_and_restarts_recover(
     rank0.gap(1)
     await rank0.publish_raw(RANK0[1])  # lost live: replayed when seq 2 shows the gap
     await rank0.publish_raw(RANK0[3])
-    got = await take(events, 2)
+    filled = await take(events, 2)
     child = h([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])[2]
-    assert got == [
+    assert filled == [
         BlockStored("w/dp0", 0, 0, Tier.GPU, [child], h([1, 2, 3, 4, 5, 6, 7, 8])[1],
                     [9, 10, 11, 12]),
         BlockRemoved("w/dp0", 0, 0, Tier.GPU, [child]),
@@ -184,9 +184,10 @@ async def test_each_rank_is_a_worker_and_gaps_and_restarts_recover(
     assert adapter.metrics.value("sequence_gaps", worker="w/dp0") == 1
     rank0.reset_counter()  # the engine restarted on the same ports: seq 0 again
     await rank0.publish_raw(RANK0[0])
-    got = await take(events, 2)
-    assert isinstance(got[0], AllBlocksCleared) and got[0].worker_id == "w/dp0"
-    assert isinstance(got[1], BlockStored) and got[1].block_hashes == h([1, 2, 3, 4, 5, 6, 7, 8])
+    rebuilt = await take(events, 2)
+    assert isinstance(rebuilt[0], AllBlocksCleared) and rebuilt[0].worker_id == "w/dp0"
+    assert isinstance(rebuilt[1], BlockStored)
+    assert rebuilt[1].block_hashes == h([1, 2, 3, 4, 5, 6, 7, 8])
     assert adapter.metrics.value("resyncs", worker="w/dp0", reason="sequence_reset") == 1
     assert adapter.metrics.value("resyncs", worker="w/dp1", reason="sequence_reset") == 0
 
