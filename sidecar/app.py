@@ -127,7 +127,7 @@ class Sidecar:
                     worker_id=cfg.worker_id,
                     model_id=self.model_id,
                     block_size=cfg.block_size,
-                    endpoints=self._flag_endpoints(),
+                    endpoints=cfg.event_endpoints(),
                     load_endpoints=self._flag_load_endpoints(),
                     model_path=cfg.model_path,
                     lora_adapters=cfg.lora_adapters,
@@ -303,11 +303,6 @@ class Sidecar:
                                        max_bytes=self.cfg.events_max_bytes)
         self.metrics.registry.register(publisher.metrics)
         return publisher
-
-    def _flag_endpoints(self) -> tuple[EventEndpoint, ...]:
-        if not self.cfg.kv_events_endpoint:
-            return ()
-        return (EventEndpoint(0, self.cfg.kv_events_endpoint, self.cfg.kv_events_replay_endpoint),)
 
     def _flag_load_endpoints(self) -> tuple[EventEndpoint, ...]:
         if not self.cfg.load_endpoint:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from adapters.base import EngineKind, LoraAdapter
+from adapters.base import EngineKind, EventEndpoint, LoraAdapter
+from adapters.zmq_events.endpoints import is_zmq_address, rank_endpoints
 from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.jetstream import EventsVia
 from kvcore.layout import LayoutKind
@@ -66,10 +67,21 @@ class SidecarConfig:
         None, group=_ENGINE,
         help="tokens per KV block; checked against the engine's page size when both are known")
     kv_events_endpoint: str | None = option(
-        None, group=_ENGINE, help="ZMQ endpoint of the engine's KV events",
-        default_text="SGLang's /server_info, vLLM's /kv_event_sources")
+        None, group=_ENGINE,
+        help="ZMQ endpoint of the engine's KV events (rank 0's, with --kv-events-ranks). "
+        "TensorRT-LLM: a tcp://, ipc:// or inproc:// address subscribes to the events it "
+        "pushes (1.4's kv_cache_config.kv_events_config); an http(s) URL, or none, polls "
+        "its POST /kv_cache_events",
+        default_text="SGLang's /server_info, vLLM's /kv_event_sources, TensorRT-LLM's "
+        "--engine-url polled")
     kv_events_replay_endpoint: str | None = option(
-        None, group=_ENGINE, help="ZMQ ROUTER endpoint for replay")
+        None, group=_ENGINE, help="ZMQ ROUTER endpoint for replay (rank 0's)")
+    kv_events_ranks: int = option(
+        1, group=_ENGINE,
+        help="DP ranks publishing KV events, each one canonical worker (<worker-id>/dp<r>); "
+        "rank r's ZMQ endpoints are rank 0's with the TCP port plus r (ipc/inproc: "
+        "suffix _dp<r>), as vLLM's and TensorRT-LLM's publishers bind them; a polled "
+        "TensorRT-LLM answers for every rank at once. Needs --kv-events-endpoint")
     load_endpoint: str | None = option(  # the engine's scheduler load socket (SGLang)
         None, group=_ENGINE,
         help="ZMQ endpoint where the engine publishes its scheduler's load (SGLang's "
@@ -231,12 +243,31 @@ class SidecarConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be > 0")
         if self.block_size is not None and not 1 <= self.block_size <= 4096:
             raise ValueError(f"--block-size must be in [1, 4096], got {self.block_size}")
+        self._check_event_ranks()
         if self.load_endpoint is not None and self.engine is not EngineKind.SGLANG:
             raise ValueError("--load-endpoint is SGLang's load socket; --engine is not sglang")
         LoraAdapter.check_unique(self.lora_adapters)
         self._check_tiers()
         self._check_handoff()
         self._check_events_via()
+
+    def _check_event_ranks(self) -> None:
+        if self.kv_events_ranks < 1:
+            raise ValueError(f"--kv-events-ranks must be >= 1, got {self.kv_events_ranks}")
+        if self.kv_events_ranks > 1 and not self.kv_events_endpoint:
+            raise ValueError("--kv-events-ranks > 1 needs --kv-events-endpoint (rank 0's)")
+        self.event_endpoints()  # every rank's address exists (a port past 65535 does not)
+
+    def event_endpoints(self) -> tuple[EventEndpoint, ...]:
+        """Every rank's KV event endpoints from the flags (none: the adapter discovers)."""
+        endpoint = self.kv_events_endpoint
+        if not endpoint:
+            return ()
+        if is_zmq_address(endpoint):
+            return rank_endpoints(endpoint, self.kv_events_replay_endpoint, self.kv_events_ranks)
+        # an engine's URL (TensorRT-LLM's poll): one answer holds every rank's events
+        return tuple(EventEndpoint(r, endpoint, self.kv_events_replay_endpoint)
+                     for r in range(self.kv_events_ranks))
 
     def _check_tiers(self) -> None:
         if self.store_capacity_bytes < 0:

@@ -34,12 +34,13 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from adapters.vllm.block_hash import VllmHashAlgo
 from adapters.vllm.republish import CANONICAL, VllmEventWriter
 from adapters.vllm.wire import VlEvent, encode_batch
+from adapters.zmq_events.endpoints import rank_address
 from adapters.zmq_events.framing import END_SEQ, seq_frame
 from kvcore.events import KVEvent
 from kvcore.options import option
 from sidecar.event_stream import EventStream
 
-__all__ = ["PUBLISH_HASHES", "ZmqPublishConfig", "ZmqRepublisher", "rank_endpoint"]
+__all__ = ["PUBLISH_HASHES", "ZmqPublishConfig", "ZmqRepublisher"]
 
 log = structlog.get_logger(component="zmq_publisher")
 
@@ -95,14 +96,6 @@ class ZmqPublishConfig:
                              f"got {self.hash_algo!r}")
         if self.buffer_steps < 1:
             raise ValueError("--publish-zmq-buffer-steps must be >= 1")
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """``endpoint`` with its port moved up by ``rank`` (a wildcard port stays one)."""
-    head, sep, port = endpoint.rpartition(":")
-    if rank == 0 or not sep or not port.isdigit():
-        return endpoint
-    return f"{head}:{int(port) + rank}"
 
 
 class _Rank:
@@ -197,12 +190,12 @@ class ZmqRepublisher:
                     cfg.topic.encode("utf-8"),
                     cfg.buffer_steps,
                 )
-                pub.bind(rank_endpoint(cfg.endpoint, rank))
+                pub.bind(rank_address(cfg.endpoint, rank))
                 bound_replay = None
                 if cfg.replay_endpoint is not None:
                     r.replay = self._actx.socket(zmq.ROUTER)
                     r.replay.setsockopt(zmq.LINGER, 0)
-                    r.replay.bind(rank_endpoint(cfg.replay_endpoint, rank))
+                    r.replay.bind(rank_address(cfg.replay_endpoint, rank))
                     bound_replay = _last_endpoint(r.replay)
                 self.endpoints[worker_id] = {
                     "endpoint": _last_endpoint(pub),

@@ -1,11 +1,19 @@
 """``TrtllmAdapter``: the ``EngineAdapter`` for one TensorRT-LLM server (or in-process LLM).
 
 ``trtllm-serve`` has no discovery endpoint for KV events: the block size
-(``tokens_per_block``) must be given, and the events come from ``POST /kv_cache_events`` at
-``engine_url`` (or ``endpoints[0].endpoint`` when given). With attention DP the envelopes of
-every rank arrive in one answer, each tagged ``attention_dp_rank``; each rank becomes one
-canonical worker. ``dp_size`` (how many ranks to expect) is the number of configured
-endpoints, or 1; an envelope from a rank beyond it is a malformed event.
+(``tokens_per_block``) must be given, and where the events come from is read off the
+configured endpoints:
+
+* **HTTP poll** (an ``http(s)://`` endpoint, or none: ``engine_url``): ``POST
+  /kv_cache_events`` drains the engine's buffered events. With attention DP the envelopes of
+  every rank arrive in one answer, each tagged ``attention_dp_rank``; an envelope from a rank
+  beyond the configured endpoints is a malformed event.
+* **ZMQ push** (``tcp://``, ``ipc://`` or ``inproc://`` endpoints, one per rank: TensorRT-LLM
+  1.4's ``kv_cache_config.kv_events_config``): each rank's publisher is subscribed to with
+  the shared ZMQ shell (``adapters.zmq_events``: sequence numbers, replay, gaps, restarts)
+  and its batches decoded by ``adapters.trtllm.push``.
+
+Either way each rank becomes one canonical worker; ``dp_size`` is the number of endpoints.
 
 trtllm-serve's OpenAI routes take no target rank (the LLM API's
 ``SchedulingParams(attention_dp_rank=..., attention_dp_relax=False)`` has no HTTP field), so a
@@ -23,6 +31,7 @@ from typing import Any
 
 import msgspec
 import structlog
+import zmq.asyncio
 
 from adapters.base import (
     AdapterConfig,
@@ -40,6 +49,7 @@ from adapters.normalize_metrics import AdapterMetrics
 from adapters.shell import AdapterShell
 from adapters.trtllm.core import Prepared, TrtRankCore, token_ids
 from adapters.trtllm.pd import TrtllmPrefillDecode
+from adapters.trtllm.push import TrtPushRankNormalizer
 from adapters.trtllm.requests import TrtllmResponseTranslator, to_completions_request
 from adapters.trtllm.sources import HttpEventSource, LlmApiEventSource
 from adapters.trtllm.wire import (
@@ -50,6 +60,8 @@ from adapters.trtllm.wire import (
     decode_envelopes,
     envelopes_from_objects,
 )
+from adapters.zmq_events.endpoints import is_zmq_address
+from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.events import KVEvent
 from kvcore.hashing import BlockHasher
 from kvcore.layout import BlockLayout, LayoutKind
@@ -169,6 +181,7 @@ class TrtllmAdapter(AdapterShell):
         metrics: AdapterMetrics | None = None,
         llm: Any = None,
         environ: dict[str, str] | None = None,
+        idle_probe_s: float = 1.0,
     ) -> None:
         if config.engine is not EngineKind.TRTLLM:
             raise ValueError(f"TrtllmAdapter got a config for {config.engine.value}")
@@ -179,8 +192,11 @@ class TrtllmAdapter(AdapterShell):
         self.metrics = metrics if metrics is not None else AdapterMetrics("trtllm")
         self._llm = llm
         super().__init__(config.queue_size)
-        self.normalizer: TrtllmNormalizer | None = None
+        self._idle_probe_s = idle_probe_s
+        self.normalizer: TrtllmNormalizer | None = None  # the HTTP poll's and the LLM API's
         self.source: HttpEventSource | LlmApiEventSource | None = None
+        self._ctx: zmq.asyncio.Context | None = None  # ZMQ push
+        self.subscribers: list[RankSubscriber] = []
 
     async def start(self) -> EngineInfo:
         cfg = self.config
@@ -191,6 +207,16 @@ class TrtllmAdapter(AdapterShell):
             )
         endpoints = cfg.endpoints or (EventEndpoint(0, cfg.engine_url),)
         dp_size = len(endpoints)
+        pushed = [is_zmq_address(ep.endpoint) for ep in endpoints]
+        if any(pushed):
+            if not all(pushed) or self._llm is not None:
+                raise AdapterError(
+                    "TensorRT-LLM's KV events come either pushed over ZMQ (tcp://, ipc:// or "
+                    "inproc:// endpoints, one per rank) or polled (its HTTP URL, or the "
+                    "in-process LLM API), not both: got "
+                    + ", ".join(ep.endpoint for ep in endpoints)
+                )
+            return self._start_push(endpoints, cfg.block_size)
         norm = TrtllmNormalizer(
             cfg.worker_id,
             cfg.model_id,
@@ -236,6 +262,41 @@ class TrtllmAdapter(AdapterShell):
             block_size=cfg.block_size,
         )
         return self._info
+
+    def _start_push(self, endpoints: tuple[EventEndpoint, ...], block_size: int) -> EngineInfo:
+        """Subscribe to every rank's ZMQ publisher (TensorRT-LLM 1.4's pushed events)."""
+        cfg = self.config
+        metrics = self.metrics
+        self._ctx = zmq.asyncio.Context()
+        self.subscribers = subscribe_ranks(
+            cfg, endpoints, block_size, self._ctx, self._stream.put, metrics,
+            lambda norm: TrtPushRankNormalizer(norm, metrics, cfg.lora_names),
+            idle_probe_s=self._idle_probe_s,
+        )
+        worker_ids = tuple(sub.worker_id for sub in self.subscribers)
+        self._info = EngineInfo(
+            kind=self.kind,
+            block_size=block_size,
+            dp_size=len(endpoints),
+            endpoints=tuple(endpoints),
+            worker_ids=worker_ids,
+            model_path=cfg.model_path,
+        )
+        self._stream.start([sub.run for sub in self.subscribers])
+        log.info(
+            "engine_adapter_started",
+            engine=self.kind.value,
+            worker_ids=list(worker_ids),
+            block_size=block_size,
+            events="zmq",
+        )
+        return self._info
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.destroy(linger=0)
 
     async def kv_capacity_blocks(self) -> int | None:
         return None  # trtllm-serve does not publish its KV capacity

@@ -112,8 +112,13 @@ def encode_batch(ts: float, events: list[VlEvent], rank: int | None) -> bytes:
     return _batch_encoder.encode(Batch(ts, events, rank))
 
 
-def decode_batch_lenient(payload: bytes) -> tuple[float, list[VlEvent | BadEvent], int | None]:
-    """Event-by-event decode; raises ``FrameError`` only if the payload is not a batch."""
+def decode_batch_lenient(
+    payload: bytes, event_type: Any = VlEvent
+) -> tuple[float, list[VlEvent | BadEvent], int | None]:
+    """Event-by-event decode; raises ``FrameError`` only if the payload is not a batch.
+
+    ``event_type``: what each event converts to (a union of ``VlEvent``'s types or of their
+    subclasses: TensorRT-LLM's, ``adapters.trtllm.push``)."""
     try:
         raw = _any_decoder.decode(payload)
         ts, items, rank = _batch_parts(raw)
@@ -122,7 +127,7 @@ def decode_batch_lenient(payload: bytes) -> tuple[float, list[VlEvent | BadEvent
             f"payload of {len(payload)} bytes is not a vLLM event batch: {exc} "
             f"(head: {payload[:_HEAD].hex()})"
         ) from exc
-    return ts, [_event(item) for item in items], rank
+    return ts, [_event(item, event_type) for item in items], rank
 
 
 def _batch_parts(raw: Any) -> tuple[float, list[Any], int | None]:
@@ -138,7 +143,7 @@ def _batch_parts(raw: Any) -> tuple[float, list[Any], int | None]:
     return float(ts), items, rank
 
 
-def _event(item: Any) -> VlEvent | BadEvent:
+def _event(item: Any, event_type: Any) -> VlEvent | BadEvent:
     if isinstance(item, list) and item and isinstance(item[0], str):
         fields = _ARRAY_FIELDS.get(item[0])
         if fields is None or len(item) - 1 > len(fields):
@@ -147,7 +152,7 @@ def _event(item: Any) -> VlEvent | BadEvent:
     try:
         if isinstance(item, dict):
             item = _int_hashes(item)
-        event: VlEvent = msgspec.convert(item, VlEvent)
+        event: VlEvent = msgspec.convert(item, event_type)
     except (msgspec.ValidationError, TypeError, ValueError) as exc:
         return BadEvent(str(exc), item)
     return event

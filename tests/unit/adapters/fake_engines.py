@@ -60,7 +60,10 @@ class FakeSGLangPublisher:
 
     clears_on_start = True  # SGLang's radix cache reset at start-up is published
 
-    def __init__(self, block_size: int, topic: bytes = b"") -> None:
+    def __init__(
+        self, block_size: int, topic: bytes = b"",
+        bind: tuple[str, str] = ("tcp://127.0.0.1:*", "tcp://127.0.0.1:*"),
+    ) -> None:
         self.block_size = block_size
         self.topic = topic
         self.ctx = zmq.asyncio.Context()
@@ -68,7 +71,11 @@ class FakeSGLangPublisher:
         self._seq = 0
         self._buffer: list[tuple[int, bytes]] = []
         self._drop_next = 0
-        self._bind("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+        try:
+            self._bind(*bind)
+        except zmq.ZMQError:
+            self.ctx.term()
+            raise
 
     def _bind(self, pub_endpoint: str, replay_endpoint: str) -> None:
         pub = self.ctx.socket(zmq.PUB)
@@ -217,6 +224,14 @@ class FakeVllmPublisher(FakeSGLangPublisher):
         if salt is not None:  # the salt goes into a prompt's first block's hash only
             event["extra_keys"] = [[salt], *[None] * (len(hashes) - 1)]
         return event
+
+
+class FakeTrtllmPublisher(FakeSGLangPublisher):
+    """One rank of TensorRT-LLM 1.4's ``ZmqEventPublisher`` on loopback: its replay names the
+    topic (``[b"", topic, seq, payload]``), as SGLang's does; a fresh engine says nothing.
+    Its batches are the fixtures' (``publish_raw``)."""
+
+    clears_on_start = False
 
 
 class FakeTrtllmServer:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from adapters.zmq_events.endpoints import rank_address as rank_endpoint
 from sidecar.config import ENGINE_API_KEY_ENV, SidecarConfig
-from sidecar.zmq_publisher import rank_endpoint
 
 BASE = ["--engine-url", "http://127.0.0.1:30000", "--worker-id", "r0"]
 
@@ -99,4 +99,26 @@ def test_each_rank_publishes_on_its_own_port() -> None:
     assert rank_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
     assert rank_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
     assert rank_endpoint("tcp://127.0.0.1:*", 3) == "tcp://127.0.0.1:*"
-    assert rank_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv"
+    # ipc: the publishers' _dp<r> suffix (one path cannot be bound twice)
+    assert rank_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+
+
+def test_kv_event_ranks_name_every_ranks_endpoints() -> None:
+    """``--kv-events-ranks``: rank r's ZMQ endpoints at the base ports plus r; a polled
+    TensorRT-LLM URL stands for every rank; more than one rank needs an endpoint."""
+    from adapters.base import EventEndpoint
+
+    cfg = SidecarConfig(engine="trtllm", engine_url="http://e:8000",
+                        kv_events_endpoint="tcp://e:5557",
+                        kv_events_replay_endpoint="tcp://e:5600", kv_events_ranks=2)
+    assert cfg.event_endpoints() == (EventEndpoint(0, "tcp://e:5557", "tcp://e:5600"),
+                                     EventEndpoint(1, "tcp://e:5558", "tcp://e:5601"))
+    polled = SidecarConfig(engine="trtllm", engine_url="http://e:8000",
+                           kv_events_endpoint="http://e:8000", kv_events_ranks=2)
+    assert [ep.endpoint for ep in polled.event_endpoints()] == ["http://e:8000"] * 2
+    assert SidecarConfig(engine_url="http://e:8000").event_endpoints() == ()
+    with pytest.raises(ValueError, match="needs --kv-events-endpoint"):
+        SidecarConfig(engine_url="http://e:8000", kv_events_ranks=2)
+    with pytest.raises(ValueError, match="past port"):
+        SidecarConfig(engine_url="http://e:8000", kv_events_endpoint="tcp://e:65535",
+                      kv_events_ranks=2)

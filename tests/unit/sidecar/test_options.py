@@ -24,7 +24,8 @@ NESTED = {"zmq_publish": ZmqPublishConfig}  # fields whose options are another c
 EVERY = ["--engine", "trtllm", "--engine-url", URL + "/", "--model-id", "m",
          "--model-path", "/models/m", "--block-size", "32", "--kv-events-endpoint",
          "tcp://127.0.0.1:5557", "--kv-events-replay-endpoint", "tcp://127.0.0.1:5558",
-         "--lora-adapter", "ad=1:/ckpt/ad", "--control-token-file", "TOKEN",
+         "--kv-events-ranks", "2", "--lora-adapter", "ad=1:/ckpt/ad",
+         "--control-token-file", "TOKEN",
          "--engine-api-key-file", "KEY", "--worker-id", "w1", "--role", "decode",
          "--host", "0.0.0.0", "--port", "9000", "--replay-buffer-events", "10",
          "--subscriber-queue-frames", "20", "--load-report-interval-s", "1.5",
@@ -48,7 +49,7 @@ def _full(tmp_path: Path) -> SidecarConfig:
     return SidecarConfig(
         engine=EngineKind.TRTLLM, engine_url=URL, model_id="m", model_path="/models/m",
         block_size=32, kv_events_endpoint="tcp://127.0.0.1:5557",
-        kv_events_replay_endpoint="tcp://127.0.0.1:5558",
+        kv_events_replay_endpoint="tcp://127.0.0.1:5558", kv_events_ranks=2,
         lora_adapters=(LoraAdapter.parse("ad=1:/ckpt/ad"),),
         control_token_file=str(tmp_path / "token"), engine_api_key_file=str(tmp_path / "key"),
         worker_id="w1", role="decode", host="0.0.0.0", port=9000, replay_buffer_events=10,
