@@ -84,11 +84,14 @@ def _loaded_after_import(module: str) -> set[str]:
         ("sidecar.__main__", HEAVY - {"posix_ipc"} | {"routing", "refengine", "replay"}),
         ("kvcore.wire", HEAVY | set(OURS) - {"kvcore"}),
         ("kvsidecar.__main__", HEAVY | set(OURS) - {"kvcore", "kvsidecar"}),
+        ("refengine.launcher", HEAVY | set(OURS) - {"kvcore", "refengine"}),
     ],
 )
 def test_entry_points_load_only_their_own(entry: str, forbidden: set[str]) -> None:
     """The gateway's and the sidecar's real entry points load no engine, no torch and no
-    package of ours above their own; the CLI loads only the subcommand it runs."""
+    package of ours above their own; the CLI loads only the subcommand it runs; the reference
+    engine loads torch only to compute with it (``--compute torch``, or a host tier), not to
+    simulate."""
     loaded = _loaded_after_import(entry)
     assert not loaded & forbidden, sorted(loaded & forbidden)
 
