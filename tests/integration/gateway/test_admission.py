@@ -9,9 +9,12 @@ import re
 from collections import Counter
 
 import orjson
+import pytest
 
 from tests.support import gateway_http as h
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
 
 BUSY = ("--router-mode", "least-loaded", "--max-in-flight-per-worker", "1")
 
