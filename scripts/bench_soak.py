@@ -106,12 +106,16 @@ class Fleet:
                 "--drain-timeout-s", "60", "--upstream-timeout-s", "30",
                 "--health-check-interval-s", "0.5", "--seed", str(g), "--log-level", "warning",
                 *flags]))
-        for group in (self.engines, self.sidecars, self.gateways):
-            for slot in group:
-                self.start(slot)
-            for slot in group:
-                assert slot.proc is not None
-                slot.proc.wait_ready(120)
+        try:
+            for group in (self.engines, self.sidecars, self.gateways):
+                for slot in group:
+                    self.start(slot)
+                for slot in group:
+                    assert slot.proc is not None
+                    slot.proc.wait_ready(120)
+        except BaseException:
+            self.stop()  # what did start, NATS too: nothing outlives a fleet that failed
+            raise
 
     @property
     def gateway_urls(self) -> list[str]:
