@@ -8,8 +8,9 @@ Modules, one concept each:
 * ``tokenizer`` — tokenizer and chat template from a model directory;
 * ``kv_pool`` / ``prefix_cache`` — page allocator, KV storage and the hash-chain prefix cache;
 * ``scheduler`` — pure admission, chunked prefill and decode batching;
-* ``executor`` / ``timing`` — torch compute and the simulated timing model;
-* ``host_tier`` — the HiCache-shaped page-store hook and an in-process store;
+* ``executor`` / ``timing`` — the simulated compute and its timing model (no torch);
+* ``torch_compute`` — the torch KV pool and executor (loaded by ``--compute torch`` only);
+* ``host_tier`` / ``tiering`` — the HiCache-shaped page-store hook and the engine's use of it;
 * ``kv_events`` — SGLang's ZMQ PUB + ROUTER replay publisher;
 * ``engine`` — the async loop tying them together; ``server`` / ``openai_api`` — HTTP.
 """

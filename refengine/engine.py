@@ -13,24 +13,25 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
-import torch
 
 from refengine.config import Compute, DisaggMode, EngineConfig
-from refengine.executor import Executor, SimExecutor, TorchExecutor
-from refengine.host_tier import HostKVPool, StorageConfig, create_page_store
+from refengine.executor import Executor, SimExecutor
 from refengine.kv_events import EventRecorder
-from refengine.kv_pool import PageAllocator, SimKVStore, TorchKVStore
-from refengine.model import LlamaModel
+from refengine.kv_pool import KVStore, PageAllocator, SimKVStore
+from refengine.page_hash import extend_storage_keys
 from refengine.prefix_cache import PrefixCache
 from refengine.presets import ModelConfig
 from refengine.publisher import KVEventPublisher
 from refengine.request import FinishReason, Phase, Request
 from refengine.scheduler import Scheduler, StepKind
-from refengine.tiering import HostTier, extend_storage_keys
 from refengine.tokenizer import ChatTokenizer
+
+if TYPE_CHECKING:
+    from refengine.model import LlamaModel
+    from refengine.tiering import HostTier
 
 __all__ = ["HEALTH_CHECK_PREFIX", "Engine", "EngineStats"]
 
@@ -82,12 +83,18 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, cfg.chunked_prefill_size, cfg.max_running_requests, tokenizer.eos_token_id
         )
+        # torch loads here, for a torch engine or a host tier only: a simulated engine
+        # without one never imports it (seconds at every start)
         self.executor: Executor
+        kv_store: KVStore
         if cfg.compute is Compute.TORCH:
+            from refengine.model import LlamaModel  # noqa: PLC0415 - see above
+            from refengine.torch_compute import TorchExecutor, TorchKVStore  # noqa: PLC0415
+
             torch_kv = TorchKVStore(model_cfg, cfg.num_pages, cfg.page_size)
             self.model = model or LlamaModel(model_cfg)
             self.executor = TorchExecutor(self.model, torch_kv, tokenizer.vocab_size)
-            kv_store: TorchKVStore | SimKVStore = torch_kv
+            kv_store = torch_kv
         else:
             kv_store = SimKVStore(model_cfg, cfg.num_pages, cfg.page_size)
             bare, spaced = tokenizer.word_token_ids()
@@ -98,6 +105,13 @@ class Engine:
         self.kv_store = kv_store
         self.host: HostTier | None = None
         if cfg.page_store:
+            from refengine.host_tier import (  # noqa: PLC0415 - see above
+                HostKVPool,
+                StorageConfig,
+                create_page_store,
+            )
+            from refengine.tiering import HostTier  # noqa: PLC0415
+
             storage_cfg = StorageConfig(
                 model_name=f"{cfg.model_name}-{model_cfg.seed}",
                 extra_config=dict(cfg.hicache_extra_config),
@@ -380,4 +394,6 @@ class Engine:
 
 def set_torch_threads(n: int | None) -> None:
     if n:
+        import torch  # noqa: PLC0415 - only where asked to (a simulated engine needs none)
+
         torch.set_num_threads(n)

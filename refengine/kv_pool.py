@@ -1,24 +1,26 @@
 """The device KV pool: a fixed set of pages and the bytes behind them.
 
 ``PageAllocator`` hands out page ids (``--max-total-tokens // --page-size`` of them) and
-takes them back; it knows nothing about prefixes. A *KV store* holds the bytes:
-``TorchKVStore`` keeps per-layer K and V tensors of ``[slots, kv_heads, head_dim]`` for the
-torch model (slot = ``page * page_size + offset``); ``SimKVStore`` keeps nothing and hands out
-placeholder pages of the configured byte size, for simulated compute. Both move whole pages
-to and from flat tensors in one fixed layout (``[2 (K,V), layers, page_size, kv_heads,
-head_dim]``), which is what the host tier and page export see.
+takes them back; it knows nothing about prefixes. A *KV store* (:class:`KVStore`) holds the
+bytes: ``TorchKVStore`` (:mod:`refengine.torch_compute`) keeps per-layer K and V tensors of
+``[slots, kv_heads, head_dim]`` for the torch model (slot = ``page * page_size + offset``);
+``SimKVStore`` keeps nothing and hands out placeholder pages of the configured byte size, for
+simulated compute. Both move whole pages to and from flat tensors in one fixed layout (``[2
+(K,V), layers, page_size, kv_heads, head_dim]``), which is what the host tier and page export
+see. This module loads no torch until a page is moved (:func:`torch_dtype`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from refengine.presets import ModelConfig
 
-__all__ = ["KVStore", "PageAllocator", "SimKVStore", "TorchKVStore"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["KVStore", "PageAllocator", "SimKVStore", "torch_dtype"]
 
 
 class PageAllocator:
@@ -56,7 +58,9 @@ class KVStore(Protocol):
 
     page_size: int
     page_numel: int
-    dtype: torch.dtype
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
     def read_pages(self, pages: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """``[n, page_numel]`` copy of the pages' KV in the fixed page layout (into ``out``
@@ -68,40 +72,15 @@ class KVStore(Protocol):
         ...
 
 
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a ``ModelConfig.torch_dtype`` name.
 
-
-class TorchKVStore:
-    """One pre-faulted tensor ``[pages, 2 (K,V), layers, page_size, kv_heads, head_dim]``: a
-    page's KV is contiguous, so exporting or importing pages is a single gather or scatter.
-    The model sees per-layer views ``[pages, page_size, kv_heads, head_dim]`` (``k_cache[l]``,
-    ``v_cache[l]``) and addresses token slot ``s`` as ``[s // page_size, s % page_size]``.
+    torch is imported here, on first use, not with the module: a simulated engine that moves
+    no pages (no host tier) never loads it, which saves seconds at every start.
     """
+    import torch  # noqa: PLC0415 - see above
 
-    def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int) -> None:
-        self.page_size = page_size
-        self.dtype = _TORCH_DTYPES[cfg.torch_dtype]
-        self.layers = cfg.num_hidden_layers
-        self.kv_heads, self.head_dim = cfg.num_key_value_heads, cfg.head_dim
-        shape = (num_pages, 2, self.layers, page_size, self.kv_heads, self.head_dim)
-        # zeros() touches every page now, so the first requests do not pay for page faults.
-        self.kv = torch.zeros(shape, dtype=self.dtype)
-        self.k_cache = [self.kv[:, 0, layer] for layer in range(self.layers)]
-        self.v_cache = [self.kv[:, 1, layer] for layer in range(self.layers)]
-        self.page_numel = 2 * self.layers * page_size * self.kv_heads * self.head_dim
-
-    def _flat(self) -> torch.Tensor:
-        return self.kv.view(self.kv.shape[0], self.page_numel)
-
-    def read_pages(self, pages: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        idx = torch.tensor(pages, dtype=torch.long)
-        if out is None:
-            return self._flat().index_select(0, idx)
-        return torch.index_select(self._flat(), 0, idx, out=out)  # straight into ``out``
-
-    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        idx = torch.tensor(pages, dtype=torch.long)
-        self._flat().index_copy_(0, idx, data.reshape(len(pages), self.page_numel).to(self.dtype))
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 class SimKVStore:
@@ -111,12 +90,18 @@ class SimKVStore:
 
     def __init__(self, cfg: ModelConfig, num_pages: int, page_size: int) -> None:
         self.page_size = page_size
-        self.dtype = _TORCH_DTYPES[cfg.torch_dtype]
+        self._dtype = cfg.torch_dtype
         self.page_numel = (
             2 * cfg.num_hidden_layers * page_size * cfg.num_key_value_heads * cfg.head_dim
         )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self._dtype)
+
     def read_pages(self, pages: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch  # noqa: PLC0415 - only a host tier moves pages; it has loaded torch
+
         if out is None:
             out = torch.empty((len(pages), self.page_numel), dtype=self.dtype)
         out.zero_()

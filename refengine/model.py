@@ -2,7 +2,7 @@
 
 Weights come from a fixed seed (``ModelConfig.seed``), so every process with the same config
 holds the same model and greedy decoding is reproducible across processes. The model reads
-and writes K/V in a paged pool owned by :class:`refengine.kv_pool.TorchKVStore`: token slot
+and writes K/V in a paged pool owned by :class:`refengine.torch_compute.TorchKVStore`: token slot
 ``page * page_size + offset`` of per-layer ``[pages, page_size, kv_heads, head_dim]`` views.
 """
 

@@ -12,6 +12,8 @@ Two seeds exist for salted requests and they differ on purpose, as in SGLang:
 * events: ``SHA-256(b"sglang-cache-salt-v1\\0" + salt)`` (:func:`event_salt_seed`);
 * storage keys: ``SHA-256("sglang-cache-namespace-v1", presence/length-prefixed extra_key and
   salt)`` (:func:`storage_namespace_seed`).
+
+A request's storage keys are its chain of page digests (:func:`extend_storage_keys`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,14 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refengine.request import Request
 
 __all__ = [
     "event_salt_seed",
+    "extend_storage_keys",
     "hash_str_to_int64",
     "page_digests",
     "storage_namespace_seed",
@@ -82,3 +89,24 @@ def storage_namespace_seed(extra_key: str | None, cache_salt: str | None) -> byt
         encoded = part.encode("utf-8")
         digest.update(b"\x01" + len(encoded).to_bytes(8, "little") + encoded)
     return digest.digest()
+
+
+def extend_storage_keys(req: Request, upto_pages: int, page_size: int) -> list[str]:
+    """The request's HiCache keys for its first ``upto_pages`` full pages (computed lazily).
+
+    Unsalted requests reuse the event digests (the two chains coincide, as in SGLang); salted
+    ones hash a separate chain seeded by ``storage_namespace_seed``.
+    """
+    have = len(req.storage_keys)
+    if upto_pages > have:
+        if req.cache_salt is None and len(req.digests) >= upto_pages:
+            req.storage_keys.extend(d.hex() for d in req.digests[have:upto_pages])
+        else:
+            tokens = req.all_tokens()[have * page_size : upto_pages * page_size]
+            prior = (
+                bytes.fromhex(req.storage_keys[-1])
+                if have
+                else storage_namespace_seed(None, req.cache_salt)
+            )
+            req.storage_keys.extend(d.hex() for d in page_digests(tokens, page_size, prior))
+    return req.storage_keys[:upto_pages]

@@ -31,9 +31,9 @@ from refengine.http_common import (
     read_json,
     run_stream,
 )
+from refengine.page_hash import extend_storage_keys
 from refengine.protocol import BadRequest, GenerateInput, meta_info, parse_generate
 from refengine.request import Request, SamplingParams
-from refengine.tiering import extend_storage_keys
 
 __all__ = ["build_app"]
 

@@ -10,31 +10,8 @@ from __future__ import annotations
 
 from refengine.host_tier import STORAGE_BATCH_SIZE, HostKVPool, PageStore, StorageExtraInfo
 from refengine.kv_pool import KVStore
-from refengine.page_hash import page_digests, storage_namespace_seed
-from refengine.request import Request
 
-__all__ = ["HostTier", "extend_storage_keys"]
-
-
-def extend_storage_keys(req: Request, upto_pages: int, page_size: int) -> list[str]:
-    """The request's HiCache keys for its first ``upto_pages`` full pages (computed lazily).
-
-    Unsalted requests reuse the event digests (the two chains coincide, as in SGLang); salted
-    ones hash a separate chain seeded by ``storage_namespace_seed``.
-    """
-    have = len(req.storage_keys)
-    if upto_pages > have:
-        if req.cache_salt is None and len(req.digests) >= upto_pages:
-            req.storage_keys.extend(d.hex() for d in req.digests[have:upto_pages])
-        else:
-            tokens = req.all_tokens()[have * page_size : upto_pages * page_size]
-            prior = (
-                bytes.fromhex(req.storage_keys[-1])
-                if have
-                else storage_namespace_seed(None, req.cache_salt)
-            )
-            req.storage_keys.extend(d.hex() for d in page_digests(tokens, page_size, prior))
-    return req.storage_keys[:upto_pages]
+__all__ = ["HostTier"]
 
 
 class HostTier:

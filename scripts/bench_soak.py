@@ -16,7 +16,8 @@ The faults, at fractions of the run (each process restarted ``--down-s`` later):
 engine 0 SIGKILLed at 0.2 (its streams migrate), sidecar 1 SIGKILLed at 0.4 (its streams
 migrate), gateway 0 stopped with SIGTERM at 0.6 (a rolling restart: it drains its streams).
 *Before* is the run up to the first fault, *during* up to ``--settle-s`` after the last
-restart, *after* the rest.
+restart, *after* the rest. Where the restarts run late (a slow or busy machine), the run goes
+on past ``--duration-s`` until *after* has had a fifth of it, so no phase is ever empty.
 
 A request is *ok* when its stream ends with ``[DONE]``, *refused* when a gateway answered an
 error status (429/503 under overload: a clear answer, not a loss), *lost* when its stream was
@@ -121,6 +122,7 @@ class Run:
     faults: list[tuple[float, str]] = field(default_factory=list)
     first_fault: float = float("inf")
     recovered: float = float("inf")
+    ended: float = float("inf")  # when the clients were told to stop
     rss_before: dict[str, float] = field(default_factory=dict)
     rss_samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
     stop: bool = False
@@ -272,9 +274,11 @@ async def soak(fleet: Fleet, args: argparse.Namespace) -> tuple[Run, dict[str, f
         clients = [asyncio.create_task(_client(i, urls, args, systems, run, session))
                    for i in range(args.streams)]
         await asyncio.sleep(args.duration_s)
-        run.stop = True
-        await asyncio.gather(*clients)
         await faults
+        await asyncio.sleep(max(0.0, run.recovered + args.duration_s / 5 - run.now()))
+        run.stop = True
+        run.ended = run.now()
+        await asyncio.gather(*clients)
         sampler.cancel()
         counts = {name: sum([await _metric(session, url, f"kvsidecar_gateway_{name}_total")
                              for url in urls]) for name in ("migrations", "streams_lost")}
@@ -288,7 +292,7 @@ def _quantile(xs: list[float], q: float) -> float:
 
 def report(run: Run, counts: dict[str, float], rss_after: dict[str, float],
            args: argparse.Namespace) -> Report:
-    print(f"\n{args.streams} streams for {args.duration_s:.0f} s through 2 gateways "
+    print(f"\n{args.streams} streams for {run.ended:.0f} s through 2 gateways "
           f"(--migration-limit {args.migration_limit}), {args.engines} simulated engines\n")
     for t, what in run.faults:
         print(f"  {t:6.1f} s  {what}")
@@ -319,7 +323,7 @@ def report(run: Run, counts: dict[str, float], rss_after: dict[str, float],
                      "gateway_streams_lost": counts["streams_lost"]})
     # Growth over the last third of the run tells a leak (still growing) from caches and
     # allocator arenas that filled up under the faults' extra load (flat by then).
-    late = [sizes for t, sizes in run.rss_samples if t >= args.duration_s * 2 / 3]
+    late = [sizes for t, sizes in run.rss_samples if t >= run.ended * 2 / 3]
     print("\n| process (never restarted) | RSS before MiB | RSS end MiB | growth | growth in "
           "the last third |")
     print("|---|---:|---:|---:|---:|")

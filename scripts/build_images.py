@@ -17,10 +17,12 @@ Roles (images):
   ``kvsidecar-trtllm:1.1.0``, our HiCache backend and KV connector installed into the official
   engine images (``--engine-image`` overrides which).
 
-Every image carries a label with a hash of its inputs (Containerfile, the source it copies,
-build arguments, its parent image); an image whose label matches is not rebuilt, and the base
-root filesystem is kept as a tarball in the cache directory, so re-running is quick. ``--force``
-rebuilds.
+Every image carries a label with a hash of its inputs: the instructions of the Containerfile
+stages it is built from, the files those stages COPY (read off the COPY lines, so a change to
+the docs, the tests or the scripts rebuilds nothing, and the engine's own stage does not
+rebuild the slim image), build arguments and its parent image. An image whose label matches is
+not rebuilt, and the base root filesystem is kept as a tarball in the cache directory, so
+re-running is quick. ``--force`` rebuilds.
 
 ``--host-pip`` builds with the host network and this machine's pip settings (the CA bundle,
 find-links directories and ``file://`` indexes ``pip config list`` shows, bind-mounted at the
@@ -54,9 +56,6 @@ DEBOOTSTRAP = {
     # libatomic1: the block store's compare-and-swap (shm/_atomic.py)
     "include": ["python3", "python3-venv", "ca-certificates", "libatomic1"],
 }
-# The paths the Containerfiles COPY: their content is part of each image's input hash.
-SOURCES = ["pyproject.toml", "README.md", "compose/images/requirements.py", "kvcore",
-           "kvsidecar", "adapters", "routing", "sidecar", "shm", "refengine", "replay"]
 ENGINE_IMAGES = {"sglang": "lmsysorg/sglang:v0.5.23",
                  "trtllm": "nvcr.io/nvidia/tensorrt-llm/release:1.1.0"}
 PLUGIN_TAGS = {"sglang": "kvsidecar-sglang:v0.5.23", "trtllm": "kvsidecar-trtllm:1.1.0"}
@@ -94,6 +93,36 @@ def image_label(image: str) -> str:
 
 def image_id(image: str) -> str:
     return podman("image", "inspect", "--format", "{{.Id}}", image)
+
+
+def stage_inputs(containerfile: Path, target: str = "") -> tuple[list[str], list[str]]:
+    """The instructions of the stages ``target`` (default: the last stage) is built from, and
+    the build-context paths their COPY lines name: what goes into that image."""
+    stages: dict[str, tuple[str, list[str]]] = {}  # name → (what it is FROM, instructions)
+    current = ""
+    joined = containerfile.read_text().replace("\\\n", " ")
+    for line in (ln.strip() for ln in joined.splitlines()):
+        if not line or line.startswith("#"):
+            continue
+        word, _, rest = line.partition(" ")
+        if word.upper() == "FROM":
+            parent, _, name = rest.partition(" AS ")
+            current = name.strip() or f"stage-{len(stages)}"
+            stages[current] = (parent.strip(), [])
+        if current:  # ARGs before the first FROM only name build arguments, hashed apart
+            stages[current][1].append(" ".join(line.split()))
+    instructions: list[str] = []
+    copied: list[str] = []
+    stage: str | None = target or current
+    while stage in stages:
+        parent, lines = stages[stage]
+        instructions[:0] = lines
+        for line in lines:
+            words = line.split()
+            if words[0].upper() == "COPY" and not any(w.startswith("--from") for w in words):
+                copied += [w for w in words[1:-1] if not w.startswith("--")]
+        stage = parent
+    return instructions, sorted(set(copied))
 
 
 def hash_inputs(paths: Iterable[Path], extra: object) -> str:
@@ -202,8 +231,9 @@ class Builder:
         pip_args = " ".join(self.host.pip_args) if self.host else ""
         if pip_args:
             args = {"PIP_ARGS": pip_args, **args}
-        key = hash_inputs([IMAGES / containerfile, *(ROOT / s for s in SOURCES)],
-                          {"args": args, "parent": parent_id, "target": target})
+        instructions, copied = stage_inputs(IMAGES / containerfile, target)
+        key = hash_inputs([ROOT / c for c in copied],
+                          {"args": args, "parent": parent_id, "instructions": instructions})
         if not self.force and parent_id and image_label(tag) == key:
             say(f"{role}: {tag} is up to date ({key})")
             return

@@ -17,10 +17,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]]:
-    """One ``--quick --json`` run of the benchmark: its stdout and its JSON."""
+    """One small run of the benchmark, pinned pass only: its stdout and its JSON (half the
+    sessions of ``--quick``: a test checks the run and its report, not the figures)."""
     out = tmp_path_factory.mktemp("bench-index") / "index.json"
     run = subprocess.run(
-        [sys.executable, "scripts/bench_index.py", "--quick", "--json", str(out)],
+        [sys.executable, "scripts/bench_index.py", "--sessions", "150", "--modes", "pinned",
+         "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -31,7 +33,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, 
 
 
 def test_quick_run_writes_figures_and_ratios(quick_run: tuple[str, dict[str, Any]]) -> None:
-    """--quick --json writes {figures, ratios} with our own figures, peer or no peer."""
+    """--json writes {figures, ratios} with our own figures, peer or no peer."""
     stdout, data = quick_run
     assert "match_1024_p50_us" in stdout
     assert set(data) == {"figures", "ratios"}

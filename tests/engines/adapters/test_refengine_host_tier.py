@@ -10,10 +10,10 @@ import torch
 from adapters.sglang.hicache import KvSidecarHiCacheStorage
 from adapters.storage.link import StoreMismatchError
 from refengine.host_tier import HostKVPool, PageStore, StorageConfig, create_page_store
-from refengine.kv_pool import TorchKVStore
 from refengine.page_hash import page_digests
 from refengine.presets import ModelConfig
 from refengine.tiering import HostTier
+from refengine.torch_compute import TorchKVStore
 from tests.support.store_owner import OwnerThread, owner_config
 
 PAGE = 4

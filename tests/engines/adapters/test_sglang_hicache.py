@@ -280,6 +280,7 @@ def test_bad_host_indices_are_a_counted_miss(sock_dir: Path) -> None:
             backend.close()
 
 
+@pytest.mark.slow  # real processes, seconds a test
 def test_real_sglang_host_pool_class_round_trip(sock_dir: Path) -> None:
     """SGLang's own MHATokenToKVPoolHost round-trips pages byte-exact, in both layouts.
 

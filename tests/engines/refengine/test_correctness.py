@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 PROMPT = [(i * 37 + 11) % 1000 for i in range(203)]  # 12 full pages + 11 tokens
 NEW = 24
 
@@ -43,7 +45,6 @@ def test_prefix_hit_does_not_change_greedy_output(h: Any, engine: Any) -> None:
     assert warm["output_ids"] == cold["output_ids"]
 
 
-@pytest.mark.slow
 def test_host_tier_load_and_cross_process_import(h: Any, engine: Any, tmp_path: Path) -> None:
     """Written-through pages load after a flush and in another process; outputs stay the same."""
     reference = _gen(h, engine.url, PROMPT)["output_ids"]
@@ -70,7 +71,6 @@ def test_host_tier_load_and_cross_process_import(h: Any, engine: Any, tmp_path: 
         second.stop()
 
 
-@pytest.mark.slow
 def test_prefill_role_hands_pages_to_decode_role(h: Any, engine: Any, tmp_path: Path) -> None:
     """Prefill exports its pages and first token; decode imports them and continues as agg."""
     reference = _gen(h, engine.url, PROMPT)["output_ids"]

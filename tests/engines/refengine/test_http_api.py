@@ -6,7 +6,11 @@ import json
 import threading
 from typing import Any
 
+import pytest
+
 from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
 
 
 def test_generate_text_and_ids(h: Any, engine: Any) -> None:

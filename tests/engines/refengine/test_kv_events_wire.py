@@ -9,9 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import pytest
 import zmq
 
 from tests.support.polling import wait_until
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
 
 END = b"\xff" * 8
 TOPIC = b"kv-events"

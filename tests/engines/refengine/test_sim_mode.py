@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 
 def test_replicas_serve_independently(h: Any) -> None:
     """--replicas 3: three ready lines, distinct ports, a cache each, the same outputs."""

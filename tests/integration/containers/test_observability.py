@@ -156,6 +156,7 @@ async def test_every_dashboard_metric_is_exported(
         assert wanted in used, f"the dashboard lost its {wanted} panel"
 
 
+@pytest.mark.slow  # real processes, seconds a test
 @pytest.mark.parametrize("stack", STACKS)
 def test_prometheus_scrapes_the_stacks_gateway_and_sidecars(stack: str) -> None:
     """Each scrape target is a service of the stack listening on that port, and every

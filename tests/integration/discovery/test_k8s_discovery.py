@@ -254,6 +254,7 @@ async def test_watch_dropped_expired_or_failing_loses_no_worker(
     await _until_workers(session, url, {"llm-b"})
 
 
+@pytest.mark.slow  # real processes, seconds a test
 def test_outside_a_cluster_the_gateway_says_what_to_give(tmp_path: Path) -> None:
     """No KUBERNETES_SERVICE_HOST and no --k8s-api-url: exit 2 naming the flag."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}

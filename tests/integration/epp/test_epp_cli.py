@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from routing.epp.config import EppConfig
 from tests.integration.epp.conftest import MODEL, ROOT
 from tests.support.k8s import validate_object
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
 
 EXAMPLE = ROOT / "deploy" / "examples" / "inferencepool.yaml"
 ENGINES = ROOT / "deploy" / "examples" / "sglang-deployment.yaml"

@@ -11,9 +11,12 @@ from collections import Counter
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests.support import gateway_http as h
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
 
 BUSY = ("--router-mode", "least-loaded", "--max-in-flight-per-worker", "1")
 

@@ -15,6 +15,8 @@ from tests.support import gateway_http as h
 from tests.support.polling import eventually
 from tests.support.processes import log_event
 
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 NO_PROBES = ("--health-check-interval-s", "3600")
 
 
@@ -170,7 +172,6 @@ async def test_sigterm_drains_in_flight_streams(spawn) -> None:  # type: ignore[
     assert '"gateway_stopped"' in gateway.log_text()
 
 
-@pytest.mark.slow
 async def test_200_concurrent_streams_complete(spawn) -> None:  # type: ignore[no-untyped-def]
     """200 concurrent streams through the gateway all finish with every event in order."""
     engines = [spawn.engine(), spawn.engine()]

@@ -7,10 +7,13 @@ from collections import Counter
 
 import aiohttp
 import orjson
+import pytest
 from tokenizers import Tokenizer
 
 from tests.support import gateway_http as h
 from tests.support.polling import eventually
+
+pytestmark = pytest.mark.slow  # real processes, seconds a test
 
 WORDS = [
     "alpha",

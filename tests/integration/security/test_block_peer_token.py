@@ -16,6 +16,8 @@ from tests.integration.sidecar.transfer._procs import PeerProcess
 from tests.support.processes import ProcessGroup
 from tests.support.transfer_peers import content
 
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 KEYS = [(31, i) for i in range(8)]
 TOKEN = "ctl-peer-0b7d"
 

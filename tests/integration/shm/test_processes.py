@@ -28,6 +28,8 @@ from shm.segment import Segment, unlink_stale_segments
 from tests.support.polling import wait_until
 from tests.support.processes import read_line
 
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("_worker.py")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}

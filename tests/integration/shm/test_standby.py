@@ -21,6 +21,8 @@ from tests.integration.shm.test_processes import DEADLINE_S, Processes, content
 from tests.support.polling import wait_until
 from tests.support.processes import read_line
 
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 BLOCK = 4096
 
 

@@ -65,6 +65,7 @@ async def test_the_sidecar_serves_an_engine_that_wants_a_key(
     assert KEY not in sidecar.log_path.read_text()
 
 
+@pytest.mark.slow  # real processes, seconds a test
 def test_without_its_key_the_sidecar_says_what_is_missing(
     tmp_path: Path, started: ProcessGroup[ManagedProcess]
 ) -> None:

@@ -60,11 +60,22 @@ def stop_stack(stack: Stack) -> None:
     stack.local.stop()
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    s = start_stack(tmp_path)
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """One stack for the module's placement and request-surface tests: none of them needs a
+    fresh one (each sends prompts of its own, and reads the gateway's counters as deltas)."""
+    s = start_stack(tmp_path_factory.mktemp("stack"))
     yield s
     stop_stack(s)
+
+
+async def counter(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    """A gateway counter's value (0 before its first increment)."""
+    async with session.get(f"{url}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.split()[1])
+    return 0.0
 
 
 
@@ -181,6 +192,8 @@ class TestRequestSurface:
         shape (reasoning_content, tool_calls) comes through, streamed or not, and the
         gateway counts it."""
         await routable(session, stack.url, 2)
+        openai_requests = "kvsidecar_gateway_engine_openai_requests_total"
+        before = await counter(session, stack.url, openai_requests)
         body = {"model": "tiny", "max_tokens": 4, "user": "client-7", "stream": stream,
                 "messages": [{"role": "user", "content": "hello there"}]}
         async with session.post(f"{stack.url}/v1/chat/completions", json=body) as resp:
@@ -195,9 +208,7 @@ class TestRequestSurface:
             else:
                 message = (await resp.json())["choices"][0]["message"]
                 assert {"reasoning_content", "tool_calls"} <= set(message)
-        async with session.get(f"{stack.url}/metrics") as resp:
-            metrics = await resp.text()
-        assert "kvsidecar_gateway_engine_openai_requests_total 1.0" in metrics
+        assert await counter(session, stack.url, openai_requests) == before + 1
 
     async def test_other_routes_reach_the_engine_through_its_sidecar(self, stack, session) -> None:  # type: ignore[no-untyped-def]
         """/v1/tokenize is answered by the engine itself; a route the engine lacks comes back

@@ -57,6 +57,7 @@ def put_one_by_one(store: BlockStoreClient, keys: list[tuple[int, int]]) -> None
         assert store.put(key, data(i)) is True
 
 
+@pytest.mark.slow  # real processes, seconds a test
 def test_owner_process_keeps_evicted_blocks_across_a_restart(
         sock_dir: Path, tmp_path: Path) -> None:
     """Blocks evicted from a 4-slot store come back byte-exact, before and after the owner

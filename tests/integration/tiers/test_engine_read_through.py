@@ -11,10 +11,10 @@ import torch
 
 from adapters.sglang.hicache import KvSidecarHiCacheStorage
 from refengine.host_tier import HostKVPool, PageStore, StorageConfig, create_page_store
-from refengine.kv_pool import TorchKVStore
 from refengine.page_hash import page_digests
 from refengine.presets import ModelConfig
 from refengine.tiering import HostTier
+from refengine.torch_compute import TorchKVStore
 from shm import BlockStoreClient
 from shm.disk_format import HEADER_BYTES
 from tests.support.polling import wait_until

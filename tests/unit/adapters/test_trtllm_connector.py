@@ -286,6 +286,7 @@ def test_without_tensorrt_llm_the_module_imports_and_names_the_extra() -> None:
         assert callable(getattr(trt.KvSidecarConnectorWorker, name))
 
 
+@pytest.mark.slow  # real processes, seconds a test
 def test_the_hicache_backend_imports_without_sglang() -> None:
     """Without sglang the HiCache backend still imports (for the reference engine)."""
     code = ("import sys; sys.modules['sglang'] = None\n"

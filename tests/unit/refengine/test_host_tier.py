@@ -114,9 +114,9 @@ def test_host_pool_hands_out_consecutive_rows_again_after_free() -> None:
 
 def test_tier_moves_pages_through_a_small_staging_pool() -> None:
     """More pages than staging holds move byte for byte; pages the store has are skipped."""
-    from refengine.kv_pool import TorchKVStore
     from refengine.presets import ModelConfig
     from refengine.tiering import HostTier
+    from refengine.torch_compute import TorchKVStore
 
     cfg = ModelConfig(
         vocab_size=16,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from refengine.kv_pool import TorchKVStore
 from refengine.model import LlamaModel
 from refengine.presets import ModelConfig
+from refengine.torch_compute import TorchKVStore
 
 CFG = ModelConfig(
     vocab_size=128,

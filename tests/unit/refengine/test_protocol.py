@@ -69,8 +69,8 @@ def test_penalties_lower_the_logits_of_tokens_already_seen() -> None:
     output divides a positive logit and multiplies a negative one; unseen tokens keep theirs."""
     import torch
 
-    from refengine.executor import penalize
     from refengine.request import SamplingParams
+    from refengine.torch_compute import penalize
 
     logits = torch.tensor([1.0, 2.0, -2.0, 4.0])
     out = penalize(logits, SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),

@@ -12,6 +12,7 @@ SHARED = Path(__file__).resolve().parents[4] / "shared" / "traces"
 TRACE = str(SHARED / "conversation_trace.jsonl")
 
 
+@pytest.mark.slow  # two traces replayed offline and plotted: seconds
 def test_offline_report_has_tables_and_plots(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -18,6 +18,8 @@ from tests.integration.sidecar.transfer._procs import ENV, PeerProcess
 from tests.support.polling import wait_for, wait_until
 from tests.support.transfer_peers import PeerFactory, assert_untouched, content, transports
 
+pytestmark = pytest.mark.slow  # real processes, seconds a test
+
 KEYS = [(11, i) for i in range(16)]
 STALLED = Path(__file__).with_name("_stalled_importer.py")
 Spawn = Callable[..., PeerProcess]
@@ -54,7 +56,6 @@ async def test_peer_process_imports_blocks_byte_exact(spawn: Spawn, transport: T
     )
 
 
-@pytest.mark.slow
 async def test_killed_exporter_mid_stream_fails_cleanly(
     spawn: Spawn, make_peer: PeerFactory
 ) -> None:
@@ -80,7 +81,6 @@ async def test_killed_exporter_mid_stream_fails_cleanly(
     assert importer.read(keys[0]) is not None
 
 
-@pytest.mark.slow
 @pytest.mark.nixl
 async def test_killed_exporter_mid_nixl_read_fails_cleanly(
     spawn: Spawn, make_peer: PeerFactory
@@ -109,7 +109,6 @@ async def test_killed_exporter_mid_nixl_read_fails_cleanly(
     assert_untouched(importer)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", transports())
 async def test_stopped_exporter_times_out_and_its_leases_lapse(
     spawn: Spawn, make_peer: PeerFactory, transport: Transport
@@ -140,7 +139,6 @@ async def test_stopped_exporter_times_out_and_its_leases_lapse(
     )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", [Transport.TCP, Transport.SHM])
 async def test_killed_importer_releases_the_exporters_leases(
     make_peer: PeerFactory, transport: Transport
