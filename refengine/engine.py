@@ -29,7 +29,7 @@ from refengine.presets import ModelConfig
 from refengine.publisher import KVEventPublisher
 from refengine.request import FinishReason, Phase, Request
 from refengine.scheduler import Scheduler, StepKind
-from refengine.tiering import HostTier, extend_storage_keys
+from refengine.tiering import PageStoreClient, extend_storage_keys
 from refengine.tokenizer import ChatTokenizer
 
 __all__ = ["HEALTH_CHECK_PREFIX", "Engine", "EngineStats"]
@@ -96,7 +96,7 @@ class Engine:
                                  if t != tokenizer.eos_token_id]
             self.executor = SimExecutor(cfg.timing, bare, spaced)
         self.kv_store = kv_store
-        self.host: HostTier | None = None
+        self.host: PageStoreClient | None = None
         if cfg.page_store:
             storage_cfg = StorageConfig(
                 model_name=f"{cfg.model_name}-{model_cfg.seed}",
@@ -107,7 +107,7 @@ class Engine:
             pool = HostKVPool(
                 cfg.hicache_host_pages, cfg.page_size, kv_store.page_numel, kv_store.dtype
             )
-            self.host = HostTier(store, pool, kv_store)
+            self.host = PageStoreClient(store, pool, kv_store)
         self.publisher = KVEventPublisher(cfg.kv_events, replica) if cfg.kv_events.enabled else None
         self.stats = EngineStats()
         self._channels: dict[str, _Channel] = {}

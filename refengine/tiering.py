@@ -13,7 +13,7 @@ from refengine.kv_pool import KVStore
 from refengine.page_hash import page_digests, storage_namespace_seed
 from refengine.request import Request
 
-__all__ = ["HostTier", "extend_storage_keys"]
+__all__ = ["PageStoreClient", "extend_storage_keys"]
 
 
 def extend_storage_keys(req: Request, upto_pages: int, page_size: int) -> list[str]:
@@ -37,7 +37,10 @@ def extend_storage_keys(req: Request, upto_pages: int, page_size: int) -> list[s
     return req.storage_keys[:upto_pages]
 
 
-class HostTier:
+class PageStoreClient:
+    """The engine's side of the page store: writes computed pages through and loads
+    prefixes back (the sidecar's ``HostTier`` is the store's own side)."""
+
     def __init__(self, store: PageStore, pool: HostKVPool, kv: KVStore) -> None:
         self.store = store
         self.pool = pool
