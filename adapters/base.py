@@ -50,7 +50,6 @@ __all__ = [
     "AdapterConfig",
     "AdapterError",
     "EngineAdapter",
-    "EngineExtraMissingError",
     "EngineInfo",
     "EngineKind",
     "EngineRequest",
@@ -90,16 +89,6 @@ StoreNameSink = Callable[[Sequence[int], Sequence[int], int | None], None]
 
 class AdapterError(RuntimeError):
     """The engine cannot be adapted as configured (no KV events, a size mismatch, ...)."""
-
-
-class EngineExtraMissingError(ImportError):
-    """An engine package an optional feature needs is not installed."""
-
-    def __init__(self, package: str, extra: str, feature: str) -> None:
-        super().__init__(
-            f"{feature} needs the {package!r} package; install it with "
-            f"`pip install 'kvsidecar[{extra}]'`"
-        )
 
 
 def worker_id_for(base: str, dp_rank: int, dp_size: int) -> str:

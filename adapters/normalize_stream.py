@@ -1,7 +1,7 @@
 """The normalized event stream every adapter hands the sidecar, and the tasks that feed it.
 
-``EventStream`` owns the consumer tasks of one adapter (one per DP rank or poller) in an
-``asyncio.TaskGroup`` and a bounded queue between them and ``events()``. Overflow policy:
+``AdapterEventQueue`` owns the consumer tasks of one adapter (one per DP rank or poller) in
+an ``asyncio.TaskGroup`` and a bounded queue between them and ``events()``. Overflow policy:
 producers ``await put`` (backpressure); the engine side then buffers (ZMQ high-water mark,
 TensorRT-LLM's event queue) and what it drops comes back as a gap the adapter resyncs from,
 so nothing is dropped silently here.
@@ -19,13 +19,14 @@ from typing import Any
 
 from kvcore.events import KVEvent
 
-__all__ = ["EventStream"]
+__all__ = ["AdapterEventQueue"]
 
 _END = object()
 
 
-class EventStream:
-    """A bounded queue of canonical events plus the tasks producing them."""
+class AdapterEventQueue:
+    """A bounded queue of canonical events plus the tasks producing them (what the sidecar
+    then serves to subscribers is ``sidecar.event_stream.EventStream``)."""
 
     def __init__(self, maxsize: int) -> None:
         self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=maxsize)

@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import Self
 
 from adapters.base import AdapterError, EngineInfo, StoreKeys, StoreNameSink
-from adapters.normalize_stream import EventStream
+from adapters.normalize_stream import AdapterEventQueue
 from kvcore.events import KVEvent
 from kvcore.layout import BlockLayout
 from kvcore.stream import EngineLoad
@@ -29,7 +29,7 @@ class AdapterShell(ABC):
     store_keys = StoreKeys.CANONICAL
 
     def __init__(self, queue_size: int) -> None:
-        self._stream = EventStream(queue_size)
+        self._stream = AdapterEventQueue(queue_size)
         self._info: EngineInfo | None = None
 
     @abstractmethod

@@ -9,11 +9,9 @@ from collections.abc import Awaitable, Callable
 from functools import cache
 from typing import Any
 
-__all__ = ["MissingExtraError", "close_quietly", "connect", "load"]
+from kvcore.extras import MissingExtraError
 
-
-class MissingExtraError(ImportError):
-    """The ``nats`` extra is not installed."""
+__all__ = ["close_quietly", "connect", "load"]
 
 
 @cache
@@ -26,8 +24,7 @@ def load(command: str) -> Any:
     try:
         return _module()
     except ImportError as exc:
-        raise MissingExtraError(f"{command} needs the 'nats' extra (nats-py): "
-                                f"pip install 'kvsidecar[nats]' ({exc})") from exc
+        raise MissingExtraError(command, "nats", "nats-py", exc) from exc
 
 
 _RECONNECT_WAIT_S = 0.5

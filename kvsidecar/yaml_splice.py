@@ -15,14 +15,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcore.extras import MissingExtraError
 from kvsidecar.k8s_edits import AddKey, Append, Edit, Path
 
 try:
     import yaml
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError(
-        "kvsidecar inject needs PyYAML: pip install 'kvsidecar[k8s]'"
-    ) from exc
+    raise MissingExtraError("kvsidecar inject", "k8s", "PyYAML", exc) from exc
 
 __all__ = ["Document", "SpliceError", "apply", "insertions", "parse_documents"]
 

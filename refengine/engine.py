@@ -31,7 +31,7 @@ from refengine.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
     from refengine.model import LlamaModel
-    from refengine.tiering import HostTier
+    from refengine.tiering import PageStoreClient
 
 __all__ = ["HEALTH_CHECK_PREFIX", "Engine", "EngineStats"]
 
@@ -103,14 +103,14 @@ class Engine:
                                  if t != tokenizer.eos_token_id]
             self.executor = SimExecutor(cfg.timing, bare, spaced)
         self.kv_store = kv_store
-        self.host: HostTier | None = None
+        self.host: PageStoreClient | None = None
         if cfg.page_store:
             from refengine.host_tier import (  # noqa: PLC0415 - see above
                 HostKVPool,
                 StorageConfig,
                 create_page_store,
             )
-            from refengine.tiering import HostTier  # noqa: PLC0415
+            from refengine.tiering import PageStoreClient  # noqa: PLC0415
 
             storage_cfg = StorageConfig(
                 model_name=f"{cfg.model_name}-{model_cfg.seed}",
@@ -121,7 +121,7 @@ class Engine:
             pool = HostKVPool(
                 cfg.hicache_host_pages, cfg.page_size, kv_store.page_numel, kv_store.dtype
             )
-            self.host = HostTier(store, pool, kv_store)
+            self.host = PageStoreClient(store, pool, kv_store)
         self.publisher = KVEventPublisher(cfg.kv_events, replica) if cfg.kv_events.enabled else None
         self.stats = EngineStats()
         self._channels: dict[str, _Channel] = {}

@@ -11,10 +11,13 @@ from __future__ import annotations
 from refengine.host_tier import STORAGE_BATCH_SIZE, HostKVPool, PageStore, StorageExtraInfo
 from refengine.kv_pool import KVStore
 
-__all__ = ["HostTier"]
+__all__ = ["PageStoreClient"]
 
 
-class HostTier:
+class PageStoreClient:
+    """The engine's side of the page store: writes computed pages through and loads
+    prefixes back (the sidecar's ``HostTier`` is the store's own side)."""
+
     def __init__(self, store: PageStore, pool: HostKVPool, kv: KVStore) -> None:
         self.store = store
         self.pool = pool

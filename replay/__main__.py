@@ -19,11 +19,12 @@ from pathlib import Path
 
 from replay.config import ReplayConfig
 from replay.live import main_live
-from replay.offline import FleetConfig, Policy, outcomes, simulate
+from replay.offline import FleetConfig, outcomes, simulate
 from replay.oracle import pooled_belady, pooled_lru
 from replay.report import PolicyResult, TraceReport, markdown_table, write_report
 from replay.summary import summarize
 from replay.traces import TRACE_BLOCK_TOKENS, TraceError, TraceRecord, load_for_replay
+from routing.config import RouterMode
 
 __all__ = ["main", "run_offline"]
 
@@ -51,7 +52,7 @@ def run_offline(
     name: str,
     records: Sequence[TraceRecord],
     cfg: FleetConfig,
-    policies: Sequence[Policy],
+    policies: Sequence[RouterMode],
     bounds: bool,
     quiet: bool = True,
 ) -> TraceReport:
@@ -70,7 +71,7 @@ def run_offline(
                     policy.value,
                     outs,
                     run.itl_samples,
-                    predicts=policy in (Policy.KV, Policy.APPROX),
+                    predicts=policy in (RouterMode.KV, RouterMode.APPROX),
                 ),
                 outs,
                 run.itl_samples,

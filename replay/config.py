@@ -10,13 +10,14 @@ from dataclasses import dataclass, field
 
 from kvcore.options import OptionParser, option
 from refengine.timing import SimTiming
-from replay.offline import FleetConfig, Policy
+from replay.offline import FleetConfig
+from routing.config import RouterMode
 from routing.placement.scorer import ScoringWeights
 
 __all__ = ["POLICY_CHOICES", "ReplayConfig", "build_parser"]
 
 # --policy: the gateway's router modes, "oracle" (the pooled LRU and Belady bounds) and "all".
-POLICY_CHOICES = (*(p.value for p in Policy), "oracle", "all")
+POLICY_CHOICES = (*(p.value for p in RouterMode), "oracle", "all")
 _MODE = "what to do (one of the two)"
 _COMMON = "the traces"
 _OFFLINE = "offline fleet (--offline)"
@@ -104,12 +105,12 @@ class ReplayConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
 
     @property
-    def chosen_policies(self) -> tuple[list[Policy], bool]:
+    def chosen_policies(self) -> tuple[list[RouterMode], bool]:
         """The policies to simulate, and whether the pooled bounds too."""
         chosen = self.policies or ("all",)
         if "all" in chosen:
-            return list(Policy), True
-        return [Policy(c) for c in chosen if c != "oracle"], "oracle" in chosen
+            return list(RouterMode), True
+        return [RouterMode(c) for c in chosen if c != "oracle"], "oracle" in chosen
 
     def fleet(self, capacity_tokens: int) -> FleetConfig:
         """The simulated fleet of ``--offline``, each replica holding ``capacity_tokens``."""

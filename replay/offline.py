@@ -33,11 +33,7 @@ from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
 from routing.placement.scorer import ScoringWeights
 
-__all__ = ["FleetConfig", "Policy", "SimRun", "outcomes", "simulate"]
-
-
-# Placement policies the simulation compares: the gateway's --router-mode values, its own enum.
-Policy = RouterMode
+__all__ = ["FleetConfig", "SimRun", "outcomes", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +115,7 @@ def _kv_event(worker: str, seq: int, note: KvNote) -> BlockStored | BlockRemoved
 
 def simulate(
     records: Sequence[TraceRecord],
-    policy: Policy,
+    policy: RouterMode,
     cfg: FleetConfig,
     progress: Progress | None = None,
 ) -> SimRun:
@@ -141,7 +137,7 @@ def simulate(
         )
         for w in workers
     }
-    feed_events = policy is Policy.KV
+    feed_events = policy is RouterMode.KV
     seqs = dict.fromkeys(workers, 0)
     live: dict[int, str] = {}  # request index → request id in the router
 

@@ -11,8 +11,8 @@ import orjson
 import structlog
 import uvloop
 
+from kvcore.extras import MissingExtraError
 from kvcore.logs import configure_logging
-from kvcore.nats_extra import MissingExtraError
 from routing.config import RouterConfig
 from routing.flags import gateway_config
 from routing.serve.gateway import Gateway

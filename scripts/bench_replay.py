@@ -28,9 +28,10 @@ from pathlib import Path
 from benchkit import ROOT, Report, add_json_flag
 
 from replay.__main__ import run_offline
-from replay.offline import FleetConfig, Policy, simulate
+from replay.offline import FleetConfig, simulate
 from replay.report import markdown_table
 from replay.traces import TRACE_BLOCK_TOKENS, load_trace
+from routing.config import RouterMode
 from routing.placement.scorer import ScoringWeights
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = FleetConfig(replicas=args.replicas, capacity_tokens=capacity, weights=weights,
                       learn_weights=args.learned)
-    report = run_offline(Path(args.trace).name, records, cfg, list(Policy), bounds=True)
+    report = run_offline(Path(args.trace).name, records, cfg, list(RouterMode), bounds=True)
     print(
         f"{report.settings}\n{distinct:,} distinct blocks; capacity share {args.capacity_share:g}\n"
     )
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     for closed in (True, False):
         c = FleetConfig(replicas=args.replicas, capacity_tokens=capacity, closed_form=closed)
         t0 = time.perf_counter()
-        simulate(head, Policy.KV, c)
+        simulate(head, RouterMode.KV, c)
         timings[closed] = time.perf_counter() - t0
     out.figure("closed_form_sim_s", timings[True])
     out.figure("stepwise_sim_s", timings[False])

@@ -36,6 +36,7 @@ import numpy as np
 import structlog
 
 from kvcore.events import KVEvent, Tier
+from kvcore.extras import MissingExtraError
 from shm.block_names import BlockName
 from shm.disk_format import HEADER_BYTES
 from shm.host_events import HostEventLog
@@ -53,12 +54,11 @@ _REMOVED = (b"del", b"expired", b"evicted")
 
 
 def load_redis() -> Any:
-    """``redis.asyncio``, or an ImportError naming the extra to install."""
+    """``redis.asyncio``, or a ``MissingExtraError`` naming the extra to install."""
     try:
         return importlib.import_module("redis.asyncio")
     except ImportError as exc:
-        raise ImportError("the remote tier needs the 'redis' package: pip install "
-                          f"'kvsidecar[remote-tier]' ({exc})") from exc
+        raise MissingExtraError("the remote tier", "remote-tier", "redis", exc) from exc
 
 
 @dataclass(frozen=True, slots=True)

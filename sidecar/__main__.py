@@ -13,8 +13,8 @@ import sys
 import orjson
 import uvloop
 
+from kvcore.extras import MissingExtraError
 from kvcore.logs import configure_logging
-from kvcore.nats_extra import MissingExtraError
 from sidecar.app import Sidecar
 from sidecar.config import SidecarConfig
 from sidecar.engine_watch import EngineUnavailableError

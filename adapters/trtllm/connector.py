@@ -37,13 +37,13 @@ from typing import Any, TypeVar
 
 import structlog
 
-from adapters.base import EngineExtraMissingError
 from adapters.trtllm.connector_core import (
     ConnectorMetadata,
     ConnectorSettings,
     SchedulerCore,
     WorkerCore,
 )
+from kvcore.extras import MissingExtraError
 from kvcore.namespace import namespace_seed
 
 __all__ = [
@@ -107,8 +107,8 @@ def kv_connector_config() -> Any:
             KvCacheConnectorConfig,
         )
     except ImportError as exc:
-        raise EngineExtraMissingError(
-            "tensorrt_llm", "trtllm", "the TensorRT-LLM KV cache connector") from exc
+        raise MissingExtraError(
+            "the TensorRT-LLM KV cache connector", "trtllm", "tensorrt_llm", exc) from exc
     return KvCacheConnectorConfig(
         connector_module=__name__,
         connector_scheduler_class="KvSidecarConnectorScheduler",

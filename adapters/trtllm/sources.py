@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import aiohttp
 import structlog
 
-from adapters.base import EngineExtraMissingError
+from kvcore.extras import MissingExtraError
 
 __all__ = ["HttpEventSource", "LlmApiEventSource", "require_tensorrt_llm"]
 
@@ -38,8 +38,8 @@ def require_tensorrt_llm() -> Any:
     try:
         import tensorrt_llm  # type: ignore[import-not-found]  # noqa: PLC0415
     except ImportError as exc:
-        raise EngineExtraMissingError(
-            "tensorrt_llm", "trtllm", "running TensorRT-LLM in-process (LLM API events)"
+        raise MissingExtraError(
+            "running TensorRT-LLM in-process (LLM API events)", "trtllm", "tensorrt_llm", exc
         ) from exc
     return tensorrt_llm
 

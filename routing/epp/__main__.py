@@ -10,9 +10,10 @@ from collections.abc import Sequence
 import orjson
 import structlog
 
+from kvcore.extras import MissingExtraError
 from kvcore.logs import configure_logging
 from routing.epp.config import EppConfig
-from routing.epp.deps import MissingExtraError, load
+from routing.epp.deps import load
 from routing.epp.server import EppServer
 from routing.serve.startup import load_config_summary
 

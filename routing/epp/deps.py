@@ -11,16 +11,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-__all__ = ["EXTRA_HINT", "MissingExtraError", "Protos", "load"]
+from kvcore.extras import MissingExtraError
 
-EXTRA_HINT = (
-    "kvsidecar epp needs the 'epp' extra (grpcio, grpcio-health-checking, xds-protos): "
-    "pip install 'kvsidecar[epp]'"
-)
-
-
-class MissingExtraError(ImportError):
-    """The ``epp`` extra is not installed."""
+__all__ = ["Protos", "load"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,5 +52,6 @@ def load() -> Protos:
     try:
         modules = {field: importlib.import_module(name) for field, name in names.items()}
     except ImportError as exc:
-        raise MissingExtraError(f"{EXTRA_HINT} ({exc})") from exc
+        raise MissingExtraError("kvsidecar epp", "epp",
+                                "grpcio, grpcio-health-checking, xds-protos", exc) from exc
     return Protos(**modules)

@@ -6,26 +6,29 @@ router, registry, ``--max-in-flight-per-worker``), and committed to the router's
 pick is the worker's **engine**: Envoy sends the client's OpenAI body to it unchanged, which
 a plain worker and a sidecar's engine serve, while the sidecar keeps feeding the engine's KV
 events to the index. The request's load is released when its response ends (``Pick.finish``).
+No pick is a ``Refusal`` (``routing.placement.refusal``), as no worker is for the gateway:
+Envoy answers the client with its status and OpenAI-shaped body.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import replace
 
 import structlog
 
 from kvcore.errors import OpenAIError
 from routing.pipeline.admit import check_model
-from routing.pipeline.place import Refusal, place_aggregated
+from routing.pipeline.place import place_aggregated
 from routing.pipeline.record import RequestRecord
+from routing.placement.refusal import Refusal
 from routing.prompt.openai_api import Endpoint, parse_request
 from routing.prompt.preparer import PreparedPrompt
 from routing.serve.gateway import Gateway
 from routing.workers.registry import Worker, WorkerKind
 
-__all__ = ["EndpointPicker", "Pick", "Refused", "endpoint_of"]
+__all__ = ["EndpointPicker", "Pick", "endpoint_of"]
 
 log = structlog.get_logger("routing.epp", component="epp")
 _ENDPOINTS = {e.value: e for e in Endpoint}
@@ -40,14 +43,6 @@ def endpoint_of(worker: Worker) -> str | None:
         return None
     host = address.host
     return f"[{host}]:{address.port}" if ":" in host else f"{host}:{address.port}"
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """No pick: the status and OpenAI-shaped body Envoy answers the client with."""
-
-    status: int
-    body: bytes
 
 
 class Pick:
@@ -120,7 +115,7 @@ class EndpointPicker:
         body: bytes | None,
         request_id: bytes,
         subset: Collection[str] | None = None,
-    ) -> Pick | Refused:
+    ) -> Pick | Refusal:
         """Place the request ``POST path`` with ``body`` (None: a request without one, placed
         by load), among ``subset`` (``ip:port`` each) when Envoy gives one."""
         ctx = self.gateway.ctx
@@ -135,7 +130,7 @@ class EndpointPicker:
                 parsed = check_model(parse_request(endpoint, body), ctx.model_names())
                 prepared = ctx.prompts.prepare(parsed)
             except OpenAIError as exc:
-                return self._refuse(record, exc.status, exc.body(), exc.message)
+                return self._refuse(record, Refusal.of(exc))
         record.prompt_tokens = prepared.prompt_tokens
 
         def eligible(worker: Worker) -> bool:
@@ -145,11 +140,10 @@ class EndpointPicker:
         placed = place_aggregated(ctx, prepared, set(), eligible)
         ctx.metrics.placement.observe(time.monotonic() - record.t_start)
         if isinstance(placed, Refusal):
-            why = placed.message
             if subset is not None:
-                why = f"{why} among the {len(subset)} endpoints of the subset hint"
-            body_ = OpenAIError(placed.status, why, code=placed.code).body()
-            return self._refuse(record, placed.status, body_, why)
+                placed = replace(placed, message=f"{placed.message} among the {len(subset)} "
+                                 "endpoints of the subset hint")
+            return self._refuse(record, placed)
         worker, placement = placed
         ctx.router.dispatch(key, placement, prepared.block_hashes, prepared.prompt_tokens)
         worker.dispatched += 1
@@ -168,9 +162,9 @@ class EndpointPicker:
         )
         return pick
 
-    def _refuse(self, record: RequestRecord, status: int, body: bytes, why: str) -> Refused:
+    def _refuse(self, record: RequestRecord, refusal: Refusal) -> Refusal:
         ctx = self.gateway.ctx
-        record.finish(status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
+        record.finish(refusal.status, ctx.metrics, ctx.router.block_size, ctx.log_requests)
         log.info("pick_refused", request_id=record.request_id.decode(errors="replace"),
-                 status=status, reason=why)
-        return Refused(status, body)
+                 status=refusal.status, reason=refusal.message)
+        return refusal

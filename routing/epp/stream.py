@@ -39,10 +39,10 @@ from typing import Any
 
 import structlog
 
-from kvcore.errors import OpenAIError
 from routing.epp.config import BodyMode
 from routing.epp.deps import Protos
-from routing.epp.picker import EndpointPicker, Pick, Refused
+from routing.epp.picker import EndpointPicker, Pick
+from routing.placement.refusal import Refusal
 
 __all__ = ["BODY_PIECE_BYTES", "DESTINATION", "LB_NAMESPACE", "SERVED", "SUBSET",
            "SUBSET_NAMESPACE", "PickStream"]
@@ -159,8 +159,9 @@ class PickStream:
             return
         self._body_bytes += len(body.body)
         if self._body_bytes > self._max_body_bytes:
-            yield self._refused(Refused(413, _error_body(
-                413, f"request body exceeds {self._max_body_bytes} bytes (--max-body-bytes)")))
+            yield self._refused(Refusal(
+                413, f"request body exceeds {self._max_body_bytes} bytes (--max-body-bytes)",
+                None))
             return
         self._body.append(body.body)
         # A buffered body comes whole in one message (or as much of it as Envoy buffers).
@@ -173,7 +174,7 @@ class PickStream:
     def _picked(self, body: bytes | None, headers_phase: bool = False) -> Iterator[Any]:
         request_id = self._request_id or b"-"
         result = self._picker.pick(self._path or "/", body, request_id, self._subset)
-        if isinstance(result, Refused):
+        if isinstance(result, Refusal):
             yield self._refused(result)
             return
         self.pick = result
@@ -263,7 +264,7 @@ class PickStream:
                     log.info("endpoint_served_elsewhere", picked=self.pick.endpoint,
                              served=served)
 
-    def _refused(self, refused: Refused) -> Any:
+    def _refused(self, refused: Refusal) -> Any:
         e = self._p.ext_proc
         self.ended = True
         self._count(str(refused.status))
@@ -271,7 +272,7 @@ class PickStream:
         immediate = e.ImmediateResponse(
             status=self._p.http_status.HttpStatus(code=refused.status),
             headers=e.HeaderMutation(set_headers=[content_type]),
-            body=refused.body,
+            body=refused.error().body(),
             details=f"kvsidecar_epp_{refused.status}",
         )
         return self._msg(immediate_response=immediate)
@@ -303,7 +304,3 @@ def _subset_of(value: Any) -> list[str]:
 def _value(header: Any) -> str:
     raw: bytes = header.raw_value
     return raw.decode(errors="replace") if raw else str(header.value)
-
-
-def _error_body(status: int, message: str) -> bytes:
-    return OpenAIError(status, message).body()

@@ -11,7 +11,9 @@ the gateway serves each tokenized request as a *pair*:
   ``max_tokens`` (reserved while it runs).
 
 No decode worker with room: the request *waits* (backpressure) until one frees up, for at
-most ``--pd-queue-timeout-s``; then it gets 503 with ``retry-after``. Nothing is dropped.
+most ``--pd-queue-timeout-s``; then it gets 503 with ``retry-after``. Nothing is dropped. No
+pair is a ``Refusal`` (``routing.placement.refusal``), as no worker is for the place stage:
+``busy`` when waiting for room may help, else the 503 the client gets.
 
 How the pair shares the KV (``--pd-mode``): ``auto`` hands it over between our sidecars
 (``Handoff``: the decode sidecar drives the prefill leg and pulls the blocks); ``sglang``
@@ -33,9 +35,11 @@ from dataclasses import dataclass
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvcore.errors import SERVICE_UNAVAILABLE
 from kvcore.requests import Bootstrap, Handoff
 from routing.config import FailurePolicy, PdMode  # re-exported: the config owns them
 from routing.placement.kv_router import KvRouter
+from routing.placement.refusal import Refusal
 from routing.placement.scorer import Placement, Pool
 from routing.prompt.preparer import PreparedPrompt
 from routing.workers.registry import Role, Worker, WorkerRegistry
@@ -57,10 +61,6 @@ class PdPair:
     prefill_placement: Placement
     decode_placement: Placement
     reserve_blocks: int
-
-
-class DecodePoolFull(Exception):
-    """Every decode worker that could ever hold the request is full now: wait for room."""
 
 
 class PdMetrics:
@@ -141,14 +141,15 @@ class PdCoordinator:
 
     # --- pair placement ----------------------------------------------------------------------
 
-    def place(self, prompt: PreparedPrompt, max_tokens: int | None) -> PdPair | str:
-        """A pair now, or why there is none (the caller answers 503); raises
-        ``DecodePoolFull`` when waiting for room may help."""
+    def place(self, prompt: PreparedPrompt, max_tokens: int | None) -> PdPair | Refusal:
+        """A pair now, or why there is none: a ``busy`` refusal when every decode worker
+        that could ever hold the request is full now (waiting for room may help:
+        ``place_waiting``), else the 503 the client gets."""
         need = self.reserve_blocks(prompt.prompt_tokens, max_tokens)
         prefills = self.workers.routable(Role.PREFILL)
         decodes = self.workers.routable(Role.DECODE)
         if not prefills or not decodes:
-            return "no prefill or no decode worker is available"
+            return _unavailable("no prefill or no decode worker is available")
         hashes, tokens = prompt.block_hashes, prompt.prompt_tokens
         prefill = self.router.place(hashes, tokens, [w.worker_id for w in prefills],
                                     pool=Pool.PREFILL)
@@ -160,12 +161,14 @@ class PdCoordinator:
             return PdPair(by_id[prefill.worker_id], by_id[decode.worker_id], prefill, decode,
                           need)
         if not any(_fits_ever(w, need) for w in decodes):
-            return (f"the request needs {need} KV blocks for its prompt and max_tokens; "
-                    "no decode worker has that many")
-        raise DecodePoolFull
+            return _unavailable(f"the request needs {need} KV blocks for its prompt and "
+                                "max_tokens; no decode worker has that many")
+        return Refusal(503, _full(need), SERVICE_UNAVAILABLE, busy=True, retry_after_s=1)
 
-    async def place_waiting(self, prompt: PreparedPrompt, max_tokens: int | None) -> PdPair | str:
-        """``place``, waiting for room in the decode pool up to ``--pd-queue-timeout-s``."""
+    async def place_waiting(self, prompt: PreparedPrompt,
+                            max_tokens: int | None) -> PdPair | Refusal:
+        """``place``, waiting for room in the decode pool up to ``--pd-queue-timeout-s``
+        (never a ``busy`` refusal)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.queue_timeout_s
         self.metrics.backpressure_waits += 1
@@ -176,16 +179,15 @@ class PdCoordinator:
                 if left <= 0:
                     self.metrics.backpressure_rejects += 1
                     need = self.reserve_blocks(prompt.prompt_tokens, max_tokens)
-                    return (f"every decode worker is full (the request needs {need} KV "
-                            f"blocks); waited {self.queue_timeout_s:g}s, retry later")
+                    return _unavailable(f"{_full(need)}; waited {self.queue_timeout_s:g}s, "
+                                        "retry later")
                 try:
                     await asyncio.wait_for(self._freed.wait(), timeout=min(left, _WAKE_S))
                 except TimeoutError:
                     pass
-                try:
-                    return self.place(prompt, max_tokens)
-                except DecodePoolFull:
-                    continue
+                placed = self.place(prompt, max_tokens)
+                if not (isinstance(placed, Refusal) and placed.busy):
+                    return placed
         finally:
             self.metrics.waiting -= 1
 
@@ -222,15 +224,25 @@ class PdCoordinator:
             early_first_token=self.policy is FailurePolicy.FAIL,
         )
 
-    def bootstrap(self, pair: PdPair) -> tuple[Bootstrap, Bootstrap] | str:
+    def bootstrap(self, pair: PdPair) -> tuple[Bootstrap, Bootstrap] | Refusal:
         """Both legs' ``Bootstrap`` (``--pd-mode sglang``), or why the prefill worker has none."""
         address = pair.prefill.bootstrap
         if address is None:
-            return (f"prefill worker {pair.prefill.worker_id} does not serve its engine's own "
-                    "KV transfer (its sidecar reported no bootstrap address)")
+            return _unavailable(f"prefill worker {pair.prefill.worker_id} does not serve its "
+                                "engine's own KV transfer (its sidecar reported no bootstrap "
+                                "address)")
         host, port = address
         room = _rng.getrandbits(63)
         return Bootstrap("prefill", host, port, room), Bootstrap("decode", host, port, room)
+
+
+def _unavailable(why: str) -> Refusal:
+    """No pair now: 503, retry in a second."""
+    return Refusal(503, why, SERVICE_UNAVAILABLE, retry_after_s=1)
+
+
+def _full(need: int) -> str:
+    return f"every decode worker is full (the request needs {need} KV blocks)"
 
 
 def _fits_ever(worker: Worker, need: int) -> bool:

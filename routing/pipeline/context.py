@@ -11,7 +11,7 @@ from routing.http.client import UpstreamPool
 from routing.metrics import GatewayMetrics
 from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
-from routing.pipeline.refusals import Refusals
+from routing.pipeline.route_refusals import RouteRefusals
 from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import Policy
@@ -53,5 +53,6 @@ class PipelineContext:
     migration_limit: int = 0  # times a stream may go on on another worker
     # with other gateway replicas: where a new prompt another replica owns waits for it
     prompt_hold: PromptHold | None = None
-    refusals: Refusals = field(default_factory=Refusals)  # routes workers' engines lack
+    # The routes workers' engines lack (not a placement's ``Refusal``).
+    refusals: RouteRefusals = field(default_factory=RouteRefusals)
     slo: Slo = field(default_factory=Slo)  # each request's targets unless it names its own

@@ -5,13 +5,14 @@ A worker's error reply is held (``Exchange.upstream_head``) and, once complete, 
 the gateway's vocabulary (``kvcore.errors``) and the route's dialect, with the gateway's
 headers naming the worker. One saying the worker's engine lacks the route (its sidecar's
 ``endpoint_refused_by_worker``, or a plain engine's bare 404) is not relayed: the refusal is
-remembered (``refusals.py``) and the request is placed again, away from the workers that
+remembered (``route_refusals.py``) and the request is placed again, away from the workers that
 refused it; when every routable worker has refused the route, the client gets 404
 ``endpoint_not_served`` naming them. A pair's exchange decides first what its held errors
 mean (``pair.PairExchange._held_error``: a failed KV handoff is re-run).
 
-The exchange's own errors (busy workers, a timeout, a request no worker can take) go out
-through the same door (``_reply_error``), which ends the exchange first; a migrated stream
+The exchange's own errors (busy workers, a timeout, a request no worker can take: a
+placement's ``Refusal``, answered by ``_refuse``) go out through the same door
+(``_reply_error``), which ends the exchange first; a migrated stream
 that finds no way on is cut instead, as the client already has its head.
 
 Kept apart from the exchange's flow (place, execute, relay) so that each reads on its own;
@@ -36,6 +37,7 @@ from routing.pipeline.context import PipelineContext
 from routing.pipeline.legs import Leg, LegTarget
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
+from routing.placement.refusal import Refusal
 from routing.prompt.openai_api import OpenAIRequest
 from routing.workers.registry import Role, Worker, WorkerKind
 
@@ -142,6 +144,13 @@ class ErrorRelay:
         return True
 
     # --- answering ----------------------------------------------------------------------------
+
+    def _refuse(self, refusal: Refusal, headers: bytes = b"") -> None:
+        """Answer a placement's refusal: its status, message and code, its ``retry-after``
+        when it has one, then ``headers``."""
+        retry = (b"" if refusal.retry_after_s is None
+                 else b"retry-after: %d\r\n" % refusal.retry_after_s)
+        self._reply_error(refusal.status, refusal.message, refusal.code, retry + headers)
 
     def _reply_error(self, status: int, message: str, code: str | None,
                      headers: bytes = b"") -> None:

@@ -51,11 +51,12 @@ from routing.pipeline.admission import (
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.error_relay import ErrorRelay
 from routing.pipeline.legs import Drain, Leg, LegTarget
-from routing.pipeline.place import Refusal, place_aggregated
+from routing.pipeline.place import place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
 from routing.pipeline.stream_tokens import StreamTokens
 from routing.placement.active_load import UnknownRequestError
+from routing.placement.refusal import Refusal
 from routing.placement.scorer import Placement
 from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
@@ -156,8 +157,7 @@ class Exchange(ErrorRelay):
         self._placed()
         if isinstance(placed, Refusal) and placed.busy:
             if queue is None:
-                self._reply_error(placed.status, placed.message, placed.code,
-                                  b"retry-after: 1\r\n%s: %s\r\n" % (SHED_HEADER, SHED_BUSY))
+                self._refuse(placed, b"%s: %s\r\n" % (SHED_HEADER, SHED_BUSY))
             else:
                 self._wait(queue, placed)
             return
@@ -179,8 +179,7 @@ class Exchange(ErrorRelay):
     def _go(self, placed: tuple[Worker, Placement] | Refusal) -> None:
         if isinstance(placed, Refusal):
             if not self._not_served():
-                retry = b"retry-after: 1\r\n" if placed.status == 503 else b""
-                self._reply_error(placed.status, placed.message, placed.code, retry)
+                self._refuse(placed)
             return
         worker, placement = placed
         self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)

@@ -20,12 +20,12 @@ from typing import Any
 import orjson
 import structlog
 
-from kvcore.errors import SERVICE_UNAVAILABLE
 from kvcore.requests import TRANSFER_FAILED
-from routing.pd.coordinator import DecodePoolFull, FailurePolicy, PdCoordinator, PdMode, PdPair
+from routing.pd.coordinator import FailurePolicy, PdCoordinator, PdMode, PdPair
 from routing.pipeline.exchange import Exchange
 from routing.pipeline.legs import Drain, Leg
 from routing.pipeline.place import place_rerun
+from routing.placement.refusal import Refusal
 
 __all__ = ["PairExchange"]
 
@@ -59,9 +59,8 @@ class PairExchange(Exchange):
             # The pair's legs speak token ids only; a migrated stream resumes on one worker.
             self._place_aggregated()
             return
-        try:
-            placed = self.pd.place(self.prompt, self.request.max_tokens)
-        except DecodePoolFull:
+        placed = self.pd.place(self.prompt, self.request.max_tokens)
+        if isinstance(placed, Refusal) and placed.busy:  # the decode pool is full: wait
             self._waiting = self.ctx.spawn(self._wait_for_pair())
             return
         self._pair_placed(placed)
@@ -74,11 +73,11 @@ class PairExchange(Exchange):
         elif isinstance(placed, PdPair):
             self.pd.release(placed)
 
-    def _pair_placed(self, placed: PdPair | str) -> None:
+    def _pair_placed(self, placed: PdPair | Refusal) -> None:
         pd = self.pd
         self._placed()
-        if isinstance(placed, str):
-            self._reply_error(503, placed, SERVICE_UNAVAILABLE, b"retry-after: 1\r\n")
+        if isinstance(placed, Refusal):
+            self._refuse(placed)
             return
         self.pair = pair = placed
         pd.metrics.requests += 1
@@ -93,8 +92,8 @@ class PairExchange(Exchange):
             self._run_leg(pair.decode, pair.decode_placement, "d", decode)
             return
         legs = pd.bootstrap(pair)
-        if isinstance(legs, str):
-            self._reply_error(503, legs, SERVICE_UNAVAILABLE, b"retry-after: 1\r\n")
+        if isinstance(legs, Refusal):
+            self._refuse(legs)
             return
         side = self.side = Leg(pair.prefill, pair.prefill_placement, record.key + "/p")
         side.request = self.target.for_worker(pair.prefill, bootstrap=legs[0], stream=False)
@@ -128,11 +127,10 @@ class PairExchange(Exchange):
             return
         self._release(self.leg)
         self._end_pair()
-        placed = place_rerun(self.ctx, self.prompt)
-        if placed is None:
+        placed = place_rerun(self.ctx, self.prompt, message)
+        if isinstance(placed, Refusal):
             pd.metrics.fallbacks["no_worker"] += 1
-            self._reply_error(503, f"{message}; no aggregated worker is available to re-run "
-                              "the request", SERVICE_UNAVAILABLE, b"retry-after: 1\r\n")
+            self._refuse(placed)
             return
         pd.metrics.fallbacks["rerun"] += 1
         worker, placement = placed

@@ -2,33 +2,25 @@
 
 A pair's placement is the PD coordinator's (``routing.pd.coordinator``); the exchange asks it
 when the request goes to a pair, and asks here otherwise (and to re-run a failed handoff).
+No worker is a ``Refusal`` (``routing.placement.refusal``), as it is for a pair and for the
+endpoint picker; the policy's and the router's ``None`` becomes one here.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kvcore.errors import BAD_GATEWAY, RATE_LIMIT_EXCEEDED, SERVICE_UNAVAILABLE
 from routing.pipeline.context import PipelineContext
+from routing.placement.refusal import Refusal
 from routing.placement.scorer import Placement, Reason
 from routing.placement.sessions import SessionAffinity
 from routing.prompt.preparer import PreparedPrompt
 from routing.workers.registry import Role, Worker
 
-__all__ = ["Refusal", "place_aggregated", "place_rerun"]
-
-
-@dataclass(frozen=True, slots=True)
-class Refusal:
-    """No worker for the request: the error the client gets. ``busy``: every worker was
-    busy (the request may wait for one: ``routing.pipeline.admission``)."""
-
-    status: int
-    message: str
-    code: str  # ``kvcore.errors``' code for the client
-    busy: bool = False
+__all__ = ["place_aggregated", "place_rerun"]
 
 
 def place_aggregated(
@@ -53,7 +45,7 @@ def place_aggregated(
         if full:
             if len(full) == len(ids):
                 return Refusal(429, f"every worker is busy ({ctx.busy.describe()}); retry "
-                               "later", RATE_LIMIT_EXCEEDED, busy=True)
+                               "later", RATE_LIMIT_EXCEEDED, busy=True, retry_after_s=1)
             busy = set(full)
             ids = [i for i in ids if i not in busy]
             if not ctx.policy.uses_prefix:
@@ -88,12 +80,17 @@ def _pinned(ctx: PipelineContext, sessions: SessionAffinity, session: bytes,
     return replace(placement, reason=Reason.AFFINITY)
 
 
-def place_rerun(ctx: PipelineContext, prompt: PreparedPrompt) -> tuple[Worker, Placement] | None:
-    """The aggregated worker that re-runs a request whose KV handoff failed (by overlap and
-    load, whatever ``--router-mode``: the pair's prefill left blocks to reuse)."""
+def place_rerun(ctx: PipelineContext, prompt: PreparedPrompt,
+                failure: str) -> tuple[Worker, Placement] | Refusal:
+    """The aggregated worker that re-runs a request whose KV handoff failed with ``failure``
+    (by overlap and load, whatever ``--router-mode``: the pair's prefill left blocks to
+    reuse)."""
     ids = [w.worker_id for w in ctx.workers.routable(Role.AGG)]
     placement = ctx.router.place(prompt.block_hashes, prompt.prompt_tokens, ids)
-    return None if placement is None else (_worker(ctx, placement), placement)
+    if placement is None:
+        return Refusal(503, f"{failure}; no aggregated worker is available to re-run the "
+                       "request", SERVICE_UNAVAILABLE, retry_after_s=1)
+    return _worker(ctx, placement), placement
 
 
 def _worker(ctx: PipelineContext, placement: Placement) -> Worker:
@@ -105,4 +102,4 @@ def _worker(ctx: PipelineContext, placement: Placement) -> Worker:
 def _none_left(tried: set[str], why: str) -> Refusal:
     if tried:
         return Refusal(502, "every worker failed before answering", BAD_GATEWAY)
-    return Refusal(503, why, SERVICE_UNAVAILABLE)
+    return Refusal(503, why, SERVICE_UNAVAILABLE, retry_after_s=1)

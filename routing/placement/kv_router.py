@@ -143,7 +143,12 @@ class KvRouter:
     ) -> Placement | None:
         """Choose a worker (None: no eligible worker). Does not record anything.
         ``saturated``: workers at their in-flight cap, never chosen, whose overlap counts
-        as achievable (``Placement.best_overlap``, reason ``capacity``)."""
+        as achievable (``Placement.best_overlap``, reason ``capacity``).
+
+        None stays the core's answer: it knows the workers it was given, not why they are
+        all it has, so it has no status or message for the client. The stage that asked
+        turns None into a ``Refusal`` (``refusal.py``) in its own words: the place stage
+        (``routing.pipeline.place``) and the PD coordinator (``routing.pd``)."""
         eligible = [w for w in workers if w not in exclude] if exclude else list(workers)
         full = [w for w in saturated if w not in exclude] if saturated else []
         # (a decode pool places by room, which a presumed load must not take away)

@@ -16,7 +16,7 @@ import orjson
 from kvcore.events import Tier
 from routing.config import RouterConfig
 from routing.http.client import UpstreamPool
-from routing.pipeline.refusals import Refusals
+from routing.pipeline.route_refusals import RouteRefusals
 from routing.placement.kv_router import KvRouter
 from routing.workers.registry import Health, WorkerRegistry
 
@@ -53,7 +53,7 @@ def workers_state(
     router: KvRouter,
     workers: WorkerRegistry,
     pool: UpstreamPool,
-    refusals: Refusals,
+    refusals: RouteRefusals,
     pending: Mapping[str, str],
 ) -> dict[str, Any]:
     """``GET /v1/workers``: every worker, its health, load and cached blocks; ``pending``:

@@ -12,7 +12,7 @@ from adapters.storage.link import StoreMismatchError
 from refengine.host_tier import HostKVPool, PageStore, StorageConfig, create_page_store
 from refengine.page_hash import page_digests
 from refengine.presets import ModelConfig
-from refengine.tiering import HostTier
+from refengine.tiering import PageStoreClient
 from refengine.torch_compute import TorchKVStore
 from tests.support.store_owner import OwnerThread, owner_config
 
@@ -20,14 +20,14 @@ PAGE = 4
 MODEL = ModelConfig(vocab_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
 
 
-def engine_side(socket: Path, kv: TorchKVStore, host_pages: int = 8) -> HostTier:
+def engine_side(socket: Path, kv: TorchKVStore, host_pages: int = 8) -> PageStoreClient:
     """What ``refengine.engine`` builds for ``--hicache-storage-backend dynamic``."""
     config = StorageConfig(model_name="tiny-0", logical_page_size=PAGE, extra_config={
         "backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
         "class_name": "KvSidecarHiCacheStorage", "socket": str(socket)})
     store = create_page_store("dynamic", config)
     assert isinstance(store, PageStore) and isinstance(store, KvSidecarHiCacheStorage)
-    return HostTier(store, HostKVPool(host_pages, PAGE, kv.page_numel, kv.dtype), kv)
+    return PageStoreClient(store, HostKVPool(host_pages, PAGE, kv.page_numel, kv.dtype), kv)
 
 
 def test_pages_move_between_two_engines_through_the_store(sock_dir: Path) -> None:

@@ -18,10 +18,11 @@ import pytest
 
 from refengine.timing import TimingModel
 from replay.live import LiveConfig, replay_live
-from replay.offline import FleetConfig, Policy, outcomes, simulate
+from replay.offline import FleetConfig, outcomes, simulate
 from replay.summary import summarize
 from replay.synthesis import TokenSynthesizer
 from replay.traces import load_trace
+from routing.config import RouterMode
 from tests.support.polling import eventually
 from tests.support.processes import ready_lines
 
@@ -70,5 +71,5 @@ async def test_offline_hit_rate_agrees_with_the_live_stack(tmp_path: Path) -> No
         timing=TimingModel(speedup=SPEEDUP),
         speedup=SPEEDUP,
     )
-    offline = summarize("kv", outcomes(simulate(records, Policy.KV, cfg)))
+    offline = summarize("kv", outcomes(simulate(records, RouterMode.KV, cfg)))
     assert abs(offline.hit_rate - live_hit) <= 0.05, (offline.hit_rate, live_hit)

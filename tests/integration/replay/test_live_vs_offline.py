@@ -19,10 +19,11 @@ import pytest
 
 from refengine.timing import TimingModel
 from replay.live import LiveConfig, replay_live
-from replay.offline import FleetConfig, Policy, outcomes, simulate
+from replay.offline import FleetConfig, outcomes, simulate
 from replay.summary import summarize
 from replay.synthesis import TokenSynthesizer
 from replay.traces import load_trace
+from routing.config import RouterMode
 from tests.support.polling import eventually
 from tests.support.processes import log_event, ready_lines
 
@@ -86,6 +87,6 @@ async def test_approx_hit_rate_agrees_live_and_offline(tmp_path: Path) -> None:
         timing=TimingModel(speedup=SPEEDUP),
         speedup=SPEEDUP,
     )
-    offline = summarize("approx", outcomes(simulate(records, Policy.APPROX, cfg)))
+    offline = summarize("approx", outcomes(simulate(records, RouterMode.APPROX, cfg)))
     assert live_hit > 0.05  # the slice has real reuse to agree on
     assert abs(offline.hit_rate - live_hit) <= 0.05, (offline.hit_rate, live_hit)

@@ -13,7 +13,7 @@ from adapters.sglang.hicache import KvSidecarHiCacheStorage
 from refengine.host_tier import HostKVPool, PageStore, StorageConfig, create_page_store
 from refengine.page_hash import page_digests
 from refengine.presets import ModelConfig
-from refengine.tiering import HostTier
+from refengine.tiering import PageStoreClient
 from refengine.torch_compute import TorchKVStore
 from shm import BlockStoreClient
 from shm.disk_format import HEADER_BYTES
@@ -24,7 +24,7 @@ PAGE = 4
 MODEL = ModelConfig(vocab_size=64, num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
 
 
-def engine_side(socket: Path, kv: TorchKVStore) -> HostTier:
+def engine_side(socket: Path, kv: TorchKVStore) -> PageStoreClient:
     """What ``refengine.engine`` builds for ``--hicache-storage-backend dynamic``, with a
     2-page staging pool (so store calls go 2 pages at a time)."""
     config = StorageConfig(model_name="tiny-0", logical_page_size=PAGE, extra_config={
@@ -32,7 +32,7 @@ def engine_side(socket: Path, kv: TorchKVStore) -> HostTier:
         "class_name": "KvSidecarHiCacheStorage", "socket": str(socket)})
     store = create_page_store("dynamic", config)
     assert isinstance(store, PageStore) and isinstance(store, KvSidecarHiCacheStorage)
-    return HostTier(store, HostKVPool(2, PAGE, kv.page_numel, kv.dtype), kv)
+    return PageStoreClient(store, HostKVPool(2, PAGE, kv.page_numel, kv.dtype), kv)
 
 
 def test_an_engine_loads_pages_evicted_to_disk(sock_dir: Path, tmp_path: Path) -> None:

@@ -16,7 +16,6 @@ from adapters.base import (
     ADAPTERS,
     AdapterConfig,
     AdapterError,
-    EngineExtraMissingError,
     EngineKind,
     EventEndpoint,
     create_adapter,
@@ -29,6 +28,7 @@ from adapters.trtllm.adapter import TrtllmAdapter
 from adapters.trtllm.sources import LlmApiEventSource, require_tensorrt_llm
 from adapters.vllm.adapter import VllmAdapter
 from kvcore.events import AllBlocksCleared, BlockStored, Tier
+from kvcore.extras import MissingExtraError
 from kvcore.requests import RequestKind, TokenizedRequest
 from tests.unit.adapters import trtllm_fixtures as trt
 from tests.unit.adapters.fake_engines import FakeSGLangPublisher, FakeTrtllmServer
@@ -175,7 +175,7 @@ def test_tensorrt_llm_is_imported_lazily_with_a_clear_message() -> None:
     assert "tensorrt_llm" not in sys.modules
     if "tensorrt_llm" in sys.modules or _importable("tensorrt_llm"):
         pytest.skip("tensorrt_llm is installed here")
-    with pytest.raises(EngineExtraMissingError, match=r"kvsidecar\[trtllm\]"):
+    with pytest.raises(MissingExtraError, match=r"kvsidecar\[trtllm\]"):
         require_tensorrt_llm()
 
 

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 
-from adapters.base import EngineExtraMissingError
 from adapters.storage.link import StoreMismatchError
 from adapters.trtllm import connector as trt
 from adapters.trtllm.connector_core import ConnectorMetadata, ConnectorSettings, rank_namespace
+from kvcore.extras import MissingExtraError
 from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
 from shm import BlockStoreClient
@@ -276,7 +276,7 @@ def test_metadata_survives_the_broadcast() -> None:
 def test_without_tensorrt_llm_the_module_imports_and_names_the_extra() -> None:
     """No tensorrt_llm: stand-in bases, and the config helper names the trtllm extra."""
     assert trt.TRTLLM_AVAILABLE is False
-    with pytest.raises(EngineExtraMissingError, match=r"kvsidecar\[trtllm\]"):
+    with pytest.raises(MissingExtraError, match=r"kvsidecar\[trtllm\]"):
         trt.kv_connector_config()
     for name in ("get_num_new_matched_tokens", "build_connector_meta", "request_finished",
                  "update_state_after_alloc"):

@@ -115,7 +115,7 @@ def test_host_pool_hands_out_consecutive_rows_again_after_free() -> None:
 def test_tier_moves_pages_through_a_small_staging_pool() -> None:
     """More pages than staging holds move byte for byte; pages the store has are skipped."""
     from refengine.presets import ModelConfig
-    from refengine.tiering import HostTier
+    from refengine.tiering import PageStoreClient
     from refengine.torch_compute import TorchKVStore
 
     cfg = ModelConfig(
@@ -130,11 +130,11 @@ def test_tier_moves_pages_through_a_small_staging_pool() -> None:
     src, dst = TorchKVStore(cfg, 12, P), TorchKVStore(cfg, 12, P)
     src.kv.copy_(torch.randn(src.kv.shape))
     store = InProcessPageStore()
-    tier = HostTier(store, HostKVPool(3, P, src.page_numel, src.dtype), src)
+    tier = PageStoreClient(store, HostKVPool(3, P, src.page_numel, src.dtype), src)
     keys = [f"k{i}" for i in range(10)]
     assert tier.write(keys, list(range(10)), []) == 10
     assert tier.write(keys, list(range(10)), []) == 0  # already stored
-    back = HostTier(store, HostKVPool(3, P, dst.page_numel, dst.dtype), dst)
+    back = PageStoreClient(store, HostKVPool(3, P, dst.page_numel, dst.dtype), dst)
     assert back.count([*keys, "missing"], []) == 10
     assert back.load(keys, [11, 10, 9, 8, 7, 6, 5, 4, 3, 2], []) == 10
     assert torch.equal(dst.read_pages([11, 10, 2]), src.read_pages([0, 1, 9]))

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from replay.offline import FleetConfig, Policy, outcomes, simulate
+from replay.offline import FleetConfig, outcomes, simulate
 from replay.summary import summarize
 from replay.traces import load_trace
+from routing.config import RouterMode
 
 SHARED = Path(__file__).resolve().parents[4] / "shared" / "traces"
 
@@ -23,8 +24,8 @@ def _cfg(**kw: object) -> FleetConfig:
     return FleetConfig(replicas=4, capacity_tokens=500_000, **kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("policy", list(Policy))
-def test_every_request_completes_in_order(slice_: list, policy: Policy) -> None:
+@pytest.mark.parametrize("policy", list(RouterMode))
+def test_every_request_completes_in_order(slice_: list, policy: RouterMode) -> None:
     """Each request is admitted after arrival, gets a first token, then finishes."""
     run = simulate(slice_, policy, _cfg())
     assert len(run.requests) == len(slice_)
@@ -40,17 +41,17 @@ def test_every_request_completes_in_order(slice_: list, policy: Policy) -> None:
 def test_kv_beats_round_robin_and_predicts_what_it_gets(slice_: list) -> None:
     """kv placement hits more than round-robin, and its predictions match the engines."""
     cfg = FleetConfig(replicas=8, capacity_tokens=500_000)
-    kv = summarize("kv", outcomes(simulate(slice_, Policy.KV, cfg)))
-    rr = summarize("rr", outcomes(simulate(slice_, Policy.ROUND_ROBIN, cfg)))
+    kv = summarize("kv", outcomes(simulate(slice_, RouterMode.KV, cfg)))
+    rr = summarize("rr", outcomes(simulate(slice_, RouterMode.ROUND_ROBIN, cfg)))
     assert kv.hit_rate > 1.5 * rr.hit_rate
     assert kv.predicted_gap < 0.01
 
 
 def test_runs_repeat_exactly_with_the_same_seed(slice_: list) -> None:
     """Same seed, same placements and times (random policy included)."""
-    a = simulate(slice_, Policy.RANDOM, _cfg(seed=3))
-    b = simulate(slice_, Policy.RANDOM, _cfg(seed=3))
-    c = simulate(slice_, Policy.RANDOM, _cfg(seed=4))
+    a = simulate(slice_, RouterMode.RANDOM, _cfg(seed=3))
+    b = simulate(slice_, RouterMode.RANDOM, _cfg(seed=3))
+    c = simulate(slice_, RouterMode.RANDOM, _cfg(seed=4))
     assert [r.worker for r in a.requests] == [r.worker for r in b.requests]
     assert [r.e2e for r in a.requests] == [r.e2e for r in b.requests]
     assert [r.worker for r in a.requests] != [r.worker for r in c.requests]
@@ -58,8 +59,8 @@ def test_runs_repeat_exactly_with_the_same_seed(slice_: list) -> None:
 
 def test_speedup_compresses_arrivals_and_raises_latency(slice_: list) -> None:
     """Arriving 4× faster on the same fleet makes TTFT worse, never better."""
-    base = summarize("a", outcomes(simulate(slice_, Policy.LEAST_LOADED, _cfg())))
-    fast = summarize("b", outcomes(simulate(slice_, Policy.LEAST_LOADED, _cfg(speedup=4.0))))
+    base = summarize("a", outcomes(simulate(slice_, RouterMode.LEAST_LOADED, _cfg())))
+    fast = summarize("b", outcomes(simulate(slice_, RouterMode.LEAST_LOADED, _cfg(speedup=4.0))))
     assert fast.ttft_p50 > base.ttft_p50
     assert math.isfinite(fast.itl_p99)
 

@@ -11,7 +11,7 @@ import pytest
 
 from refengine.timing import SimTiming, TimingModel
 from replay.config import ReplayConfig, build_parser
-from replay.offline import Policy
+from routing.config import RouterMode
 from tests.support.options import as_flag_default, refusal
 
 NOT_OPTIONS = {"help", "config", "traces"}
@@ -35,7 +35,7 @@ def test_the_flags_defaults_are_the_fields() -> None:
     cfg = ReplayConfig.from_args(["t.jsonl", "--offline"])
     assert cfg == ReplayConfig(traces=("t.jsonl",), offline=True)
     assert cfg.fleet(4096).timing == TimingModel()
-    assert cfg.chosen_policies == (list(Policy), True)
+    assert cfg.chosen_policies == (list(RouterMode), True)
 
 
 def test_a_config_file_sets_the_options(tmp_path: Path) -> None:
@@ -45,7 +45,7 @@ def test_a_config_file_sets_the_options(tmp_path: Path) -> None:
                     'policy = ["kv", "oracle"]\nsim_decode_base_ms = 4\n')
     cfg = ReplayConfig.from_args(["a.jsonl", "b.csv", "--config", str(path), "--replicas", "2"])
     assert (cfg.traces, cfg.replicas, cfg.capacity_share) == (("a.jsonl", "b.csv"), 2, 0.2)
-    assert cfg.chosen_policies == ([Policy.KV], True)
+    assert cfg.chosen_policies == ([RouterMode.KV], True)
     assert cfg.fleet(4096).timing.decode_base_s == 0.004
 
 

@@ -9,9 +9,10 @@ import pytest
 
 from refengine.timing import TimingModel
 from replay.notes import Stored
-from replay.offline import FleetConfig, Policy, simulate
+from replay.offline import FleetConfig, simulate
 from replay.replica import ReplicaSim, SimRequest
 from replay.traces import TraceRecord, load_trace
+from routing.config import RouterMode
 
 SHARED = Path(__file__).resolve().parents[4] / "shared" / "traces"
 
@@ -85,8 +86,8 @@ def test_a_full_cache_queues_requests_and_returns_every_page() -> None:
     assert replica.cache.cached_pages <= replica.cache.capacity_pages
 
 
-@pytest.mark.parametrize("policy", [Policy.KV, Policy.ROUND_ROBIN])
-def test_closed_forms_match_stepping_one_by_one(policy: Policy) -> None:
+@pytest.mark.parametrize("policy", [RouterMode.KV, RouterMode.ROUND_ROBIN])
+def test_closed_forms_match_stepping_one_by_one(policy: RouterMode) -> None:
     """On a real, overloaded trace slice the closed forms reproduce every step exactly."""
     records = load_trace(SHARED / "conversation_trace.jsonl", limit=500)
     fast = simulate(records, policy, FleetConfig(replicas=3, capacity_tokens=400_000))

@@ -12,7 +12,6 @@ from routing.config import RouterConfig, WorkerAddress
 from routing.flags import gateway_config
 from routing.pd.coordinator import (
     DEFAULT_RESERVE_TOKENS,
-    DecodePoolFull,
     FailurePolicy,
     PdCoordinator,
     PdMode,
@@ -20,6 +19,7 @@ from routing.pd.coordinator import (
 )
 from routing.pipeline.pair import _error_of
 from routing.placement.kv_router import KvRouter
+from routing.placement.refusal import Refusal
 from routing.prompt.preparer import PreparedPrompt
 from routing.serve.gateway import Gateway
 from routing.workers.registry import Role, Worker, WorkerKind, WorkerRegistry
@@ -146,8 +146,8 @@ class TestPairPlacement:
         first = pd.place(_prompt(160), 64)  # 14 of 20 blocks
         assert isinstance(first, PdPair) and (first.prefill.worker_id, first.decode.worker_id) \
             == ("p", "d")
-        with pytest.raises(DecodePoolFull):
-            pd.place(_prompt(160), 64)
+        full = pd.place(_prompt(160), 64)
+        assert isinstance(full, Refusal) and full.busy
         waiter = asyncio.ensure_future(pd.place_waiting(_prompt(160), 64))
         await wait_for(lambda: pd.metrics.waiting == 1, "the request to wait")
         pd.release(first)
@@ -160,14 +160,18 @@ class TestPairPlacement:
         pd, _ = _pd(queue_timeout_s=0.05)
         assert isinstance(pd.place(_prompt(160), 64), PdPair)
         refused = await pd.place_waiting(_prompt(160), 64)
-        assert isinstance(refused, str) and "every decode worker is full" in refused
+        assert refused == Refusal(503, "every decode worker is full (the request needs 14 KV "
+                                  "blocks); waited 0.05s, retry later", "service_unavailable",
+                                  retry_after_s=1)
         assert pd.metrics.backpressure_rejects == 1
 
     def test_a_request_larger_than_any_decode_worker_is_refused_at_once(self) -> None:
         """Waiting cannot help a request that needs more blocks than any worker has."""
         pd, _ = _pd()
         refused = pd.place(_prompt(1000), 64)
-        assert isinstance(refused, str) and "no decode worker has that many" in refused
+        assert isinstance(refused, Refusal) and not refused.busy
+        assert (refused.status, refused.retry_after_s) == (503, 1)
+        assert "no decode worker has that many" in refused.message
 
     def test_how_the_pair_shares_the_kv(self) -> None:
         """One host: the handoff goes over shm; a bootstrap pair shares one room."""
@@ -178,7 +182,7 @@ class TestPairPlacement:
         assert (handoff.prefill_url, handoff.transport) == ("http://127.0.0.1:9001", "shm")
         assert handoff.early_first_token is False  # the fallback policy waits on the outcome
         legs = pd.bootstrap(pair)
-        assert not isinstance(legs, str)
+        assert not isinstance(legs, Refusal)
         prefill, decode = legs
         assert (prefill.role, decode.role, prefill.host, prefill.port) == (
             "prefill", "decode", "10.0.0.1", 8998)

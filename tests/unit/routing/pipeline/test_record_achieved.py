@@ -13,10 +13,11 @@ from kvcore import BlockHasher, Namespace
 from kvcore.events import BlockStored, Tier
 from routing.config import RouterMode
 from routing.metrics import GatewayMetrics
-from routing.pipeline.place import Refusal, place_aggregated
+from routing.pipeline.place import place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
 from routing.placement.policies import make_policy
+from routing.placement.refusal import Refusal
 from routing.placement.scorer import Placement, Reason, TierOverlap
 from routing.prompt.preparer import PreparedPrompt
 from tests.unit.routing.pipeline.test_stages import client, context, plain

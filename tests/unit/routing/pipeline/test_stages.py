@@ -20,11 +20,12 @@ from routing.pipeline.admission import Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.legs import Leg, LegTarget
-from routing.pipeline.place import Refusal, place_aggregated
+from routing.pipeline.place import place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
+from routing.placement.refusal import Refusal
 from routing.placement.scorer import Placement, TierOverlap
 from routing.prompt.openai_api import Endpoint, parse_request
 from routing.prompt.preparer import PromptPreparer
@@ -185,7 +186,7 @@ class TestPlace:
         """No worker: 503; every one tried: 502; every one at the cap: 429."""
         ctx = context()
         assert place_aggregated(ctx, self.prompt(ctx), set()) == Refusal(
-            503, "no healthy worker is available", "service_unavailable")
+            503, "no healthy worker is available", "service_unavailable", retry_after_s=1)
         a = plain("a")
         ctx = context(a)
         refused = place_aggregated(ctx, self.prompt(ctx), {"a"})

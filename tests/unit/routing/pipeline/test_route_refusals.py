@@ -1,14 +1,14 @@
-"""The routes workers' engines refused (``routing.pipeline.refusals``): remembered for a
+"""The routes workers' engines refused (``routing.pipeline.route_refusals``): remembered for a
 while, then asked again."""
 
 from __future__ import annotations
 
-from routing.pipeline.refusals import Refusals
+from routing.pipeline.route_refusals import RouteRefusals
 
 
 def test_a_refusal_is_remembered_until_its_deadline() -> None:
     """A refused route is refused for ``ttl_s``, for that worker and route only."""
-    refusals = Refusals(ttl_s=60.0)
+    refusals = RouteRefusals(ttl_s=60.0)
     refusals.add("w1", b"/v1/embeddings", now=100.0)
     assert refusals.refuses("w1", b"/v1/embeddings", now=159.0)
     assert not refusals.refuses("w2", b"/v1/embeddings", now=159.0)
@@ -20,18 +20,18 @@ def test_a_refusal_is_remembered_until_its_deadline() -> None:
 
 def test_expired_refusals_are_forgotten() -> None:
     """Once every refusal expired, none is remembered (placement skips the check)."""
-    refusals = Refusals(ttl_s=0.0)
+    refusals = RouteRefusals(ttl_s=0.0)
     assert not refusals
     refusals.add("w1", b"/v1/embeddings")
     assert not refusals
-    remembered = Refusals(ttl_s=60.0)
+    remembered = RouteRefusals(ttl_s=60.0)
     remembered.add("w1", b"/v1/embeddings")
     assert remembered
 
 
 def test_not_served_names_the_workers_that_refused() -> None:
     """The reason names the routable workers that refused, lately or for this request."""
-    refusals = Refusals(ttl_s=60.0)
+    refusals = RouteRefusals(ttl_s=60.0)
     refusals.add("w1", b"/v1/embeddings")
     why = refusals.not_served(b"/v1/embeddings", ["w2"], ["w1", "w2", "w3"])
     assert why is not None and "POST /v1/embeddings" in why and "w1, w2 refused" in why

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["REFUSAL_TTL_S", "Refusals"]
+__all__ = ["REFUSAL_TTL_S", "RouteRefusals"]
 
 REFUSAL_TTL_S = 60.0
 
 
-class Refusals:
+class RouteRefusals:
     """(worker, route) pairs refused lately, each until its deadline (monotonic seconds)."""
 
     __slots__ = ("_until", "ttl_s")
