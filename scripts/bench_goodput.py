@@ -10,11 +10,14 @@ requests in flight, each quiet tenant ``--quiet-clients``: together far more tha
 fleet's slots, so every tenant is backlogged and the queue decides who is served. The same
 load runs twice on fresh stacks, with the queue ordered by the tenants' fair shares
 (``--queue-order fair``, ours) and first come, first served (``fcfs``, the baseline: what a
-least-loaded router with a queue gives), for ``--duration-s`` each.
+least-loaded router with a queue gives), for ``--warmup-s`` and then ``--duration-s`` each.
 
-Per tenant: requests served, tokens served (prompt + completion, from the replies' usage),
-TTFT p50 and p99 at the client. Jain's fairness index over the tenants' tokens served
-(divided by their weights): 1 when every tenant got the same share, 1/n when one got all.
+Per tenant, over the requests sent after the warm-up and finished within the run: requests
+served, tokens served (prompt + completion, from the replies' usage), TTFT p50 and p99 at
+the client. (The warm-up is the start, when every client sends at once and the slots go to
+whoever arrives first, before any request waits.) Jain's fairness index over the tenants'
+tokens served (divided by their weights): 1 when every tenant got the same share, 1/n when
+one got all.
 
 Prints a table per ordering; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``
 with ``fairness_vs_least_loaded`` (ours / the baseline's Jain index, target >= 1) and
@@ -69,7 +72,7 @@ def jain(values: list[float]) -> float:
 
 
 async def client(session: aiohttp.ClientSession, url: str, tenant: Tenant, seed: int,
-                 until: float, args: argparse.Namespace) -> None:
+                 counted_from: float, until: float, args: argparse.Namespace) -> None:
     rng = random.Random(seed)
     headers = {"authorization": f"Bearer {tenant.name}-key"}
     while time.perf_counter() < until:
@@ -95,6 +98,8 @@ async def client(session: aiohttp.ClientSession, url: str, tenant: Tenant, seed:
                 usage = chunk.get("usage") or usage
         if time.perf_counter() > until:
             break  # finished after the window: not counted, for either ordering
+        if t0 < counted_from:
+            continue  # sent during the warm-up
         tenant.requests += 1
         if first is not None:
             tenant.ttft_s.append(first)
@@ -105,9 +110,10 @@ async def client(session: aiohttp.ClientSession, url: str, tenant: Tenant, seed:
 async def drive(url: str, tenants: list[Tenant], args: argparse.Namespace) -> None:
     timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
     connector = aiohttp.TCPConnector(limit=0)
-    until = time.perf_counter() + args.duration_s
+    counted_from = time.perf_counter() + args.warmup_s
+    until = counted_from + args.duration_s
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(client(session, url, t, i * 1000 + c, until, args)
+        await asyncio.gather(*(client(session, url, t, i * 1000 + c, counted_from, until, args)
                                for i, t in enumerate(tenants) for c in range(t.clients)))
 
 
@@ -167,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quiet-clients", type=int, default=4)
     p.add_argument("--prompt-words", type=int, default=200)
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--duration-s", type=float, default=20.0, help="of each ordering's run")
+    p.add_argument("--warmup-s", type=float, default=3.0,
+                   help="of each ordering's run, before requests are counted")
+    p.add_argument("--duration-s", type=float, default=20.0,
+                   help="of each ordering's run, counted")
     p.add_argument("--queue-timeout-s", type=float, default=120.0)
     add_json_flag(p)
     args = p.parse_args(argv)

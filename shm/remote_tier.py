@@ -50,6 +50,7 @@ log = structlog.get_logger(component="shm")
 BlockKey = tuple[int, int]
 WRITE_POLICIES = ("through", "evict")
 _RETRY_S = (0.1, 5.0)  # the watcher's reconnect backoff, first and longest
+_WATCH_POLL_S = 1.0  # the watcher looks at whether the tier is closing this often
 _REMOVED = (b"del", b"expired", b"evicted")
 
 
@@ -100,6 +101,7 @@ class RemoteTier:
             self.keys, self.value_bytes, write=write, max_pending_bytes=max_pending_bytes,
             holds=self.contains, client=lambda: self._client, written=self._written)
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False  # aclose began: the watcher connects no more
         self._notify: Callable[[], None] = lambda: None
         self._log = HostEventLog(worker_id, Tier.REMOTE)
         self.num_reads = self.num_read_bytes = self.num_misses = self.num_corrupt = 0
@@ -119,7 +121,13 @@ class RemoteTier:
                  write=self.write)
 
     async def aclose(self) -> None:
-        """Send what is queued (within the timeout), stop, disconnect."""
+        """Send what is queued (within the timeout), stop, disconnect.
+
+        The tasks get the timeout to end once cancelled, then are left: a shutdown must not
+        hang on the store's client. (A sidecar stopped while its watcher was still connecting
+        once went on to connect and follow the store after the cancel, until SIGKILL left its
+        shared-memory segment behind.)"""
+        self._closing = True
         if self._client is not None and self._writes.num_queued:
             try:
                 await asyncio.wait_for(self._writes.flush(), self.timeout_s)
@@ -127,7 +135,10 @@ class RemoteTier:
                 log.warning("remote_tier_unflushed", blocks=self._writes.num_queued)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:  # (the watcher sees _closing within _WATCH_POLL_S)
+            _, stuck = await asyncio.wait(self._tasks, timeout=self.timeout_s)
+            if stuck:
+                log.warning("remote_tier_tasks_stuck", tasks=sorted(t.get_name() for t in stuck))
         self._tasks = []
         self._writes.detach()
         await self._disconnect()
@@ -145,7 +156,7 @@ class RemoteTier:
     async def _watch(self) -> None:
         """Follow the store; reconnect with backoff while it is away."""
         delay = _RETRY_S[0]
-        while True:
+        while not self._closing:
             try:
                 await self._follow()
             except asyncio.CancelledError:
@@ -180,14 +191,20 @@ class RemoteTier:
             await self._turn_on_notifications(client)
             await pubsub.psubscribe(self.keys.channel_pattern)
             held = await self._scan(client)
+            if self._closing:
+                return
             self._client = client
             self._index = held
             if held:
                 self._announce(list(held))
                 self._notify()
             log.info("remote_tier_connected", url=_redacted(self.url), blocks=len(held))
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+            while not self._closing:
+                # a bounded wait, so that a closing tier stops here even if its cancel is lost
+                msg = await pubsub.get_message(ignore_subscribe_messages=True,
+                                               timeout=_WATCH_POLL_S)
+                if msg is None:
+                    continue
                 batch = [msg]
                 while (more := await pubsub.get_message(ignore_subscribe_messages=True)):
                     batch.append(more)
