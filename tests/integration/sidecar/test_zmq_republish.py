@@ -19,7 +19,7 @@ import zmq.asyncio
 from kvsidecar.launch import ManagedProcess
 from tests.support.polling import eventually
 from tests.support.processes import ProcessGroup
-from tests.support.vllm_router import VllmRouter, vllm_router_binary
+from tests.support.vllm_router import VllmRouter
 
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
@@ -187,7 +187,6 @@ def _frames(frames: list[bytes]) -> tuple[int, bytes]:
 
 
 @pytest.mark.peers
-@pytest.mark.skipif(vllm_router_binary() is None, reason="vllm-router is not installed (peers)")
 async def test_vllm_router_kv_aware_follows_the_republished_prefixes(
     tmp_path: Path, procs: ProcessGroup[ManagedProcess], session: aiohttp.ClientSession
 ) -> None:
