@@ -136,6 +136,13 @@ class BlockHasher:
             raise ValueError(f"a block has {self.block_size} tokens, got {len(block_tokens)}")
         return self.hash_tokens(block_tokens, seed, parent)[0]
 
+    def root_seed(self, first_block_hash: int, block_tokens: Sequence[int]) -> int:
+        """The namespace seed a chain's first block was hashed under, recovered from its hash
+        and tokens (``S_{-1} = (fmix64⁻¹(h_0) − local(b_0)) · CHAIN_MUL⁻¹``): what a consumer
+        of events, which name no namespace, files a chain under."""
+        local = fmix64_inverse(self.chain(None, block_tokens, 0))  # S_0 of seed 0 = local(b_0)
+        return ((fmix64_inverse(first_block_hash) - local) * _CHAIN_MUL_INV) & _MASK
+
     # --- the two equivalent paths --------------------------------------------------
 
     def _packed(self, token_ids: Sequence[int], n: int) -> array[int]:
