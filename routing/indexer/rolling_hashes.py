@@ -52,7 +52,9 @@ def rolling_hashes(token_ids: Sequence[int], block_size: int, seed: int,
                    parent: int | None = None) -> list[int]:
     """The ``seq_hash`` of every full block of ``token_ids``, continuing after ``parent``
     (the ``seq_hash`` of the block before them; None: they start the sequence)."""
-    tokens = array("I", token_ids[: len(token_ids) // block_size * block_size])
+    tokens = array("I")
+    full = token_ids[: len(token_ids) // block_size * block_size]
+    tokens.fromlist(full if isinstance(full, list) else list(full))  # the fastest u32 packing
     if _BIG_ENDIAN:
         tokens.byteswap()
     raw = tokens.tobytes()

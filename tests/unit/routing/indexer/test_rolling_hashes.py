@@ -49,9 +49,11 @@ def test_the_rfc_scheme_byte_by_byte() -> None:
 
 def test_root_seed_recovers_the_namespace_of_a_chain() -> None:
     """A first block's hash and tokens give back the namespace seed it was hashed under."""
-    for ns in (NS, namespace_seed("m", "lora", "salt"), 0, (1 << 64) - 1):
-        first = HASHER.hash_tokens(TOKENS, ns)[0]
-        assert HASHER.root_seed(first, TOKENS[:BS]) == ns
+    for hasher in (HASHER, BlockHasher(5), BlockHasher(1)):
+        size = hasher.block_size
+        for ns in (NS, namespace_seed("m", "lora", "salt"), 0, (1 << 64) - 1):
+            first = hasher.hash_tokens(TOKENS, ns)[0]
+            assert hasher.root_seed(first, TOKENS[:size]) == ns
 
 
 def indexed() -> tuple[PrefixIndex, RollingHashMap]:
