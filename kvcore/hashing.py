@@ -136,6 +136,22 @@ class BlockHasher:
             raise ValueError(f"a block has {self.block_size} tokens, got {len(block_tokens)}")
         return self.hash_tokens(block_tokens, seed, parent)[0]
 
+    def root_seed(self, first_block_hash: int, block_tokens: Sequence[int]) -> int:
+        """The namespace seed a chain's first block was hashed under, recovered from its hash
+        and tokens (``S_{-1} = (fmix64⁻¹(h_0) − local(b_0)) · CHAIN_MUL⁻¹``): what a consumer
+        of events, which name no namespace, files a chain under."""
+        if len(block_tokens) != self.block_size:
+            raise ValueError(f"a block has {self.block_size} tokens, got {len(block_tokens)}")
+        tokens = list(block_tokens)
+        for token in tokens:
+            if type(token) is not int or not 0 <= token <= 0xFFFFFFFF:
+                raise TokenIdError(f"token ids must be integers in [0, 2**32): {token!r}")
+        if len(tokens) % 2:
+            tokens.append(0)  # a zero token pads an odd tail
+        local = sum(fmix64(((tokens[2 * k] | tokens[2 * k + 1] << 32) + key) & _MASK)
+                    for k, key in enumerate(self._lane_keys))
+        return ((fmix64_inverse(first_block_hash) - local) * _CHAIN_MUL_INV) & _MASK
+
     # --- the two equivalent paths --------------------------------------------------
 
     def _packed(self, token_ids: Sequence[int], n: int) -> array[int]:

@@ -8,9 +8,10 @@ publishers and ask what each instance holds, in the API of Mooncake's RFC #1403
   ``replay_endpoint``) as DP rank ``dp_rank`` of ``instance_id`` under ``tenant_id``
   (``indexer_registry``); ``POST /unregister`` stops it and forgets its blocks;
 * ``POST /query`` (token ids, hashed as the gateway hashes them) and ``POST /query_by_hash``
-  (our canonical hashes, ``hash_scheme: "kvsidecar-v1"``): per instance registered under the
-  tenant for that model and block size, ``longest_matched`` and the tokens on each medium
-  and DP rank;
+  (the RFC's XXH3-64 rolling hashes with seed ``--xxh3-seed``, kept for every stored block
+  from its events' token ids; or ours, ``hash_scheme: "kvsidecar-v1"``): per instance
+  registered under the tenant for that model and block size, ``longest_matched`` and the
+  tokens on each medium and DP rank;
 * ``GET /workers`` (every registration and what the index holds of it), ``/health``,
   ``/metrics``.
 
@@ -45,6 +46,7 @@ from routing.indexer.requests import (
     parse_register,
     parse_unregister,
 )
+from routing.indexer.rolling_hashes import DEFAULT_XXH3_SEED
 
 __all__ = ["IndexerConfig", "build_app", "main", "query"]
 
@@ -71,12 +73,17 @@ class IndexerConfig:
     idle_probe_s: float = option(1.0, group=_EVENTS,
                                  help="while a publisher is quiet, ask its replay socket this "
                                  "often for batches the live socket dropped")
+    xxh3_seed: int = option(DEFAULT_XXH3_SEED, group=_EVENTS, metavar="SEED",
+                            help="the seed S of the RFC's XXH3-64 rolling hashes, which "
+                            "/query_by_hash takes (Dynamo's is 1337)")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.replay_timeout_s <= 0 or self.idle_probe_s <= 0:
             raise ValueError("replay_timeout_s and idle_probe_s must be > 0")
+        if not 0 <= self.xxh3_seed < 1 << 64:
+            raise ValueError(f"xxh3_seed must be a u64, got {self.xxh3_seed}")
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None) -> IndexerConfig:
@@ -103,7 +110,8 @@ def query(registrations: Registrations, q: IndexQuery) -> bytes:
                           param="block_size")
     tenant = q.tenant_id or DEFAULT_TENANT
     return answer(q, registrations.index, registrations.hasher(q.block_size), tenant,
-                  q.cache_salt, registrations.instances(tenant, q.model, q.block_size))
+                  q.cache_salt, registrations.instances(tenant, q.model, q.block_size),
+                  registrations.rolling)
 
 
 def _json(status: int, body: bytes) -> web.Response:
@@ -190,7 +198,7 @@ def build_app(registrations: Registrations) -> web.Application:
 
 async def serve(cfg: IndexerConfig) -> int:
     registrations = Registrations(replay_timeout_s=cfg.replay_timeout_s,
-                                  idle_probe_s=cfg.idle_probe_s)
+                                  idle_probe_s=cfg.idle_probe_s, xxh3_seed=cfg.xxh3_seed)
     runner = web.AppRunner(build_app(registrations), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

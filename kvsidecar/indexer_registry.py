@@ -39,6 +39,7 @@ from kvcore.errors import OpenAIError
 from kvcore.events import KVEvent, Tier
 from routing.indexer.answer import INSTANCE_NOT_FOUND, Rank
 from routing.indexer.requests import Registration, Unregistration
+from routing.indexer.rolling_hashes import DEFAULT_XXH3_SEED, RollingHashMap
 from routing.placement.prefix_index import PrefixIndex
 
 __all__ = ["PUBLISHER_TYPES", "Registrations", "registration_key"]
@@ -98,8 +99,12 @@ class _Followed:
 class Registrations:
     """The registered publishers, their subscribers, and the index they feed."""
 
-    def __init__(self, *, replay_timeout_s: float = 2.0, idle_probe_s: float = 1.0) -> None:
+    def __init__(self, *, replay_timeout_s: float = 2.0, idle_probe_s: float = 1.0,
+                 xxh3_seed: int = DEFAULT_XXH3_SEED) -> None:
         self.index = PrefixIndex()
+        # Every stored block's XXH3 rolling hash too, for /query_by_hash in the RFC's scheme.
+        self.rolling = RollingHashMap(xxh3_seed)
+        self.index.observer = self.rolling
         self.metrics = AdapterMetrics("indexer")
         self._replay_timeout_s = replay_timeout_s
         self._idle_probe_s = idle_probe_s
@@ -130,6 +135,10 @@ class Registrations:
                 raise OpenAIError(400, f"POST /register: '{name}' {address!r} is no ZMQ "
                                   f"endpoint; it starts with one of {list(_ZMQ_SCHEMES)}",
                                   param=name)
+        if reg.hash_seed is not None and reg.hash_seed != self.rolling.seed:
+            raise OpenAIError(400, f"POST /register: 'hash_seed' is {reg.hash_seed}, but this "
+                              f"indexer keeps XXH3 rolling hashes with seed {self.rolling.seed} "
+                              "(kvsidecar indexer --xxh3-seed)", param="hash_seed")
         key = registration_key(reg.instance_id, reg.tenant_id, reg.dp_rank)
         if key in self._followed:
             raise OpenAIError(409, f"POST /register: {key!r} (instance|tenant|dp_rank) is "
@@ -200,7 +209,8 @@ class Registrations:
 
     def state(self) -> list[dict[str, Any]]:
         """``GET /workers``: every registration, whether its publisher is connected, what
-        the index holds of it."""
+        the index holds of it (per tier; ``xxh3_blocks``: those ``/query_by_hash`` finds by
+        their XXH3 rolling hashes, counted once per tier)."""
         known = set(self.index.worker_ids)
         return [
             {
@@ -210,6 +220,7 @@ class Registrations:
                 "error": f.error,
                 "cached_blocks": {t.name.lower(): self.index.num_blocks(key, t) if key in known
                                   else 0 for t in Tier},
+                "xxh3_blocks": self.rolling.num_translated(key),
             }
             for key, f in self._followed.items()
         ]

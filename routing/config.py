@@ -133,6 +133,11 @@ class RouterConfig:
     approx_ttl_s: float = option(
         120.0, group=_PLACEMENT, help="how long a routed prefix counts as cached without events")
     seed: int | None = option(None, group=_PLACEMENT, help="seed of the random choices (tests)")
+    xxh3_seed: int | None = option(
+        None, group=_PLACEMENT, metavar="SEED", default_text="off",
+        help="also keep each indexed block's XXH3-64 rolling hash with this seed (1337 is "
+        "Dynamo's), computed at ingest from its events' token ids, so the KV indexer API's "
+        "/query_by_hash answers in the Mooncake RFC's scheme (docs/indexer-api.md)")
 
     # Admission control (routing/pipeline/admission.py): busy thresholds, the waiting queue,
     # and x-session-id affinity.
@@ -336,6 +341,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not 1 <= self.block_size <= 4096:
             raise ValueError(f"block_size must be in [1, 4096], got {self.block_size}")
+        if self.xxh3_seed is not None and not 0 <= self.xxh3_seed < 1 << 64:
+            raise ValueError(f"xxh3_seed must be a u64, got {self.xxh3_seed}")
         for name in (
             "approx_ttl_s",
             "health_check_interval_s",

@@ -34,8 +34,8 @@ import zmq
 from benchkit import Report, add_json_flag, print_table, progress
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_vllm_router import VllmRouter, vllm_router_binary
 from tests.support.processes import ProcessGroup
-from tests.support.vllm_router import VllmRouter, vllm_router_binary
 
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})

@@ -22,7 +22,8 @@ import orjson
 from kvcore import BlockHasher, namespace_seed
 from kvcore.errors import OpenAIError
 from kvcore.events import Tier
-from routing.indexer.requests import IndexQuery
+from routing.indexer.requests import UNSUPPORTED_HASH_SCHEME, HashScheme, IndexQuery
+from routing.indexer.rolling_hashes import RollingHashMap
 from routing.placement.prefix_index import PrefixIndex
 
 __all__ = ["INSTANCE_NOT_FOUND", "MEDIUM_NAMES", "Rank", "answer", "answer_query"]
@@ -70,10 +71,13 @@ def answer(
     tenant_id: str,
     salt: str | None,
     instances: Mapping[str, Sequence[Rank]],
+    rolling: RollingHashMap | None,
+    no_rolling: str = "",
 ) -> bytes:
     """The JSON answer to a ``/query`` or ``/query_by_hash`` in scope: the tenant answered
     for, the namespace salt its blocks are hashed in, the instances it may see (narrowed to
-    ``query.instance_id``: an unknown one is a 404)."""
+    ``query.instance_id``: an unknown one is a 404). XXH3 ``seq_hashes`` are translated by
+    ``rolling``; None: this index keeps none (``no_rolling`` says how to make it)."""
     if query.instance_id is not None:
         ranks = instances.get(query.instance_id)
         if ranks is None:
@@ -81,10 +85,29 @@ def answer(
                               f"{tenant_id!r}; there are {sorted(instances)}",
                               param="instance_id", code=INSTANCE_NOT_FOUND)
         instances = {query.instance_id: ranks}
+    seed = namespace_seed(query.model, query.lora_name, salt)
     if query.token_ids is not None:
-        seed = namespace_seed(query.model, query.lora_name, salt)
         block_hashes = hasher.hash_tokens(query.token_ids, seed)
+    elif query.hash_scheme is HashScheme.XXH3_64:
+        block_hashes = _translated(query, rolling, seed, no_rolling)
     else:
         block_hashes = query.seq_hashes or []
     return orjson.dumps({tenant_id: answer_query(index, block_hashes, hasher.block_size,
                                                  instances)})
+
+
+def _translated(query: IndexQuery, rolling: RollingHashMap | None, namespace: int,
+                no_rolling: str) -> list[int]:
+    """Our hashes of a query's XXH3 ``seq_hashes``, or a 400 when this index keeps no XXH3
+    hashes or keeps them with another seed than the query's."""
+    if rolling is None:
+        raise OpenAIError(400, "POST /query_by_hash: this index keeps no XXH3-64 rolling "
+                          f"hashes (the RFC's scheme){no_rolling}; send "
+                          "'hash_scheme': 'kvsidecar-v1' with our canonical hashes, or POST "
+                          "/query with the token_ids", param="hash_scheme",
+                          code=UNSUPPORTED_HASH_SCHEME)
+    if query.hash_seed is not None and query.hash_seed != rolling.seed:
+        raise OpenAIError(400, f"POST /query_by_hash: 'hash_seed' is {query.hash_seed}, but "
+                          f"this index hashes with XXH3 seed {rolling.seed}: hashes of "
+                          "another seed match nothing here", param="hash_seed")
+    return rolling.canonical(namespace, query.seq_hashes or [])

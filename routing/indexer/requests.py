@@ -43,23 +43,25 @@ _MAX_BLOCK_SIZE = 4096  # kvcore.hashing.BlockHasher's bound
 
 
 class HashScheme(enum.StrEnum):
-    """What the numbers of ``/query_by_hash`` are."""
+    """What the numbers of ``/query_by_hash`` are (``hash_scheme``, our extension)."""
 
+    # The RFC's, and the default: XXH3-64 rolling sequence hashes over little-endian u32
+    # tokens, with a seed (``hash_seed``) the index was started with (``rolling_hashes``).
+    XXH3_64 = "xxh3-64"
     # Ours (kvcore/hashing.py): chained under the namespace seed (model, LoRA, salt).
     KVSIDECAR_V1 = "kvsidecar-v1"
-    # The RFC's: XXH3-64 rolling sequence hashes over little-endian u32 tokens. Named so a
-    # request can say so and be told, precisely, that this index does not keep them.
-    XXH3_64 = "xxh3-64"
 
 
 _REGISTER_FIELDS = ("endpoint", "replay_endpoint", "type", "modelname", "lora_name",
-                    "tenant_id", "instance_id", "block_size", "dp_rank", "additionalsalt")
+                    "tenant_id", "instance_id", "block_size", "dp_rank", "additionalsalt",
+                    "hash_seed")
 _UNREGISTER_FIELDS = ("type", "modelname", "lora_name", "tenant_id", "instance_id",
                       "block_size", "dp_rank")
 _QUERY_COMMON = ("model", "lora_name", "lora_id", "tenant_id", "instance_id", "block_size",
                  "cache_salt")
 _QUERY_FIELDS = (*_QUERY_COMMON, "token_ids")
-_QUERY_BY_HASH_FIELDS = (*_QUERY_COMMON, "seq_hashes", "block_hash", "hash_scheme")
+_QUERY_BY_HASH_FIELDS = (*_QUERY_COMMON, "seq_hashes", "block_hash", "hash_scheme",
+                         "hash_seed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +78,7 @@ class Registration:
     lora_name: str | None = None
     tenant_id: str = DEFAULT_TENANT
     additionalsalt: str | None = None
+    hash_seed: int | None = None  # the XXH3 seed the client will query with (our extension)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,7 @@ class IndexQuery:
     token_ids: list[int] | None = None
     seq_hashes: list[int] | None = None
     hash_scheme: HashScheme | None = None
+    hash_seed: int | None = None  # XXH3_64 only: the seed the client hashed with
     lora_name: str | None = None
     tenant_id: str | None = None
     instance_id: str | None = None
@@ -153,6 +157,9 @@ class _Fields:
                        f"got {got}", name)
         return value
 
+    def optional_integer(self, name: str, low: int, high: int) -> int | None:
+        return None if self.obj.get(name) is None else self.integer(name, low, high)
+
     def integers(self, name: str, low: int, high: int) -> list[int] | None:
         value = self.obj.get(name)
         if value is None:
@@ -195,6 +202,7 @@ def parse_register(body: bytes) -> Registration:
         lora_name=f.text("lora_name"),
         tenant_id=_tenant(f),
         additionalsalt=f.text("additionalsalt"),
+        hash_seed=f.optional_integer("hash_seed", 0, _U64),
     )
 
 
@@ -238,7 +246,9 @@ def parse_query(body: bytes) -> IndexQuery:
 
 def parse_query_by_hash(body: bytes) -> IndexQuery:
     """``POST /query_by_hash``'s body (required: model, seq_hashes or its older name
-    block_hash, block_size, and ``hash_scheme: "kvsidecar-v1"``: see ``HashScheme``).
+    block_hash, block_size). ``hash_scheme`` (our extension) says whose hashes they are: the
+    RFC's ``xxh3-64`` when omitted, with an optional ``hash_seed`` the answering index checks
+    against its own; or ours, ``kvsidecar-v1``.
 
     Hashes are u64; a negative i64 is taken as the u64 with the same bits (clients whose JSON
     stops at i64 send them so, as Dynamo's indexer reads them)."""
@@ -255,22 +265,17 @@ def parse_query_by_hash(body: bytes) -> IndexQuery:
         raise _bad(f"{route}: 'seq_hashes' is required (an array of u64 block hashes)",
                    "seq_hashes")
     raw_scheme = f.text("hash_scheme")
-    scheme = None
+    scheme = HashScheme.XXH3_64
     if raw_scheme is not None:
         try:
             scheme = HashScheme(raw_scheme)
         except ValueError:
             raise _bad(f"{route}: unknown 'hash_scheme' {raw_scheme!r}; known: "
-                       f"{[s.value for s in HashScheme]}", "hash_scheme",
-                       UNSUPPORTED_HASH_SCHEME) from None
-    if scheme is not HashScheme.KVSIDECAR_V1:
-        said = "the RFC's XXH3-64 rolling hashes (no 'hash_scheme' given)" if scheme is None \
-            else "XXH3-64 rolling hashes"
-        raise _bad(
-            f"{route}: this index keys blocks by kvsidecar's canonical chained hashes "
-            f"(kvcore/hashing.py, seeded by the namespace of model, lora_name and salt), not "
-            f"{said}, and keeps no tokens to translate them; send "
-            f"'hash_scheme': '{HashScheme.KVSIDECAR_V1.value}' with our hashes, or POST "
-            "/query with the token_ids",
-            "hash_scheme", UNSUPPORTED_HASH_SCHEME)
-    return IndexQuery(seq_hashes=[h & _U64 for h in hashes], hash_scheme=scheme, **common)
+                       f"{[s.value for s in HashScheme]} (the RFC's XXH3-64 rolling hashes "
+                       "when omitted)", "hash_scheme", UNSUPPORTED_HASH_SCHEME) from None
+    seed = f.optional_integer("hash_seed", 0, _U64)
+    if seed is not None and scheme is not HashScheme.XXH3_64:
+        raise _bad(f"{route}: 'hash_seed' is the seed of the xxh3-64 scheme; "
+                   f"{scheme.value!r} hashes take none", "hash_seed")
+    return IndexQuery(seq_hashes=[h & _U64 for h in hashes], hash_scheme=scheme,
+                      hash_seed=seed, **common)

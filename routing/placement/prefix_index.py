@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvcore.events import (
     BlockRemoved,
@@ -43,7 +44,7 @@ from routing.placement.index_image import (
 from routing.placement.index_stats import ApplyOutcome, IndexStats
 from routing.placement.worker_blocks import WorkerBlocks
 
-__all__ = ["ApplyOutcome", "IndexStats", "PrefixIndex"]
+__all__ = ["ApplyOutcome", "IndexObserver", "IndexStats", "PrefixIndex"]
 
 _NUM_TIERS = len(Tier)
 
@@ -58,11 +59,23 @@ class _Worker:
     tiers: list[WorkerBlocks] = field(default_factory=list)
 
 
+class IndexObserver(Protocol):
+    """Told what the index holds as it changes (the indexer API's XXH3 translation table:
+    ``routing.indexer.rolling_hashes``); None, the default, costs one test per event."""
+
+    def applied(self, event: KVEvent) -> None:
+        """An event was applied (never a duplicate or a stale one)."""
+
+    def worker_reset(self, worker_id: str, snapshot: WorkerSnapshot | None) -> None:
+        """The worker's blocks were replaced: by ``snapshot``, or by nothing."""
+
+
 class PrefixIndex:
     """Leading-block overlap of a request with every worker's cache, per tier."""
 
     def __init__(self) -> None:
         self.stats = IndexStats()
+        self.observer: IndexObserver | None = None
         self._workers: dict[str, _Worker] = {}
         self._names: list[str | None] = []  # slot → worker id (None: free slot)
         self._free_slots: list[int] = []
@@ -84,6 +97,8 @@ class PrefixIndex:
             self._clear_worker(worker)
             worker.epoch, worker.seq = event.epoch, 0
             self.stats.new_epochs += 1
+            if self.observer is not None:
+                self.observer.worker_reset(worker.worker_id, None)
             outcome = ApplyOutcome.NEW_EPOCH
         seq = event.seq
         if seq <= worker.seq:
@@ -102,6 +117,8 @@ class PrefixIndex:
         else:
             self._clear_tier(worker, event.tier)
         self.stats.events_applied += 1
+        if self.observer is not None:
+            self.observer.applied(event)
         return outcome
 
     def remove_worker(self, worker_id: str) -> bool:
@@ -113,6 +130,8 @@ class PrefixIndex:
         slot = worker.bit.bit_length() - 1
         self._names[slot] = None
         self._free_slots.append(slot)
+        if self.observer is not None:
+            self.observer.worker_reset(worker_id, None)
         return True
 
     def needs_resync(self, worker_id: str) -> bool:
@@ -260,6 +279,8 @@ class PrefixIndex:
                 tier_blocks.block_hashes, tier_blocks.parent_hashes, strict=True
             ):
                 self._store(worker, tier_blocks.tier, (block,), parent)
+        if self.observer is not None:
+            self.observer.worker_reset(snapshot.worker_id, snapshot)
 
     def snapshot(self) -> IndexSnapshot:
         return IndexSnapshot(
@@ -310,6 +331,9 @@ class PrefixIndex:
     def load_image(self, image: IndexImage) -> None:
         """Replace the whole index with an image's; on ``WireError`` it is left as it was."""
         loaded = unpack_workers(image, _NUM_TIERS)
+        if self.observer is not None:  # an image has no tokens: nothing left to translate
+            for worker_id in self._workers:
+                self.observer.worker_reset(worker_id, None)
         workers: dict[str, _Worker] = {}
         heads: list[dict[int, int]] = [{} for _ in Tier]
         names: list[str | None] = [None] * (max((w.slot for w in image.workers), default=-1) + 1)

@@ -189,7 +189,7 @@ class Gateway:
             spawn=self.spawn,
         )
         self.indexer = IndexerRoutes(self.router, self.workers, self.prompts.hasher,
-                                     self.model_names)
+                                     self.model_names, cfg.xxh3_seed)
         self.auth = api_keys(cfg)
         self.sidecar_token = (
             None if cfg.sidecar_token_file is None

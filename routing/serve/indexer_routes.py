@@ -10,6 +10,10 @@ namespace, so a query hashes under the caller's tenant salt and may ask only for
 tenant (``tenant_id`` omitted: the caller's). Without keys there is one namespace, answered as
 the RFC's tenant ``default``.
 
+``/query_by_hash`` takes the RFC's XXH3-64 rolling hashes when the gateway keeps them
+(``--xxh3-seed``: ``routing.indexer.rolling_hashes``, fed by the index at ingest), and our
+canonical hashes (``hash_scheme: "kvsidecar-v1"``) always.
+
 ``POST /register`` and ``/unregister`` are parsed (a malformed body is told what is wrong)
 and then refused: the gateway's workers come from its sidecars, each of which follows its
 engine's own event stream.
@@ -30,6 +34,7 @@ from routing.indexer.requests import (
     parse_register,
     parse_unregister,
 )
+from routing.indexer.rolling_hashes import RollingHashMap
 from routing.pipeline.admit import tenant_cache_salt
 from routing.placement.kv_router import KvRouter
 from routing.serve.auth import Tenant
@@ -59,11 +64,16 @@ class IndexerRoutes:
         workers: WorkerRegistry,
         hasher: BlockHasher,
         model_names: Callable[[], Sequence[str]],
+        xxh3_seed: int | None = None,
     ) -> None:
+        """``xxh3_seed``: keep the index's blocks' XXH3 rolling hashes too (``--xxh3-seed``),
+        for ``/query_by_hash`` in the RFC's scheme; None: it takes our hashes only."""
         self._router = router
         self._workers = workers
         self._hasher = hasher
         self._model_names = model_names
+        self.rolling = None if xxh3_seed is None else RollingHashMap(xxh3_seed)
+        router.index.observer = self.rolling
 
     def answer(self, path: bytes, body: bytes, tenant: Tenant | None) -> bytes:
         """The JSON answer of one of ``INDEXER_PATHS``; raises ``OpenAIError``."""
@@ -97,7 +107,8 @@ class IndexerRoutes:
                               param="block_size")
         tenant_id, salt = _namespace_salt(query, tenant)
         return answer(query, self._router.index, self._hasher, tenant_id, salt,
-                      self._instances())
+                      self._instances(), self.rolling,
+                      " (start the gateway with --xxh3-seed 1337, Dynamo's seed, to keep them)")
 
     def _instances(self) -> dict[str, list[Rank]]:
         out: dict[str, list[Rank]] = {}

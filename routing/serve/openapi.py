@@ -157,10 +157,12 @@ def document(model_names: Sequence[str] = ()) -> dict[str, Any]:
             "/query": _index_query("KV indexer API: what each instance holds of these tokens",
                                    model, {"token_ids": _U32_LIST}, "token_ids"),
             "/query_by_hash": _index_query(
-                "KV indexer API: what each instance holds of these block hashes (ours: "
-                "hash_scheme kvsidecar-v1)", model,
+                "KV indexer API: what each instance holds of these block hashes (the RFC's "
+                "XXH3-64 rolling hashes with the gateway's --xxh3-seed, or ours: hash_scheme "
+                "kvsidecar-v1)", model,
                 {"seq_hashes": {"type": "array", "items": {"type": "integer"}},
-                 "hash_scheme": {"type": "string", "enum": ["kvsidecar-v1"]}}, "seq_hashes"),
+                 "hash_scheme": {"type": "string", "enum": ["xxh3-64", "kvsidecar-v1"]},
+                 "hash_seed": {"type": "integer", "minimum": 0}}, "seq_hashes"),
         },
     }
 

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from kvcore import BlockHasher, namespace_seed
+from routing.indexer.rolling_hashes import rolling_hashes
 from tests.integration.stack.test_stack import Stack, start_stack, stop_stack
 from tests.support.gateway import routable
 from tests.support.polling import eventually
@@ -30,7 +31,7 @@ ZERO = {"longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "DP": 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(tmp_path_factory.mktemp("indexer"))
+    s = start_stack(tmp_path_factory.mktemp("indexer"), gateway_flags=("--xxh3-seed", "1337"))
     yield s
     stop_stack(s)
 
@@ -94,6 +95,29 @@ async def test_query_by_hash_in_our_scheme(stack, session, served) -> None:  # t
     assert body["default"][served]["GPU"] == 2 * BLOCK
 
 
+async def test_query_by_hash_in_the_rfc_scheme_answers_as_query(stack, session, served) -> None:  # type: ignore[no-untyped-def]
+    """The prompt's XXH3-64 rolling hashes (seed 1337, as the gateway was started), sent as
+    the RFC's example sends them (no hash_scheme), answer exactly as /query with its token
+    ids; a prefix of them counts block_size × its length; a hash_seed of another seed is a
+    400 naming ours."""
+    rfc = {"model": "tiny", "block_size": BLOCK, "tenant_id": "default",
+           "seq_hashes": rolling_hashes(PROMPT, BLOCK, 1337)}
+    await eventually(lambda: _gpu(session, stack.url, OURS, served), "indexed", 10, 0.05)
+    _, by_tokens = await post(session, f"{stack.url}/query", OURS)
+    status, body = await post(session, f"{stack.url}/query_by_hash", rfc)
+    assert (status, body) == (200, by_tokens)
+    status, body = await post(session, f"{stack.url}/query_by_hash",
+                              {**rfc, "seq_hashes": rfc["seq_hashes"][:3], "hash_seed": 1337,
+                               "instance_id": served})
+    assert status == 200 and body["default"][served]["longest_matched"] == 3 * BLOCK, body
+    status, body = await post(session, f"{stack.url}/query_by_hash",
+                              {**rfc, "seq_hashes": rolling_hashes(PROMPT, BLOCK, 0)})
+    assert body["default"][served]["longest_matched"] == 0  # another seed matches nothing
+    status, body = await post(session, f"{stack.url}/query_by_hash", {**rfc, "hash_seed": 0})
+    assert (status, body["error"]["param"]) == (400, "hash_seed")
+    assert "1337" in body["error"]["message"]
+
+
 async def _gpu(session: aiohttp.ClientSession, url: str, query: Any, worker: str) -> bool:
     status, body = await post(session, f"{url}/query", query)
     assert status == 200 and body["default"][worker]["GPU"] > 0, body
@@ -108,7 +132,12 @@ async def _gpu(session: aiohttp.ClientSession, url: str, query: Any, worker: str
         ("/query", {**RFC_QUERY, "model": "tiny"}, 400, None, "block_size"),
         ("/query", {**RFC_QUERY, "model": "tiny", "block_size": BLOCK, "tenant_id": "acme"},
          400, None, "tenant_id"),
-        ("/query_by_hash", RFC_QUERY_BY_HASH, 400, "unsupported_hash_scheme", "hash_scheme"),
+        ("/query_by_hash", RFC_QUERY_BY_HASH, 404, "model_not_found", "model"),
+        ("/query_by_hash", {**RFC_QUERY_BY_HASH, "model": "tiny", "block_size": BLOCK,
+                            "hash_scheme": "sha256"}, 400, "unsupported_hash_scheme",
+         "hash_scheme"),
+        ("/query_by_hash", {**RFC_QUERY_BY_HASH, "seq_hashes": ["0x1f"]}, 400, None,
+         "seq_hashes"),
         ("/register", RFC_REGISTER, 400, "registration_not_supported", None),
         ("/unregister", RFC_UNREGISTER, 400, "registration_not_supported", None),
         ("/register", {**RFC_REGISTER, "weight": 2}, 400, None, "weight"),

@@ -13,10 +13,15 @@ import pytest
 
 from kvcore import BlockHasher, namespace_seed
 from kvsidecar.launch import ManagedProcess
+from routing.indexer.rolling_hashes import rolling_hashes
 from tests.integration.stack.test_stack import EVENTS
 from tests.support.polling import eventually
 from tests.unit.adapters.fake_engines import FakeVllmPublisher
-from tests.unit.routing.indexer.test_requests import RFC_REGISTER, RFC_UNREGISTER
+from tests.unit.routing.indexer.test_requests import (
+    RFC_QUERY_BY_HASH,
+    RFC_REGISTER,
+    RFC_UNREGISTER,
+)
 
 pytestmark = pytest.mark.slow
 BLOCK = 16
@@ -111,6 +116,11 @@ async def test_dp_ranks_and_tenants_of_real_engines(engines, indexer, session) -
     status, by_hash = await post(session, f"{indexer}/query_by_hash", {
         **query, "seq_hashes": hashes, "hash_scheme": "kvsidecar-v1"})
     assert (status, by_hash) == (200, a)
+    # And so do the RFC's XXH3-64 rolling hashes (seed 1337, the indexer's default), as the
+    # RFC's example sends them: no hash_scheme.
+    status, by_hash = await post(session, f"{indexer}/query_by_hash", {
+        **query, "seq_hashes": rolling_hashes(PROMPT_A, BLOCK, 1337)})
+    assert (status, by_hash) == (200, a)
     # Unregistering a rank takes its blocks out of the answers.
     status, body = await post(session, f"{indexer}/unregister", {
         "type": "SGLang", "modelname": "tiny", "instance_id": "node-a", "block_size": BLOCK,
@@ -151,6 +161,42 @@ async def test_tiers_and_registration_salt_from_a_vllm_publisher(indexer, sessio
                        "DP": {"0": 64}}
         status, body = await post(session, f"{indexer}/query", {**query, "cache_salt": None})
         assert body["default"]["vllm-1"]["longest_matched"] == 0  # another namespace
+        # The same prompt by its XXH3 rolling hashes: the same answer, in the same namespace.
+        by_hash = {"model": "tiny", "block_size": BLOCK, "cache_salt": "w8a8",
+                   "seq_hashes": rolling_hashes(tokens, BLOCK, 1337)}
+        status, body = await post(session, f"{indexer}/query_by_hash", by_hash)
+        assert (status, body["default"]["vllm-1"]) == (200, got)
+        async with session.get(f"{indexer}/workers") as resp:
+            (worker,) = await resp.json()
+        assert worker["xxh3_blocks"] == 6, worker  # 2 on the GPU, 4 on the CPU
+        status, body = await post(session, f"{indexer}/query_by_hash",
+                                  {**by_hash, "cache_salt": None})
+        assert body["default"]["vllm-1"]["longest_matched"] == 0
+        # Evicted from the GPU, the blocks answer from the CPU alone; evicted there too, the
+        # translation goes with them.
+        await publisher.remove([1, 2])
+
+        async def evicted(route: str, body: dict[str, Any]) -> dict[str, Any]:
+            status, answer = await post(session, f"{indexer}{route}", body)
+            assert status == 200 and answer["default"]["vllm-1"]["GPU"] == 0, answer
+            return dict(answer["default"]["vllm-1"])
+
+        gone_gpu = await eventually(lambda: evicted("/query", query), "GPU eviction", 15, 0.05)
+        assert gone_gpu == {**got, "GPU": 0}
+        assert await evicted("/query_by_hash", by_hash) == gone_gpu
+        await publisher.publish([{"type": "BlockRemoved", "block_hashes": [11, 12, 13, 14],
+                                  "medium": "CPU"}])
+
+        async def forgotten() -> bool:
+            assert await evicted("/query", query) == {**got, "longest_matched": 0, "GPU": 0,
+                                                       "CPU": 0, "DP": {"0": 0}}
+            return True
+
+        await eventually(forgotten, "CPU eviction", 15, 0.05)
+        assert await evicted("/query_by_hash", by_hash) == await evicted("/query", query)
+        async with session.get(f"{indexer}/workers") as resp:
+            (worker,) = await resp.json()
+        assert worker["xxh3_blocks"] == 0, worker
     finally:
         await publisher.aclose()
 
@@ -179,6 +225,22 @@ async def test_rfc_examples_and_refusals(indexer, session) -> None:  # type: ign
     assert (status, body["error"]["param"]) == (400, "block_size")
     status, body = await post(session, f"{indexer}/query", {**query, "model": "other"})
     assert (status, body["error"]["code"]) == (404, "model_not_found")
+    # The RFC's /query_by_hash example: at the registered block size, an answer (nothing is
+    # held); as written (block 64), the block size is refused; bad hashes and seeds are 400s.
+    status, body = await post(session, f"{indexer}/query_by_hash",
+                              {**RFC_QUERY_BY_HASH, "block_size": 128})
+    assert (status, body) == (200, {"default": {"vllm-prefill-node1": {
+        "longest_matched": 0, "GPU": 0, "CPU": 0, "DISK": 0, "REMOTE": 0, "DP": {"0": 0}}}})
+    for bad, param in (({}, "block_size"), ({"block_size": 128, "hash_seed": 7}, "hash_seed"),
+                       ({"block_size": 128, "seq_hashes": [1, "2"]}, "seq_hashes"),
+                       ({"block_size": 128, "hash_scheme": "sha256_cbor"}, "hash_scheme")):
+        status, body = await post(session, f"{indexer}/query_by_hash",
+                                  {**RFC_QUERY_BY_HASH, **bad})
+        assert (status, body["error"]["param"]) == (400, param), body
+    status, body = await post(session, f"{indexer}/register",
+                              {**RFC_REGISTER, "dp_rank": 1, "hash_seed": 0})
+    assert (status, body["error"]["param"]) == (400, "hash_seed")
+    assert "--xxh3-seed" in body["error"]["message"]
     status, body = await post(session, f"{indexer}/unregister", {**RFC_UNREGISTER,
                                                                  "type": "SGLang"})
     assert (status, body["error"]["param"]) == (400, "type")

@@ -17,9 +17,9 @@ import zmq
 import zmq.asyncio
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_vllm_router import VllmRouter
 from tests.support.polling import eventually
 from tests.support.processes import ProcessGroup
-from tests.support.vllm_router import VllmRouter
 
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})

@@ -89,13 +89,25 @@ def test_optional_fields_default_as_the_rfc_says() -> None:
     assert (query.tenant_id, query.instance_id, query.lora_name) == (None, None, None)
 
 
-def test_rfc_query_by_hash_example_is_refused_naming_the_scheme() -> None:
-    """The RFC's XXH3-64 seq_hashes are not our hashes: a 400 that names the scheme we take."""
-    err = refusal(parse_query_by_hash, RFC_QUERY_BY_HASH)
+def test_rfc_query_by_hash_example_reads_every_field() -> None:
+    """The RFC's /query_by_hash example parses as XXH3-64 rolling hashes (the RFC's scheme,
+    no hash_scheme needed), every field kept; a hash_seed, when sent, is kept for the index
+    to check."""
+    assert parse_query_by_hash(body(RFC_QUERY_BY_HASH)) == IndexQuery(
+        model="deepseek", block_size=64, seq_hashes=[1234567890, 9876543210],
+        hash_scheme=HashScheme.XXH3_64, lora_name="sql-adapter", tenant_id="default",
+        instance_id="vllm-prefill-node1", cache_salt="w8a8")
+    q = parse_query_by_hash(body({**RFC_QUERY_BY_HASH, "hash_scheme": "xxh3-64",
+                                  "hash_seed": 1337}))
+    assert (q.hash_scheme, q.hash_seed) == (HashScheme.XXH3_64, 1337)
+    assert parse_register(body({**RFC_REGISTER, "hash_seed": 7})).hash_seed == 7
+
+
+def test_an_unknown_hash_scheme_is_refused_naming_those_taken() -> None:
+    """Another scheme (vLLM's sha256, say) is a 400 unsupported_hash_scheme naming ours."""
+    err = refusal(parse_query_by_hash, {**RFC_QUERY_BY_HASH, "hash_scheme": "sha256"})
     assert err.code == UNSUPPORTED_HASH_SCHEME and err.param == "hash_scheme"
-    assert "kvsidecar-v1" in err.message and "XXH3-64" in err.message
-    err = refusal(parse_query_by_hash, {**RFC_QUERY_BY_HASH, "hash_scheme": "xxh3-64"})
-    assert err.code == UNSUPPORTED_HASH_SCHEME
+    assert "kvsidecar-v1" in err.message and "xxh3-64" in err.message
 
 
 def test_query_by_hash_in_our_scheme() -> None:
@@ -131,6 +143,14 @@ def test_query_by_hash_takes_the_older_name_block_hash() -> None:
         (parse_query, {k: v for k, v in RFC_QUERY.items() if k != "model"}, "model"),
         (parse_query, {**RFC_QUERY, "tenant_id": 5}, "tenant_id"),
         (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "hash_scheme": "sha256"}, "hash_scheme"),
+        (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "hash_seed": -1}, "hash_seed"),
+        (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "hash_seed": "1337"}, "hash_seed"),
+        (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "hash_seed": 1,
+                               "hash_scheme": "kvsidecar-v1"}, "hash_seed"),
+        (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "seq_hashes": ["0x1f"]}, "seq_hashes"),
+        (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "seq_hashes": 5}, "seq_hashes"),
+        (parse_register, body({**RFC_REGISTER, "hash_seed": 1})
+         .replace(b'"hash_seed":1', b'"hash_seed":18446744073709551616'), "hash_seed"),
         (parse_query_by_hash, body({**RFC_QUERY_BY_HASH, "hash_scheme": "kvsidecar-v1"})
          .replace(b"1234567890", b"18446744073709551616"), "seq_hashes"),  # 2**64
         (parse_query_by_hash, {**RFC_QUERY_BY_HASH, "seq_hashes": [1.5],

@@ -12,6 +12,7 @@ from kvcore import BlockHasher, namespace_seed
 from kvcore.errors import OpenAIError
 from kvcore.events import BlockStored, Tier
 from routing.config import WorkerAddress
+from routing.indexer.rolling_hashes import DEFAULT_XXH3_SEED, rolling_hashes
 from routing.placement.kv_router import KvRouter
 from routing.serve.auth import Tenant
 from routing.serve.indexer_routes import IndexerRoutes
@@ -24,7 +25,7 @@ TOKENS = list(range(10, 10 + 3 * BS))
 ACME = Tenant("acme", "a1b2", RateLimits())
 
 
-def routes(*, salt: str | None = None) -> IndexerRoutes:
+def routes(*, salt: str | None = None, xxh3_seed: int | None = None) -> IndexerRoutes:
     """Two sidecar workers, DP ranks 0 and 1 of 'node'; rank 1 holds TOKENS in ``salt``'s
     namespace."""
     router = KvRouter(block_size=BS)
@@ -32,9 +33,10 @@ def routes(*, salt: str | None = None) -> IndexerRoutes:
     address = WorkerAddress.parse("http://127.0.0.1:9000")
     for rank in (0, 1):
         registry.add(Worker(f"node/dp{rank}", address, WorkerKind.SIDECAR, dp_rank=rank))
+    r = IndexerRoutes(router, registry, HASHER, lambda: ["m"], xxh3_seed)
     blocks = HASHER.hash_tokens(TOKENS, namespace_seed("m", None, salt))
-    router.apply(BlockStored("node/dp1", 1, 1, Tier.GPU, blocks))
-    return IndexerRoutes(router, registry, HASHER, lambda: ["m"])
+    router.apply(BlockStored("node/dp1", 1, 1, Tier.GPU, blocks, None, TOKENS))
+    return r
 
 
 def ask(r: IndexerRoutes, body: dict[str, Any], tenant: Tenant | None = None,
@@ -90,3 +92,38 @@ def test_registration_is_refused_after_it_parses() -> None:
     with pytest.raises(OpenAIError) as info:
         ask(routes(), {**reg, "dp_rank": "0"}, path=b"/register")
     assert info.value.param == "dp_rank"
+
+
+def by_hash(tokens: list[int], seed: int = DEFAULT_XXH3_SEED, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "block_size": BS, "seq_hashes": rolling_hashes(tokens, BS, seed),
+            **extra}
+
+
+def test_query_by_hash_in_the_rfc_scheme_answers_as_query() -> None:
+    """With --xxh3-seed, a prompt's XXH3 rolling hashes answer exactly as its token ids, in
+    the caller's tenant namespace too; a prefix of them counts block_size × its length."""
+    r = routes(xxh3_seed=DEFAULT_XXH3_SEED)
+    assert ask(r, by_hash(TOKENS), path=b"/query_by_hash") == ask(r, QUERY)
+    two = ask(r, by_hash(TOKENS[: 2 * BS], hash_seed=DEFAULT_XXH3_SEED), path=b"/query_by_hash")
+    assert two["default"]["node"]["DP"] == {"0": 0, "1": 2 * BS}
+    salted = routes(salt="a1b2", xxh3_seed=DEFAULT_XXH3_SEED)
+    assert ask(salted, by_hash(TOKENS), ACME, b"/query_by_hash") == ask(salted, QUERY, ACME)
+    assert ask(salted, by_hash(TOKENS), ACME, b"/query_by_hash")["acme"]["node"]["GPU"] == 12
+    assert ask(salted, by_hash(TOKENS), path=b"/query_by_hash")["default"]["node"] == ask(
+        salted, QUERY)["default"]["node"]  # unsalted: nothing, as /query
+
+
+@pytest.mark.parametrize(
+    ("seed", "body", "param", "says"),
+    [
+        (None, by_hash(TOKENS), "hash_scheme", "--xxh3-seed"),  # the gateway keeps none
+        (DEFAULT_XXH3_SEED, by_hash(TOKENS, 7, hash_seed=7), "hash_seed", "seed 1337"),
+    ],
+)
+def test_xxh3_refusals(seed: int | None, body: dict[str, Any], param: str, says: str) -> None:
+    """Without --xxh3-seed, or with a query of another seed, /query_by_hash in the RFC's
+    scheme is a 400 that says what to do."""
+    with pytest.raises(OpenAIError) as info:
+        ask(routes(xxh3_seed=seed), body, path=b"/query_by_hash")
+    assert (info.value.status, info.value.param) == (400, param)
+    assert says in info.value.message

@@ -1,11 +1,12 @@
-"""vllm-router (``pip install vllm-router``, the ``peers`` extra) as a child process: the
-consumer our republished vLLM-format events are proved against (tests, and
-``scripts/bench_vllm_router.py``).
+"""vllm-router (``pip install vllm-router``, the ``peers`` extra) run locally as a subprocess:
+the consumer our republished vLLM-format events are proved against (its tests, and
+``scripts/bench_vllm_router.py``), as ``local_vllm``, ``local_redis`` and ``local_nats`` run
+the other programs of someone else's that tests and benchmarks need.
 
 It cannot bind port 0 and report it, so it gets a port found free just before (the one case
-where a test picks a port). With ``debug`` its log says how far it read each event source
-(``kv_index live sequence advanced``), which ``applied_seq`` reads: a test waits on that
-instead of hoping the router has read an event.
+where a test picks a port). Ready once ``GET /health`` answers 200. With ``debug`` its log
+says how far it read each event source (``kv_index live sequence advanced``), which
+``applied_seq`` reads: a test waits on that instead of hoping the router has read an event.
 """
 
 from __future__ import annotations
