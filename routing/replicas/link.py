@@ -6,6 +6,7 @@ default ``kvsidecar.<model>``)::
 
     <prefix>.load.<replica_id>   each replica's batches (it subscribes to <prefix>.load.*)
     <prefix>.resync              "replica X, publish a snapshot"
+    <prefix>.settle              "replica X, publish a batch now" (a held new prompt's owner)
 
 One publisher task sends each event-loop tick's events (``SharedLoad.outbox``) as one batch,
 so the request path only appends to a list; with nothing to say for a heartbeat interval
@@ -35,8 +36,10 @@ from routing.replicas.messages import (
     ReplicaBatch,
     ReplicaEvent,
     ResyncRequest,
+    SettleRequest,
     decode_batch,
     decode_resync,
+    decode_settle,
     encode,
 )
 from routing.replicas.metrics import ReplicaMetrics
@@ -79,14 +82,18 @@ class ReplicaLink:
         self.peers.on_change = self._peers_changed
         self._share = router.peer_share = PeerShare(self.replica_id)
         self.hold = PromptHold(router, self._share, new_prompt_window_s)
+        self.hold.ask_owner = self._ask_to_settle
+        self._settles_due: set[str] = set()  # replicas to ask for a batch (``SettleRequest``)
         self.heartbeat_s = peer_timeout_s / 3
         self.subject = f"{subject_prefix}.load.{self.replica_id}"
         self._all_subjects = f"{subject_prefix}.load.*"
         self._resync_subject = f"{subject_prefix}.resync"
+        self._settle_subject = f"{subject_prefix}.settle"
         self._wake = asyncio.Event()
         load.on_outbox = self._wake.set
         self._seq = 0
         self._snapshot_due = True
+        self._settled_sent = 0.0  # the last batch's ``settled_at``
         self._nc: Any = None
         self.metrics = m = ReplicaMetrics()
         m.peers = self.peers.__len__
@@ -129,6 +136,7 @@ class ReplicaLink:
         )
         await nc.subscribe(self._all_subjects, cb=self._on_batch)
         await nc.subscribe(self._resync_subject, cb=self._on_resync)
+        await nc.subscribe(self._settle_subject, cb=self._on_settle)
         await self._on_connected()
 
     async def _on_connected(self) -> None:
@@ -169,6 +177,14 @@ class ReplicaLink:
             except TimeoutError:
                 pass  # nothing to say: a heartbeat
             wake.clear()
+            # What the batch may say it has settled: every request that reached this replica
+            # by now. Two turns of the event loop read them (its next poll of the sockets comes
+            # after this task's first turn) and admit them; on a busy loop, tens of requests
+            # are queued in the sockets, and a batch sent without them would tell the peers
+            # holding their prompts that this replica has none (routing/replicas/prompt_hold.py).
+            read_at = time.time()
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
             self.peers.expire()
             events = load.outbox
             if events:
@@ -176,21 +192,39 @@ class ReplicaLink:
             if not nc.is_connected:
                 self.metrics.events_dropped += len(events)
                 continue
+            settled_at = self.hold.settled_at(read_at)  # with the events: no await between
             if self._snapshot_due:
                 self._snapshot_due = False
                 self.metrics.snapshots_published += 1
-                await self._send(nc, load.snapshot(), snapshot=True)
+                await self._send(nc, load.snapshot(), True, settled_at)
             else:
-                await self._send(nc, events, snapshot=False)
+                await self._send(nc, events, False, settled_at)
+            if self._settles_due:
+                await self._ask_settles(nc)
 
-    async def _send(self, nc: Any, events: list[ReplicaEvent], snapshot: bool) -> None:
-        """Publish ``events`` as one batch (split in halves past the server's payload limit)."""
+    def _ask_to_settle(self, replica_id: str) -> None:
+        self._settles_due.add(replica_id)
+        self._wake.set()
+
+    async def _ask_settles(self, nc: Any) -> None:
+        asks, self._settles_due = self._settles_due, set()
+        for replica_id in asks:
+            try:
+                await nc.publish(self._settle_subject, encode(SettleRequest(replica_id)))
+            except self._nats.errors.Error as exc:  # the hold ends at its limit instead
+                log.warning("replica_settle_not_asked", replica_id=replica_id, error=repr(exc))
+
+    async def _send(
+        self, nc: Any, events: list[ReplicaEvent], snapshot: bool, settled_at: float
+    ) -> None:
+        """Publish ``events`` as one batch (split in halves past the server's payload limit;
+        only the last half claims ``settled_at``, the others what the batch before did)."""
         frame = encode(ReplicaBatch(self.replica_id, self._seq + 1, snapshot, events,
-                                    time.time()))
+                                    settled_at))
         if len(frame) > nc.max_payload and len(events) > 1:
             half = len(events) // 2
-            await self._send(nc, events[:half], snapshot)
-            await self._send(nc, events[half:], False)
+            await self._send(nc, events[:half], snapshot, self._settled_sent)
+            await self._send(nc, events[half:], False, settled_at)
             return
         try:
             await nc.publish(self.subject, frame)
@@ -200,6 +234,7 @@ class ReplicaLink:
             log.warning("replica_batch_dropped", events=len(events), error=repr(exc))
             return
         self._seq += 1
+        self._settled_sent = settled_at
         self.metrics.batches_published += 1
         self.metrics.events_published += len(events)
 
@@ -219,7 +254,7 @@ class ReplicaLink:
             return
         self.metrics.batches_received += 1
         ask = self.peers.apply(batch)
-        self.hold.heard(batch.replica_id, batch.sent_at)
+        self.hold.heard(batch.replica_id, batch.settled_at)
         if ask:
             self.metrics.resyncs_asked += 1
             try:
@@ -238,4 +273,14 @@ class ReplicaLink:
             return
         if request.replica_id == self.replica_id:
             self._snapshot_due = True
+            self._wake.set()
+
+    async def _on_settle(self, msg: Any) -> None:
+        try:
+            request = decode_settle(msg.data)
+        except WireError as exc:
+            self.metrics.batches_rejected += 1
+            log.warning("replica_settle_rejected", raw_len=len(msg.data), error=str(exc))
+            return
+        if request.replica_id == self.replica_id:
             self._wake.set()

@@ -4,7 +4,8 @@ A frame is one version byte and one msgpack ``ReplicaBatch`` (msgspec, array-lik
 no field names on the wire), as ``kvcore.wire`` frames events. Every batch carries its
 replica's id and a per-replica ``seq`` so a receiver sees a gap and asks for a snapshot
 (``ResyncRequest``); a batch with ``snapshot`` set lists every request the replica has in
-flight and replaces what the receiver knew of it. An empty batch is a heartbeat.
+flight and replaces what the receiver knew of it. An empty batch is a heartbeat, and the
+answer to a ``SettleRequest`` (a held new prompt's question to its owner).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ __all__ = [
     "ReplicaBatch",
     "ReplicaEvent",
     "ResyncRequest",
+    "SettleRequest",
     "decode_batch",
     "decode_resync",
+    "decode_settle",
     "encode",
 ]
 
@@ -67,9 +70,11 @@ class ReplicaBatch(msgspec.Struct, frozen=True, array_like=True):
     seq: _Count
     snapshot: bool
     events: list[ReplicaEvent]
-    # the sender's wall clock at sending (s since the epoch; 0: not given): what a held new
-    # prompt's release reads (routing/replicas/prompt_hold.py)
-    sent_at: float = 0.0
+    # the sender's wall clock (s since the epoch) as of which it had read and placed, held or
+    # answered every request that reached it (0: as of nothing): what a held new prompt's
+    # release reads (routing/replicas/prompt_hold.py). Replicas before it sent their time of
+    # sending here; read alike, that only releases a hold earlier, as they did.
+    settled_at: float = 0.0
 
 
 class ResyncRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -78,12 +83,20 @@ class ResyncRequest(msgspec.Struct, frozen=True, array_like=True):
     replica_id: str
 
 
+class SettleRequest(msgspec.Struct, frozen=True, array_like=True):
+    """Asks ``replica_id`` to publish a batch now, settled as of when it reads this: a peer
+    holds a new prompt that ``replica_id`` owns (routing/replicas/prompt_hold.py)."""
+
+    replica_id: str
+
+
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(ReplicaBatch)
 _resync_decoder = msgspec.msgpack.Decoder(ResyncRequest)
+_settle_decoder = msgspec.msgpack.Decoder(SettleRequest)
 
 
-def encode(message: ReplicaBatch | ResyncRequest) -> bytes:
+def encode(message: ReplicaBatch | ResyncRequest | SettleRequest) -> bytes:
     """One frame: the version byte, then the message as msgpack."""
     buf = bytearray(b"\x00")
     buf[0] = REPLICA_WIRE_VERSION
@@ -99,6 +112,11 @@ def decode_batch(frame: bytes) -> ReplicaBatch:
 def decode_resync(frame: bytes) -> ResyncRequest:
     """The resync request in ``frame``; ``WireError`` on anything else."""
     return _decode(frame, _resync_decoder)
+
+
+def decode_settle(frame: bytes) -> SettleRequest:
+    """The settle request in ``frame``; ``WireError`` on anything else."""
+    return _decode(frame, _settle_decoder)
 
 
 def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder[T]) -> T:

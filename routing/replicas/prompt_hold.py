@@ -18,11 +18,18 @@ once. Any other replica holds it until one of:
 
 * the owner's placement of it is heard (a peer's batch makes the prompt predicted on the
   owner's worker: no longer new, so the request follows it);
-* a batch of the owner's sent ``window_s`` or more after the hold began is heard without
-  it: the owner had not seen the prompt by then, so this replica places it (and the owner,
-  hearing that, follows it in turn). Batches carry their sender's wall clock (``sent_at``);
-  clocks apart by more than the window move it by that much;
-* ``limit_s`` passes (``LIMIT_WINDOWS`` windows): an owner with no traffic sends no batch;
+* a batch of the owner's *settled* ``window_s`` or more after the hold began is heard
+  without it: the owner had read and placed, held or answered every request that reached it
+  by then, so it had not seen the prompt, and this replica places it (the owner, hearing
+  that, follows it in turn). A batch carries its sender's wall clock as of which it has
+  settled (``settled_at``, see ``ReplicaLink``): not its sending, since a busy owner has
+  requests it has not read yet, nor those it is still tokenizing in a thread
+  (``preparing``). At the window's end this replica asks the owner for such a batch
+  (``ask_owner``): an idle owner answers at once, a busy one once it has caught up. In a
+  start-up burst that is tens of requests queued on each replica's event loop, half a
+  second on a busy host, and a hold that ended at a fixed time placed a second copy of the
+  prompt while the owner was still reading its session of it (docs/bench/replicas.md);
+* ``limit_s`` passes (``LIMIT_WINDOWS`` windows): the owner never answered;
 * the peers change, so the owner may be this replica now.
 
 The merge window is what one gateway gives for free: two sessions of a new prompt arriving
@@ -44,7 +51,7 @@ from routing.placement.peer_share import PeerShare, new_prompt_depth
 
 __all__ = ["LIMIT_WINDOWS", "HeldPrompt", "PromptHold"]
 
-LIMIT_WINDOWS = 6  # a hold ends at this many windows, whatever was heard
+LIMIT_WINDOWS = 20  # a hold ends at this many windows, whatever was heard
 
 
 class HeldPrompt(Protocol):
@@ -61,7 +68,7 @@ class _Held:
     waiter: HeldPrompt
     block_hashes: Sequence[int]
     worker_ids: Sequence[str]
-    until: float  # wall clock: an owner's batch sent from then on releases it
+    until: float  # wall clock: an owner's batch settled from then on releases it
     timer: asyncio.TimerHandle | None = None
 
 
@@ -81,8 +88,12 @@ class PromptHold:
         self._share = share
         self.window_s = window_s
         self.limit_s = window_s * LIMIT_WINDOWS
+        # asks the replica of this id for a batch settled as of now (``ReplicaLink``)
+        self.ask_owner: Callable[[str], None] = _ask_nobody
         self._wall_clock = wall_clock
         self._held: list[_Held] = []
+        self._preparing: dict[int, float] = {}  # request token → its arrival (wall clock)
+        self._next_token = 0
         self.num_held = 0  # requests held, ever
         self.num_followed = 0  # released: the owner's placement was heard (or peers changed)
         self.num_passed = 0  # released: the owner's batches passed the window without it
@@ -113,15 +124,33 @@ class PromptHold:
         if owner is None or owner == share.rank:
             return False
         held = _Held(waiter, block_hashes, worker_ids, self._wall_clock() + self.window_s)
-        held.timer = asyncio.get_running_loop().call_later(self.limit_s, self._timed_out, held)
+        held.timer = asyncio.get_running_loop().call_later(self.window_s, self._window_ended,
+                                                           held)
         self._held.append(held)
         self.num_held += 1
         return True
 
-    def heard(self, peer_id: str | None = None, sent_at: float = 0.0) -> None:
-        """A batch of ``peer_id``'s, sent at ``sent_at`` (its wall clock), was folded in, or
-        (no peer) the peers changed: release each held prompt that is no longer new (the
-        owner placed it), no longer another's, or that the owner's batches have passed."""
+    def preparing(self) -> int:
+        """A request arrived that is prepared off the event loop: until ``prepared`` (its
+        token), this replica has settled only up to its arrival."""
+        self._next_token += 1
+        self._preparing[self._next_token] = self._wall_clock()
+        return self._next_token
+
+    def prepared(self, token: int) -> None:
+        """The request ``preparing`` returned ``token`` for is placed, held or answered."""
+        self._preparing.pop(token, None)
+
+    def settled_at(self, read_at: float) -> float:
+        """The wall clock as of which every request this replica received is placed, held
+        or answered, given that it has read every request that reached it by ``read_at``:
+        the oldest arrival still being prepared off the loop, else ``read_at``."""
+        return min(self._preparing.values(), default=read_at)
+
+    def heard(self, peer_id: str | None = None, settled_at: float = 0.0) -> None:
+        """A batch of ``peer_id``'s, settled as of ``settled_at`` (its wall clock), was folded
+        in, or (no peer) the peers changed: release each held prompt that is no longer new
+        (the owner placed it), no longer another's, or that the owner has settled past."""
         if not self._held:
             return
         share = self._share
@@ -136,7 +165,7 @@ class PromptHold:
             owner = self.owner_of(held.block_hashes, held.worker_ids)
             if owner is None or owner == rank or share.count == 1:
                 followed.append(held)
-            elif peer_id == replicas[owner] and sent_at >= held.until:
+            elif peer_id == replicas[owner] and settled_at >= held.until:
                 passed.append(held)
             else:
                 keep.append(held)
@@ -152,6 +181,15 @@ class PromptHold:
         for h in held:
             self._release(h)
 
+    def _window_ended(self, held: _Held) -> None:
+        """Ask the owner for a batch settled as of now; wait for it up to the limit."""
+        share = self._share
+        owner = self.owner_of(held.block_hashes, held.worker_ids)
+        if owner is not None and owner != share.rank:
+            self.ask_owner(share.replicas[owner])
+        held.timer = asyncio.get_running_loop().call_later(
+            self.limit_s - self.window_s, self._timed_out, held)
+
     def _timed_out(self, held: _Held) -> None:
         held.timer = None
         try:
@@ -165,6 +203,10 @@ class PromptHold:
         _cancel(held)
         if not held.waiter.done:
             held.waiter.hold_released()
+
+
+def _ask_nobody(replica_id: str) -> None:
+    return None
 
 
 def _cancel(held: _Held) -> None:

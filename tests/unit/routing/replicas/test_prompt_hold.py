@@ -51,16 +51,17 @@ class Replica:
         self.hold = PromptHold(self.router, share, window_s, wall_clock=self.wall)
         self.seq = 0
 
-    def peer_batch(self, *placed: tuple[str, list[int]], sent_after_s: float = 0.0) -> None:
-        """A batch of the peer's, placing each (worker, prompt blocks), sent ``sent_after_s``
-        after now by this replica's wall clock."""
+    def peer_batch(self, *placed: tuple[str, list[int]], settled_after_s: float = 0.0) -> None:
+        """A batch of the peer's, placing each (worker, prompt blocks), settled as of
+        ``settled_after_s`` after now by this replica's wall clock."""
         self.seq += 1
         events: list[Placed | FirstToken] = [
             Placed(f"k{self.seq}-{i}", worker_id, hashes, 16 * len(hashes), 16 * len(hashes))
             for i, (worker_id, hashes) in enumerate(placed)]
-        batch = ReplicaBatch(self.peer_id, self.seq, False, events, self.wall.now + sent_after_s)
+        batch = ReplicaBatch(self.peer_id, self.seq, False, events,
+                             self.wall.now + settled_after_s)
         self.peers.apply(batch)
-        self.hold.heard(batch.replica_id, batch.sent_at)
+        self.hold.heard(batch.replica_id, batch.settled_at)
 
     def peer_placed(self, worker_id: str, hashes: list[int]) -> None:
         self.peer_batch((worker_id, hashes))
@@ -96,11 +97,57 @@ async def test_placed_here_once_the_owner_is_heard_past_the_window_without_it() 
     r = Replica(window_s=0.05)
     req = Request()
     assert r.hold.offer(req, blocks(owner_rank=1), WORKERS)
-    r.peer_batch(sent_after_s=0.049)  # the owner, as of just inside the window: wait on
+    r.peer_batch(settled_after_s=0.049)  # the owner, as of just inside the window: wait on
     assert not req.released.is_set()
-    r.peer_batch(sent_after_s=0.05)  # as of the window's end, still without it
+    r.peer_batch(settled_after_s=0.05)  # as of the window's end, still without it
     assert req.released.is_set()
     assert (r.hold.num_followed, r.hold.num_passed, r.hold.num_timed_out) == (0, 1, 0)
+
+
+async def test_an_owner_not_yet_settled_past_the_window_does_not_pass_it() -> None:
+    """The owner's batches, however late they are sent, say it has not yet read (or is
+    still tokenizing) requests from before the window's end: one may be the prompt's other
+    session, so wait on, and follow its placement instead of placing a second copy here."""
+    r = Replica(window_s=0.05)
+    prompt = blocks(owner_rank=1)
+    req = Request()
+    assert r.hold.offer(req, prompt, WORKERS)
+    r.peer_batch(settled_after_s=0.049)
+    assert not req.released.is_set()
+    r.peer_batch(("w1", prompt), settled_after_s=0.049)
+    assert req.released.is_set()
+    assert (r.hold.num_followed, r.hold.num_passed) == (1, 0)
+
+
+async def test_at_the_window_end_the_owner_is_asked_to_settle() -> None:
+    """Asked at the window's end, an idle owner answers with a batch settled past it at
+    once; a busy one when it has read its queued requests: no fixed time decides."""
+    r = Replica(window_s=0.002)
+    asked = asyncio.Event()
+    owners: list[str] = []
+    r.hold.ask_owner = lambda replica_id: (owners.append(replica_id), asked.set())
+    req = Request()
+    assert r.hold.offer(req, blocks(owner_rank=1), WORKERS)
+    await asyncio.wait_for(asked.wait(), 5)
+    assert owners == ["b"] and not req.released.is_set()
+    r.peer_batch(settled_after_s=0.002)  # its answer: settled as of the window's end
+    assert req.released.is_set()
+    assert (r.hold.num_passed, r.hold.num_timed_out) == (1, 0)
+
+
+async def test_a_replica_is_settled_as_of_its_oldest_request_in_preparation() -> None:
+    r = Replica()
+    now = r.wall.now
+    assert r.hold.settled_at(now + 1) == now + 1  # nothing prepared off the loop
+    first = r.hold.preparing()
+    r.wall.now += 0.5
+    second = r.hold.preparing()
+    assert r.hold.settled_at(now + 1) == now
+    r.hold.prepared(first)
+    assert r.hold.settled_at(now + 1) == now + 0.5
+    r.hold.prepared(second)
+    r.hold.prepared(second)  # told twice: no harm
+    assert r.hold.settled_at(now + 1) == now + 1
 
 
 async def test_only_the_owner_batches_pass_the_window() -> None:
@@ -111,7 +158,7 @@ async def test_only_the_owner_batches_pass_the_window() -> None:
     prompt = [3 * 1000 + 2, 7, 9]  # owner rank 2: "c"
     req = Request()
     assert r.hold.offer(req, prompt, WORKERS)
-    r.peer_batch(sent_after_s=1.0)  # from "b"
+    r.peer_batch(settled_after_s=1.0)  # from "b"
     assert not req.released.is_set()
     r.hold.heard("c", r.wall.now + 1.0)
     assert req.released.is_set()

@@ -16,8 +16,10 @@ from routing.replicas.messages import (
     Placed,
     ReplicaBatch,
     ResyncRequest,
+    SettleRequest,
     decode_batch,
     decode_resync,
+    decode_settle,
     encode,
 )
 from routing.replicas.peers import RemotePeers
@@ -76,6 +78,7 @@ class TestWire:
                                               FirstToken("k"), Finished("k")])
         assert decode_batch(encode(batch)) == batch
         assert decode_resync(encode(ResyncRequest("r2"))) == ResyncRequest("r2")
+        assert decode_settle(encode(SettleRequest("r3"))) == SettleRequest("r3")
 
     def test_compact(self) -> None:
         """A placement costs little more than its block hashes (no field names on the wire)."""
