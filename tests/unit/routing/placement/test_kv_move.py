@@ -10,7 +10,7 @@ from kvcore import BlockHasher, Namespace
 from kvcore.events import BlockStored, Tier
 from routing.placement.kv_move import RATIO_PRIOR, MovePlanner, PullReport, parse_pull
 from routing.placement.kv_router import KvRouter
-from routing.placement.scorer import Candidate, Reason, TierOverlap, WorkerLoad
+from routing.placement.scorer import Candidate, Pool, Reason, TierOverlap, WorkerLoad
 from sidecar.kv_move import MoveOutcome
 
 HASHER = BlockHasher(16)
@@ -96,8 +96,6 @@ class TestPlacement:
 
     def test_the_decode_pool_never_moves(self) -> None:
         """Only aggregated placement pulls: a decode worker's KV comes from its pair."""
-        from routing.placement.scorer import Pool  # noqa: PLC0415
-
         router = fleet()
         overload(router, "w0")
         placement = router.place(HASHES, len(PROMPT), ["w0", "w1"], pool=Pool.PREFILL)
