@@ -8,6 +8,10 @@ transfer service the prefill/decode handoff uses (shm on one host, NIXL across h
 where NIXL is absent); the engine then finds them through its storage hook, as it finds
 any block of its host tier, and prefills only the rest.
 
+Requests of one hot prefix come in bursts: while a pull of a prefix runs, another request
+moved here with the same prefix joins it (one pull, the engine started on each only once the
+blocks are here) instead of finding the blocks reserved and the engine recomputing them.
+
 A failed pull (the holder gone, its store evicted the blocks, no room here, a timeout) is a
 recompute: the request goes to the engine all the same, which prefills the whole prompt.
 Nothing partial becomes visible (the transfer service commits all or nothing). Either way
@@ -17,6 +21,7 @@ pull's speed from and counts.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,10 +66,23 @@ class PrefixPuller:
                  on_outcome: Callable[[MoveOutcome], None] | None = None) -> None:
         self._transfer = transfer
         self._on_outcome = on_outcome
+        # Pulls running, by (holder, prefix): a request with the same prefix joins one.
+        self._flights: dict[tuple[str, tuple[int, ...]], asyncio.Task[MoveOutcome]] = {}
 
     async def pull(self, source: PrefixSource, request_id: str) -> MoveOutcome:
-        """Bring ``source``'s prefix here; never raises for a failed transfer."""
-        outcome = await self._pull(source, request_id)
+        """Bring ``source``'s prefix here; never raises for a failed transfer. A request
+        that joins another's pull reports no blocks of its own (nothing moved for it)."""
+        key = (source.peer_url, tuple(source.block_hashes))
+        flight = self._flights.get(key)
+        if flight is not None:
+            started = time.perf_counter()
+            joined = await asyncio.shield(flight)
+            outcome = MoveOutcome(0, 0, time.perf_counter() - started, joined.error)
+        else:
+            flight = asyncio.ensure_future(self._pull(source, request_id))
+            self._flights[key] = flight
+            flight.add_done_callback(lambda _: self._flights.pop(key, None))
+            outcome = await asyncio.shield(flight)  # a cancelled request leaves it running
         if self._on_outcome is not None:
             self._on_outcome(outcome)
         return outcome

@@ -148,11 +148,17 @@ class MovePlanner:
     # --- the offer ------------------------------------------------------------------------
 
     def offer(
-        self, candidates: Sequence[Candidate], sources: Sequence[Candidate]
+        self, candidates: Sequence[Candidate], sources: Sequence[Candidate],
+        stored: Sequence[int] | None = None,
     ) -> tuple[list[Candidate], dict[str, MovePlan]]:
         """``candidates`` with the pull credited where it adds to what a worker holds, and
         the plan behind each such credit, by worker. ``sources``: every worker whose store
-        may serve the pull (the candidates and the workers too busy to be chosen)."""
+        may serve the pull (the candidates and the workers too busy to be chosen).
+        ``stored``: per candidate, the leading blocks it really holds (any tier), without
+        those only predicted there by placements in flight (None: its overlap). A worker
+        predicted to hold the prefix because a move to it is in flight is credited as it
+        is, and told to pull all the same: its sidecar joins that pull rather than let the
+        engine start before the blocks are there."""
         ratio = self.ratio()
         if ratio >= 1.0 or len(sources) < 2:
             return list(candidates), {}
@@ -167,20 +173,23 @@ class MovePlanner:
         depth = source.overlap.host
         out: list[Candidate] = []
         plans: dict[str, MovePlan] = {}
-        for c in candidates:
-            held = c.overlap.longest
+        for i, c in enumerate(candidates):
+            held = c.overlap.longest if stored is None else stored[i]
             if (c.worker_id == source.worker_id or held >= depth
                     or not self._has_store(c.worker_id)):
                 out.append(c)
                 continue
-            pulled = depth - held
+            plans[c.worker_id] = MovePlan(source.worker_id, depth)
+            predicted = c.overlap.longest
+            if predicted >= depth:
+                out.append(c)  # credited already, as the blocks a move in flight brings
+                continue
             o = c.overlap
             out.append(Candidate(
                 c.worker_id,
                 TierOverlap(o.gpu, depth, o.disk, o.remote),
                 replace(c.load, active_prefill_tokens=c.load.active_prefill_tokens
-                        + round(pulled * self.block_size * ratio))))
-            plans[c.worker_id] = MovePlan(source.worker_id, depth)
+                        + round((depth - predicted) * self.block_size * ratio))))
         return out, plans
 
     # --- feedback -------------------------------------------------------------------------

@@ -181,25 +181,28 @@ class KvRouter:
         full = [w for w in saturated if w not in exclude] if saturated else []
         # (a decode pool places by room, which a presumed load must not take away)
         share = self.peer_share if pool is not Pool.DECODE else None
-        stored: list[int] = []  # filled only for the shares
+        move = self.move if pool is Pool.AGGREGATED else None
+        stored: list[int] = []  # filled only for the shares and the moves
         scored = self.candidates(
             block_hashes,
             [*eligible, *full] if full else eligible,
-            None if share is None else stored,
+            None if share is None and move is None else stored,
         )
         n = len(eligible)
         chosen: Sequence[Candidate] = scored[:n] if full else scored
         if share is not None:
             chosen = share.adjust(chosen, stored[:n] if full else stored, len(block_hashes))
-        if self.move is None or pool is not Pool.AGGREGATED:
+        if move is None:
             return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
-        return self._place_or_move(self.move, chosen, scored, prompt_tokens, n)
+        return self._place_or_move(move, chosen, scored, stored[:n], prompt_tokens)
 
     def _place_or_move(self, move: MovePlanner, chosen: Sequence[Candidate],
-                       scored: Sequence[Candidate], prompt_tokens: int, n: int) -> Placement | None:
+                       scored: Sequence[Candidate], stored: Sequence[int],
+                       prompt_tokens: int) -> Placement | None:
         """The scorer's choice among ``chosen`` with the pull option offered (any scored
         worker's store, a busy one's too, may be the source); a move if the pull won it."""
-        offered, plans = move.offer(chosen, scored)
+        n = len(chosen)
+        offered, plans = move.offer(chosen, scored, stored)
         placement = self.scorer.place(offered, prompt_tokens, Pool.AGGREGATED, scored[n:])
         if placement is None:
             return None
@@ -207,7 +210,10 @@ class KvRouter:
         if plan is None:
             return placement
         move.planned()
-        return replace(placement, reason=Reason.MOVED, moved_from=plan.source_id)
+        o = placement.overlap  # the pulled blocks land in the worker's host tier
+        overlap = TierOverlap(o.gpu, max(o.host, plan.blocks), o.disk, o.remote)
+        return replace(placement, reason=Reason.MOVED, moved_from=plan.source_id,
+                       overlap=overlap)
 
     def dispatch(
         self,

@@ -102,6 +102,22 @@ class TestPlacement:
         assert placement is not None and placement.moved_from is None
 
 
+    def test_a_move_in_flight_is_joined_not_raced(self) -> None:
+        """A second request of the prefix, placed where a move is still bringing it (the
+        blocks only predicted there), is told to pull too: its sidecar joins that pull
+        instead of letting the engine recompute the blocks not yet committed."""
+        router = fleet()
+        overload(router, "w0")
+        first = router.place(HASHES, len(PROMPT), ["w0", "w1"])
+        assert first is not None and first.moved_from == "w0"
+        router.dispatch("r1", first, HASHES, len(PROMPT))
+        second = router.place(HASHES, len(PROMPT), ["w0", "w1"])
+        assert second is not None
+        assert (second.worker_id, second.reason, second.moved_from) == (
+            "w1", Reason.MOVED, "w0")
+        assert second.overlap.host == 10  # the sidecar is told the whole prefix
+
+
 class TestPrice:
     def test_the_prior_until_both_speeds_are_measured(self) -> None:
         """No pull reported and no prefill speed fitted: the prior ratio."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 
 import numpy as np
@@ -71,6 +72,19 @@ class TestPrefixPuller:
         assert outcome.num_bytes == 8 * exporter.owner.config.block_bytes
         assert outcome.header().startswith("outcome=ok blocks=8 ")
         assert seen == [outcome]
+
+    async def test_requests_of_one_prefix_share_one_pull(self, make_peer: PeerFactory) -> None:
+        """Two requests moved here with the same prefix at once: one pull; the second waits
+        for it (and reports no blocks of its own), so both engines find the blocks."""
+        exporter, importer = await make_peer(), await make_peer()
+        exporter.put(KEYS)
+        puller = PrefixPuller(importer.service)
+        source = PrefixSource(exporter.url, [k[1] for k in KEYS])
+        first, second = await asyncio.gather(puller.pull(source, "a"), puller.pull(source, "b"))
+        assert (first.blocks, second.blocks, first.error, second.error) == (8, 0, None, None)
+        assert importer.service.stats().by_transport[Transport.SHM].num_pulls == 1
+        for key in KEYS:
+            np.testing.assert_array_equal(importer.read(key), content(key))
 
     async def test_a_dead_holder_is_a_failed_pull_not_an_error(
             self, make_peer: PeerFactory) -> None:
