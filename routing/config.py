@@ -130,12 +130,12 @@ class RouterConfig:
         help="credit per prefix block in the remote tier (a store shared by every replica of "
         "the model: credited on each of them)")
     kv_move: KvMove = option(
-        KvMove.ON, group=_PLACEMENT,
+        KvMove.OFF, group=_PLACEMENT,
         help="on: when the worker holding a prefix is busier than its cached prefix is worth, "
         "a lighter worker's sidecar may pull the prefix from the holder's block store (over "
         "--kv-transport) before prefill, priced by the pulls' measured speed against the "
-        "prefill's (placement reason 'moved'; a failed pull recomputes); off: never; "
-        "docs/bench/kv-move.md")
+        "prefill's (placement reason 'moved'; a failed pull recomputes); off: never (the "
+        "default: on the hot-prefix bench it did not beat herding, docs/bench/kv-move.md)")
     block_size: int = option(
         16, group=_PLACEMENT, help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(

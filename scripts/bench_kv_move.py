@@ -13,17 +13,25 @@ a short user message each; streamed; ``--output-tokens`` each). Three gateways o
 workers, each given its own prompts, take turns wave by wave:
 
 * ``herd``: the prefix decides: ``--overlap-weight 100`` (a cached block outweighs a hundred
-  blocks of queue), so the burst piles onto the holder;
-* ``recompute``: the gateway's defaults (weights learned online) with ``--kv-move off``: the
-  burst spreads as far as the cost model lets the load outweigh the prefix, and a light
-  worker prefills the whole prompt;
-* ``move``: the same with ``--kv-move on``: a light worker's sidecar pulls the prefix from
-  the holder's store before prefill, when the cost model says the pull wins.
+  blocks of queue), so the burst piles onto the holder, as the learned weights did on the
+  hot-prefix load of issue 32;
+* ``recompute``: Dynamo's default cost (``--overlap-weight 1 --prefill-load-scale 1``) with
+  ``--kv-move off``: the burst spreads where the holder's load outweighs the prefix, and a
+  light worker prefills the whole prompt;
+* ``move``: the same cost with ``--kv-move on``: a light worker's sidecar pulls the prefix
+  from the holder's store before prefill, when the cost model says the pull wins.
+
+The weights are fixed so that the three differ in one thing each (the learned weights of the
+gateway's defaults keep this burst on the holder: its queue never outweighs 4,000 cached
+tokens at the prior prefill load scale of 10). ``--warmup-waves`` run first, unmeasured:
+the first pull between two sidecars maps the holder's segment (a few hundred ms here), once.
 
 Per mode: TTFT p50/p99 and ITL p50 over the bursts' requests, requests/s (burst requests over
 the bursts' wall time), the share of prompt tokens the engines reported cached, the busiest
-worker's share of the burst requests, and the requests placed as ``moved``. Ratios (>= 1: the
-move as good or better): ``<figure>_vs_herding`` and ``<figure>_vs_recompute``.
+worker's share of a burst's requests (mean over the waves), and the requests placed as
+``moved``; for the move, the pulls' measured GB/s and the price the planner put on them.
+Ratios (>= 1: the move as good or better): ``<figure>_vs_herding`` and
+``<figure>_vs_recompute``.
 
     python scripts/bench_kv_move.py [--waves 8] [--burst 12] [--json FILE]
 """
@@ -54,10 +62,11 @@ MODEL = ROOT / "refengine" / "models" / "tiny"
 PAGE_TOKENS = 16
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
                      "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
+FIXED = ["--overlap-weight", "1", "--prefill-load-scale", "1"]  # Dynamo's default cost
 MODES = {
-    "herd": ["--kv-move", "off", "--overlap-weight", "100"],
-    "recompute": ["--kv-move", "off"],
-    "move": ["--kv-move", "on"],
+    "herd": ["--kv-move", "off", "--overlap-weight", "100", "--prefill-load-scale", "1"],
+    "recompute": ["--kv-move", "off", *FIXED],
+    "move": ["--kv-move", "on", *FIXED],
 }
 BASELINES = {"herd": "herding", "recompute": "recompute"}
 
@@ -76,6 +85,7 @@ class Sample:
 class ModeRun:
     samples: list[Sample] = field(default_factory=list)
     wall_s: float = 0.0
+    busiest: list[float] = field(default_factory=list)  # per wave: the busiest worker's share
 
 
 def engine_argv(sock: Path, pages: int, speedup: float) -> list[str]:
@@ -187,10 +197,14 @@ class Bench:
             await asyncio.gather(*(hook_attached(session, url, sock)
                                    for url, sock in zip(self.engines, self.socks, strict=True)))
             await self._routable(session)
-            for wave in range(a.waves):
+            unmeasured = {mode: ModeRun() for mode in MODES}
+            for wave in range(a.warmup_waves + a.waves):
+                measured = wave >= a.warmup_waves
                 for m, mode in enumerate(MODES):
-                    progress(f"wave {wave + 1}/{a.waves}: {mode}")
-                    await self._wave(session, mode, wave * len(MODES) + m, runs[mode])
+                    progress(f"wave {wave + 1}/{a.warmup_waves + a.waves}: {mode}"
+                             + ("" if measured else " (warm-up)"))
+                    await self._wave(session, mode, wave * len(MODES) + m,
+                                     (runs if measured else unmeasured)[mode])
             async with session.get(f"{self.gateways['move']}/metrics") as resp:
                 self.move_metrics = await resp.text()
         return runs
@@ -228,6 +242,7 @@ class Bench:
                                          for k in range(1, a.burst + 1)))
         run.wall_s += time.perf_counter() - started
         run.samples += samples
+        run.busiest.append(max(Counter(x.worker for x in samples).values()) / len(samples))
 
     async def _host_blocks(self, session: aiohttp.ClientSession, gateway: str) -> int:
         async with session.get(f"{gateway}/v1/workers") as resp:
@@ -244,14 +259,13 @@ def figures(run: ModeRun) -> dict[str, float]:
     s = run.samples
     ttft = [x.ttft_s for x in s]
     itl = [x.itl_s for x in s if x.itl_s is not None]
-    per_worker = Counter(x.worker for x in s)
     return {
         "ttft_p50_s": statistics.median(ttft),
         "ttft_p99_s": pct(ttft, 0.99),
         "itl_p50_s": statistics.median(itl) if itl else 0.0,
         "requests_per_s": len(s) / run.wall_s,
         "cached_share": sum(x.cached_tokens for x in s) / sum(x.prompt_tokens for x in s),
-        "busiest_worker_share": max(per_worker.values()) / len(s),
+        "busiest_worker_share": statistics.mean(run.busiest),
         "moved_requests": sum(x.reason == "moved" for x in s),
     }
 
@@ -269,11 +283,12 @@ def main(argv: list[str] | None = None) -> int:
                                 description=(__doc__ or "").split("\n\n")[0].replace("\n", " "))
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--waves", type=int, default=8, help="hot prompts per mode")
+    p.add_argument("--warmup-waves", type=int, default=2, help="unmeasured waves first")
     p.add_argument("--burst", type=int, default=12, help="requests sharing each hot prompt")
     p.add_argument("--system-tokens", type=int, default=4000)
     p.add_argument("--user-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--store-pages", type=int, default=4096, help="each sidecar's store")
+    p.add_argument("--store-pages", type=int, default=1024, help="each sidecar's store")
     p.add_argument("--speedup", type=float, default=0.25,
                    help="the engines' --speedup: below 1 the simulated GPU is slower, so its "
                    "timing, not this machine's CPUs, decides")

@@ -205,8 +205,8 @@ class MovePlanner:
             return
         self.num_moved += 1
         self._backoff.pop(source_id, None)
-        self.num_bytes += report.num_bytes
-        self.seconds += report.seconds
-        if report.blocks > 0:
+        if report.blocks > 0:  # not a request that joined another's pull
+            self.num_bytes += report.num_bytes
+            self.seconds += report.seconds
             self._s_per_block = self._s_per_block * _FORGET + report.seconds
             self._weight = self._weight * _FORGET + report.blocks

@@ -29,6 +29,7 @@ import pytest
 
 from kvsidecar.launch import ManagedProcess
 from shm import BlockStoreClient
+from tests.integration.disagg.pd_stack import metric
 from tests.support.gateway import routable
 from tests.support.polling import eventually
 from tests.support.processes import ProcessGroup
@@ -108,16 +109,6 @@ def texts(body: dict[str, Any]) -> list[str]:
 async def workers(session: aiohttp.ClientSession, gateway: str) -> dict[str, dict[str, Any]]:
     async with session.get(f"{gateway}/v1/workers") as resp:
         return {w["worker_id"]: w for w in (await resp.json())["workers"]}
-
-
-async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
-    """One sample of ``url``'s /metrics (0 when absent: a counter not incremented yet)."""
-    async with session.get(f"{url}/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[-1])
-    return 0.0
 
 
 async def held_on_a(session: aiohttp.ClientSession, s: Stack, seed: int) -> None:
