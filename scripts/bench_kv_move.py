@@ -55,6 +55,7 @@ import aiohttp
 import structlog
 from benchkit import ROOT, Report, add_json_flag, print_table, progress
 
+from kvcore import BlockHasher, Namespace
 from kvsidecar.launch import ManagedProcess
 from shm import BlockStoreClient
 
@@ -155,6 +156,9 @@ class Bench:
         self.engines: list[str] = []
         self.socks: list[Path] = []
         self.gateways: dict[str, str] = {}
+        self.sidecars: dict[str, str] = {}  # worker id → sidecar URL
+        self.hasher = BlockHasher(PAGE_TOKENS)
+        self.seed = Namespace("tiny").seed  # the model's canonical namespace
         self.move_metrics = ""  # the move gateway's /metrics at the end
 
     def start(self) -> list[str]:
@@ -178,6 +182,7 @@ class Bench:
             self.procs.append(sc)
             sidecars.append(sc)
         urls = [sc.wait_ready(60)[0]["url"] for sc in sidecars]
+        self.sidecars = {f"w{i}": url for i, url in enumerate(urls)}
         for mode, flags in MODES.items():
             gw = ManagedProcess.start(f"gateway-{mode}", [
                 "routing", "--port", "0", "--model-path", str(MODEL), "--seed", "1",
@@ -229,13 +234,18 @@ class Bench:
         def request(k: int) -> list[int]:
             return system + [(j * 7 + k * 131 + n) % 900 + 5 for j in range(a.user_tokens)]
 
-        before = await self._host_blocks(session, gateway)
-        await stream_one(session, gateway, request(0), 1)  # the holder computes it
-        # Its pages reach the holder's store and the gateway's index (events) first.
-        for _ in range(600):
-            if await self._host_blocks(session, gateway) >= before + a.system_tokens // 16:
-                break
+        holder = (await stream_one(session, gateway, request(0), 1)).worker  # computes it
+        # Its pages reach the holder's store (and, by events, the gateway's index) first.
+        hashes = self.hasher.hash_tokens(system, self.seed)
+        sidecar = self.sidecars[holder]
+        for _ in range(1000):
+            async with session.post(f"{sidecar}/v1/blocks/named",
+                                    json={"block_hashes": hashes}) as resp:
+                if len((await resp.json())["keys"]) == len(hashes):
+                    break
             await asyncio.sleep(0.02)
+        else:
+            raise RuntimeError(f"{holder}'s store never held the hot prompt")
         started = time.perf_counter()
         samples = await asyncio.gather(*(stream_one(session, gateway, request(k),
                                                     a.output_tokens)
@@ -243,11 +253,6 @@ class Bench:
         run.wall_s += time.perf_counter() - started
         run.samples += samples
         run.busiest.append(max(Counter(x.worker for x in samples).values()) / len(samples))
-
-    async def _host_blocks(self, session: aiohttp.ClientSession, gateway: str) -> int:
-        async with session.get(f"{gateway}/v1/workers") as resp:
-            listed = (await resp.json())["workers"]
-        return sum(w["cached_blocks"]["host"] for w in listed)
 
 
 def pct(values: list[float], q: float) -> float:
