@@ -35,6 +35,7 @@ __all__ = [
     "Continuation",
     "EngineOpenAI",
     "Handoff",
+    "PrefixSource",
     "RequestKind",
     "TokenizedRequest",
 ]
@@ -58,6 +59,17 @@ class Handoff(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Stream the prefill's token before the handoff (lower TTFT); a failed handoff then ends
     # the stream with an error event instead of an error reply (no fallback possible).
     early_first_token: bool = False
+
+
+class PrefixSource(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where the request's cached prefix lives when the gateway placed it elsewhere: the
+    worker's sidecar pulls it from the holder's block store before prefill (a *move*,
+    ``sidecar.kv_move``); a failed pull is a recompute, never an error."""
+
+    peer_url: str  # the holder's sidecar
+    block_hashes: list[int]  # the prefix's canonical hashes, from the prompt's first block
+    transport: Literal["shm", "nixl", "tcp"] = "shm"
+    timeout_s: float = 2.0
 
 
 class Bootstrap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -125,6 +137,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     openai: EngineOpenAI | None = None
     stream_token_ids: bool = False  # each streamed event's output ids, as an SSE comment
     continuation: Continuation | None = None
+    prefix_source: PrefixSource | None = None  # a moved prefix: pull it before prefill
     # Engine-specific fields passed through verbatim.
     extra: dict[str, Any] = msgspec.field(default_factory=dict)
 

@@ -16,6 +16,7 @@ from kvcore.options import member, option
 from routing.vocabulary import (
     EventsVia,
     FailurePolicy,
+    KvMove,
     KvTransport,
     LogLevel,
     PdMode,
@@ -24,8 +25,8 @@ from routing.vocabulary import (
     WorkerAddress,
 )
 
-__all__ = ["EventsVia", "FailurePolicy", "KvTransport", "LogLevel", "PdMode", "RouterConfig",
-           "RouterMode", "WorkerAddress"]
+__all__ = ["EventsVia", "FailurePolicy", "KvMove", "KvTransport", "LogLevel", "PdMode",
+           "RouterConfig", "RouterMode", "WorkerAddress"]
 
 
 # The flags' groups in --help, in this order (a group appears where its first field is).
@@ -128,6 +129,13 @@ class RouterConfig:
         0.1, group=_PLACEMENT,
         help="credit per prefix block in the remote tier (a store shared by every replica of "
         "the model: credited on each of them)")
+    kv_move: KvMove = option(
+        KvMove.OFF, group=_PLACEMENT,
+        help="on: when the worker holding a prefix is busier than its cached prefix is worth, "
+        "a lighter worker's sidecar may pull the prefix from the holder's block store (over "
+        "--kv-transport) before prefill, priced by the pulls' measured speed against the "
+        "prefill's (placement reason 'moved'; a failed pull recomputes); off: never (the "
+        "default: on the hot-prefix bench it did not beat herding, docs/bench/kv-move.md)")
     block_size: int = option(
         16, group=_PLACEMENT, help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(
@@ -388,6 +396,7 @@ class RouterConfig:
             raise ValueError("max_idle_connections_per_worker must be >= 0, got "
                              f"{self.max_idle_connections_per_worker}")
         for name, vocabulary in (("pd_mode", PdMode), ("kv_transport", KvTransport),
+                                 ("kv_move", KvMove),
                                  ("kv_load_failure_policy", FailurePolicy),
                                  ("events_via", EventsVia)):
             # frozen, but not yet shared: a plain string from code becomes its member

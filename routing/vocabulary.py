@@ -58,6 +58,22 @@ class KvTransport(enum.StrEnum):
     TCP = "tcp"
 
 
+def pull_transport(setting: str, source_host: str, target_host: str) -> str:
+    """The transport ``--kv-transport`` means between two sidecars: ``auto`` is shm on one
+    host, else nixl (the pulling sidecar falls back to tcp where NIXL is absent)."""
+    if setting != KvTransport.AUTO:
+        return setting
+    return KvTransport.SHM if source_host == target_host else KvTransport.NIXL
+
+
+class KvMove(enum.StrEnum):
+    """Whether a lighter worker may pull a busy holder's prefix instead of recomputing or
+    queueing behind it (routing/placement/kv_move.py)."""
+
+    ON = "on"
+    OFF = "off"
+
+
 class QueueOrder(enum.StrEnum):
     """In what order requests waiting for a busy fleet are served, within a priority."""
 

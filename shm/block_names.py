@@ -146,6 +146,15 @@ class BlockNames:
         held, known = self._held, self._known
         return [held.get(h) or known.get(h) for h in store_hashes]
 
+    def store_hashes_named(self, block_hashes: Sequence[int]) -> dict[int, int]:
+        """The store hash of each of ``block_hashes`` (canonical) that names a held block,
+        by canonical hash (a peer pulling a prefix it knows by its canonical hashes)."""
+        if self.canonical_keys:
+            return {h: h for h in block_hashes}
+        wanted = set(block_hashes)
+        return {name.block_hash: store_hash for store_hash, name in self._held.items()
+                if name.block_hash in wanted}
+
     # ------------------------------------------------------------ translation
     def translate(self, events: list[KVEvent]) -> list[KVEvent]:
         """The store's events in canonical terms: host events by their blocks' names

@@ -83,7 +83,7 @@ from shm.protocol import (
 )
 from shm.remote_tier import RemoteTier
 from shm.segment import Segment, unlink_stale_segments
-from shm.store import BlockStore, SessionId, StoreStats
+from shm.store import BlockKey, BlockStore, SessionId, StoreStats
 
 __all__ = ["BlockStoreOwner", "EventListener"]
 
@@ -269,6 +269,24 @@ class BlockStoreOwner:
         stats = replace(stats, num_hits=stats.num_hits + optimistic,
                         num_optimistic_hits=optimistic)
         return self.lower_tiers.with_stats(stats)
+
+    def keys_named(self, block_hashes: Sequence[int]) -> list[BlockKey]:
+        """The store keys of the leading blocks of ``block_hashes`` (a prefix's canonical
+        hashes, in order) held in shared memory now, up to the first one not held: what a
+        peer sidecar pulls to move that prefix (``sidecar.transfer``)."""
+        store = self.store
+        if store is None:
+            raise ClientDetachedError("the block store owner is not running")
+        by_name = self.names.store_hashes_named(block_hashes)
+        held = store.keys_of_hashes(set(by_name.values()))
+        keys: list[BlockKey] = []
+        for block_hash in block_hashes:
+            store_hash = by_name.get(block_hash)
+            key = None if store_hash is None else held.get(store_hash)
+            if key is None:
+                break
+            keys.append(key)
+        return keys
 
     def handle(self, session: SessionId, body: bytes, *, drain: bool = True,
                defer: bool = False) -> bytes | asyncio.Task[bytes] | None:

@@ -51,6 +51,7 @@ from sidecar.event_stream import EventStream
 from sidecar.health import SilenceDetector
 from sidecar.host_tier import HostTier, store_names
 from sidecar.jetstream_publisher import JetStreamPublisher
+from sidecar.kv_move import MoveOutcome, PrefixPuller
 from sidecar.load import LoadTracker
 from sidecar.metrics import SidecarMetrics
 from sidecar.pd_handoff import (
@@ -168,6 +169,8 @@ class Sidecar:
                 worker_ids=info.worker_ids,
                 upstream_timeout_s=cfg.upstream_timeout_s,
                 observe_latency=self.metrics.proxy_latency.observe,
+                puller=PrefixPuller(None if self.host_tier is None else self.host_tier.transfer,
+                                    on_outcome=self._on_move),
             )
             self._tasks = [] if cfg.nats_url is None else [asyncio.create_task(
                 self._jetstream(cfg.nats_url).run(), name="publish_jetstream")]
@@ -280,6 +283,9 @@ class Sidecar:
         transport = record.transport.value
         self.metrics.transfer_bytes.labels(transport, outcome).inc(record.num_bytes)
         self.metrics.transfer_seconds.labels(transport, outcome).observe(record.seconds)
+
+    def _on_move(self, outcome: MoveOutcome) -> None:
+        self.metrics.kv_moves.labels(outcome.error or "ok").inc()
 
     def _on_store_event(self, event: KVEvent) -> None:
         # The host tier is shared by every DP rank of this replica.

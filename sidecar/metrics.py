@@ -184,6 +184,13 @@ class SidecarMetrics:
             ["transport", "outcome"],
             registry=self.registry,
         )
+        self.kv_moves = Counter(
+            "kvsidecar_kv_moves",
+            "Prefixes the gateway moved here from the worker holding them, by outcome (ok, "
+            "or the failed pull's code: the request was recomputed)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.transfer_seconds = Histogram(
             "kvsidecar_transfer_seconds",
             "Duration of one pull from a peer sidecar, by transport and outcome",

@@ -39,6 +39,7 @@ from kvcore.errors import (
 )
 from kvcore.requests import TokenizedRequest
 from sidecar.health import SilenceDetector, cacheable_tokens
+from sidecar.kv_move import PULL_HEADER, PrefixPuller
 from sidecar.load import LoadTracker
 
 __all__ = ["RequestProxy", "openai_error_response", "sse"]
@@ -84,8 +85,12 @@ class RequestProxy:
         worker_ids: tuple[str, ...],
         upstream_timeout_s: float,
         observe_latency: Callable[[float], None] | None = None,
+        puller: PrefixPuller | None = None,
     ) -> None:
+        """``puller``: brings a moved prefix here before the engine runs the request
+        (``sidecar.kv_move``; None: no store, every move is a recompute)."""
         self._adapter = adapter
+        self.puller = puller or PrefixPuller(None)
         self._session = session
         self._load = load
         self._silence = silence
@@ -137,9 +142,14 @@ class RequestProxy:
         report = _CacheReport()
         ok = False
         try:
+            headers = {"x-request-id": tokenized.request_id}
+            source = tokenized.prefix_source
+            if source is not None:  # a moved prefix: here before the engine prefills
+                moved = await self.puller.pull(source, tokenized.request_id)
+                headers[PULL_HEADER] = moved.header()
             response = await self._forward(
                 request, tokenized, native.path, native.body, native.stream, native.openai,
-                worker_id, report=report, engine_headers=native.headers,
+                worker_id, report=report, engine_headers=native.headers, headers=headers,
             )
             ok = response.status < 400
             return response
@@ -163,13 +173,13 @@ class RequestProxy:
         *,
         report: _CacheReport,
         engine_headers: Mapping[str, str] | None = None,
+        headers: dict[str, str],
     ) -> web.StreamResponse:
         """``engine_headers``: the adapter's own for this request (e.g. vLLM's target DP
-        rank), sent to the engine alongside ours."""
+        rank), sent to the engine alongside ours; ``headers``: those of our answer."""
         rid = tokenized.request_id
         translator = self._adapter.response_translator(tokenized)
         report.translator = translator
-        headers = {"x-request-id": rid}
         try:
             async with self._session.post(
                 self._engine_url + path,

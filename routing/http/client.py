@@ -42,6 +42,7 @@ class UpstreamConnection(asyncio.Protocol):
         "_pieces",
         "closed",
         "key",
+        "kv_pull",
         "pool",
         "receiver",
         "requests_sent",
@@ -59,6 +60,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._content_length: int | None = None
         self._chunked = False
         self._got_head = False
+        self.kv_pull: bytes | None = None  # the answer's x-kvsidecar-kv-pull, if any
         self.closed = False
         self._paused = False
         self.requests_sent = 0
@@ -138,6 +140,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._content_length = None
         self._chunked = False
         self._got_head = False
+        self.kv_pull = None
 
     def on_header(self, name: bytes, value: bytes) -> None:
         lower = name.lower()
@@ -147,6 +150,8 @@ class UpstreamConnection(asyncio.Protocol):
             self._content_length = int(value)
         elif lower == b"transfer-encoding":
             self._chunked = b"chunked" in value.lower()
+        elif lower == b"x-kvsidecar-kv-pull":
+            self.kv_pull = value  # a moved prefix's pull, as the sidecar reports it
 
     def on_headers_complete(self) -> None:
         self._got_head = True

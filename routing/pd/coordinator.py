@@ -42,6 +42,7 @@ from routing.placement.kv_router import KvRouter
 from routing.placement.refusal import Refusal
 from routing.placement.scorer import Placement, Pool
 from routing.prompt.preparer import PreparedPrompt
+from routing.vocabulary import pull_transport
 from routing.workers.registry import Role, Worker, WorkerRegistry
 
 __all__ = ["DEFAULT_RESERVE_TOKENS", "FailurePolicy", "PdCoordinator", "PdMetrics", "PdMode",
@@ -210,10 +211,8 @@ class PdCoordinator:
 
     def handoff(self, pair: PdPair) -> Handoff:
         """What the decode sidecar is told of the prefill side (``--pd-mode auto``)."""
-        transport = self.kv_transport
-        if transport == "auto":
-            same_host = pair.prefill.address.host == pair.decode.address.host
-            transport = "shm" if same_host else "nixl"
+        transport = pull_transport(self.kv_transport, pair.prefill.address.host,
+                                   pair.decode.address.host)
         return Handoff(
             prefill_url=pair.prefill.address.url,
             prefill_dp_rank=pair.prefill.dp_rank,

@@ -11,6 +11,7 @@ from routing.http.client import UpstreamPool
 from routing.metrics import GatewayMetrics
 from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
+from routing.pipeline.prefix_moves import PrefixMoves
 from routing.pipeline.route_refusals import RouteRefusals
 from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
@@ -56,3 +57,4 @@ class PipelineContext:
     # The routes workers' engines lack (not a placement's ``Refusal``).
     refusals: RouteRefusals = field(default_factory=RouteRefusals)
     slo: Slo = field(default_factory=Slo)  # each request's targets unless it names its own
+    moves: PrefixMoves | None = None  # --kv-move on: prefixes pulled to a lighter worker

@@ -238,8 +238,13 @@ class Exchange(ErrorRelay):
         """Send the relayed leg to ``worker`` (``request``: its path and body, if not the
         client's request as that worker takes it)."""
         leg = Leg(worker, placement, f"{self.record.key}/{tag}")
+        moves = self.ctx.moves
         try:
-            leg.request = self.target.for_worker(worker) if request is None else request
+            if request is None:
+                source = (None if moves is None or worker.kind is not WorkerKind.SIDECAR
+                          else moves.source(worker, placement, self.prompt.block_hashes))
+                request = self.target.for_worker(worker, prefix_source=source)
+            leg.request = request
         except OpenAIError as exc:
             self._reply_error(exc.status, exc.message, exc.code)
             return
@@ -323,6 +328,9 @@ class Exchange(ErrorRelay):
 
     def upstream_head(self, status: int, content_type: bytes, content_length: int | None) -> None:
         self.record.status = status
+        leg, moves = self.leg, self.ctx.moves
+        if moves is not None and leg is not None and leg.placement.moved_from is not None:
+            moves.reported(leg.placement, None if leg.conn is None else leg.conn.kv_pull)
         if status != 200 and (status >= 400 or self._holds_errors() or self.relay.resuming):
             # Held: an error is relayed in the gateway's vocabulary (``_relay_error``), or
             # decides a retry (a refused route, a gone engine, a failed handoff).

@@ -12,7 +12,7 @@ import asyncio
 from typing import Protocol
 
 from kvcore.errors import OpenAIError
-from kvcore.requests import Bootstrap, Continuation, Handoff
+from kvcore.requests import Bootstrap, Continuation, Handoff, PrefixSource
 from routing.http.client import UpstreamConnection
 from routing.pipeline.sidecar_body import tokenized_body
 from routing.placement.scorer import Placement
@@ -76,8 +76,10 @@ class LegTarget:
         handoff: Handoff | None = None,
         bootstrap: Bootstrap | None = None,
         stream: bool | None = None,
+        prefix_source: PrefixSource | None = None,
     ) -> tuple[bytes, bytes]:
-        """(path, body) of a leg to ``worker``; ``OpenAIError`` when it cannot take it."""
+        """(path, body) of a leg to ``worker``; ``OpenAIError`` when it cannot take it;
+        ``prefix_source``: where a sidecar pulls a moved prefix from."""
         token_path = worker.kind is WorkerKind.SIDECAR and self.takes_token_path(worker)
         if self.continuation is not None and not token_path:
             raise OpenAIError(502, f"the stream cannot resume on {worker.worker_id}: it does "
@@ -88,7 +90,7 @@ class LegTarget:
                               worker.dp_rank, handoff=handoff, bootstrap=bootstrap,
                               stream=stream, token_path=token_path,
                               stream_token_ids=self.stream_token_ids,
-                              continuation=self.continuation)
+                              continuation=self.continuation, prefix_source=prefix_source)
         return (_GENERATE if handoff is None else _PD_GENERATE), body
 
 

@@ -24,6 +24,7 @@ from kvcore.requests import (
     Continuation,
     EngineOpenAI,
     Handoff,
+    PrefixSource,
     RequestKind,
     TokenizedRequest,
 )
@@ -85,11 +86,13 @@ def tokenized_body(
     token_path: bool = True,
     stream_token_ids: bool = False,
     continuation: Continuation | None = None,
+    prefix_source: PrefixSource | None = None,
 ) -> bytes:
     """The JSON body of one leg to a sidecar (``/v1/kvsidecar/generate``, or with
     ``handoff`` ``/v1/kvsidecar/pd/generate``); ``stream`` overrides the client's; without
     ``token_path`` the client's body goes along for the engine's OpenAI server;
-    ``stream_token_ids`` and ``continuation``: a stream that may migrate, and its resumption."""
+    ``stream_token_ids`` and ``continuation``: a stream that may migrate, and its resumption;
+    ``prefix_source``: a moved prefix's holder, for the sidecar to pull from."""
     body = req.body
     openai = None if token_path else EngineOpenAI(req.endpoint.value, body)
     fields: dict[str, Any] = {}
@@ -127,6 +130,7 @@ def tokenized_body(
             openai=openai,
             stream_token_ids=stream_token_ids and token_path,
             continuation=continuation,
+            prefix_source=prefix_source,
             **fields,
         )
     except (ValueError, TypeError) as exc:

@@ -21,10 +21,19 @@ from dataclasses import replace
 
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from routing.placement.active_load import ActiveLoad
+from routing.placement.kv_move import MovePlanner
 from routing.placement.peer_share import PeerShare
 from routing.placement.pending import PendingPrefixes
 from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
-from routing.placement.scorer import Candidate, Placement, Pool, Scorer, ScoringWeights, TierOverlap
+from routing.placement.scorer import (
+    Candidate,
+    Placement,
+    Pool,
+    Reason,
+    Scorer,
+    ScoringWeights,
+    TierOverlap,
+)
 from routing.placement.tuning import WeightTuner
 
 __all__ = ["KvRouter"]
@@ -59,6 +68,8 @@ class KvRouter:
         self._clock = clock
         # With other gateway replicas (--nats): their share of the workers for new prefixes.
         self.peer_share: PeerShare | None = None
+        # With --kv-move on: a lighter worker may pull a busy holder's prefix (kv_move.py).
+        self.move: MovePlanner | None = None
         self.tuner: WeightTuner | None = None
         if learn_overlap_weight or learn_prefill_load_scale:
             self.tuner = WeightTuner(
@@ -87,6 +98,23 @@ class KvRouter:
         elif kind is BlockRemoved:
             tuner.blocks_removed(len(event.block_hashes))  # type: ignore[union-attr]
         return outcome
+
+    def enable_moves(self) -> MovePlanner:
+        """Offer the pull option (``kv_move.py``) from now on: a worker whose sidecar has a
+        store may pull a prefix from another worker's, priced against the prefill speed
+        the tuner learns (its prior until then)."""
+        tuner = self.tuner
+
+        def has_store(worker_id: str) -> bool:
+            try:
+                return self.index.num_blocks(worker_id, Tier.HOST) > 0
+            except KeyError:  # no event from it yet
+                return False
+
+        self.move = MovePlanner(
+            self.block_size, clock=self._clock, has_store=has_store,
+            prefill_s_per_token=lambda: None if tuner is None else tuner.prefill_s_per_token)
+        return self.move
 
     def remove_worker(self, worker_id: str) -> list[str]:
         """A worker is gone: its blocks leave the index; returns its in-flight request ids."""
@@ -153,17 +181,39 @@ class KvRouter:
         full = [w for w in saturated if w not in exclude] if saturated else []
         # (a decode pool places by room, which a presumed load must not take away)
         share = self.peer_share if pool is not Pool.DECODE else None
-        stored: list[int] = []  # filled only for the shares
+        move = self.move if pool is Pool.AGGREGATED else None
+        stored: list[int] = []  # filled only for the shares and the moves
         scored = self.candidates(
             block_hashes,
             [*eligible, *full] if full else eligible,
-            None if share is None else stored,
+            None if share is None and move is None else stored,
         )
         n = len(eligible)
         chosen: Sequence[Candidate] = scored[:n] if full else scored
         if share is not None:
             chosen = share.adjust(chosen, stored[:n] if full else stored, len(block_hashes))
-        return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
+        if move is None:
+            return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
+        return self._place_or_move(move, chosen, scored, stored[:n], prompt_tokens)
+
+    def _place_or_move(self, move: MovePlanner, chosen: Sequence[Candidate],
+                       scored: Sequence[Candidate], stored: Sequence[int],
+                       prompt_tokens: int) -> Placement | None:
+        """The scorer's choice among ``chosen`` with the pull option offered (any scored
+        worker's store, a busy one's too, may be the source); a move if the pull won it."""
+        n = len(chosen)
+        offered, plans = move.offer(chosen, scored, stored)
+        placement = self.scorer.place(offered, prompt_tokens, Pool.AGGREGATED, scored[n:])
+        if placement is None:
+            return None
+        plan = plans.get(placement.worker_id)
+        if plan is None:
+            return placement
+        move.planned()
+        o = placement.overlap  # the pulled blocks land in the worker's host tier
+        overlap = TierOverlap(o.gpu, max(o.host, plan.blocks), o.disk, o.remote)
+        return replace(placement, reason=Reason.MOVED, moved_from=plan.source_id,
+                       overlap=overlap)
 
     def dispatch(
         self,

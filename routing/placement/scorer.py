@@ -146,21 +146,25 @@ class Reason:
     CAPACITY = "capacity"  # every deeper worker was full (in-flight cap, or no room to decode)
     SAMPLED = "sampled"  # --temperature drew a worker costlier than the cheapest
     AFFINITY = "affinity"  # the client's session (x-session-id) is pinned to the worker
+    MOVED = "moved"  # its sidecar pulls the prefix from a busier holder's store (kv_move.py)
 
-    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED, AFFINITY)
+    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED, AFFINITY, MOVED)
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
     """The chosen worker, its cost and the overlap predicted for it; for a scored placement
     also the deepest overlap (blocks, any tier) any eligible worker held, and ``reason``, why
-    the chosen worker won (``Reason``; ``""`` when the policy does not score overlap)."""
+    the chosen worker won (``Reason``; ``""`` when the policy does not score overlap). A move
+    (``Reason.MOVED``) names the worker whose store the prefix is pulled from; ``overlap``
+    then counts the pulled blocks in its host tier."""
 
     worker_id: str
     cost: float
     overlap: TierOverlap
     best_overlap: int = 0
     reason: str = ""
+    moved_from: str | None = None
 
 
 class Scorer:

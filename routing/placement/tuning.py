@@ -56,6 +56,7 @@ class WeightTuner:
         "_scorer",
         "_stored",
         "_sums",
+        "prefill_s_per_token",
         "scale",
     )
 
@@ -70,6 +71,9 @@ class WeightTuner:
         self._fixed_overlap = fixed_overlap
         self._fixed_scale = fixed_scale
         self.scale = SCALE_PRIOR if fixed_scale is None else fixed_scale
+        # The fit's seconds per prefill token (the fleet's prefill speed), once it has one:
+        # what a pull is priced against (``kv_move.py``).
+        self.prefill_s_per_token: float | None = None
         # Forgetting sums over TTFT samples, x = (1, prefill tokens p, decode blocks d):
         # n, Σp, Σd, Σp², Σpd, Σd², Σy, Σpy, Σdy.
         self._sums = [0.0] * 9
@@ -168,6 +172,7 @@ class WeightTuner:
         c = (cdy * vpp - cpy * vpd) / det
         if a <= 0:
             return None  # prefill work did not show in TTFT: nothing to learn from
+        self.prefill_s_per_token = a
         low, high = SCALE_RANGE
         if c <= 0:
             return high

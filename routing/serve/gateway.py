@@ -25,7 +25,7 @@ import orjson
 from kvcore import BlockHasher
 from kvcore.control_token import CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.errors import Dialect, OpenAIError
-from routing.config import LogLevel, RouterConfig
+from routing.config import KvMove, LogLevel, RouterConfig
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
 from routing.metrics import GatewayMetrics
@@ -33,6 +33,7 @@ from routing.pd.coordinator import PdCoordinator
 from routing.pipeline.admission import AdmissionQueue, Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
+from routing.pipeline.prefix_moves import PrefixMoves
 from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
@@ -111,6 +112,8 @@ class Gateway:
             learn_overlap_weight=cfg.overlap_weight is None,
             learn_prefill_load_scale=cfg.prefill_load_scale is None,
         )
+        if cfg.kv_move is KvMove.ON and self.has_sidecars:
+            self.router.enable_moves()
         self.replicas = None if shared is None else ReplicaLink.for_gateway(
             cfg, self.router, shared)
         self.workers = WorkerRegistry(
@@ -159,6 +162,10 @@ class Gateway:
         )
         self.pool = UpstreamPool(cfg.max_idle_connections_per_worker, cfg.connect_timeout_s)
         busy = Busy(cfg.max_in_flight_per_worker, cfg.busy_kv_fraction, cfg.busy_prefill_tokens)
+        moves = None
+        if self.router.move is not None:
+            moves = PrefixMoves(self.router.move, self.workers, cfg.kv_transport.value)
+            self.metrics.registry.register(moves)
         self.ctx = PipelineContext(
             router=self.router,
             policy=policy,
@@ -180,6 +187,7 @@ class Gateway:
             log_requests=cfg.log_level is LogLevel.DEBUG,
             migration_limit=cfg.migration_limit,
             prompt_hold=None if self.replicas is None else self.replicas.hold,
+            moves=moves,
         )
         self.metrics.admission = self.ctx.admission
         self.prober = WorkerProber(

@@ -7,7 +7,7 @@ parts: closing a session (its reservations, grants and leases go together), ``co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvcore.events import KVEvent
@@ -91,6 +91,15 @@ class BlockStore(Grants, Leases):
         self.settle()
         blocks = self._blocks
         return [key in blocks for key in keys]
+
+    def keys_of_hashes(self, block_hashes: Collection[int]) -> dict[int, BlockKey]:
+        """The committed keys whose block hash is among ``block_hashes``, by hash (a peer
+        that knows a block by its hash alone: ``BlockStoreOwner.keys_named``). A scan of
+        the store: for a request's prefix, not for a hot path."""
+        self.settle()
+        if not block_hashes:
+            return {}
+        return {key[1]: key for key in self._blocks if key[1] in block_hashes}
 
     def slots_of(self, keys: Sequence[BlockKey]) -> list[int | None]:
         """Where committed keys are held now (no lease, no use: their bytes may be read

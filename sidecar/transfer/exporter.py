@@ -6,6 +6,9 @@ Routes (the service's ``routes()`` returns them for the sidecar's app):
   NIXL or TCP pull (all or none: ``UnknownBlocksError`` names the missing keys).
 * ``POST /v1/blocks/exports/{export_id}/release``: → ``ReleaseReply``; 410 if lapsed.
 * ``GET /v1/blocks/nixl``: → ``NixlPeerInfo`` (this sidecar's NIXL agent).
+* ``POST /v1/blocks/named``: ``NamedKeysRequest`` → ``NamedKeys``: the store keys of a
+  prefix named by its canonical hashes, as far as the store holds it (what a peer pulls to
+  move a prefix, ``sidecar.kv_move``).
 * ``GET /v1/blocks/info``: → ``PeerInfo``: block format, transports, the TCP port, and the
   store socket and segment a same-host peer leases and reads through (shm pulls need no
   HTTP per batch).
@@ -43,6 +46,8 @@ from sidecar.transfer.exports import ExportTable
 from sidecar.transfer.messages import (
     ExportOffer,
     ExportRequest,
+    NamedKeys,
+    NamedKeysRequest,
     PeerInfo,
     ReleaseReply,
     Transport,
@@ -139,7 +144,16 @@ class BlockExporter:
             web.post("/v1/blocks/exports/{export_id}/release", _guarded(self._release)),
             web.get("/v1/blocks/nixl", _guarded(self._nixl_info)),
             web.get("/v1/blocks/info", _guarded(self._info)),
+            web.post("/v1/blocks/named", _guarded(self._named)),
         ]
+
+    async def _named(self, request: web.Request) -> web.Response:
+        req = decode(await request.read(), NamedKeysRequest)
+        limit = self.config.max_blocks_per_pull
+        if len(req.block_hashes) > limit:
+            raise BadTransferRequestError(
+                f"{len(req.block_hashes)} block hashes; at most {limit} per request")
+        return _reply(encode(NamedKeys(self.owner.keys_named(req.block_hashes))))
 
     async def _export(self, request: web.Request) -> web.Response:
         req = decode(await request.read(), ExportRequest)

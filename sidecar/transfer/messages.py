@@ -32,6 +32,8 @@ __all__ = [
     "BlockKey",
     "ExportOffer",
     "ExportRequest",
+    "NamedKeys",
+    "NamedKeysRequest",
     "NixlPeerInfo",
     "PeerInfo",
     "PullRequest",
@@ -124,6 +126,20 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     keys: list[tuple[int, int]]
     transport: Transport = Transport.SHM
     timeout_s: float | None = None
+
+
+class NamedKeysRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Which of these blocks, named canonically (a prefix's chained hashes, in order), does
+    your store hold, and under which keys (``POST /v1/blocks/named``)? A peer that moves a
+    prefix knows it by the gateway's hashes; the store may key it by the engine's."""
+
+    block_hashes: list[U64]
+
+
+class NamedKeys(msgspec.Struct, frozen=True):
+    """The store keys of the leading blocks held, up to the first one not held."""
+
+    keys: list[tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)

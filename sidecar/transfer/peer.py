@@ -16,6 +16,8 @@ from sidecar.transfer.errors import PeerUnavailableError, TransferError, error_f
 from sidecar.transfer.messages import (
     ExportOffer,
     ExportRequest,
+    NamedKeys,
+    NamedKeysRequest,
     NixlPeerInfo,
     PeerInfo,
     ReleaseReply,
@@ -70,3 +72,8 @@ class PeerClient:
 
     async def info(self, peer_url: str, timeout_s: float) -> PeerInfo:
         return await self._call("GET", f"{peer_url}/v1/blocks/info", None, PeerInfo, timeout_s)
+
+    async def named_keys(self, peer_url: str, block_hashes: list[int],
+                         timeout_s: float) -> NamedKeys:
+        return await self._call("POST", f"{peer_url}/v1/blocks/named",
+                                encode(NamedKeysRequest(block_hashes)), NamedKeys, timeout_s)

@@ -57,6 +57,7 @@ from sidecar.transfer.errors import (
     TransferError,
     TransferTimeoutError,
     TransportUnavailableError,
+    UnknownBlocksError,
     error_body,
 )
 from sidecar.transfer.exporter import BlockExporter
@@ -248,6 +249,34 @@ class BlockTransferService:
             self._stats.record(record)
             if self._on_pull is not None:
                 self._on_pull(record)
+
+    async def pull_named(
+        self,
+        peer_url: str,
+        block_hashes: Sequence[int],
+        *,
+        transport: Transport | str = Transport.SHM,
+        timeout_s: float | None = None,
+    ) -> PullResult:
+        """Pull the leading blocks of a prefix the peer's store holds, named by their
+        canonical hashes (``block_hashes``, in chain order): the peer says under which keys
+        (``POST /v1/blocks/named``), then ``pull`` as usual. ``UnknownBlocksError`` when it
+        holds none of them; otherwise what ``pull`` raises."""
+        deadline_s = self.config.pull_timeout_s if timeout_s is None else timeout_s
+        started = time.perf_counter()
+        url = peer_url.rstrip("/")
+        limit = self.config.max_blocks_per_pull
+        try:
+            named = await self._peers.named_keys(url, list(block_hashes[:limit]), deadline_s)
+        except TimeoutError as exc:
+            raise TransferTimeoutError(
+                f"peer at {url} did not say which of {len(block_hashes)} blocks it holds "
+                f"within {deadline_s:g}s") from exc
+        if not named.keys:
+            raise UnknownBlocksError(f"peer at {url} holds none of the prefix's "
+                                     f"{len(block_hashes)} blocks", [])
+        left = max(deadline_s - (time.perf_counter() - started), 0.001)
+        return await self.pull(url, named.keys, transport=transport, timeout_s=left)
 
     async def _pull(
         self, session: LocalSession, peer_url: str, keys: list[BlockKey], kind: Transport,

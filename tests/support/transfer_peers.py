@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kvcore.events import KVEvent
 from shm import BlockStoreOwner, OwnerConfig
+from shm.block_names import BlockNames
 from shm.local import LocalSession
 from sidecar.transfer import BlockTransferService, TransferConfig, Transport
 
@@ -89,13 +90,13 @@ async def started_peers(sock_dir: Path) -> AsyncIterator[PeerFactory]:
     session = aiohttp.ClientSession()
 
     async def factory(num_slots: int = 16, block_bytes: int = BLOCK_BYTES,
-                      **config: object) -> Peer:
+                      names: BlockNames | None = None, **config: object) -> Peer:
         owner_id = f"t{uuid.uuid4().hex[:10]}"
         events: list[KVEvent] = []
         owner = BlockStoreOwner(
             OwnerConfig(owner_id=owner_id, socket_path=sock_dir / f"{owner_id}.sock",
                         capacity_bytes=num_slots * block_bytes, block_bytes=block_bytes),
-            listener=events.append)
+            listener=events.append, names=names)
         await owner.start()
         service = BlockTransferService(owner, session, TransferConfig(**config))  # type: ignore[arg-type]
         await service.start()
