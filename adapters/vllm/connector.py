@@ -25,7 +25,9 @@ tokens) and saves into no-ops, logged and counted; a block matched but gone by t
 loads is reported to vLLM, which recomputes it: that needs ``kv_load_failure_policy``
 ``recompute`` (vLLM's default, ``fail``, would fail the request), so the connector refuses
 to start without it. Only start-up configuration errors raise: bad extra config, that
-policy, and a store whose blocks do not fit vLLM's.
+policy, tensor or pipeline parallelism (a rank's slice of a block is not a whole block;
+data parallel ranks each hold whole blocks and share the store), and a store whose blocks
+do not fit vLLM's.
 
 Without ``vllm`` installed the class derives from a stand-in of the base's shape, so this
 module imports anywhere (its logic is tested through ``connector_core``).
@@ -124,6 +126,11 @@ class KvSidecarConnector(_Base):  # type: ignore[misc,valid-type,unused-ignore]
     if _HitSource is not None:
         _cache_hit_source = _HitSource.HOST
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """False: a best-effort cache; a save a preemption cuts short is a later miss."""
+        return False
+
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
@@ -133,6 +140,16 @@ class KvSidecarConnector(_Base):  # type: ignore[misc,valid-type,unused-ignore]
                 "the kvsidecar KV connector needs \"kv_load_failure_policy\": \"recompute\" in "
                 "--kv-transfer-config: a block the store drops between match and load is then "
                 f"recomputed, where {policy!r} fails the request")
+        parallel = getattr(vllm_config, "parallel_config", None)
+        ranks = (getattr(parallel, "tensor_parallel_size", 1) or 1) * (
+            getattr(parallel, "pipeline_parallel_size", 1) or 1)
+        if ranks > 1:
+            # each rank holds a slice of every block: whole blocks under one canonical key
+            # would mix the slices
+            raise ValueError(
+                "the kvsidecar KV connector stores whole KV blocks of one worker: run vLLM "
+                f"without tensor or pipeline parallelism (it has {ranks} ranks per replica; "
+                "data parallelism is fine)")
         self.settings = ConnectorSettings.from_extra_config(
             getattr(transfer, "kv_connector_extra_config", None) or {},
             _served_name(vllm_config), int(vllm_config.cache_config.block_size))

@@ -77,6 +77,7 @@ class Engine:
     layers: list[torch.Tensor]
     manager: Manager
     next_block: int = 0
+    stepped: set[str] = field(default_factory=set)  # requests scheduled before
 
     def admit(self, request: Request, local_tokens: int = 0,
               chunk: int | None = None) -> tuple[int, list[int]]:
@@ -96,11 +97,18 @@ class Engine:
 
     def step(self, request: Request, computed: int, scheduled: int, seed: int = 0) -> set[int]:
         """One step: metadata to the worker, load, "forward" (fills the scheduled tokens'
-        blocks), save; the device blocks the worker reports it failed to load."""
+        blocks), save; the device blocks the worker reports it failed to load. A request's
+        first step lists it as new, later ones as cached, as vLLM's scheduler output does."""
+        first_step = request.request_id not in self.stepped
+        self.stepped.add(request.request_id)
+        listed = ([request.request_id], [computed])
         out = SimpleNamespace(
             scheduled_new_reqs=[SimpleNamespace(req_id=request.request_id,
-                                                num_computed_tokens=computed)],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+                                                num_computed_tokens=computed)]
+            if first_step else [],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[] if first_step else listed[0],
+                num_computed_tokens=[] if first_step else listed[1]),
             num_scheduled_tokens={request.request_id: scheduled})
         meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))
         self.worker.bind_connector_metadata(meta)
@@ -305,6 +313,17 @@ class TestConnector:
         with BlockStoreClient(store) as plain:
             plain.remove_many(canonical(prompt, 3)[1:])
         assert b.step(request, matched, 1) == {21, 22}
+
+    def test_tensor_parallel_ranks_are_refused(self, sock_dir: Path) -> None:
+        """A rank's slice of a block is not the block: refused at start, with the reason."""
+        config = vllm_config(sock_dir / "s.sock")
+        config.parallel_config = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1)
+        with pytest.raises(ValueError, match="without tensor or pipeline parallelism"):
+            vc.KvSidecarConnector(config, "WORKER")
+
+    def test_a_best_effort_cache_needs_no_delivery(self, store: Path) -> None:
+        """A preempted request is not held for a save: a save cut short is a later miss."""
+        assert make_engine(store).scheduler.requires_kv_delivery is False
 
     def test_a_store_of_another_geometry_is_refused_at_start(self, sock_dir: Path) -> None:
         """Blocks of the wrong size fail vLLM's start with the size to give the store."""
