@@ -120,7 +120,6 @@ def _rank_and_world() -> tuple[int, int]:
     return int(mpi_rank()), int(mpi_world_size())
 
 
-
 class KvSidecarConnectorScheduler(_SchedulerBase):  # type: ignore[misc,valid-type]
     """The scheduler side (rank 0 under TP; each owner under attention DP): how many prompt
     tokens the store can supply, and what to load and save."""

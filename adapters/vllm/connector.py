@@ -106,7 +106,6 @@ class KvSidecarConnectorMetadata(_MetadataBase):  # type: ignore[misc,valid-type
         self.plan = plan
 
 
-
 def _served_name(vllm_config: Any) -> str:
     name = getattr(vllm_config.model_config, "served_model_name", None)
     if isinstance(name, list | tuple):

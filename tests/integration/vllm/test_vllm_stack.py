@@ -302,12 +302,14 @@ def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
 
 def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
     """Once the host store evicted a prompt's blocks, they come back from the sidecar's Redis
-    tier (written through when saved), with the same reply."""
+    tier (written through when saved, and credited by the gateway), with the same reply."""
     prompt = _prompt(2, 8)
     first = _complete(stack, prompt)
     with BlockStoreClient(stack.store_socket) as store:
         wait_until(lambda: store.stats().num_remote_writes >= 8 and store.stats().num_remote_blocks
                    >= 8, "the prompt's blocks written through to Redis", 30, 0.1)
+        wait_until(lambda: _worker(stack)["cached_blocks"]["remote"] >= 8,
+                   "the gateway crediting the remote tier", 30, 0.2)
         # Other blocks fill the host store twice over: the prompt's are evicted from it.
         junk = Namespace("tiny", cache_salt="filler").seed
         for batch in range(4):
