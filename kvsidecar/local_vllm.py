@@ -35,7 +35,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from kvcore.layout import BlockLayout
 from kvcore.options import option
 from shm.config import parse_bytes
 
@@ -93,7 +92,6 @@ class VllmOptions:
     block_size: int = VLLM_BLOCK_SIZE
     kv_blocks: int | None = None  # --num-gpu-blocks-override: a small pool to force evictions
     max_model_len: int = 1024  # at most (kv_blocks - 1) × block_size: vLLM keeps a null block
-    dtype: str = "bfloat16"  # --dtype, the KV cache's too (what vLLM makes of float32 on CPU)
     tools: bool = False  # --enable-auto-tool-choice --tool-call-parser hermes
     extra_args: tuple[str, ...] = ()
     ready_s: float = 300.0
@@ -107,11 +105,10 @@ class VllmOptions:
 
 def store_args(options: VllmOptions, socket: Path) -> list[str]:
     """A sidecar's flags for the block store a vLLM of ``options`` attaches its KV connector
-    to, at ``socket``: its size, and vLLM's KV blocks (every layer's, in vLLM's own order)."""
-    block = BlockLayout.from_model_path(options.model, options.block_size, options.dtype)
+    to, at ``socket``: its size, and the model, whose KV blocks the vLLM adapter sizes the
+    store's blocks by (``VllmAdapter.block_layout``)."""
     return ["--store-capacity-bytes", str(options.kv_connector_store_bytes),
-            "--store-socket", str(socket),
-            "--store-block-bytes", str(block.bytes_per_block), "--store-layout", "raw"]
+            "--store-socket", str(socket), "--model-path", str(options.model)]
 
 
 class VllmServer:
@@ -151,7 +148,6 @@ class VllmServer:
             "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", o.served_model_name,
             "--block-size", str(o.block_size),
-            "--dtype", o.dtype,
             "--max-model-len", str(o.max_model_len),
             "--enforce-eager",  # no torch.compile: starts in under a minute
             "--enable-prefix-caching",

@@ -79,7 +79,7 @@ def test_vllm_combinations_refused(argv: list[str], why: str,
 
 def test_the_vllm_kv_connector_is_wired_to_its_sidecars_store(tmp_path: Path) -> None:
     """--kv-connector-store-bytes: vLLM loads our connector over the socket its sidecar's
-    store serves, a store of that size holding vLLM's KV blocks as they are (bfloat16)."""
+    store serves, a store of that size whose blocks the sidecar sizes from the model."""
     args = parse_args(["--engine", "vllm", "--kv-connector-store-bytes", "2MiB", "--replicas",
                        "1", "--model-path", str(DEFAULT_MODEL), "--max-total-tokens", "2048"])
     options = stack_spec(args).engines[0].vllm
@@ -93,10 +93,9 @@ def test_the_vllm_kv_connector_is_wired_to_its_sidecars_store(tmp_path: Path) ->
     assert config["kv_load_failure_policy"] == "recompute"
     assert config["kv_connector_extra_config"] == {"socket": str(server.store_socket),
                                                    "model_id": "tiny"}
-    assert argv[argv.index("--dtype") + 1] == "bfloat16"
     cfg = SidecarConfig.from_args(sidecar_argv("http://127.0.0.1:9", "replica-0", "agg", 0.0,
                                                server.store_args()))
     assert cfg.store_socket == str(server.store_socket)
     assert cfg.store_capacity_bytes == 2 << 20
-    assert cfg.store_block_bytes == 4 * 2 * 2 * 32 * 32 * 2  # layers, k|v, heads, dim, block
+    assert cfg.model_path == str(DEFAULT_MODEL) and cfg.store_block_bytes is None
     assert check_passed_args(args) is None
