@@ -75,7 +75,8 @@ class EngineSpec:
     a module run as ``python -m <kind> *args``, one process per replica (a stand-in engine
     of the tests), which must write a ready file like ours. ``kind="vllm"``: real vLLM
     servers with the options ``vllm`` (``kvsidecar.local_vllm``), started side by side, each
-    sidecar given ``--engine vllm``.
+    sidecar given ``--engine vllm`` (and, with the vLLM KV connector, the block store it
+    attaches to).
     """
 
     replicas: int = 1
@@ -353,7 +354,10 @@ class LocalStack:
             worker_id = (engine.worker_ids[j] if engine.worker_ids
                          else f"replica-{i}" if part.role == "agg" else f"{part.role}-{i}")
             kind = ["--engine", "vllm"] if engine.kind == "vllm" else []
-            extra = [*kind, *self._ours(), *remote, *spec.sidecar_args, *engine.sidecar_args]
+            # the block store a vLLM's KV connector attaches to
+            store = part.proc.store_args() if isinstance(part.proc, VllmServer) else []
+            extra = [*kind, *store, *self._ours(), *remote, *spec.sidecar_args,
+                     *engine.sidecar_args]
             proc = self._launch(_name("sidecar", part.role, i), [
                 "sidecar",
                 *sidecar_argv(part.url, worker_id, part.role, spec.handoff_ms_per_1k_tokens, extra),

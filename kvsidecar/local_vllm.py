@@ -10,6 +10,11 @@ must hold weights (``scripts/make_tiny_weights.py`` writes the reference engine'
 picked, and a start that loses it to another process is tried again on another; its ZMQ
 publishers bind ``tcp://*:0`` on ``VLLM_HOST_IP`` (loopback) and report the ports the OS
 picked in ``GET /kv_event_sources``, which is how the sidecar finds them.
+
+With ``kv_connector_store_bytes`` vLLM also loads our KV connector
+(``adapters.vllm.connector``, imported from this repository through ``PYTHONPATH``) over
+the block store its sidecar owns at ``store_socket`` (the sidecar's ``--store-socket``, of
+that many bytes: ``store_args()``).
 """
 
 from __future__ import annotations
@@ -30,8 +35,11 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-__all__ = ["VLLM_BLOCK_SIZE", "VLLM_VENV", "VllmOptions", "VllmServer", "tiny_model_with_weights",
-           "vllm_python"]
+from kvcore.options import option
+from shm.config import parse_bytes
+
+__all__ = ["VLLM_BLOCK_SIZE", "VLLM_VENV", "VllmOptions", "VllmServer", "store_args",
+           "tiny_model_with_weights", "vllm_python"]
 
 _ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = _ROOT / ".venv-vllm"
@@ -87,6 +95,20 @@ class VllmOptions:
     tools: bool = False  # --enable-auto-tool-choice --tool-call-parser hermes
     extra_args: tuple[str, ...] = ()
     ready_s: float = 300.0
+    kv_connector_store_bytes: int = option(
+        0, group="vLLM engines", parse=parse_bytes, metavar="SIZE",
+        help="--engine vllm: run vLLM with our KV connector (adapters.vllm.connector) over a "
+        "block store of this size in each sidecar, e.g. 256MiB: prompts computed on one "
+        "replica load on any other from host memory (and the sidecars' --remote-tier-url); "
+        "0: no connector")
+
+
+def store_args(options: VllmOptions, socket: Path) -> list[str]:
+    """A sidecar's flags for the block store a vLLM of ``options`` attaches its KV connector
+    to, at ``socket``: its size, and the model, whose KV blocks the vLLM adapter sizes the
+    store's blocks by (``VllmAdapter.block_layout``)."""
+    return ["--store-capacity-bytes", str(options.kv_connector_store_bytes),
+            "--store-socket", str(socket), "--model-path", str(options.model)]
 
 
 class VllmServer:
@@ -99,6 +121,9 @@ class VllmServer:
         self.name = name
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
+        # the sidecar's block store the connector attaches to (None: no connector)
+        self.store_socket = (workdir / f"{name}-store.sock"
+                             if options.kv_connector_store_bytes else None)
 
     @property
     def url(self) -> str:
@@ -133,15 +158,38 @@ class VllmServer:
             argv += ["--num-gpu-blocks-override", str(o.kv_blocks)]
         if o.tools:
             argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+        if self.store_socket is not None:
+            argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config())]
         return [*argv, *o.extra_args]
+
+    def kv_transfer_config(self) -> dict[str, object]:
+        """vLLM's ``--kv-transfer-config`` loading our connector over ``store_socket``."""
+        return {
+            "kv_connector": "KvSidecarConnector",
+            "kv_connector_module_path": "adapters.vllm.connector",
+            "kv_role": "kv_both",
+            # a block the store drops between match and load is recomputed, not an error
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"socket": str(self.store_socket),
+                                          "model_id": self.options.served_model_name},
+        }
+
+    def store_args(self) -> list[str]:
+        """The sidecar's flags for the store the connector attaches to ([] without one)."""
+        return [] if self.store_socket is None else store_args(self.options, self.store_socket)
 
     def env(self) -> Mapping[str, str]:
         """vLLM's environment: offline, quiet, loopback, ``/reset_prefix_cache`` served; a
         KV space of 1 GiB and no thread pinning unless the caller's environment says else."""
+        ours: dict[str, str] = {}
+        if self.store_socket is not None:  # the connector's module, and what it imports of ours
+            path = os.environ.get("PYTHONPATH")
+            ours["PYTHONPATH"] = str(_ROOT) if not path else f"{_ROOT}{os.pathsep}{path}"
         return {
             "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB, when --num-gpu-blocks-override is not given
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # a shared machine: leave cores unpinned
             **os.environ,
+            **ours,
             "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": "127.0.0.1",  # where tcp://*:0 publishers bind
             "VLLM_NO_USAGE_STATS": "1",

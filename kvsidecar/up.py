@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvcore.options import OptionParser
 from kvcore.stream import Role
 from kvsidecar import local_stack
 from kvsidecar.demo import DEMO_KV_TOKENS, DemoResult, run_demo
@@ -32,16 +33,22 @@ from kvsidecar.local_stack import (
     StackSpec,
     sidecar_argv,
 )
-from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, VllmOptions, tiny_model_with_weights
+from kvsidecar.local_vllm import (
+    VLLM_BLOCK_SIZE,
+    VllmOptions,
+    store_args,
+    tiny_model_with_weights,
+)
 from routing.config import FailurePolicy, PdMode, RouterMode
 from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
 
-__all__ = ["check_passed_args", "gateway_argv", "main", "sidecar_argv", "stack_spec"]
+__all__ = ["check_passed_args", "gateway_argv", "main", "parse_args", "sidecar_argv",
+           "stack_spec", "vllm_options"]
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def _parser() -> OptionParser:
+    p = OptionParser(
         prog="kvsidecar up",
         description="Run the local stack on loopback: N CPU reference engines, a sidecar beside "
         "each, and a KV-aware gateway in front. Prints the gateway's URL; Ctrl-C stops it all.",
@@ -158,6 +165,7 @@ def _parser() -> argparse.ArgumentParser:
         help="--engine vllm: one more argument for every vLLM server, after the ones up sets "
         "(repeatable, with '=': --engine-arg=--enable-auto-tool-choice)",
     )
+    p.add_options(VllmOptions)  # its options: the KV connector's store
     p.add_argument("--workdir", help="where logs and ready files go (default: a new temp dir)")
     p.add_argument("--ready-file", help="write {'url': gateway URL} JSON here once every "
                    "worker is routable (for scripts and tests)")
@@ -169,12 +177,8 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
     counts: tuple[tuple[Role, int], ...] = (
         ("agg", args.replicas), ("prefill", args.prefill), ("decode", args.decode))
     if args.engine == "vllm":
-        blocks = args.max_total_tokens // VLLM_BLOCK_SIZE
         engines: tuple[EngineSpec, ...] = (EngineSpec(
-            replicas=args.replicas, kind="vllm", vllm=VllmOptions(
-                model=Path(args.model_path), kv_blocks=blocks,
-                max_model_len=min(4096, (blocks - 1) * VLLM_BLOCK_SIZE),
-                extra_args=tuple(args.engine_arg))),)
+            replicas=args.replicas, kind="vllm", vllm=vllm_options(args)),)
     else:
         engines = tuple(EngineSpec(replicas=count, role=role, compute=args.compute)
                         for role, count in counts if count)
@@ -187,6 +191,16 @@ def stack_spec(args: argparse.Namespace) -> StackSpec:
         handoff_ms_per_1k_tokens=args.sim_handoff_ms_per_1k_tokens,
         sidecar_args=tuple(args.sidecar_arg),
     )
+
+
+def vllm_options(args: argparse.Namespace) -> VllmOptions:
+    """``--engine vllm``: every vLLM server's options."""
+    blocks = args.max_total_tokens // VLLM_BLOCK_SIZE
+    return VllmOptions(
+        model=Path(args.model_path), kv_blocks=blocks,
+        max_model_len=min(4096, (blocks - 1) * VLLM_BLOCK_SIZE),
+        extra_args=tuple(args.engine_arg),
+        kv_connector_store_bytes=args.kv_connector_store_bytes)
 
 
 def gateway_spec(name: str, port: int, mode: str, args: argparse.Namespace) -> GatewaySpec:
@@ -209,11 +223,14 @@ def check_passed_args(args: argparse.Namespace) -> str | None:
     """Why ``--gateway-arg`` / ``--sidecar-arg`` would stop a gateway or sidecar (their own
     parsers' words, already printed), before any process starts; None: they parse."""
     placeholder = "http://127.0.0.1:9"
+    # the flags a vLLM's KV connector gives its sidecar come first, as in the stack
+    store = (store_args(vllm_options(args), Path("/tmp/placeholder.sock"))
+             if args.engine == "vllm" and args.kv_connector_store_bytes else [])
     checks = (
         ("--gateway-arg", lambda: gateway_config(
             gateway_argv(args.port, args.router_mode, args, [placeholder]))),
         ("--sidecar-arg", lambda: SidecarConfig.from_args(
-            sidecar_argv(placeholder, "replica-0", "agg", 0.0, args.sidecar_arg))),
+            sidecar_argv(placeholder, "replica-0", "agg", 0.0, [*store, *args.sidecar_arg]))),
     )
     for flag, check in checks:
         try:
@@ -292,8 +309,17 @@ async def _serve(args: argparse.Namespace, workdir: Path) -> int:
     return 0
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """up's flags, those declared as ``VllmOptions`` fields converted as the fields say."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    vllm = parser.build(VllmOptions, args, model=Path(args.model_path))
+    args.kv_connector_store_bytes = vllm.kv_connector_store_bytes
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     if (args.prefill > 0) != (args.decode > 0) or args.prefill < 0 or args.decode < 0:
         _parser().error("--prefill N and --decode M go together, each >= 1")
     if args.replicas is None:
@@ -302,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--replicas must be >= 1 (>= 0 with --prefill/--decode)")
     if args.max_total_tokens is None:
         args.max_total_tokens = DEMO_KV_TOKENS if args.demo else 32768
-    if args.engine_arg and args.engine != "vllm":
-        _parser().error("--engine-arg goes with --engine vllm")
+    for flag, given in (("--engine-arg", args.engine_arg),
+                        ("--kv-connector-store-bytes", args.kv_connector_store_bytes)):
+        if given and args.engine != "vllm":
+            _parser().error(f"{flag} goes with --engine vllm")
     if args.engine == "vllm":
         if args.prefill or args.demo:
             _parser().error("--engine vllm runs aggregated replicas only (no --prefill, "

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import structlog
-
+from adapters.storage.boundary import guarded
 from adapters.trtllm.connector_core import (
     ConnectorMetadata,
     ConnectorSettings,
@@ -53,9 +51,7 @@ __all__ = [
     "kv_connector_config",
 ]
 
-log = structlog.get_logger(component="adapters.trtllm.connector")
-
-T = TypeVar("T")
+_HOOK = "trtllm_connector"  # in the logs of failed calls
 
 _BASE_MODULES = (
     "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector",
@@ -124,15 +120,6 @@ def _rank_and_world() -> tuple[int, int]:
     return int(mpi_rank()), int(mpi_world_size())
 
 
-def _guarded(op: str, fallback: T, fn: Callable[[], T]) -> T:
-    """The engine boundary: a bug or failure of ours is logged and answered with ``fallback``."""
-    try:
-        return fn()
-    except Exception:
-        log.exception("connector_call_failed", op=op)
-        return fallback
-
-
 class KvSidecarConnectorScheduler(_SchedulerBase):  # type: ignore[misc,valid-type]
     """The scheduler side (rank 0 under TP; each owner under attention DP): how many prompt
     tokens the store can supply, and what to load and save."""
@@ -157,20 +144,20 @@ class KvSidecarConnectorScheduler(_SchedulerBase):  # type: ignore[misc,valid-ty
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
-        return _guarded("get_num_new_matched_tokens", (0, False), lambda: (
+        return guarded(_HOOK, "get_num_new_matched_tokens", (0, False), lambda: (
             self.core.matched_tokens(request.request_id, request.get_tokens(0),
                                      num_computed_tokens, self.namespace_seed(request)),
             False))
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
-        _guarded("update_state_after_alloc", None,
+        guarded(_HOOK, "update_state_after_alloc", None,
                  lambda: self.core.after_alloc(request.request_id, list(block_ids)))
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
-        return _guarded("build_connector_meta", ConnectorMetadata(), self.core.build_meta)
+        return guarded(_HOOK, "build_connector_meta", ConnectorMetadata(), self.core.build_meta)
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        return bool(_guarded("request_finished", False, lambda: self.core.finished(
+        return bool(guarded(_HOOK, "request_finished", False, lambda: self.core.finished(
             request.request_id, request.get_tokens(0), list(cache_block_ids),
             self.namespace_seed(request))))
 
@@ -198,7 +185,7 @@ class KvSidecarConnectorWorker(_WorkerBase):  # type: ignore[misc,valid-type]
         self.core.register(kv_cache_tensor)  # a store that does not fit fails start-up
 
     def start_load_kv(self, stream: Any) -> None:
-        _guarded("start_load_kv", None,
+        guarded(_HOOK, "start_load_kv", None,
                  lambda: self.core.run_step(self.get_connector_meta(), stream))
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
@@ -213,7 +200,7 @@ class KvSidecarConnectorWorker(_WorkerBase):  # type: ignore[misc,valid-type]
     def get_finished(self, finished_gen_req_ids: list[int],
                      started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
         nothing: tuple[list[int], list[int]] = ([], [])
-        return _guarded("get_finished", nothing, lambda: self.core.finished(
+        return guarded(_HOOK, "get_finished", nothing, lambda: self.core.finished(
             finished_gen_req_ids, started_loading_req_ids))
 
     def close(self) -> None:

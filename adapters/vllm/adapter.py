@@ -255,8 +255,13 @@ class VllmAdapter(AdapterShell):
         return tokens
 
     def block_layout(self) -> BlockLayout:
-        """The model's KV layout, ``raw``: no storage hook of ours runs in vLLM yet."""
-        return replace(self.model_layout(), kind=LayoutKind.RAW)
+        """The blocks our KV connector (``adapters.vllm.connector``) stores: every layer's KV
+        block in the attention backend's own order (``raw``), in the dtype vLLM serves the
+        model in: a float32 checkpoint is downcast to 16 bits (bfloat16 on CPU); run vLLM
+        with ``--dtype`` and give the store ``--store-block-bytes`` when that differs."""
+        layout = self.model_layout()
+        dtype = "bfloat16" if layout.dtype == "float32" else layout.dtype
+        return replace(layout, dtype=dtype, kind=LayoutKind.RAW)
 
     def translate_request(self, request: TokenizedRequest) -> EngineRequest:
         return to_completions_request(request)

@@ -1,12 +1,26 @@
 """`kvsidecar up --gateway-arg / --sidecar-arg`: any gateway or sidecar flag through up, after
 up's own (a later flag wins), checked by the gateway's and sidecar's own parsers before any
-process starts; `--engine vllm`'s gateway block size and what it refuses."""
+process starts; `--engine vllm`'s gateway block size, its KV connector's wiring and what
+it refuses."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
-from kvsidecar.up import _parser, check_passed_args, gateway_argv, main, sidecar_argv
+from kvsidecar.local_stack import DEFAULT_MODEL
+from kvsidecar.local_vllm import VllmServer
+from kvsidecar.up import (
+    _parser,
+    check_passed_args,
+    gateway_argv,
+    main,
+    parse_args,
+    sidecar_argv,
+    stack_spec,
+)
 from routing.config import RouterMode
 from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
@@ -50,6 +64,7 @@ def test_vllm_engines_hash_in_blocks_of_32() -> None:
 
 @pytest.mark.parametrize(("argv", "why"), [
     (["--engine-arg=--enforce-eager"], "--engine-arg goes with --engine vllm"),
+    (["--kv-connector-store-bytes", "64MiB"], "--kv-connector-store-bytes goes with --engine"),
     (["--engine", "vllm", "--prefill", "1", "--decode", "1"], "aggregated replicas only"),
     (["--engine", "vllm", "--demo"], "aggregated replicas only"),
 ])
@@ -60,3 +75,27 @@ def test_vllm_combinations_refused(argv: list[str], why: str,
         main([*argv, "--workdir", "/nonexistent/never-made"])
     assert stopped.value.code == 2
     assert why in capsys.readouterr().err
+
+
+def test_the_vllm_kv_connector_is_wired_to_its_sidecars_store(tmp_path: Path) -> None:
+    """--kv-connector-store-bytes: vLLM loads our connector over the socket its sidecar's
+    store serves, a store of that size whose blocks the sidecar sizes from the model."""
+    args = parse_args(["--engine", "vllm", "--kv-connector-store-bytes", "2MiB", "--replicas",
+                       "1", "--model-path", str(DEFAULT_MODEL), "--max-total-tokens", "2048"])
+    options = stack_spec(args).engines[0].vllm
+    assert options is not None and options.kv_connector_store_bytes == 2 << 20
+    server = VllmServer.__new__(VllmServer)  # vLLM need not be here: its command line is read
+    server.python, server.workdir, server.options, server.name = "python", tmp_path, options, "v"
+    server.store_socket = tmp_path / "v-store.sock"
+    argv = server.argv(8000)
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector_module_path"] == "adapters.vllm.connector"
+    assert config["kv_load_failure_policy"] == "recompute"
+    assert config["kv_connector_extra_config"] == {"socket": str(server.store_socket),
+                                                   "model_id": "tiny"}
+    cfg = SidecarConfig.from_args(sidecar_argv("http://127.0.0.1:9", "replica-0", "agg", 0.0,
+                                               server.store_args()))
+    assert cfg.store_socket == str(server.store_socket)
+    assert cfg.store_capacity_bytes == 2 << 20
+    assert cfg.model_path == str(DEFAULT_MODEL) and cfg.store_block_bytes is None
+    assert check_passed_args(args) is None

@@ -3,36 +3,50 @@
 the gateway's hash canary reads ``exact``, a second chat turn finds what the gateway predicted,
 the gateway's index is vLLM's live blocks after evictions, with duplicate stores, and after a
 prefix-cache reset (checked against vLLM's own replay buffer, read here with no code of
-ours), and tools,
-``json_schema`` and logprobs come back through the OpenAI path.
+ours), tools,
+``json_schema`` and logprobs come back through the OpenAI path, and our KV connector loads a
+prompt's blocks from the sidecar's host memory and from its Redis tier (and misses when the
+store is down), with the reply a recompute gives.
 
-One stack for the module, started by ``kvsidecar up --engine vllm`` (vLLM takes one to two
-minutes to start). Without ``.venv-vllm/`` the tests fail and say how to build it
-(``scripts/test`` does, through ``scripts/_vllm_venv.sh``).
+One stack for the module, started by ``kvsidecar up --engine vllm`` with the KV connector
+and a ``redis-server`` as every sidecar's remote tier (vLLM takes one to two minutes to
+start). Without ``.venv-vllm/`` the tests fail and say how to build it (``scripts/test``
+does, through ``scripts/_vllm_venv.sh``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import posix_ipc
 import pytest
 import zmq
 
+from kvcore.hashing import BlockHasher
+from kvcore.namespace import Namespace
 from kvsidecar.launch import LaunchError, ManagedProcess
+from kvsidecar.local_redis import RedisServer
 from kvsidecar.local_vllm import VLLM_BLOCK_SIZE
+from shm import BlockStoreClient, BlockStoreError
 from tests.support.polling import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 BLOCK = VLLM_BLOCK_SIZE
 KV_BLOCKS = 64  # a small pool: a few prompts evict
+STORE_BLOCKS = 64  # the sidecar's host store, in vLLM blocks (4 layers × 2 × 2 × 32 × 32 bf16)
+STORE_BLOCK_BYTES = 4 * 2 * 2 * 32 * BLOCK * 2
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -40,30 +54,36 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 class Stack:
     gateway: str
     vllm: str
+    workdir: Path  # up's: the processes' logs and ready files
+    store_socket: Path  # the sidecar's block store, which vLLM's KV connector attaches to
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """``kvsidecar up --engine vllm``: one vLLM (64 blocks of 32 tokens, hermes tools), its
-    sidecar and a gateway, for the module."""
+    """``kvsidecar up --engine vllm``: one vLLM (64 blocks of 32 tokens, hermes tools, our
+    KV connector), its sidecar (a host store of 64 blocks over a Redis tier) and a gateway,
+    for the module."""
     tmp = tmp_path_factory.mktemp("vllm")
-    up = ManagedProcess.start("up", [
-        "kvsidecar", "up", "--engine", "vllm", "--replicas", "1", "--port", "0",
-        "--max-total-tokens", str(KV_BLOCKS * BLOCK), "--workdir", str(tmp),
-        "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser",
-        "--engine-arg=hermes", "--engine-arg=--structured-outputs-config",
-        # the random tiny model would pad JSON with whitespace until max_tokens
-        '--engine-arg={"backend": "xgrammar", "disable_any_whitespace": true}',
-    ], workdir=tmp)
-    try:
+    with RedisServer(tmp) as redis:
+        up = ManagedProcess.start("up", [
+            "kvsidecar", "up", "--engine", "vllm", "--replicas", "1", "--port", "0",
+            "--max-total-tokens", str(KV_BLOCKS * BLOCK), "--workdir", str(tmp),
+            "--kv-connector-store-bytes", str(STORE_BLOCKS * STORE_BLOCK_BYTES),
+            f"--sidecar-arg=--remote-tier-url={redis.url}",
+            "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser",
+            "--engine-arg=hermes", "--engine-arg=--structured-outputs-config",
+            # the random tiny model would pad JSON with whitespace until max_tokens
+            '--engine-arg={"backend": "xgrammar", "disable_any_whitespace": true}',
+        ], workdir=tmp)
         try:
-            gateway = str(up.wait_ready(360)[0]["url"])
-        except LaunchError as exc:
-            pytest.fail(str(exc), pytrace=False)
-        workers = _get(f"{gateway}/v1/workers")["workers"]
-        yield Stack(gateway, workers[0]["engine_url"])
-    finally:
-        up.stop(timeout_s=90)
+            try:
+                gateway = str(up.wait_ready(360)[0]["url"])
+            except LaunchError as exc:
+                pytest.fail(str(exc), pytrace=False)
+            workers = _get(f"{gateway}/v1/workers")["workers"]
+            yield Stack(gateway, workers[0]["engine_url"], tmp, tmp / "vllm-0-store.sock")
+        finally:
+            up.stop(timeout_s=90)
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -225,3 +245,122 @@ def test_tools_json_schema_and_logprobs_come_back(stack: Stack) -> None:
     content = scored["choices"][0]["logprobs"]["content"]
     assert len(content) == 3
     assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
+
+
+# --- the KV connector (adapters.vllm.connector) over the sidecar's store ----------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    cached_tokens: int
+
+
+def _complete(stack: Stack, prompt: list[int]) -> Reply:
+    """A greedy completion of ``prompt`` (token ids) straight from vLLM."""
+    _, answer = _post(f"{stack.vllm}/v1/completions", {
+        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+    return Reply(answer["choices"][0]["text"],
+                 answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def _prompt(salt: int, blocks: int) -> list[int]:
+    """``blocks`` full blocks of tokens no other test sends, and a few more."""
+    return [(i * 7 + salt * 131) % 900 + 10 for i in range(blocks * BLOCK + 5)]
+
+
+def _keys(prompt: list[int], blocks: int) -> list[tuple[int, int]]:
+    """The canonical keys of the prompt's first blocks: what the gateway hashes."""
+    seed = Namespace("tiny").seed
+    return [(seed, h) for h in BlockHasher(BLOCK).hash_tokens(prompt[: blocks * BLOCK], seed)]
+
+
+def _reset_device_cache(stack: Stack) -> None:
+    """Empty vLLM's own prefix cache: what it finds next comes from the connector."""
+    assert _post(f"{stack.vllm}/reset_prefix_cache", {})[1] == {"success": True}
+
+
+def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
+    """A prompt's blocks, saved under the canonical keys as vLLM computed them, load back from
+    the sidecar's shared memory once vLLM's own cache lost them: vLLM reports them cached,
+    computes the rest, and answers as the recompute did; the gateway credits the host tier."""
+    prompt = _prompt(1, 10)
+    first = _complete(stack, prompt)
+    assert first.cached_tokens == 0
+    with BlockStoreClient(stack.store_socket) as store:
+        wait_until(lambda: store.contains_many(_keys(prompt, 10)) == [True] * 10,
+                   "the prompt's blocks in the host store", 30, 0.1)
+        reads_before = store.stats().num_remote_reads
+        wait_until(lambda: _worker(stack)["cached_blocks"]["host"] >= 10,
+                   "the gateway crediting the host tier", 30, 0.2)
+        _reset_device_cache(stack)
+        again = _complete(stack, prompt)
+        assert store.stats().num_remote_reads == reads_before  # shared memory's, not Redis's
+    assert again.cached_tokens == 10 * BLOCK
+    assert again.text == first.text
+
+
+def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
+    """Once the host store evicted a prompt's blocks, they come back from the sidecar's Redis
+    tier (written through when saved, and credited by the gateway), with the same reply."""
+    prompt = _prompt(2, 8)
+    first = _complete(stack, prompt)
+    with BlockStoreClient(stack.store_socket) as store:
+        wait_until(lambda: store.stats().num_remote_writes >= 8 and store.stats().num_remote_blocks
+                   >= 8, "the prompt's blocks written through to Redis", 30, 0.1)
+        wait_until(lambda: _worker(stack)["cached_blocks"]["remote"] >= 8,
+                   "the gateway crediting the remote tier", 30, 0.2)
+        # Other blocks fill the host store twice over: the prompt's are evicted from it.
+        junk = Namespace("tiny", cache_salt="filler").seed
+        for batch in range(4):
+            keys = [(junk, batch * STORE_BLOCKS + i) for i in range(STORE_BLOCKS // 2)]
+            with store.begin_put(keys):
+                pass
+        reads_before = store.stats().num_remote_reads
+        _reset_device_cache(stack)
+        again = _complete(stack, prompt)
+        assert store.stats().num_remote_reads >= reads_before + 8
+    assert again.cached_tokens == 8 * BLOCK
+    assert again.text == first.text
+
+
+def test_a_store_that_is_down_turns_loads_into_misses(stack: Stack) -> None:
+    """With the sidecar (the store's owner) gone, vLLM recomputes the prompt: no error, no
+    cached tokens, the same reply. (Last in the module: it leaves the sidecar dead.)"""
+    prompt = _prompt(3, 6)
+    first = _complete(stack, prompt)
+    with BlockStoreClient(stack.store_socket) as store:
+        wait_until(lambda: store.contains_many(_keys(prompt, 6)) == [True] * 6,
+                   "the prompt's blocks in the host store", 30, 0.1)
+        segment = store.welcome.segment
+    os.kill(_sidecar_pid(stack), signal.SIGKILL)
+    try:
+        wait_until(lambda: not _store_answers(stack.store_socket), "the store gone", 30, 0.1)
+        _reset_device_cache(stack)
+        again = _complete(stack, prompt)
+    finally:  # what the killed owner would have unlinked (vLLM may still map it)
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(segment)
+    assert again.cached_tokens == 0
+    assert again.text == first.text
+
+
+def _sidecar_pid(stack: Stack) -> int:
+    """The pid of this stack's sidecar: the process serving its store's socket."""
+    flag = f"--store-socket\0{stack.store_socket}\0".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and flag in (entry / "cmdline").read_bytes():
+                return int(entry.name)
+        except OSError:
+            continue  # gone meanwhile
+    raise AssertionError(f"no sidecar serves {stack.store_socket}")
+
+
+def _store_answers(socket: Path) -> bool:
+    try:
+        with BlockStoreClient(socket, timeout_s=2) as store:
+            store.ping()
+    except (OSError, BlockStoreError):
+        return False
+    return True
