@@ -1,9 +1,9 @@
 """The tiers below an owner's host store, as the owner sees them: ``LowerTiers``.
 
-Which run (``OwnerConfig.disk_dir``: ``shm.disk_tier``; ``OwnerConfig.remote_url``:
-``shm.remote_tier``), in that order, and how each is wired to the store: the blocks the
+Which run (``OwnerConfig.disk_dir``: ``shm.tiers.disk_tier``; ``OwnerConfig.remote_url``:
+``shm.tiers.remote_tier``), in that order, and how each is wired to the store: the blocks the
 store evicts are handed to them before their slots get new holders, a lease that misses in
-shared memory promotes what they hold back into slots first (``shm.read_through``), and
+shared memory promotes what they hold back into slots first (``shm.owner.read_through``), and
 with write-through every block the store commits goes to the remote tier once named. So
 clients see one store, through the same protocol: ``Contains`` and ``Remove`` span the
 tiers, their events join the store's, their statistics the store's.
@@ -22,12 +22,12 @@ import numpy as np
 
 from kvcore.events import KVEvent
 from shm.block_names import BlockNames
-from shm.config import OwnerConfig
-from shm.disk_tier import DiskTier
+from shm.owner.config import OwnerConfig
+from shm.owner.read_through import LowerTier, ReadThrough
+from shm.owner.store import BlockKey, BlockStore, SessionId, StoreStats
 from shm.protocol import Slots, encode
-from shm.read_through import LowerTier, ReadThrough
-from shm.remote_tier import RemoteTier
-from shm.store import BlockKey, BlockStore, SessionId, StoreStats
+from shm.tiers.disk_tier import DiskTier
+from shm.tiers.remote_tier import RemoteTier
 
 __all__ = ["LowerTiers"]
 
