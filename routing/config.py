@@ -106,7 +106,8 @@ class RouterConfig:
         RouterMode.KV, group=_PLACEMENT,
         help="kv: prefix overlap + load (without sidecar events it behaves like "
         "approx); approx: recently routed prefixes count as cached for "
-        "--approx-ttl-s; round-robin, random, least-loaded (in-flight requests)")
+        "--approx-ttl-s, sidecars' events unused; round-robin, random, least-loaded "
+        "(in-flight requests)")
     # None: learned from the fleet's feedback (routing/placement/tuning.py); a number fixes it.
     overlap_weight: float | None = option(
         None, group=_PLACEMENT,
@@ -131,7 +132,8 @@ class RouterConfig:
     block_size: int = option(
         16, group=_PLACEMENT, help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(
-        120.0, group=_PLACEMENT, help="how long a routed prefix counts as cached without events")
+        120.0, group=_PLACEMENT,
+        help="how long a routed prefix counts as cached in approx mode (and kv without sidecars)")
     seed: int | None = option(None, group=_PLACEMENT, help="seed of the random choices (tests)")
 
     # Admission control (routing/pipeline/admission.py): busy thresholds, the waiting queue,

@@ -46,11 +46,16 @@ class KvRouter:
         load: ActiveLoad | None = None,
         learn_overlap_weight: bool = False,
         learn_prefill_load_scale: bool = False,
+        use_events: bool = True,
     ) -> None:
         """``load``: the active load to keep (a subclass shares it with other gateway
         replicas: ``routing.replicas``); a plain ``ActiveLoad`` by default. ``learn_*``:
-        the weight is tuned from feedback (``tuning.py``) instead of taken from ``weights``."""
+        the weight is tuned from feedback (``tuning.py``) instead of taken from ``weights``.
+        ``use_events``: whether the events applied inform placement (``--router-mode``
+        decides, ``policies.prediction``); without, the index still follows them (for the
+        indexer API and the replicas) but overlaps are the speculative prefixes alone."""
         self.block_size = block_size
+        self.use_events = use_events
         self.index = PrefixIndex()
         self.pending = PendingPrefixes(speculative_ttl_s)
         self.load = ActiveLoad(block_size) if load is None else load
@@ -70,9 +75,10 @@ class KvRouter:
 
     def apply(self, event: KVEvent) -> ApplyOutcome:
         """Feed one normalized event; a GPU store confirms speculative blocks, a GPU clear
-        drops them (the worker's cache starts over: a restarted engine, a flush, a resync)."""
+        drops them (the worker's cache starts over: a restarted engine, a flush, a resync).
+        Without ``use_events`` only the index takes it: speculation and tuning ignore it."""
         outcome = self.index.apply(event)
-        if event.tier is not Tier.GPU:
+        if event.tier is not Tier.GPU or not self.use_events:
             return outcome
         kind = type(event)
         if kind is BlockStored:
@@ -102,8 +108,8 @@ class KvRouter:
     ) -> list[Candidate]:
         """Every worker's overlap (real or speculative) and load for this request; with
         ``stored_depths``, each worker's deepest real overlap (any tier, no speculation) is
-        appended to it too."""
-        tiers = self.index.match_tiers(block_hashes) if block_hashes else {}
+        appended to it too. Without ``use_events`` nothing is real: the index is not read."""
+        tiers = self.index.match_tiers(block_hashes) if block_hashes and self.use_events else {}
         gpu = tiers.get(Tier.GPU, {})
         host = tiers.get(Tier.HOST, {})
         disk = tiers.get(Tier.DISK, {})
