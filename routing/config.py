@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvcore.events import Tier
 from kvcore.options import member, option
+from routing.placement.scorer import DEFAULT_TIER_WEIGHTS
 from routing.vocabulary import (
     EventsVia,
     FailurePolicy,
@@ -121,12 +123,15 @@ class RouterConfig:
         default_text="learned from time to first token; a number fixes it")
     router_temperature: float = option(
         0.0, group=_PLACEMENT, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
+    # Each tier's credit below the GPU (``tier_weights``; the scorer keeps the defaults).
     host_weight: float = option(
-        0.75, group=_PLACEMENT, help="credit per prefix block cached in host memory")
+        DEFAULT_TIER_WEIGHTS[Tier.HOST], group=_PLACEMENT,
+        help="credit per prefix block cached in host memory")
     disk_weight: float = option(
-        0.25, group=_PLACEMENT, help="credit per prefix block cached on disk")
+        DEFAULT_TIER_WEIGHTS[Tier.DISK], group=_PLACEMENT,
+        help="credit per prefix block cached on disk")
     remote_weight: float = option(
-        0.1, group=_PLACEMENT,
+        DEFAULT_TIER_WEIGHTS[Tier.REMOTE], group=_PLACEMENT,
         help="credit per prefix block in the remote tier (a store shared by every replica of "
         "the model: credited on each of them)")
     block_size: int = option(
@@ -457,6 +462,12 @@ class RouterConfig:
         ):
             raise ValueError(f"--k8s-api-url must be http(s)://host:port, got "
                              f"{self.k8s_api_url!r}")
+
+    @property
+    def tier_weights(self) -> dict[Tier, float]:
+        """The credit per cached block of each tier below the GPU (``ScoringWeights``)."""
+        return {Tier.HOST: self.host_weight, Tier.DISK: self.disk_weight,
+                Tier.REMOTE: self.remote_weight}
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -24,12 +24,21 @@ from routing.placement.active_load import ActiveLoad
 from routing.placement.peer_share import PeerShare
 from routing.placement.pending import PendingPrefixes
 from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
-from routing.placement.scorer import Candidate, Placement, Pool, Scorer, ScoringWeights, TierOverlap
+from routing.placement.scorer import (
+    LOWER_TIERS,
+    Candidate,
+    Placement,
+    Pool,
+    Scorer,
+    ScoringWeights,
+    TierOverlap,
+)
 from routing.placement.tuning import WeightTuner
 
 __all__ = ["KvRouter"]
 
 _DROPPED = (ApplyOutcome.DUPLICATE, ApplyOutcome.STALE_EPOCH)  # events the index ignored
+_NONE: dict[str, int] = {}
 
 
 class KvRouter:
@@ -110,10 +119,8 @@ class KvRouter:
         ``stored_depths``, each worker's deepest real overlap (any tier, no speculation) is
         appended to it too. Without ``use_events`` nothing is real: the index is not read."""
         tiers = self.index.match_tiers(block_hashes) if block_hashes and self.use_events else {}
-        gpu = tiers.get(Tier.GPU, {})
-        host = tiers.get(Tier.HOST, {})
-        disk = tiers.get(Tier.DISK, {})
-        remote = tiers.get(Tier.REMOTE, {})
+        gpu = tiers.get(Tier.GPU, _NONE)
+        lower = len(tiers) > (1 if gpu else 0)  # a tier below the GPU holds some of it
         pending = self.pending.match(block_hashes, self._clock()) if block_hashes else {}
         loads = self.load.loads(workers, block_hashes)
         out = []
@@ -127,14 +134,15 @@ class KvRouter:
                 # queueing the same work again, so it does not count against the worker.
                 shared = min(load.active_prefill_tokens, (speculative - real) * self.block_size)
                 load = replace(load, active_prefill_tokens=load.active_prefill_tokens - shared)
-            overlap = TierOverlap(
-                max(real, speculative),
-                host.get(worker_id, 0),
-                disk.get(worker_id, 0),
-                remote.get(worker_id, 0),
-            )
-            if stored_depths is not None:
-                stored_depths.append(max(real, overlap.host, overlap.disk, overlap.remote))
+            if lower:
+                held = [tiers.get(tier, _NONE).get(worker_id, 0) for tier in LOWER_TIERS]
+                overlap = TierOverlap(max(real, speculative), *held)
+                if stored_depths is not None:
+                    stored_depths.append(max(real, *held))
+            else:
+                overlap = TierOverlap(max(real, speculative))
+                if stored_depths is not None:
+                    stored_depths.append(real)
             out.append(Candidate(worker_id, overlap, load))
         return out
 

@@ -91,9 +91,7 @@ class Gateway:
         weights = ScoringWeights(
             overlap_weight=1.0 if cfg.overlap_weight is None else cfg.overlap_weight,
             prefill_load_scale=1.0 if cfg.prefill_load_scale is None else cfg.prefill_load_scale,
-            host_weight=cfg.host_weight,
-            disk_weight=cfg.disk_weight,
-            remote_weight=cfg.remote_weight,
+            tier_weights=cfg.tier_weights,
             temperature=cfg.router_temperature,
         )
         # Sidecars publish their workers' KV events; plain workers publish none. What the
