@@ -135,11 +135,11 @@ class BlockStoreOwner:
 
     @property
     def disk(self) -> DiskTier | None:
-        return self.lower_tiers.disk
+        return self.lower_tiers.of(DiskTier)
 
     @property
     def remote(self) -> RemoteTier | None:
-        return self.lower_tiers.remote
+        return self.lower_tiers.of(RemoteTier)
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> BlockStoreOwner:
