@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 
 from kvcore.events import Tier
 from kvcore.options import member, option
-from routing.placement.scorer import DEFAULT_TIER_WEIGHTS
 from routing.vocabulary import (
     EventsVia,
     FailurePolicy,
@@ -123,15 +122,14 @@ class RouterConfig:
         default_text="learned from time to first token; a number fixes it")
     router_temperature: float = option(
         0.0, group=_PLACEMENT, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
-    # Each tier's credit below the GPU (``tier_weights``; the scorer keeps the defaults).
+    # Each tier's credit below the GPU (``tier_weights``), defaults as the scorer's
+    # (``DEFAULT_TIER_WEIGHTS``, below this module: a test checks they agree).
     host_weight: float = option(
-        DEFAULT_TIER_WEIGHTS[Tier.HOST], group=_PLACEMENT,
-        help="credit per prefix block cached in host memory")
+        0.75, group=_PLACEMENT, help="credit per prefix block cached in host memory")
     disk_weight: float = option(
-        DEFAULT_TIER_WEIGHTS[Tier.DISK], group=_PLACEMENT,
-        help="credit per prefix block cached on disk")
+        0.25, group=_PLACEMENT, help="credit per prefix block cached on disk")
     remote_weight: float = option(
-        DEFAULT_TIER_WEIGHTS[Tier.REMOTE], group=_PLACEMENT,
+        0.1, group=_PLACEMENT,
         help="credit per prefix block in the remote tier (a store shared by every replica of "
         "the model: credited on each of them)")
     block_size: int = option(

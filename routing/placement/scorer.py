@@ -72,7 +72,8 @@ class Pool(enum.Enum):
 
 LOWER_TIERS = tuple(tier for tier in Tier if tier is not Tier.GPU)  # fastest first
 # Credit per cached block of each tier below the GPU, in blocks of prefill work (the GPU's
-# is ``overlap_weight``, learned by default). The gateway's --<tier>-weight defaults.
+# is ``overlap_weight``, learned by default). The gateway's --<tier>-weight defaults
+# (``RouterConfig``'s, the same: a test checks).
 DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = MappingProxyType(
     {Tier.HOST: 0.75, Tier.DISK: 0.25, Tier.REMOTE: 0.1})
 
