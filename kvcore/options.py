@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-__all__ = ["OptionParser", "member", "option"]
+__all__ = ["OptionParser", "member", "option", "option_of"]
 
 _KEY = "kvcore.option"
 _T = TypeVar("_T")
@@ -111,6 +111,31 @@ def option(
     if required:
         return dataclasses.field(repr=not secret, metadata={_KEY: meta})
     return dataclasses.field(default=default, repr=not secret, metadata={_KEY: meta})
+
+
+def option_of(
+    cls: type,
+    name: str,
+    *,
+    group: str,
+    help: str | None = None,
+    default: object = dataclasses.MISSING,
+) -> Any:
+    """Option ``name`` of the config ``cls``, declared again in another command's config (the
+    field's type is written there too): the same flag and spellings, choices, parsing and
+    default, unless ``default`` gives this command's own. ``group``, and ``help`` where the
+    words differ, are this command's."""
+    source = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if source is None or _KEY not in source.metadata:
+        raise TypeError(f"{cls.__name__} has no option {name!r}")
+    meta: _Meta = source.metadata[_KEY]
+    meta = dataclasses.replace(meta, group=group, help=meta.help if help is None else help)
+    if default is not dataclasses.MISSING:  # this command's default, in its own words
+        meta = dataclasses.replace(meta, default_text=None, required=False)
+        return dataclasses.field(default=default, repr=source.repr, metadata={_KEY: meta})
+    if meta.required:
+        return dataclasses.field(repr=source.repr, metadata={_KEY: meta})
+    return dataclasses.field(default=source.default, repr=source.repr, metadata={_KEY: meta})
 
 
 def member(what: str, value: object, vocabulary: type[_E]) -> _E:

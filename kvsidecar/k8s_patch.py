@@ -92,7 +92,7 @@ class InjectOptions:
         if not self.sidecar_image:
             raise ValueError("the sidecar image must not be empty")
         if self.store_capacity_bytes is not None:
-            from shm.config import parse_bytes  # noqa: PLC0415  (numpy: only when asked for)
+            from shm.owner.config import parse_bytes  # noqa: PLC0415  (numpy: only when asked for)
 
             if parse_bytes(self.store_capacity_bytes) <= 0:
                 raise ValueError(

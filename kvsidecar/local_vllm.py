@@ -36,7 +36,7 @@ from types import TracebackType
 from typing import Self
 
 from kvcore.options import option
-from shm.config import parse_bytes
+from shm.owner.config import parse_bytes
 
 __all__ = ["VLLM_BLOCK_SIZE", "VLLM_VENV", "VllmOptions", "VllmServer", "store_args",
            "tiny_model_with_weights", "vllm_python"]

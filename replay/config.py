@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcore.options import OptionParser, option
+from kvcore.options import OptionParser, option, option_of
+from refengine.config import EngineConfig
 from refengine.timing import SimTiming
 from replay.offline import FleetConfig
-from routing.config import RouterMode
+from routing.config import RouterConfig, RouterMode
 from routing.placement.scorer import ScoringWeights
 
 __all__ = ["POLICY_CHOICES", "ReplayConfig", "build_parser"]
@@ -59,21 +60,22 @@ class ReplayConfig:
         (), group=_OFFLINE, flag="--policy", choices=POLICY_CHOICES,
         help="placement policy to simulate (repeatable); oracle = the pooled "
         "LRU and Belady bounds; all (the default) = every policy and the bounds")
-    page_size: int = option(16, group=_OFFLINE, help="tokens per KV page")
-    chunked_prefill_size: int = option(
-        512, group=_OFFLINE, help="prompt tokens computed per prefill step (the engine's flag)")
-    max_running_requests: int = option(
-        64, group=_OFFLINE, help="requests admitted at once per replica (the engine's flag)")
-    overlap_weight: float = option(
-        1.0, group=_OFFLINE, help="the router's credit per cached block")
-    prefill_load_scale: float = option(
-        1.0, group=_OFFLINE,
-        help="the router's weight of prefill work against decode blocks (gateway flag of the "
-        "same name)")
-    router_temperature: float = option(
-        0.0, group=_OFFLINE, help="0 picks the cheapest worker; > 0 samples ∝ exp(−cost/T)")
-    approx_ttl_s: float = option(
-        120.0, group=_OFFLINE, help="how long a routed prefix counts as cached without an event")
+    # The replicas' options are the reference engine's, the router's the gateway's
+    # (``option_of``: their flags, defaults and checks, declared there).
+    page_size: int = option_of(EngineConfig, "page_size", group=_OFFLINE)
+    chunked_prefill_size: int = option_of(EngineConfig, "chunked_prefill_size", group=_OFFLINE)
+    max_running_requests: int = option_of(EngineConfig, "max_running_requests", group=_OFFLINE,
+                                          help="requests admitted at once per replica")
+    # Fixed here (the gateway learns them by default): a replay compares policies at set
+    # weights.
+    overlap_weight: float = option_of(RouterConfig, "overlap_weight", group=_OFFLINE,
+                                      default=1.0)
+    prefill_load_scale: float = option_of(RouterConfig, "prefill_load_scale", group=_OFFLINE,
+                                          default=1.0)
+    router_temperature: float = option_of(RouterConfig, "router_temperature", group=_OFFLINE)
+    approx_ttl_s: float = option_of(
+        RouterConfig, "approx_ttl_s", group=_OFFLINE,
+        help="how long a routed prefix counts as cached without an event, in every policy")
     event_delay_ms: float = option(
         0.0, group=_OFFLINE, help="KV event latency from replica to router")
     # --sim-prefill-base-ms and the other --sim-* flags (the engine's: SimTiming's)
@@ -91,8 +93,9 @@ class ReplayConfig:
         None, group=_LIVE, help="model directory whose config.json gives vocab_size")
     vocab_size: int = option(
         1024, group=_LIVE, help="token ids are synthesized below this (unless --model-path)")
-    block_size: int = option(
-        16, group=_LIVE, help="the gateway's block size: converts x-kvsidecar-cached-blocks")
+    block_size: int = option_of(
+        RouterConfig, "block_size", group=_LIVE,
+        help="the gateway's block size: converts x-kvsidecar-cached-blocks")
     request_timeout_s: float = option(
         600.0, group=_LIVE, help="longest silence on a request's stream before it is failed")
 

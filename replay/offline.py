@@ -30,7 +30,7 @@ from replay.summary import RequestOutcome
 from replay.traces import TRACE_BLOCK_TOKENS, TraceRecord
 from routing.config import RouterMode
 from routing.placement.kv_router import KvRouter
-from routing.placement.policies import make_policy
+from routing.placement.policies import make_policy, prediction
 from routing.placement.scorer import ScoringWeights
 
 __all__ = ["FleetConfig", "SimRun", "outcomes", "simulate"]
@@ -90,11 +90,17 @@ class SimRun:
 Progress = Callable[[int, int], None]
 
 
-def _router(cfg: FleetConfig, rng: random.Random, clock: list[float]) -> KvRouter:
+def _router(
+    cfg: FleetConfig, policy: RouterMode, rng: random.Random, clock: list[float]
+) -> KvRouter:
+    # The replicas publish events as sidecars would; the mode says whether placement uses
+    # them (approx does not). Speculation keeps approx_ttl_s in every mode.
+    predict = prediction(policy, has_events=True, approx_ttl_s=cfg.approx_ttl_s)
     return KvRouter(
         block_size=TRACE_BLOCK_TOKENS,
         weights=cfg.weights,
         speculative_ttl_s=cfg.approx_ttl_s,
+        use_events=predict.use_events,
         rng=rng,
         clock=lambda: clock[0],
         learn_overlap_weight=cfg.learn_weights,
@@ -122,7 +128,7 @@ def simulate(
     """Replay ``records`` through the fleet under ``policy``."""
     rng = random.Random(cfg.seed)
     clock = [0.0]
-    router = _router(cfg, rng, clock)
+    router = _router(cfg, policy, rng, clock)
     chooser = make_policy(RouterMode(policy.value), router, rng)
     workers = cfg.worker_ids
     replicas = {
@@ -137,7 +143,7 @@ def simulate(
         )
         for w in workers
     }
-    feed_events = policy is RouterMode.KV
+    feed_events = chooser.uses_prefix and router.use_events  # nobody else reads them
     seqs = dict.fromkeys(workers, 0)
     live: dict[int, str] = {}  # request index → request id in the router
 

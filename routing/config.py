@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvcore.events import Tier
 from kvcore.options import member, option
 from routing.vocabulary import (
     EventsVia,
@@ -107,7 +108,8 @@ class RouterConfig:
         RouterMode.KV, group=_PLACEMENT,
         help="kv: prefix overlap + load (without sidecar events it behaves like "
         "approx); approx: recently routed prefixes count as cached for "
-        "--approx-ttl-s; round-robin, random, least-loaded (in-flight requests)")
+        "--approx-ttl-s, sidecars' events unused; round-robin, random, least-loaded "
+        "(in-flight requests)")
     # None: learned from the fleet's feedback (routing/placement/tuning.py); a number fixes it.
     overlap_weight: float | None = option(
         None, group=_PLACEMENT,
@@ -121,6 +123,8 @@ class RouterConfig:
         default_text="learned from time to first token; a number fixes it")
     router_temperature: float = option(
         0.0, group=_PLACEMENT, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
+    # Each tier's credit below the GPU (``tier_weights``), defaults as the scorer's
+    # (``DEFAULT_TIER_WEIGHTS``, below this module: a test checks they agree).
     host_weight: float = option(
         0.75, group=_PLACEMENT, help="credit per prefix block cached in host memory")
     disk_weight: float = option(
@@ -139,7 +143,8 @@ class RouterConfig:
     block_size: int = option(
         16, group=_PLACEMENT, help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(
-        120.0, group=_PLACEMENT, help="how long a routed prefix counts as cached without events")
+        120.0, group=_PLACEMENT,
+        help="how long a routed prefix counts as cached in approx mode (and kv without sidecars)")
     seed: int | None = option(None, group=_PLACEMENT, help="seed of the random choices (tests)")
     xxh3_seed: int | None = option(
         None, group=_PLACEMENT, metavar="SEED", default_text="off",
@@ -471,6 +476,12 @@ class RouterConfig:
         ):
             raise ValueError(f"--k8s-api-url must be http(s)://host:port, got "
                              f"{self.k8s_api_url!r}")
+
+    @property
+    def tier_weights(self) -> dict[Tier, float]:
+        """The credit per cached block of each tier below the GPU (``ScoringWeights``)."""
+        return {Tier.HOST: self.host_weight, Tier.DISK: self.disk_weight,
+                Tier.REMOTE: self.remote_weight}
 
     @property
     def model_names(self) -> tuple[str, ...]:

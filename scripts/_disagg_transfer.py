@@ -23,7 +23,7 @@ import numpy as np
 from aiohttp import web
 
 from shm import BlockStoreOwner, OwnerConfig
-from shm.local import LocalSession
+from shm.owner.local import LocalSession
 from sidecar.pd_handoff import TransferServiceHandoff
 from sidecar.transfer import BlockTransferService, TransferConfig
 

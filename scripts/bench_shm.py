@@ -215,7 +215,7 @@ def bench_rtt(tmp: Path, reps: int, cpus: tuple[int, int] | None) -> dict[str, f
                 os.sched_setaffinity(pid, {cpus[1]})
         # A second, idle client, as in a deployment (the sidecar and an engine): with more
         # than one connection the owner queues each request for one loop turn behind the
-        # one-way frames other connections have sent (see shm.server).
+        # one-way frames other connections have sent (see shm.owner.server).
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock, \
                 BlockStoreClient(tmp / "rtt.sock") as client, \
                 BlockStoreClient(tmp / "rtt.sock") as _idle:

@@ -10,7 +10,7 @@ on a prefix hit. This starts a real owner (``python -m shm``) and, from this pro
   host memory, one synchronous copy per block);
 * the same with the client as it ships: it registers its mapping with CUDA
   (``cudaHostRegister``) on the first GPU tensor, so the copies DMA straight to and from the
-  segment, queued without waiting, one wait per batch (``shm._cuda``);
+  segment, queued without waiting, one wait per batch (``shm.client._cuda``);
 * the baseline, in the same run: the same per-block copies between the GPU and a pinned host
   buffer of this process (``Tensor.copy_``), the fastest a host tier can move them.
 

@@ -70,7 +70,7 @@ from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_redis import RedisServer
 from refengine.presets import ModelConfig
 from shm import BlockStoreClient
-from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES  # a remote value's header too
+from shm.tiers.disk_format import HEADER_BYTES as DISK_HEADER_BYTES  # a remote value's header too
 
 PAGE_TOKENS = 16
 HEADROOM_PAGES = 8  # store slots beyond one prompt's pages

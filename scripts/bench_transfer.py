@@ -44,8 +44,8 @@ from benchkit import ROOT, Report, add_json_flag, progress
 
 from refengine.presets import PRESETS, ModelConfig
 from shm import BlockStoreClient, BlockStoreOwner, OwnerConfig
-from shm.local import LocalSession
-from shm.readonly import ReadOnlySegment
+from shm.client.readonly import ReadOnlySegment
+from shm.owner.local import LocalSession
 from shm.segment import unlink_stale_segments
 from sidecar.transfer import BlockTransferService, TransferConfig, Transport
 from sidecar.transfer.messages import ExportRequest

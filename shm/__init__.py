@@ -5,16 +5,15 @@ clients in other processes (engine hooks) attach, ask for slots in batches, and 
 bytes directly between their arrays and the mapping. A writer holding slots granted ahead
 copies while its claim of them is on the way (``BlockStoreClient.begin_put``); once the
 store is full, a writer overwrites blocks the owner offered it ahead in the segment, with
-no message at all (``shm.store.standby``). Gets of
+no message at all (``shm.owner.store.standby``). Gets of
 blocks a client knows the place of need no message at all: they read through the segment's
 read index (``shm.read_index``).
 """
 
-from shm._puts import AsyncPendingPut, PendingPut
-from shm.aclient import AsyncBlockStoreClient
 from shm.block_names import BlockName, BlockNames
-from shm.client import BlockStoreClient
-from shm.config import OwnerConfig
+from shm.client._puts import AsyncPendingPut, PendingPut
+from shm.client.aio import AsyncBlockStoreClient
+from shm.client.blocking import BlockStoreClient
 from shm.errors import (
     BlockDtypeError,
     BlockSizeError,
@@ -28,10 +27,11 @@ from shm.errors import (
     StoreFullError,
     UnknownBlockError,
 )
-from shm.pool import SlotId, SlotPool
+from shm.owner.config import OwnerConfig
+from shm.owner.pool import SlotId, SlotPool
+from shm.owner.server import BlockStoreOwner, EventListener
+from shm.owner.store import BlockKey, BlockStore, StoreStats
 from shm.segment import Segment, SegmentHeader, segments_of, unlink_stale_segments
-from shm.server import BlockStoreOwner, EventListener
-from shm.store import BlockKey, BlockStore, StoreStats
 
 __all__ = [
     "AsyncBlockStoreClient",

@@ -17,9 +17,9 @@ import structlog
 import uvloop
 
 from kvcore.logs import configure_logging
-from shm.config import OwnerConfig
 from shm.errors import OwnerConflictError
-from shm.server import BlockStoreOwner
+from shm.owner.config import OwnerConfig
+from shm.owner.server import BlockStoreOwner
 
 
 async def _serve(config: OwnerConfig) -> None:

@@ -13,7 +13,7 @@ block by whatever the engine's storage hook puts it under, which is one of two t
   tokens: it re-hashes them canonically (``adapters.normalize``, the one home of the mapping
   from an engine's block identity to canonical hashes) and reports each chain it stores as
   (store hashes, canonical hashes, canonical parent): ``learn``. The lower tiers keep a
-  block's name with it (in their files' and values' headers: ``shm.disk_format``), so a
+  block's name with it (in their files' and values' headers: ``shm.tiers.disk_format``), so a
   block another replica wrote to the remote tier, or one the disk tier kept across a
   restart, is named without any event of this engine; a block they promote into shared
   memory brings its name along (``learn_one``).

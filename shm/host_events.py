@@ -30,7 +30,7 @@ def _uniform_tokens(token_lists: list[list[int] | None]) -> bool:
 
 class HostEventLog:
     """Events recorded since the last ``take``, in sequence order; ``tier``: the host tier,
-    or the disk tier below it (``shm.disk_tier`` keeps its events the same way)."""
+    or the disk tier below it (``shm.tiers.disk_tier`` keeps its events the same way)."""
 
     def __init__(self, worker_id: str, tier: Tier = Tier.HOST) -> None:
         self.worker_id = worker_id

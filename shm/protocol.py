@@ -12,7 +12,7 @@ commits with no message at all, by publishing its slots in the read index: see
 ``shm.read_index``; no writer waits for its commit). A connection's replies therefore pair
 with its requests first-in first-out, with no request ids. The owner records what writers
 have published, and handles every one-way frame that has reached it, before any request
-it reads in the same wake-up (see ``shm.server``), so a block ``put_many`` has returned is
+it reads in the same wake-up (see ``shm.owner.server``), so a block ``put_many`` has returned is
 visible to any request sent after that, on any connection.
 """
 
@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Meta
 
 from shm.errors import ProtocolError
-from shm.store import StoreStats
+from shm.owner.store import StoreStats
 
 __all__ = [
     "ONE_WAY_TAGS",
@@ -87,7 +87,7 @@ class Reserve(_Msg, frozen=True, array_like=True, gc=False, tag=2):
 
     ``grant``: also top this client's write-ahead grant up to that many slots (see
     ``Claim``); the reply's ``grant_slots`` lists what was added. ``standby``: the client
-    can overwrite a standby grant (``shm.store.standby``), which the owner offers it in the
+    can overwrite a standby grant (``shm.owner.store.standby``), which the owner offers it in the
     read index if this reserve leaves the store full."""
 
     namespaces: list[U64]

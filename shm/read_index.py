@@ -35,7 +35,7 @@ optimistically, validating with a per-slot sequence number (a seqlock):
   owner looks for commits only among the reservations of clients whose count moved.
 * ``standby_cells[cell]`` is one client's *standby word*: ``epoch << 3 | state``, saying
   who has the standby grant of that epoch, committed blocks the owner offered the client
-  to overwrite with its next put (``shm.store.standby``); ``standby_heads[cell]`` and the
+  to overwrite with its next put (``shm.owner.store.standby``); ``standby_heads[cell]`` and the
   per-slot ``links`` hold the grant's slot list (first slot, count; next slot). The owner
   writes the list, then stores OFFERED; then the client swaps it to TAKEN before it writes
   a slot of the grant, or the owner swaps it to REVOKED to give the blocks to others. Both

@@ -26,7 +26,7 @@ from kvcore.layout import LayoutKind
 from kvcore.logs import LOG_LEVELS
 from kvcore.options import OptionParser, member, option
 from kvcore.stream import Role
-from shm.config import REMOTE_WRITES, parse_bytes
+from shm.owner.config import REMOTE_WRITES, parse_bytes
 from sidecar.zmq_publisher import ZmqPublishConfig
 
 __all__ = ["ENGINE_API_KEY_ENV", "HandoffKind", "SidecarConfig"]
@@ -148,7 +148,7 @@ class SidecarConfig:
         default_text="the one the engine's storage hook writes, from the engine: raw for the "
         "reference engine and TensorRT-LLM, SGLang's --hicache-mem-layout; raw with "
         "--store-block-bytes")
-    disk_tier_dir: str | None = option(  # blocks evicted from the store (shm.disk_tier)
+    disk_tier_dir: str | None = option(  # blocks evicted from the store (shm.tiers.disk_tier)
         None, group=_STORE, metavar="DIR", default_text="none",
         help="keep blocks evicted from the store in this local directory (the disk tier): "
         "engines' gets that miss in shared memory read them back, and the tier survives "
@@ -156,7 +156,7 @@ class SidecarConfig:
     disk_tier_capacity_bytes: int = option(
         0, group=_STORE, parse=parse_bytes, metavar="SIZE", default_text="none",
         help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)")
-    # A Redis-protocol store shared by the model's replicas (shm.remote_tier), and when
+    # A Redis-protocol store shared by the model's replicas (shm.tiers.remote_tier), and when
     # blocks are written to it: "through" (each one committed) or "evict".
     remote_tier_url: str | None = option(  # may carry a password
         None, group=_STORE, metavar="URL", secret=True, default_text="none",

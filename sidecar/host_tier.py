@@ -3,10 +3,10 @@ transfer service that exports its blocks to peer sidecars and pulls theirs.
 
 The store's puts and evictions become host-tier events on every worker's stream (the tier is
 shared by every DP rank of the replica); each pull is counted in the sidecar's metrics. With
-``--disk-tier-dir`` the store keeps what it evicts on disk (``shm.disk_tier``): those blocks
+``--disk-tier-dir`` the store keeps what it evicts on disk (``shm.tiers.disk_tier``): those blocks
 are ``disk``-tier events, re-announced when the sidecar starts again. With
 ``--remote-tier-url`` its blocks are shared with the model's other replicas through a
-Redis-protocol store (``shm.remote_tier``), scoped by the model id: ``remote``-tier events.
+Redis-protocol store (``shm.tiers.remote_tier``), scoped by the model id: ``remote``-tier events.
 
 Every tier's events name blocks canonically, whatever the engine's storage hook keys them by
 (``shm.block_names``): for a hook that keys them by the engine's own block hashes (SGLang's
@@ -32,8 +32,8 @@ from adapters.base import EngineAdapter, StoreKeys
 from kvcore.events import KVEvent
 from kvcore.layout import BlockLayout, LayoutKind
 from shm.block_names import BlockNames
-from shm.config import OwnerConfig
-from shm.server import BlockStoreOwner
+from shm.owner.config import OwnerConfig
+from shm.owner.server import BlockStoreOwner
 from sidecar.config import SidecarConfig
 from sidecar.transfer import BlockTransferService, PullRecord, TransferConfig
 

@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from shm.disk_tier import DiskTierStats
-from shm.remote_tier import RemoteTierStats
-from shm.server import BlockStoreOwner
+from shm.owner.server import BlockStoreOwner
+from shm.tiers.disk_tier import DiskTierStats
+from shm.tiers.remote_tier import RemoteTierStats
 from sidecar.event_stream import EventStream
 from sidecar.load import LoadTracker
 

@@ -28,7 +28,7 @@ from routing.pipeline.admission import (
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.exchange import Exchange
 from routing.pipeline.legs import LegTarget
-from routing.pipeline.pair import PairExchange
+from routing.pipeline.pair import PdPairing
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.sidecar_body import takes_token_path
 from routing.pipeline.slo import SLO_ITL_HEADER, SLO_TTFT_HEADER, Slo, parse_slo
@@ -190,8 +190,8 @@ def _start(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
         extra,
         token_path,
     )
-    kind = Exchange if ctx.pd is None else PairExchange
-    exchange = kind(ctx, conn, record, parsed, prepared, target)
+    pairing = None if ctx.pd is None else PdPairing(ctx.pd)
+    exchange = Exchange(ctx, conn, record, parsed, prepared, target, pairing)
     exchange.priority = priority
     if tenant is not None:
         exchange.tenant, exchange.weight = tenant.name, tenant.weight

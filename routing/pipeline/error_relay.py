@@ -8,10 +8,10 @@ headers naming the worker. One saying the worker's engine lacks the route (its s
 remembered (``route_refusals.py``) and the request is placed again, away from the workers that
 refused it; when every routable worker has refused the route, the client gets 404
 ``endpoint_not_served`` naming them. A pair's exchange decides first what its held errors
-mean (``pair.PairExchange._held_error``: a failed KV handoff is re-run).
+mean (``pair.PdPairing.held_error``: a failed KV handoff is re-run).
 
 The exchange's own errors (busy workers, a timeout, a request no worker can take: a
-placement's ``Refusal``, answered by ``_refuse``) go out through the same door
+placement's ``Refusal``, answered by ``refuse``) go out through the same door
 (``_reply_error``), which ends the exchange first; a migrated stream
 that finds no way on is cut instead, as the client already has its head.
 
@@ -69,7 +69,7 @@ class ErrorRelay:
         """Place the request (again)."""
         raise NotImplementedError
 
-    def _release(self, leg: Leg | None) -> None:
+    def release(self, leg: Leg | None) -> None:
         """Stop counting ``leg``'s load."""
         raise NotImplementedError
 
@@ -81,21 +81,13 @@ class ErrorRelay:
         """Done: the load released, the record finished."""
         raise NotImplementedError
 
-    # --- what a pair changes (``pair.PairExchange``) ---------------------------------------
-
-    def _holds_errors(self) -> bool:
-        """Hold an error reply instead of relaying it (``_held_error`` decides)?"""
-        return False
-
-    def _held_error(self, raw: bytes) -> None:
-        self._relay_error(raw)
-
     def _end_pair(self) -> None:
         """Release what a pair holds (its load and decode room), if any."""
+        raise NotImplementedError
 
     # --- a worker's error reply -------------------------------------------------------------
 
-    def _relay_error(self, raw: bytes) -> None:
+    def relay_error(self, raw: bytes) -> None:
         """A worker's error reply, in the gateway's vocabulary and the route's dialect; a
         route its engine lacks sends the request to the other workers first."""
         status, leg = self.record.status, self.leg
@@ -115,7 +107,7 @@ class ErrorRelay:
         log.info("endpoint_refused", request_id=self.record.request_id.decode(),
                  worker_id=worker_id, path=self.target.path.decode(errors="replace"))
         self.ctx.refusals.add(worker_id, self.target.path)
-        self._release(leg)
+        self.release(leg)
         self.tried.add(worker_id)
         self.refused.append(worker_id)
         self.record.status = 0
@@ -145,7 +137,7 @@ class ErrorRelay:
 
     # --- answering ----------------------------------------------------------------------------
 
-    def _refuse(self, refusal: Refusal, headers: bytes = b"") -> None:
+    def refuse(self, refusal: Refusal, headers: bytes = b"") -> None:
         """Answer a placement's refusal: its status, message and code, its ``retry-after``
         when it has one, then ``headers``."""
         retry = (b"" if refusal.retry_after_s is None

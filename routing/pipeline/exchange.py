@@ -5,11 +5,12 @@ unless a new upstream connection must be opened::
 
     place (the policy: ``place.py``) → leg → relay (``relay.py``) → finish (the record)
 
-A request that a prefill/decode pair may serve is a ``pair.PairExchange``: the same stages,
-with the pair's placement and legs where this class has hooks (``_place``,
-``_holds_errors`` ...) or where it extends a callback (the first byte, the end). What it
-answers when it relays no success (a worker's error, a refused route, its own error) is
-its base's, ``error_relay.ErrorRelay``.
+A request that a prefill/decode pair may serve has a ``Pairing`` (``pair.PdPairing``): one
+object the exchange asks at each step where a pair differs from one worker (placing,
+holding and reading an error reply, the relayed body and its end, abandoning, finishing).
+Without one (a gateway with no sidecars) the request goes to one worker. What the exchange
+answers when it relays no success (a worker's error, a refused route, its own error) is its
+base's, ``error_relay.ErrorRelay``.
 
 A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its load is
 counted in the placement core from dispatch to release. A leg that fails before the first
@@ -28,6 +29,7 @@ failed it, with the tokens the client already has (``stream_tokens.StreamTokens`
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import structlog
 
@@ -62,10 +64,53 @@ from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
 from routing.workers.registry import Role, Worker, WorkerKind
 
-__all__ = ["Exchange"]
+__all__ = ["Exchange", "Pairing"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
 _ENGINE_LOST = b'"code":"%s"' % ENGINE_UNREACHABLE.encode()  # a sidecar's 502: engine gone
+
+
+class Pairing(Protocol):
+    """The prefill/decode variant of an exchange (``pair.PdPairing``): what the exchange asks
+    at each step where a pair differs from one worker."""
+
+    def place(self, exchange: Exchange) -> bool:
+        """Place a pair, or start waiting for one (False: no pair to be had for this
+        request: the exchange places it on one worker)."""
+        ...
+
+    def holds_errors(self) -> bool:
+        """Hold the relayed leg's error reply for ``held_error``, whatever its status?"""
+        ...
+
+    def held_error(self, exchange: Exchange, raw: bytes) -> bool:
+        """A held error reply: True when the pairing dealt with it (a failed handoff re-run),
+        False for the exchange to relay it."""
+        ...
+
+    def relayed(self, exchange: Exchange, pieces: list[bytes], first: bool) -> None:
+        """Body pieces of the relayed leg went to the client (``first``: its first ones)."""
+        ...
+
+    def completed(self, exchange: Exchange) -> None:
+        """The relayed leg's reply went to the client whole."""
+        ...
+
+    def side_failed(self, leg: Leg, why: str) -> None:
+        """A drained leg (a prefill the pair sent besides the relayed one) failed."""
+        ...
+
+    def abandon(self) -> None:
+        """Drop what the pair has on its way (a wait for room, a drained leg)."""
+        ...
+
+    def end(self, exchange: Exchange) -> None:
+        """The pair is done with (finished, or placed again): free its load and room."""
+        ...
+
+    def who(self) -> str:
+        """Who did not answer in time."""
+        ...
 
 
 class Exchange(ErrorRelay):
@@ -80,6 +125,7 @@ class Exchange(ErrorRelay):
         "last_activity",
         "leg",
         "may_hold",
+        "pairing",
         "priority",
         "prompt",
         "record",
@@ -102,8 +148,10 @@ class Exchange(ErrorRelay):
         request: OpenAIRequest,
         prompt: PreparedPrompt,
         target: LegTarget,
+        pairing: Pairing | None = None,
     ) -> None:
         self.ctx = ctx
+        self.pairing = pairing  # the prefill/decode variant, where the gateway has pairs
         self.client = client
         self.record = record
         self.request = request
@@ -116,7 +164,7 @@ class Exchange(ErrorRelay):
         self.stale_retry_used = False
         self.done = False
         self.last_activity = record.t_start
-        self._error_parts: list[bytes] | None = None  # an error reply held (``_holds_errors``)
+        self._error_parts: list[bytes] | None = None  # an error reply held
         # Its place in the admission queue: x-kvsidecar-priority, then its tenant's share.
         self.priority = 0
         self.tenant = ""  # its API key's tenant ("" without --api-key-file)
@@ -137,7 +185,13 @@ class Exchange(ErrorRelay):
         self.ctx.in_flight[self.record.key] = self
         self._place()
 
-    def _place_aggregated(self) -> None:
+    def _place(self) -> None:
+        """Place the request (again): on a pair when its pairing finds one, else on one
+        worker."""
+        if self.pairing is None or not self.pairing.place(self):
+            self.place_unpaired()
+
+    def place_unpaired(self) -> None:
         if self.may_hold:
             self.may_hold = False
             hold = self.ctx.prompt_hold
@@ -149,15 +203,15 @@ class Exchange(ErrorRelay):
         if queue is not None and len(queue) and not self.tried:
             # Others wait for a worker: a free one goes to the queue's head, which may be
             # this request (a higher priority, a tenant under its share), not to it first.
-            self._placed()
+            self.observe_placement()
             self._wait(queue, None)
             return
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
                                   self.session)
-        self._placed()
+        self.observe_placement()
         if isinstance(placed, Refusal) and placed.busy:
             if queue is None:
-                self._refuse(placed, b"%s: %s\r\n" % (SHED_HEADER, SHED_BUSY))
+                self.refuse(placed, b"%s: %s\r\n" % (SHED_HEADER, SHED_BUSY))
             else:
                 self._wait(queue, placed)
             return
@@ -179,17 +233,17 @@ class Exchange(ErrorRelay):
     def _go(self, placed: tuple[Worker, Placement] | Refusal) -> None:
         if isinstance(placed, Refusal):
             if not self._not_served():
-                self._refuse(placed)
+                self.refuse(placed)
             return
         worker, placement = placed
         self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
-        self._run_leg(worker, placement, "a")
+        self.run_leg(worker, placement, "a")
 
     # --- the new-prompt hold's ``HeldPrompt`` ---------------------------------------------
 
     def hold_released(self) -> None:
         self.last_activity = time.monotonic()
-        self._place_aggregated()
+        self.place_unpaired()
 
     # --- the admission queue's ``Waiter`` -------------------------------------------------
 
@@ -224,16 +278,14 @@ class Exchange(ErrorRelay):
                           b"retry-after: %d\r\n%s: %s\r\n"
                           % (queue.retry_after_s, SHED_HEADER, SHED_FAIR_SHARE))
 
-    _place = _place_aggregated  # a pair's exchange places a pair first (``pair.py``)
-
-    def _placed(self) -> None:
+    def observe_placement(self) -> None:
         if not self.tried:
             # parse + tokenize + hash + match + score, first placement only
             self.ctx.metrics.placement.observe(time.monotonic() - self.record.t_start)
 
     # --- execute -------------------------------------------------------------------------
 
-    def _run_leg(self, worker: Worker, placement: Placement, tag: str,
+    def run_leg(self, worker: Worker, placement: Placement, tag: str,
                  request: tuple[bytes, bytes] | None = None) -> None:
         """Send the relayed leg to ``worker`` (``request``: its path and body, if not the
         client's request as that worker takes it)."""
@@ -251,16 +303,16 @@ class Exchange(ErrorRelay):
         if worker.kind is WorkerKind.SIDECAR and not self.target.takes_token_path(worker):
             self.ctx.metrics.engine_openai_requests += 1
         self.leg = leg
-        self._dispatch(leg, self)
+        self.dispatch(leg, self)
 
-    def _count(self, leg: Leg) -> None:
+    def count(self, leg: Leg) -> None:
         p = self.prompt
         self.ctx.router.dispatch(leg.key, leg.placement, p.block_hashes, p.prompt_tokens)
         leg.counted = True
         leg.worker.dispatched += 1
 
-    def _dispatch(self, leg: Leg, receiver: Exchange | Drain) -> None:
-        self._count(leg)
+    def dispatch(self, leg: Leg, receiver: Exchange | Drain) -> None:
+        self.count(leg)
         conn = self.ctx.upstream.take_idle(leg.worker.worker_id)
         if conn is not None:
             self._send(leg, receiver, conn, reused=True)
@@ -291,7 +343,7 @@ class Exchange(ErrorRelay):
             conn.pause_reading()
         conn.send(receiver, leg.wire(self.record.request_id, self.target.extra_headers))
 
-    def _release(self, leg: Leg | None) -> None:
+    def release(self, leg: Leg | None) -> None:
         if leg is not None and leg.counted:
             leg.counted = False
             try:
@@ -305,10 +357,10 @@ class Exchange(ErrorRelay):
         """``leg`` failed before the first byte of its reply: try again, elsewhere."""
         ctx = self.ctx
         leg.conn = None
-        self._release(leg)
+        self.release(leg)
         if stale and not self.stale_retry_used:
             self.stale_retry_used = True
-            self._count(leg)
+            self.count(leg)
             receiver: Exchange | Drain = self if leg is self.leg else Drain(self, leg)
             leg.connecting = ctx.spawn(self._connect(leg, receiver))
             return
@@ -331,8 +383,10 @@ class Exchange(ErrorRelay):
         leg, moves = self.leg, self.ctx.moves
         if moves is not None and leg is not None and leg.placement.moved_from is not None:
             moves.reported(leg.placement, None if leg.conn is None else leg.conn.kv_pull)
-        if status != 200 and (status >= 400 or self._holds_errors() or self.relay.resuming):
-            # Held: an error is relayed in the gateway's vocabulary (``_relay_error``), or
+        pairing = self.pairing
+        if status != 200 and (status >= 400 or self.relay.resuming
+                              or (pairing is not None and pairing.holds_errors())):
+            # Held: an error is relayed in the gateway's vocabulary (``relay_error``), or
             # decides a retry (a refused route, a gone engine, a failed handoff).
             self._error_parts = []
             return
@@ -345,7 +399,8 @@ class Exchange(ErrorRelay):
             return
         record, leg = self.record, self.leg
         assert leg is not None
-        if not record.t_first:
+        first = not record.t_first
+        if first:
             record.t_first = now
             self.ctx.metrics.ttft.observe(now - record.t_start)
             self.ctx.router.load.first_token(leg.key)
@@ -354,6 +409,8 @@ class Exchange(ErrorRelay):
         if events:
             record.events += events
             self.ctx.router.load.tokens_generated(leg.key, events)
+        if self.pairing is not None:
+            self.pairing.relayed(self, pieces, first)
 
     def upstream_complete(self) -> None:
         leg = self.leg
@@ -365,13 +422,16 @@ class Exchange(ErrorRelay):
                 # The sidecar is up but its engine is not: as if it failed before its reply.
                 self.leg_failed(leg, "its engine is unreachable", False)
                 return
-            self._held_error(raw)
+            if self.pairing is None or not self.pairing.held_error(self, raw):
+                self.relay_error(raw)
             return
         self.relay.complete()
         record = self.record
         if not record.t_first:  # a reply with no body
             record.t_first = time.monotonic()
             self.ctx.metrics.ttft.observe(record.t_first - record.t_start)
+        if self.pairing is not None:
+            self.pairing.completed(self)
         self._finish(record.status)
         self.client.finish()
 
@@ -400,7 +460,7 @@ class Exchange(ErrorRelay):
         if tokens is None or leg is None:
             return False
         if tokens.finished:  # the client has the whole answer but its end
-            self._release(leg)
+            self.release(leg)
             self.relay.end_stream()
             self._finish(200)
             self.client.finish()
@@ -413,7 +473,7 @@ class Exchange(ErrorRelay):
             return False
         worker_id = leg.worker.worker_id
         leg.abandon()
-        self._release(leg)
+        self.release(leg)
         ctx.metrics.worker_errors[worker_id] = ctx.metrics.worker_errors.get(worker_id, 0) + 1
         ctx.workers.probed(leg.worker, False, why)
         self.tried.add(worker_id)
@@ -433,18 +493,25 @@ class Exchange(ErrorRelay):
     def side_done(self, leg: Leg, status: int) -> None:
         """A drained leg answered (its body is of no use)."""
         leg.conn = None
-        self._release(leg)
+        self.release(leg)
         if status != 200:
             self._side_failed(leg, f"answered {status}")
 
-    # --- what a pair changes besides its errors (``pair.PairExchange``) --------------------
+    # --- where a pair differs (``Pairing``) --------------------------------------------
 
     def _side_failed(self, leg: Leg, why: str) -> None:
-        log.warning("drained_leg_failed", worker_id=leg.worker.worker_id, error=why)
+        if self.pairing is not None:
+            self.pairing.side_failed(leg, why)
+        else:
+            log.warning("drained_leg_failed", worker_id=leg.worker.worker_id, error=why)
 
     def _who(self) -> str:
         """Who did not answer in time."""
-        return "the worker"
+        return "the worker" if self.pairing is None else self.pairing.who()
+
+    def _end_pair(self) -> None:
+        if self.pairing is not None:
+            self.pairing.end(self)
 
     # --- client events (``routing.http.server.InFlight``) ---------------------------------
 
@@ -486,12 +553,15 @@ class Exchange(ErrorRelay):
 
     def _abandon(self) -> None:
         """Drop every leg on its way (their workers see the connection close)."""
+        if self.pairing is not None:
+            self.pairing.abandon()
         if self.leg is not None:
             self.leg.abandon()
 
     def _finish(self, status: int) -> None:
+        self._end_pair()
         self.done = True
-        self._release(self.leg)
+        self.release(self.leg)
         ctx = self.ctx
         ctx.in_flight.pop(self.record.key, None)
         self.record.finish(status, ctx.metrics, ctx.router.block_size, ctx.log_requests)

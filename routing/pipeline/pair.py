@@ -1,10 +1,13 @@
-"""A request a prefill/decode pair may serve: ``PairExchange``, the exchange with a pair's
-placement and legs.
+"""How a prefill/decode pair serves a request: ``PdPairing``, the exchange's ``Pairing``.
 
-    place ─┬─ no pair to be had (PD off, not tokenized, a pool empty): as any exchange
+    place ─┬─ no pair to be had (not tokenized, a migrated stream, a pool empty): one worker
            ├─ --pd-mode auto: one leg to the decode sidecar, which drives the prefill
            │    └ its reply is kv_transfer_failed → counted; fallback: re-run aggregated
            └─ --pd-mode sglang: a drained prefill leg and a relayed decode leg, one room
+
+The exchange (``exchange.Exchange``) asks its pairing at each step where a pair differs
+from one worker; the pairing keeps what the pair holds and acts through the exchange's
+steps (``run_leg``, ``dispatch``, ``refuse`` ...).
 
 The pair's load is counted on both workers: the prefill worker's until the first token is
 out (auto) or its leg answers (sglang), the decode worker's until the end. Its decode room
@@ -15,7 +18,6 @@ for room in a task (the only one it may have), bounded by ``--pd-queue-timeout-s
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import orjson
 import structlog
@@ -27,168 +29,156 @@ from routing.pipeline.legs import Drain, Leg
 from routing.pipeline.place import place_rerun
 from routing.placement.refusal import Refusal
 
-__all__ = ["PairExchange"]
+__all__ = ["PdPairing"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
 
 _TRANSFER_FAILED_BYTES = b'"code":"%s"' % TRANSFER_FAILED.encode()
 
 
-class PairExchange(Exchange):
-    """An exchange whose request goes to a prefill/decode pair when the fleet has both."""
+class PdPairing:
+    """One request's prefill/decode variant: the pair it holds, if any, and its steps."""
 
-    __slots__ = ("_transfer_failed", "_waiting", "pair", "side")
+    __slots__ = ("_transfer_failed", "_waiting", "pair", "pd", "side")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, pd: PdCoordinator) -> None:
+        self.pd = pd
         self.pair: PdPair | None = None
         self.side: Leg | None = None  # the drained prefill leg of --pd-mode sglang
         self._transfer_failed = False
         self._waiting: asyncio.Task[None] | None = None
 
-    @property
-    def pd(self) -> PdCoordinator:
-        pd = self.ctx.pd
-        assert pd is not None  # a PairExchange is made only where the gateway has one
-        return pd
+    # --- place ---------------------------------------------------------------------------
 
-    def _place(self) -> None:
+    def place(self, exchange: Exchange) -> bool:
         self._transfer_failed = False
-        if (not self.target.token_path or self.target.continuation is not None
-                or not self.pd.takes(self.prompt)):
+        target = exchange.target
+        if (not target.token_path or target.continuation is not None
+                or not self.pd.takes(exchange.prompt)):
             # The pair's legs speak token ids only; a migrated stream resumes on one worker.
-            self._place_aggregated()
-            return
-        placed = self.pd.place(self.prompt, self.request.max_tokens)
+            return False
+        placed = self.pd.place(exchange.prompt, exchange.request.max_tokens)
         if isinstance(placed, Refusal) and placed.busy:  # the decode pool is full: wait
-            self._waiting = self.ctx.spawn(self._wait_for_pair())
-            return
-        self._pair_placed(placed)
+            self._waiting = exchange.ctx.spawn(self._wait_for_pair(exchange))
+            return True
+        self._placed(exchange, placed)
+        return True
 
-    async def _wait_for_pair(self) -> None:
-        placed = await self.pd.place_waiting(self.prompt, self.request.max_tokens)
+    async def _wait_for_pair(self, exchange: Exchange) -> None:
+        placed = await self.pd.place_waiting(exchange.prompt, exchange.request.max_tokens)
         self._waiting = None
-        if not self.done:
-            self._pair_placed(placed)
+        if not exchange.done:
+            self._placed(exchange, placed)
         elif isinstance(placed, PdPair):
             self.pd.release(placed)
 
-    def _pair_placed(self, placed: PdPair | Refusal) -> None:
+    def _placed(self, exchange: Exchange, placed: PdPair | Refusal) -> None:
         pd = self.pd
-        self._placed()
+        exchange.observe_placement()
         if isinstance(placed, Refusal):
-            self._refuse(placed)
+            exchange.refuse(placed)
             return
         self.pair = pair = placed
         pd.metrics.requests += 1
-        record = self.record
+        record, target = exchange.record, exchange.target
         record.placement = pair.prefill_placement  # the prefill worker serves the prompt
         record.worker_ids = (pair.prefill.worker_id, pair.decode.worker_id)
         if pd.mode is PdMode.AUTO:
             # The decode sidecar drives the prefill leg: the prefill worker's load is ours to
             # count until the first token is out.
-            self._count(Leg(pair.prefill, pair.prefill_placement, record.key + "/p"))
-            decode = self.target.for_worker(pair.decode, handoff=pd.handoff(pair))
-            self._run_leg(pair.decode, pair.decode_placement, "d", decode)
+            exchange.count(Leg(pair.prefill, pair.prefill_placement, record.key + "/p"))
+            decode = target.for_worker(pair.decode, handoff=pd.handoff(pair))
+            exchange.run_leg(pair.decode, pair.decode_placement, "d", decode)
             return
         legs = pd.bootstrap(pair)
         if isinstance(legs, Refusal):
-            self._refuse(legs)
+            exchange.refuse(legs)
             return
         side = self.side = Leg(pair.prefill, pair.prefill_placement, record.key + "/p")
-        side.request = self.target.for_worker(pair.prefill, bootstrap=legs[0], stream=False)
-        self._dispatch(side, Drain(self, side))
-        decode = self.target.for_worker(pair.decode, bootstrap=legs[1])
-        self._run_leg(pair.decode, pair.decode_placement, "d", decode)
+        side.request = target.for_worker(pair.prefill, bootstrap=legs[0], stream=False)
+        exchange.dispatch(side, Drain(exchange, side))
+        decode = target.for_worker(pair.decode, bootstrap=legs[1])
+        exchange.run_leg(pair.decode, pair.decode_placement, "d", decode)
 
-    # --- the hooks ---------------------------------------------------------------------------
+    # --- the relayed leg's reply ---------------------------------------------------------
 
-    def _holds_errors(self) -> bool:
+    def holds_errors(self) -> bool:
         return self.pair is not None and self.pd.mode is PdMode.AUTO
 
-    def _held_error(self, raw: bytes) -> None:
-        """The decode sidecar answered an error: relay it, or re-run a failed handoff."""
-        pd, pair, status = self.pd, self.pair, self.record.status
-        if pair is None or not self._holds_errors():  # served alone: as any error
-            self._relay_error(raw)
-            return
+    def held_error(self, exchange: Exchange, raw: bytes) -> bool:
+        """The decode sidecar answered an error: a failed handoff is re-run (True), or
+        relayed like any other error (False)."""
+        pd, pair, record = self.pd, self.pair, exchange.record
+        if pair is None or not self.holds_errors():  # served alone: as any error
+            return False
         error = _error_of(raw)
-        if status != 502 or error.get("code") != TRANSFER_FAILED:
-            self._relay_error(raw)
-            return
+        if record.status != 502 or error.get("code") != TRANSFER_FAILED:
+            return False
         message = str(error.get("message") or raw[:200].decode(errors="replace"))
         pd.metrics.transfer_failures[pd.policy.value] += 1
         log.warning("kv_transfer_failed",
-                    request_id=self.record.request_id.decode(errors="replace"),
+                    request_id=record.request_id.decode(errors="replace"),
                     prefill=pair.prefill.worker_id, decode=pair.decode.worker_id,
                     policy=pd.policy.value, error=message)
         if pd.policy is FailurePolicy.FAIL:
-            self._relay_error(raw)
-            return
-        self._release(self.leg)
-        self._end_pair()
-        placed = place_rerun(self.ctx, self.prompt, message)
+            return False
+        exchange.release(exchange.leg)
+        self.end(exchange)
+        placed = place_rerun(exchange.ctx, exchange.prompt, message)
         if isinstance(placed, Refusal):
             pd.metrics.fallbacks["no_worker"] += 1
-            self._refuse(placed)
-            return
+            exchange.refuse(placed)
+            return True
         pd.metrics.fallbacks["rerun"] += 1
         worker, placement = placed
-        self.record.placement, self.record.worker_ids = placement, (worker.worker_id,)
-        self.record.status = 0
-        self._run_leg(worker, placement, "f")
+        record.placement, record.worker_ids = placement, (worker.worker_id,)
+        record.status = 0
+        exchange.run_leg(worker, placement, "f")
+        return True
 
-    def upstream_body(self, pieces: list[bytes]) -> None:
-        first = not self.record.t_first
-        super().upstream_body(pieces)
-        if self.pair is None or self._error_parts is not None:
+    def relayed(self, exchange: Exchange, pieces: list[bytes], first: bool) -> None:
+        if self.pair is None:
             return
         if first and self.side is None:
-            self._release_prefill()  # the prefill is done once the first token is out
-        if not self._transfer_failed and self.relay.sse:
+            self._release_prefill(exchange)  # the prefill is done once the first token is out
+        if not self._transfer_failed and exchange.relay.sse:
             self._transfer_failed = any(_TRANSFER_FAILED_BYTES in p for p in pieces)
 
-    def upstream_complete(self) -> None:
-        pair, relayed = self.pair, self._error_parts is None
-        super().upstream_complete()
-        if pair is None or not relayed:
+    def completed(self, exchange: Exchange) -> None:
+        if self.pair is None:
             return
         if self._transfer_failed:  # after the first token: the stream carried the error
             self.pd.metrics.transfer_failures[self.pd.policy.value] += 1
-        elif self.record.status == 200:
+        elif exchange.record.status == 200:
             self.pd.metrics.completed += 1
 
-    def _finish(self, status: int) -> None:
-        self._end_pair()
-        super()._finish(status)
-
-    def _side_failed(self, leg: Leg, why: str) -> None:
+    def side_failed(self, leg: Leg, why: str) -> None:
         log.warning("pd_prefill_failed", worker_id=leg.worker.worker_id, error=why)
 
-    def _abandon(self) -> None:
+    # --- endings -------------------------------------------------------------------------
+
+    def abandon(self) -> None:
         if self._waiting is not None:
             self._waiting.cancel()
             self._waiting = None
         if self.side is not None:
             self.side.abandon()
-        super()._abandon()
 
-    def _end_pair(self) -> None:
-        """The pair is done with (finished, or being re-run): free its load and room."""
+    def end(self, exchange: Exchange) -> None:
         pair, self.pair = self.pair, None
         if pair is None:
             return
-        self._release_prefill()
+        self._release_prefill(exchange)
         side, self.side = self.side, None
         if side is not None:
             side.abandon()
-            self._release(side)
+            exchange.release(side)
         self.pd.release(pair)
 
-    def _release_prefill(self) -> None:
-        self.ctx.router.load.finish_if_known(self.record.key + "/p")
+    def _release_prefill(self, exchange: Exchange) -> None:
+        exchange.ctx.router.load.finish_if_known(exchange.record.key + "/p")
 
-    def _who(self) -> str:
+    def who(self) -> str:
         return "the worker" if self.pair is None else "the prefill/decode pair"
 
 

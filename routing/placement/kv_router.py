@@ -26,6 +26,7 @@ from routing.placement.peer_share import PeerShare
 from routing.placement.pending import PendingPrefixes
 from routing.placement.prefix_index import ApplyOutcome, PrefixIndex
 from routing.placement.scorer import (
+    LOWER_TIERS,
     Candidate,
     Placement,
     Pool,
@@ -39,6 +40,7 @@ from routing.placement.tuning import WeightTuner
 __all__ = ["KvRouter"]
 
 _DROPPED = (ApplyOutcome.DUPLICATE, ApplyOutcome.STALE_EPOCH)  # events the index ignored
+_NONE: dict[str, int] = {}
 
 
 class KvRouter:
@@ -55,11 +57,16 @@ class KvRouter:
         load: ActiveLoad | None = None,
         learn_overlap_weight: bool = False,
         learn_prefill_load_scale: bool = False,
+        use_events: bool = True,
     ) -> None:
         """``load``: the active load to keep (a subclass shares it with other gateway
         replicas: ``routing.replicas``); a plain ``ActiveLoad`` by default. ``learn_*``:
-        the weight is tuned from feedback (``tuning.py``) instead of taken from ``weights``."""
+        the weight is tuned from feedback (``tuning.py``) instead of taken from ``weights``.
+        ``use_events``: whether the events applied inform placement (``--router-mode``
+        decides, ``policies.prediction``); without, the index still follows them (for the
+        indexer API and the replicas) but overlaps are the speculative prefixes alone."""
         self.block_size = block_size
+        self.use_events = use_events
         self.index = PrefixIndex()
         self.pending = PendingPrefixes(speculative_ttl_s)
         self.load = ActiveLoad(block_size) if load is None else load
@@ -81,9 +88,10 @@ class KvRouter:
 
     def apply(self, event: KVEvent) -> ApplyOutcome:
         """Feed one normalized event; a GPU store confirms speculative blocks, a GPU clear
-        drops them (the worker's cache starts over: a restarted engine, a flush, a resync)."""
+        drops them (the worker's cache starts over: a restarted engine, a flush, a resync).
+        Without ``use_events`` only the index takes it: speculation and tuning ignore it."""
         outcome = self.index.apply(event)
-        if event.tier is not Tier.GPU:
+        if event.tier is not Tier.GPU or not self.use_events:
             return outcome
         kind = type(event)
         if kind is BlockStored:
@@ -130,12 +138,10 @@ class KvRouter:
     ) -> list[Candidate]:
         """Every worker's overlap (real or speculative) and load for this request; with
         ``stored_depths``, each worker's deepest real overlap (any tier, no speculation) is
-        appended to it too."""
-        tiers = self.index.match_tiers(block_hashes) if block_hashes else {}
-        gpu = tiers.get(Tier.GPU, {})
-        host = tiers.get(Tier.HOST, {})
-        disk = tiers.get(Tier.DISK, {})
-        remote = tiers.get(Tier.REMOTE, {})
+        appended to it too. Without ``use_events`` nothing is real: the index is not read."""
+        tiers = self.index.match_tiers(block_hashes) if block_hashes and self.use_events else {}
+        gpu = tiers.get(Tier.GPU, _NONE)
+        lower = len(tiers) > (1 if gpu else 0)  # a tier below the GPU holds some of it
         pending = self.pending.match(block_hashes, self._clock()) if block_hashes else {}
         loads = self.load.loads(workers, block_hashes)
         out = []
@@ -149,14 +155,15 @@ class KvRouter:
                 # queueing the same work again, so it does not count against the worker.
                 shared = min(load.active_prefill_tokens, (speculative - real) * self.block_size)
                 load = replace(load, active_prefill_tokens=load.active_prefill_tokens - shared)
-            overlap = TierOverlap(
-                max(real, speculative),
-                host.get(worker_id, 0),
-                disk.get(worker_id, 0),
-                remote.get(worker_id, 0),
-            )
-            if stored_depths is not None:
-                stored_depths.append(max(real, overlap.host, overlap.disk, overlap.remote))
+            if lower:
+                held = [tiers.get(tier, _NONE).get(worker_id, 0) for tier in LOWER_TIERS]
+                overlap = TierOverlap(max(real, speculative), *held)
+                if stored_depths is not None:
+                    stored_depths.append(max(real, *held))
+            else:
+                overlap = TierOverlap(max(real, speculative))
+                if stored_depths is not None:
+                    stored_depths.append(real)
             out.append(Candidate(worker_id, overlap, load))
         return out
 

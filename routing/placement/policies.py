@@ -6,25 +6,60 @@ scoring; the others leave those unset and do no work for them) so the gateway co
 every request through ``KvRouter.dispatch`` and releases it through ``router.load``, whatever
 the mode: least-loaded reads the same in-flight figures the KV cost uses.
 
-``kv`` and ``approx`` both score with ``KvRouter``: prefix overlap (real from sidecar events,
-speculative from recent placements) plus active load. Plain workers publish no events, so for
-them the speculative prefixes (kept ``--approx-ttl-s``) are all there is and ``kv`` behaves
-like ``approx``.
+``kv`` and ``approx`` both score with ``KvRouter`` (``PrefixAware``), and differ in what it
+predicts overlaps from (``prediction``, which the gateway builds its router with):
+
+* ``kv``: the sidecars' events (real overlap, every tier) plus a short speculation on
+  just-routed prefixes, bridging the prefill and the event's trip. Plain workers publish no
+  events, so for them the speculative prefixes (kept ``--approx-ttl-s``) are all there is and
+  ``kv`` behaves like ``approx``.
+* ``approx``: its own placements only, each prefix counted as cached on its worker for
+  ``--approx-ttl-s``, with sidecars too: their events are not used to place.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Protocol, assert_never
 
 from routing.config import RouterMode
 from routing.placement.kv_router import KvRouter
 from routing.placement.scorer import Placement, TierOverlap
 
-__all__ = ["LeastLoaded", "Policy", "PrefixAware", "RandomChoice", "RoundRobin", "make_policy"]
+__all__ = [
+    "LeastLoaded",
+    "Policy",
+    "Prediction",
+    "PrefixAware",
+    "RandomChoice",
+    "RoundRobin",
+    "make_policy",
+    "prediction",
+]
 
 _NO_OVERLAP = TierOverlap()
+# With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
+# to bridge the prefill and the event's trip.
+SPECULATIVE_TTL_WITH_EVENTS_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the router predicts overlaps from, for a mode: ``KvRouter``'s ``use_events`` and
+    ``speculative_ttl_s``."""
+
+    use_events: bool
+    speculative_ttl_s: float
+
+
+def prediction(mode: RouterMode, *, has_events: bool, approx_ttl_s: float) -> Prediction:
+    """``has_events``: the workers come with sidecars publishing their KV events."""
+    if mode is RouterMode.APPROX:
+        return Prediction(use_events=False, speculative_ttl_s=approx_ttl_s)
+    ttl = SPECULATIVE_TTL_WITH_EVENTS_S if has_events else approx_ttl_s
+    return Prediction(use_events=True, speculative_ttl_s=ttl)
 
 
 class Policy(Protocol):

@@ -4,9 +4,12 @@ The cost of placing a request on a worker, lowest wins (Dynamo's default "linear
 ``lib/kv-router/src/scheduling/selector/default.rs`` in Dynamo's repository)::
 
     prefill_blocks_after_credit = (active_prefill_tokens + prompt_tokens) / block_size
-                                  − overlap_weight·gpu − host_weight·host
-                                  − disk_weight·disk − remote_weight·remote
+                                  − overlap_weight·gpu − Σ tier_weights[tier]·tier
     cost = prefill_load_scale × prefill_blocks_after_credit + decode_blocks
+
+(the sum over the tiers below the GPU, ``kvcore.events.Tier``: host, disk, remote; each
+tier's overlap and weight are indexed by its ``Tier``, so a new tier is a new member there
+and a default weight here)
 
 Unlike Dynamo we do not clamp the credited prefill at zero. With credit weights of at most 1
 (the defaults) the credit never exceeds the prompt's own blocks, so nothing changes; with an
@@ -39,10 +42,15 @@ from __future__ import annotations
 import enum
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from kvcore.events import Tier
 
 __all__ = [
+    "DEFAULT_TIER_WEIGHTS",
+    "LOWER_TIERS",
     "Candidate",
     "Placement",
     "Pool",
@@ -62,58 +70,85 @@ class Pool(enum.Enum):
     DECODE = "decode"
 
 
+LOWER_TIERS = tuple(tier for tier in Tier if tier is not Tier.GPU)  # fastest first
+# Credit per cached block of each tier below the GPU, in blocks of prefill work (the GPU's
+# is ``overlap_weight``, learned by default). The gateway's --<tier>-weight defaults
+# (``RouterConfig``'s, the same: a test checks).
+DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = MappingProxyType(
+    {Tier.HOST: 0.75, Tier.DISK: 0.25, Tier.REMOTE: 0.1})
+
+
+def _check_weight(name: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class ScoringWeights:
     """Credits per cached block by tier, and the selection temperature."""
 
-    overlap_weight: float = 1.0
-    host_weight: float = 0.75
-    disk_weight: float = 0.25
-    remote_weight: float = 0.1
+    overlap_weight: float = 1.0  # the GPU tier's
+    # Every tier below the GPU's (a read-only mapping by default: shared, never copied).
+    tier_weights: Mapping[Tier, float] = field(default_factory=lambda: DEFAULT_TIER_WEIGHTS)
     temperature: float = 0.0
     prefill_load_scale: float = 1.0
+    # (tier, weight) below the GPU, fastest first: what ``Scorer.credit_blocks`` walks.
+    lower_credits: tuple[tuple[Tier, float], ...] = field(init=False, repr=False,
+                                                          compare=False)
 
     def __post_init__(self) -> None:
-        for name in (
-            "overlap_weight",
-            "host_weight",
-            "disk_weight",
-            "remote_weight",
-            "prefill_load_scale",
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        _check_weight("overlap_weight", self.overlap_weight)
+        _check_weight("prefill_load_scale", self.prefill_load_scale)
+        _check_weight("temperature", self.temperature)
+        if set(self.tier_weights) != set(LOWER_TIERS):
+            raise ValueError(
+                "tier_weights must give a weight to each tier below the GPU "
+                f"({', '.join(t.name.lower() for t in LOWER_TIERS)}), got "
+                f"{', '.join(t.name.lower() for t in self.tier_weights) or 'none'}")
+        for tier in LOWER_TIERS:
+            _check_weight(f"{tier.name.lower()}_weight", self.tier_weights[tier])
+        object.__setattr__(self, "lower_credits",
+                           tuple((tier, self.tier_weights[tier]) for tier in LOWER_TIERS))
+
+
+_NUM_TIERS = len(Tier)
+_PAD = [(0,) * (_NUM_TIERS - n) for n in range(_NUM_TIERS + 1)]  # the depths not given
 
 
 class TierOverlap:
-    """Leading blocks of the request a worker holds, per tier (each counted from block 0).
+    """Leading blocks of the request a worker holds, per tier (each counted from block 0):
+    ``depths[tier]``, in ``Tier`` order, those not given 0.
 
-    A plain class, not a dataclass: ``longest`` is read several times per request, so it is
-    computed once here (a frozen dataclass would pay a call per read, and more per build)."""
+    A plain class, not a dataclass: ``gpu`` and ``longest`` are read several times per
+    request, so they are computed once here (a frozen dataclass would pay a call per read,
+    and more per build)."""
 
-    __slots__ = ("disk", "gpu", "host", "longest", "remote")
+    __slots__ = ("depths", "gpu", "longest")
 
-    def __init__(self, gpu: int = 0, host: int = 0, disk: int = 0, remote: int = 0) -> None:
-        self.gpu = gpu
-        self.host = host
-        self.disk = disk
-        self.remote = remote
-        self.longest = max(gpu, host, disk, remote)
+    def __init__(self, *depths: int) -> None:
+        n = len(depths)
+        if n < _NUM_TIERS:
+            depths += _PAD[n]
+        elif n > _NUM_TIERS:
+            raise ValueError(f"{n} tier depths for {_NUM_TIERS} tiers")
+        self.depths = depths
+        self.gpu = depths[0]  # Tier.GPU
+        self.longest = max(depths)
 
-    def _tiers(self) -> tuple[int, int, int, int]:
-        return (self.gpu, self.host, self.disk, self.remote)
+    @classmethod
+    def of(cls, depths: Mapping[Tier, int]) -> TierOverlap:
+        """From each tier's depth (a tier not named holds nothing)."""
+        return cls(*(depths.get(tier, 0) for tier in Tier))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, TierOverlap) and self._tiers() == other._tiers()
+        return isinstance(other, TierOverlap) and self.depths == other.depths
 
     def __hash__(self) -> int:
-        return hash(self._tiers())
+        return hash(self.depths)
 
     def __repr__(self) -> str:
-        return "TierOverlap(gpu={}, host={}, disk={}, remote={})".format(*self._tiers())
+        inner = ", ".join(f"{t.name.lower()}={d}" for t, d in zip(Tier, self.depths, strict=True))
+        return f"TierOverlap({inner})"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,13 +219,11 @@ class Scorer:
     def credit_blocks(self, overlap: TierOverlap) -> float:
         """Cached blocks credited against prefill, each at the fastest tier holding it."""
         w = self.weights
-        covered = overlap.gpu
+        depths = overlap.depths
+        covered = depths[0]
         credit = w.overlap_weight * covered
-        for weight, depth in (
-            (w.host_weight, overlap.host),
-            (w.disk_weight, overlap.disk),
-            (w.remote_weight, overlap.remote),
-        ):
+        for tier, weight in w.lower_credits:
+            depth = depths[tier]
             if depth > covered:
                 credit += weight * (depth - covered)
                 covered = depth

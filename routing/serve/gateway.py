@@ -36,7 +36,7 @@ from routing.pipeline.context import PipelineContext
 from routing.pipeline.prefix_moves import PrefixMoves
 from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
-from routing.placement.policies import make_policy
+from routing.placement.policies import make_policy, prediction
 from routing.placement.scorer import ScoringWeights
 from routing.placement.sessions import SessionAffinity
 from routing.prompt.chat_template import ChatTemplate
@@ -68,9 +68,6 @@ _SWEEP_INTERVAL_S = 1.0
 # Open with --api-key-file: liveness and scraping need no client key.
 _OPEN_PATHS = frozenset((b"/health", b"/metrics"))
 _MODELS_PATH = b"/v1/models/"  # + a model's name: the SDK's ``models.retrieve``
-# With sidecar events a routed prefix is confirmed within milliseconds; speculation only has
-# to bridge the prefill and the event's trip.
-_SPECULATIVE_TTL_WITH_EVENTS_S = 2.0
 
 
 def _max_model_len(cfg: RouterConfig) -> int | None:
@@ -95,19 +92,19 @@ class Gateway:
         weights = ScoringWeights(
             overlap_weight=1.0 if cfg.overlap_weight is None else cfg.overlap_weight,
             prefill_load_scale=1.0 if cfg.prefill_load_scale is None else cfg.prefill_load_scale,
-            host_weight=cfg.host_weight,
-            disk_weight=cfg.disk_weight,
-            remote_weight=cfg.remote_weight,
+            tier_weights=cfg.tier_weights,
             temperature=cfg.router_temperature,
         )
-        # Plain workers publish no KV events: recent placements are all kv mode can go by.
-        # Sidecars do, and their events confirm (or refute) a placement quickly.
+        # Sidecars publish their workers' KV events; plain workers publish none. What the
+        # mode predicts overlaps from is the policy's to say.
         self.has_sidecars = bool(cfg.sidecars or cfg.sidecar_file or cfg.discover_k8s_selector)
-        ttl = _SPECULATIVE_TTL_WITH_EVENTS_S if self.has_sidecars else cfg.approx_ttl_s
+        predict = prediction(cfg.router_mode, has_events=self.has_sidecars,
+                             approx_ttl_s=cfg.approx_ttl_s)
         # With --nats the load is shared with the other replicas (routing/replicas).
         shared = None if cfg.nats_url is None else SharedLoad(cfg.block_size)
         self.router = KvRouter(
-            block_size=cfg.block_size, weights=weights, speculative_ttl_s=ttl, rng=rng, load=shared,
+            block_size=cfg.block_size, weights=weights, rng=rng, load=shared,
+            speculative_ttl_s=predict.speculative_ttl_s, use_events=predict.use_events,
             # Unless the operator fixed them, the weights follow the fleet (tuning.py).
             learn_overlap_weight=cfg.overlap_weight is None,
             learn_prefill_load_scale=cfg.prefill_load_scale is None,

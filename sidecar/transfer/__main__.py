@@ -26,9 +26,9 @@ from aiohttp import web
 
 from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.logs import configure_logging
-from shm.config import OwnerConfig, parse_bytes
 from shm.errors import OwnerConflictError
-from shm.server import BlockStoreOwner
+from shm.owner.config import OwnerConfig, parse_bytes
+from shm.owner.server import BlockStoreOwner
 from sidecar.control_guard import token_guard
 from sidecar.transfer.config import TransferConfig
 from sidecar.transfer.service import BlockTransferService

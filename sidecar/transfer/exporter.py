@@ -30,8 +30,8 @@ import structlog
 from aiohttp import web
 
 from shm.errors import ClientDetachedError
+from shm.owner.server import BlockStoreOwner
 from shm.segment import SegmentHeader
-from shm.server import BlockStoreOwner
 from sidecar.transfer.config import TransferConfig
 from sidecar.transfer.errors import (
     BadTransferRequestError,

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import structlog
 
-from shm.local import LocalSession
-from shm.server import BlockStoreOwner
+from shm.owner.local import LocalSession
+from shm.owner.server import BlockStoreOwner
 from sidecar.transfer.errors import UnknownBlocksError
 from sidecar.transfer.messages import BlockKey, Transport
 

@@ -45,8 +45,8 @@ import structlog
 from aiohttp import web
 
 from shm.errors import BlockStoreError, ClientDetachedError, StoreFullError
-from shm.local import LocalSession
-from shm.server import BlockStoreOwner
+from shm.owner.local import LocalSession
+from shm.owner.server import BlockStoreOwner
 from sidecar.transfer.config import TransferConfig
 from sidecar.transfer.errors import (
     BadTransferRequestError,

@@ -2,7 +2,7 @@
 
 On one host a pull needs no HTTP per batch. The importer learns the exporter's store
 socket once (``GET /v1/blocks/info``), connects as a lease-only reader
-(``shm.reader.AsyncSegmentReader``: the exporter's segment mapped read-only), and for each
+(``shm.client.reader.AsyncSegmentReader``: the exporter's segment mapped read-only), and for each
 pull leases the keys with one control frame, copies each leased slot straight into its own
 reserved slot in a worker thread (one ``memcpy`` per block, no socket copy of payload),
 re-checks the slots' generations, and releases. The leases belong to the reader's
@@ -22,8 +22,8 @@ import contextlib
 import numpy as np
 import structlog
 
+from shm.client.reader import AsyncSegmentReader
 from shm.errors import BlockStoreError, ClientDetachedError
-from shm.reader import AsyncSegmentReader
 from sidecar.transfer.errors import (
     BlockFormatMismatchError,
     ExportGoneError,

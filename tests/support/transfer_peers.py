@@ -21,7 +21,7 @@ from aiohttp import web
 from kvcore.events import KVEvent
 from shm import BlockStoreOwner, OwnerConfig
 from shm.block_names import BlockNames
-from shm.local import LocalSession
+from shm.owner.local import LocalSession
 from sidecar.transfer import BlockTransferService, TransferConfig, Transport
 
 __all__ = [

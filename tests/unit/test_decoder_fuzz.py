@@ -41,7 +41,7 @@ from shm.block_names import BlockName
 from shm.errors import ProtocolError
 from shm.protocol import Lease, Slots, decode_reply, decode_request
 from shm.protocol import encode as encode_shm
-from shm.remote_keys import check_value, pack_value
+from shm.tiers.remote_keys import check_value, pack_value
 from sidecar.transfer.errors import BadTransferRequestError
 from sidecar.transfer.messages import ExportRequest, Transport
 from sidecar.transfer.messages import decode as decode_transfer

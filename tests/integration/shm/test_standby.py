@@ -1,4 +1,4 @@
-"""Standby grants across real processes (``shm.store.standby``): a writer overwrites the
+"""Standby grants across real processes (``shm.owner.store.standby``): a writer overwrites the
 least recently used blocks sending no message at all, the owner picks its put up from the
 read index (before any request, on its poll, at the writer's end), and takes a grant back,
 through the shared compare-and-swap word, when another client needs those blocks."""

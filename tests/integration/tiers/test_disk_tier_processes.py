@@ -19,7 +19,7 @@ from refengine.page_hash import page_digests
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from shm import BlockStoreClient
-from shm.disk_format import HEADER_BYTES
+from shm.tiers.disk_format import HEADER_BYTES
 from tests.support.polling import eventually, wait_until
 from tests.support.processes import ProcessGroup
 from tests.support.store_owner import OwnerProcess, owner_config

@@ -16,7 +16,7 @@ from refengine.presets import ModelConfig
 from refengine.tiering import PageStoreClient
 from refengine.torch_compute import TorchKVStore
 from shm import BlockStoreClient
-from shm.disk_format import HEADER_BYTES
+from shm.tiers.disk_format import HEADER_BYTES
 from tests.support.polling import wait_until
 from tests.support.store_owner import OwnerThread, owner_config
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 import pytest
 
-from kvcore.options import OptionParser, option
+from kvcore.options import OptionParser, option, option_of
 
 
 class Color(enum.Enum):
@@ -301,3 +301,29 @@ def test_a_literals_choices_are_its_own() -> None:
 
     with pytest.raises(TypeError):
         OptionParser().add_options(Twice)
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Another command's config reusing ``Toy``'s options."""
+
+    points: tuple[Point, ...] = option_of(Toy, "points", group="reused")
+    limit: int | None = option_of(Toy, "limit", group="reused", help="at most, here")
+    scale: float = option_of(Toy, "scale", group="reused", default=3.0)
+
+
+def test_an_option_of_another_config_keeps_its_flag_parsing_and_default() -> None:
+    """``option_of`` declares another config's option again: its flag, parsing and default
+    (or this command's own default and words where given); a name that is no option is
+    refused."""
+    p = OptionParser(prog="copy")
+    p.add_options(Copy)
+    assert p.build(Copy, p.parse_args([])) == Copy((), None, 3.0)
+    got = p.build(Copy, p.parse_args(["--point", "1,2", "--limit", "4", "--scale", "2"]))
+    assert got == Copy((Point(1, 2),), 4, 2.0)
+    text = p.format_help()
+    assert "at most, here (default: unlimited)" in text and "how big (default 3)" in text
+    with pytest.raises(SystemExit):
+        p.build(Copy, p.parse_args(["--point", "nope"]))  # Point.parse's error, exit 2
+    with pytest.raises(TypeError, match="no option 'missing'"):
+        option_of(Toy, "missing", group="g")

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from refengine.config import EngineConfig
 from refengine.timing import SimTiming, TimingModel
 from replay.config import ReplayConfig, build_parser
-from routing.config import RouterMode
+from routing.config import RouterConfig, RouterMode
 from tests.support.options import as_flag_default, refusal
 
 NOT_OPTIONS = {"help", "config", "traces"}
@@ -61,3 +62,22 @@ def test_a_config_file_sets_the_options(tmp_path: Path) -> None:
 def test_bad_flags_exit_2(argv: list[str], message: str,
                           capsys: pytest.CaptureFixture[str]) -> None:
     assert message in refusal(lambda: ReplayConfig.from_args(argv), capsys)
+
+
+def test_the_router_and_engine_options_are_the_gateways_and_the_engines() -> None:
+    """The replicas' and the router's flags are the reference engine's and the gateway's
+    (declared there, ``option_of``): the same flags and defaults, but the weights, which a
+    replay fixes where the gateway learns them."""
+    fixed = {"overlap_weight": 1.0, "prefill_load_scale": 1.0}
+    for source, names in (
+        (EngineConfig, ("page_size", "chunked_prefill_size", "max_running_requests")),
+        (RouterConfig, ("router_temperature", "approx_ttl_s", "block_size", *fixed)),
+    ):
+        theirs = {f.name: f for f in dataclasses.fields(source)}
+        ours = {f.name: f for f in dataclasses.fields(ReplayConfig)}
+        for name in names:
+            mine, other = ours[name].metadata["kvcore.option"], theirs[name].metadata[
+                "kvcore.option"]
+            assert (mine.flag, mine.aliases, mine.parse) == (other.flag, other.aliases,
+                                                             other.parse), name
+            assert ours[name].default == fixed.get(name, theirs[name].default), name

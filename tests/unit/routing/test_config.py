@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcore.events import Tier
 from routing.config import (
     EventsVia,
     FailurePolicy,
@@ -17,6 +18,7 @@ from routing.config import (
     WorkerAddress,
 )
 from routing.flags import gateway_config
+from routing.placement.scorer import DEFAULT_TIER_WEIGHTS, LOWER_TIERS
 
 
 def test_flags_map_to_fields(tiny_model_dir: Path) -> None:
@@ -62,7 +64,10 @@ def test_every_tier_has_a_credit_flag() -> None:
     cfg = gateway_config(["--worker", "http://127.0.0.1:9001", "--host-weight", "0.5",
                           "--disk-weight", "0.2", "--remote-weight", "0.3"])
     assert (cfg.host_weight, cfg.disk_weight, cfg.remote_weight) == (0.5, 0.2, 0.3)
-    assert gateway_config(["--worker", "http://127.0.0.1:9001"]).remote_weight == 0.1
+    assert cfg.tier_weights == {Tier.HOST: 0.5, Tier.DISK: 0.2, Tier.REMOTE: 0.3}
+    assert set(cfg.tier_weights) == set(LOWER_TIERS)  # a new tier needs its flag
+    default = gateway_config(["--worker", "http://127.0.0.1:9001"])
+    assert default.remote_weight == 0.1 and default.tier_weights == DEFAULT_TIER_WEIGHTS
 
 
 @pytest.mark.parametrize(

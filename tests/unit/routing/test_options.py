@@ -12,7 +12,7 @@ import pytest
 from routing.config import FailurePolicy, PdMode, RouterConfig, RouterMode, WorkerAddress
 from routing.epp.config import EppConfig
 from routing.flags import gateway_config, gateway_parser
-from routing.placement.scorer import ScoringWeights
+from routing.placement.scorer import LOWER_TIERS, ScoringWeights
 
 WORKER = "http://127.0.0.1:9001"
 # Flags that are no field: argparse's own, and the file of the fields' values.
@@ -55,9 +55,15 @@ def test_the_flags_keep_their_spellings() -> None:
 
 def test_every_scoring_weight_has_a_flag() -> None:
     """ScoringWeights' fields are all set from the gateway's flags (the temperature is
-    --router-temperature)."""
+    --router-temperature; each tier's weight below the GPU, --<tier>-weight)."""
     fields = {f.name for f in dataclasses.fields(RouterConfig)}
     for f in dataclasses.fields(ScoringWeights):
+        if not f.init:
+            continue  # derived from the others
+        if f.name == "tier_weights":
+            for tier in LOWER_TIERS:
+                assert f"{tier.name.lower()}_weight" in fields, tier
+            continue
         name = "router_temperature" if f.name == "temperature" else f.name
         assert name in fields, f.name
 

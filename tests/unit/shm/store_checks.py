@@ -6,8 +6,8 @@ other and against the slot pool and the read index.
 
 from __future__ import annotations
 
-from shm.store import BlockStore
-from shm.store.books import COMMITTED, DOOMED, FREE, GRANTED, RESERVED, STANDBY, TAKEN
+from shm.owner.store import BlockStore
+from shm.owner.store.books import COMMITTED, DOOMED, FREE, GRANTED, RESERVED, STANDBY, TAKEN
 
 __all__ = ["check_store"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from shm._blocks import BlockFormat
+from shm.client._blocks import BlockFormat
 from shm.errors import BlockDtypeError, BlockSizeError
 
 FMT = BlockFormat(block_bytes=64, dtype="float16")

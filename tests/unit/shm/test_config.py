@@ -1,4 +1,5 @@
-"""shm.config: ``python -m shm``'s flags are ``OwnerConfig``'s fields, with ``--config FILE``."""
+"""shm.owner.config: ``python -m shm``'s flags are ``OwnerConfig``'s fields, with
+``--config FILE``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shm.config import OwnerConfig, owner_parser
+from shm.owner.config import OwnerConfig, owner_parser
 from tests.support.options import config_toml
 
 REQUIRED = ["--owner-id", "o1", "--socket", "/tmp/o1.sock", "--capacity-bytes", "1MiB",

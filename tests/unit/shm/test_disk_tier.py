@@ -17,8 +17,7 @@ from shm import (
     OwnerConfig,
     OwnerConflictError,
 )
-from shm.disk_format import HEADER_BYTES, block_file_name
-from shm.local import LocalSession
+from shm.owner.local import LocalSession
 from shm.protocol import (
     PROTOCOL_VERSION,
     Contains,
@@ -33,6 +32,7 @@ from shm.protocol import (
     decode_reply,
     encode,
 )
+from shm.tiers.disk_format import HEADER_BYTES, block_file_name
 from tests.support.polling import wait_for
 
 BLOCK = 256

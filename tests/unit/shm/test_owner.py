@@ -347,7 +347,7 @@ async def test_garbage_frames_get_errors_not_crashes(sock_dir: Path, owner_id: s
 
 def test_protocol_error_type() -> None:
     """A reply of the wrong kind is a ProtocolError, not a silent misread."""
-    from shm._transport import expect
+    from shm.client._transport import expect
     from shm.protocol import Done, Flags
 
     with pytest.raises(ProtocolError, match="expected a Flags reply, got Done"):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from shm.pool import SlotPool
+from shm.owner.pool import SlotPool
 
 
 class TestSlotPool:

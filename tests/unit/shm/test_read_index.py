@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shm.owner.store import BlockStore
 from shm.read_index import ReadIndex, ReadIndexLayout
-from shm.store import BlockStore
 from tests.unit.shm.store_checks import check_store
 
 NS = 7

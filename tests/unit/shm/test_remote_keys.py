@@ -1,4 +1,4 @@
-"""The remote tier's key names, channels and values (``shm.remote_keys``), its URL redaction
+"""The remote tier's key names, channels and values (``shm.tiers.remote_keys``), its URL redaction
 and the message when its extra is missing."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from shm.block_names import BlockName
-from shm.disk_format import HEADER_BYTES
-from shm.remote_keys import RemoteKeys, check_value, pack_value, value_name
-from shm.remote_tier import _redacted, load_redis
+from shm.tiers.disk_format import HEADER_BYTES
+from shm.tiers.remote_keys import RemoteKeys, check_value, pack_value, value_name
+from shm.tiers.remote_tier import _redacted, load_redis
 
 
 def test_names_round_trip_and_stay_in_their_scope() -> None:

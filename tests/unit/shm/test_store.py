@@ -9,8 +9,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
 from shm.errors import StaleDescriptorError, StoreFullError
+from shm.owner.store import BlockStore
 from shm.read_index import STANDBY_TAKEN, ReadIndex, ReadIndexLayout
-from shm.store import BlockStore
 from tests.unit.shm.store_checks import check_store
 
 NS = 42

@@ -1,4 +1,4 @@
-"""The block store's standby grants (``shm.store.standby``): offered once the store is
+"""The block store's standby grants (``shm.owner.store.standby``): offered once the store is
 full, overwritten by their writer with no reply waited for, taken back when others need
 their blocks, and dropped from the books when their writer has taken them first."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kvcore.events import BlockRemoved, BlockStored
-from shm._client_cells import ClientCells
 from shm.errors import StaleDescriptorError, StoreFullError
+from shm.owner._client_cells import ClientCells
+from shm.owner.store import BlockStore
 from shm.read_index import STANDBY_TAKEN, ReadIndex, ReadIndexLayout
-from shm.store import BlockStore
 from tests.unit.shm.store_checks import check_store
 
 NS = 7

@@ -223,7 +223,7 @@ def test_names_and_values_agree_across_commands() -> None:
     from refengine.config import build_parser as engine_parser
     from replay.config import build_parser as replay_parser
     from routing.flags import gateway_parser
-    from shm.config import owner_parser
+    from shm.owner.config import owner_parser
 
     sidecar = _choices(SidecarConfig.parser())
     gateway, shm = _choices(gateway_parser()), _choices(owner_parser())

@@ -19,7 +19,7 @@ import time
 import urllib.request
 import uuid
 
-from shm.reader import AsyncSegmentReader
+from shm.client.reader import AsyncSegmentReader
 
 
 def tcp(url: str, ns: int, count: int, block_bytes: int) -> None:

@@ -12,7 +12,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from shm.local import LocalSession
+from shm.owner.local import LocalSession
 from sidecar.transfer import PeerUnavailableError, TransferTimeoutError, Transport
 from tests.integration.sidecar.transfer._procs import ENV, PeerProcess
 from tests.support.polling import wait_for, wait_until

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 from kvcore import BlockHasher, Namespace
+from kvcore.events import AllBlocksCleared, BlockStored, Tier
 from routing.config import RouterMode
+from routing.flags import gateway_config
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
+from routing.serve.gateway import Gateway
 
 WORKERS = ["w0", "w1", "w2"]
+MODEL = Path(__file__).resolve().parents[4] / "refengine" / "models" / "tiny"
 
 
 def _hashes(tokens: list[int]) -> list[int]:
@@ -68,3 +73,32 @@ def test_random_uses_every_worker() -> None:
     policy = make_policy(RouterMode.RANDOM, KvRouter(), random.Random(3))
     picks = {policy.choose((), 0, WORKERS, ()).worker_id for _ in range(60)}  # type: ignore[union-attr]
     assert picks == set(WORKERS)
+
+
+def _gateway(mode: str) -> Gateway:
+    """A gateway with a sidecar (never contacted: nothing here starts it)."""
+    return Gateway(gateway_config(["--sidecar", "http://127.0.0.1:9", "--router-mode", mode,
+                                   "--model-path", str(MODEL)]))
+
+
+def test_approx_with_sidecars_predicts_from_its_own_placements() -> None:
+    """With sidecars, approx ignores their events and places by its own recent placements
+    (kept --approx-ttl-s), where kv takes the events as they come."""
+    tokens = list(range(160))
+    hashes = _hashes(tokens)
+    stored = BlockStored("w2", 0, 1, Tier.GPU, hashes)
+    kv, approx = _gateway("kv"), _gateway("approx")
+    for gw in (kv, approx):
+        gw.router.apply(stored)
+    seen = kv.ctx.policy.choose(hashes, len(tokens), WORKERS, ())
+    assert seen is not None and seen.worker_id == "w2" and seen.overlap.gpu == len(hashes)
+    placed = approx.ctx.policy.choose(hashes, len(tokens), WORKERS, ())
+    assert placed is not None and placed.overlap.longest == 0  # w2's event is not an overlap
+    assert approx.router.pending.ttl_s == approx.cfg.approx_ttl_s
+    approx.router.dispatch("r0", placed, hashes, len(tokens))
+    approx.router.load.finish("r0")
+    # The worker's sidecar says it holds nothing: approx keeps its prediction all the same.
+    approx.router.apply(AllBlocksCleared(placed.worker_id, 0, 2, Tier.GPU))
+    again = approx.ctx.policy.choose(hashes, len(tokens), WORKERS, ())
+    assert again is not None and again.worker_id == placed.worker_id
+    assert again.overlap.gpu == len(hashes)

@@ -7,7 +7,9 @@ from collections import Counter
 
 import pytest
 
+from kvcore.events import Tier
 from routing.placement.scorer import (
+    DEFAULT_TIER_WEIGHTS,
     Candidate,
     Pool,
     Scorer,
@@ -60,19 +62,32 @@ class TestCost:
         """Blocks beyond the GPU match are credited at host, then disk weight (Dynamo's sum)."""
         scorer = Scorer(ScoringWeights(), block_size=16)
         # gpu holds 0..3, host 0..9 (4..9 beyond gpu), disk 0..19 (10..19 beyond host).
-        credit = scorer.credit_blocks(TierOverlap(gpu=4, host=10, disk=20))
+        credit = scorer.credit_blocks(TierOverlap(4, 10, 20))
         assert credit == 1.0 * 4 + 0.75 * 6 + 0.25 * 10
 
     def test_block_in_two_tiers_is_credited_once(self) -> None:
         """A write-through block in GPU and host is credited at the GPU weight only."""
         scorer = Scorer(ScoringWeights(), block_size=16)
-        assert scorer.credit_blocks(TierOverlap(gpu=8, host=8)) == 8.0
+        assert scorer.credit_blocks(TierOverlap(8, 8)) == 8.0
 
-    @pytest.mark.parametrize("field", ["overlap_weight", "host_weight", "temperature"])
+    @pytest.mark.parametrize("field", ["overlap_weight", "temperature"])
     def test_rejects_negative_weights(self, field: str) -> None:
         """Negative or non-finite weights are rejected when the config is built."""
         with pytest.raises(ValueError, match=field):
             ScoringWeights(**{field: -1.0})
+
+    def test_tier_weights_are_data(self) -> None:
+        """Each tier below the GPU is credited at its weight in ``tier_weights``, by ``Tier``;
+        one missing, or negative, is refused by its name."""
+        weights = {**DEFAULT_TIER_WEIGHTS, Tier.REMOTE: 0.5}
+        scorer = Scorer(ScoringWeights(tier_weights=weights), block_size=16)
+        overlap = TierOverlap.of({Tier.GPU: 2, Tier.REMOTE: 6})
+        assert overlap.depths[Tier.REMOTE] == 6 and overlap.longest == 6
+        assert scorer.credit_blocks(overlap) == 1.0 * 2 + 0.5 * 4
+        with pytest.raises(ValueError, match="disk_weight"):
+            ScoringWeights(tier_weights={**weights, Tier.DISK: -1.0})
+        with pytest.raises(ValueError, match=r"below the GPU .* got host, remote"):
+            ScoringWeights(tier_weights={Tier.HOST: 1.0, Tier.REMOTE: 1.0})
 
 
 class TestSelection:

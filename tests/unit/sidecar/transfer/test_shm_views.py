@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from shm import ForeignSegmentError
-from shm.local import LocalSession
-from shm.readonly import ReadOnlySegment
+from shm.client.readonly import ReadOnlySegment
+from shm.owner.local import LocalSession
 from tests.support.transfer_peers import PeerFactory, content
 
 

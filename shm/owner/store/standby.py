@@ -35,9 +35,9 @@ from collections.abc import Sequence
 
 from shm._atomic import AVAILABLE
 from shm.errors import StaleDescriptorError
+from shm.owner.store.books import COMMITTED, STANDBY, TAKEN, BlockKey, SessionBooks, SessionId
+from shm.owner.store.reservations import Reservations, check_extras
 from shm.read_index import STANDBY_DONE, STANDBY_REVOKED, STANDBY_TAKEN
-from shm.store.books import COMMITTED, STANDBY, TAKEN, BlockKey, SessionBooks, SessionId
-from shm.store.reservations import Reservations, check_extras
 
 __all__ = ["Standby"]
 

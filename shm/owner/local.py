@@ -20,9 +20,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-import shm._requests as req
-from shm._transport import expect
+import shm.client._requests as req
+from shm.client._transport import expect
 from shm.errors import ClientDetachedError
+from shm.owner.server import BlockStoreOwner
+from shm.owner.store import BlockKey, SessionId
 from shm.protocol import (
     Abort,
     Done,
@@ -33,8 +35,6 @@ from shm.protocol import (
     decode_reply,
     encode,
 )
-from shm.server import BlockStoreOwner
-from shm.store import BlockKey, SessionId
 
 __all__ = ["LocalSession"]
 

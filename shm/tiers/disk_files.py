@@ -3,13 +3,13 @@
 The directory is locked (``flock`` of ``.lock``) so two owners never share it, and scanned
 at start: block files of this block size whose header checks are found again, oldest first;
 torn ``.tmp`` files and foreign block files are removed. A block file
-(``shm.disk_format``) is written to ``<name>.tmp`` and renamed into place, so a crash never
+(``shm.tiers.disk_format``) is written to ``<name>.tmp`` and renamed into place, so a crash never
 leaves a torn block under its name; it is read back with one ``preadv`` straight into the
 caller's buffer and checked (header and checksum) before the read counts.
 
 These are plain operations on paths, holding no state that changes, so they are safe on any
 thread: the tier's writer thread writes and unlinks, ``read_many``'s worker thread reads;
-the index, the LRU and the staging buffers are the tier's (``shm.disk_tier``).
+the index, the LRU and the staging buffers are the tier's (``shm.tiers.disk_tier``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import numpy as np
 import structlog
 
 from shm.block_names import BlockName
-from shm.disk_format import (
+from shm.errors import OwnerConflictError
+from shm.tiers.disk_format import (
     HEADER_BYTES,
     SUFFIX,
     TMP_SUFFIX,
@@ -32,7 +33,6 @@ from shm.disk_format import (
     parse_name,
     problem_of,
 )
-from shm.errors import OwnerConflictError
 
 __all__ = ["BlockFiles"]
 

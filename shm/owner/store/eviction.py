@@ -1,7 +1,7 @@
 """The block store's LRU and eviction: which blocks make room when a put needs slots.
 
 Eviction is least-recently-used over committed blocks, skipping leased ones and, while
-others can go, those on standby for a writer (``shm.store.standby``): ``_lru``
+others can go, those on standby for a writer (``shm.owner.store.standby``): ``_lru``
 holds every committed block in order of last use (a commit or a lease moves a block to
 the end), and eviction, done only when a reservation or a grant needs slots, takes
 unleased blocks from the front (a lease costs no LRU removal and a release no LRU
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shm.errors import StoreFullError
-from shm.store.books import STANDBY, BlockKey, StoreBooks
+from shm.owner.store.books import STANDBY, BlockKey, StoreBooks
 
 __all__ = ["Eviction"]
 

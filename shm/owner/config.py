@@ -10,8 +10,8 @@ from pathlib import Path
 from kvcore.layout import DTYPE_BYTES, LayoutKind
 from kvcore.logs import LOG_LEVELS
 from kvcore.options import OptionParser, option
-from shm.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 from shm.segment import check_owner_id
+from shm.tiers.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 
 __all__ = ["OwnerConfig", "owner_parser"]
 
@@ -68,7 +68,7 @@ class OwnerConfig:
         "(Release, Publish) do not preempt the client when both share a CPU; the owner "
         "handles them once the client waits for a reply. Off by default: it helps single-CPU "
         "placements and costs small batches across CPUs")
-    disk_dir: Path | None = option(  # the disk tier below the store (``shm.disk_tier``)
+    disk_dir: Path | None = option(  # the disk tier below the store (``shm.tiers.disk_tier``)
         None, group=_TIERS, flag="--disk-tier-dir", aliases=("--disk-dir",), metavar="DIR",
         default_text="none",
         help="keep blocks evicted from shared memory in this directory (the disk tier: a get "
@@ -78,7 +78,7 @@ class OwnerConfig:
         0, group=_TIERS, flag="--disk-tier-capacity-bytes", aliases=("--disk-capacity-bytes",),
         parse=parse_bytes, metavar="SIZE", default_text="none",
         help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)")
-    # The remote tier (``shm.remote_tier``): a Redis-protocol store's URL, the scope its
+    # The remote tier (``shm.tiers.remote_tier``): a Redis-protocol store's URL, the scope its
     # keys live under (the model), and when blocks are written.
     remote_url: str | None = option(
         None, group=_TIERS, flag="--remote-tier-url", aliases=("--remote-url",), metavar="URL",

@@ -13,7 +13,7 @@ block's name when the engine's hook put it before the engine's event named it (`
 a block evicted from shared memory while it still waits is written then, unnamed (its bytes
 are still shared: hooks find it by its key; it is only not announced).
 
-What is written joins the tier's index (``shm.remote_tier``), which owns the connection:
+What is written joins the tier's index (``shm.tiers.remote_tier``), which owns the connection:
 the writes ask it for the client of the moment and hand it what the store took. A write
 that fails is counted and logged, never retried: the block is a miss for later. Call
 everything from the owner's event loop.
@@ -30,7 +30,7 @@ import numpy as np
 import structlog
 
 from shm.block_names import BlockName
-from shm.remote_keys import BATCH_BYTES, RemoteKeys, pack_value
+from shm.tiers.remote_keys import BATCH_BYTES, RemoteKeys, pack_value
 
 __all__ = ["RemoteWrites"]
 

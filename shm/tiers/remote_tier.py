@@ -1,7 +1,7 @@
 """The remote tier: blocks in a Redis-protocol store (Redis, Valkey) shared by every replica of
 a model, so a prefix computed on one replica is loaded on any other.
 
-Writes (``shm.remote_writes``): every block the host store commits (``write="through"``,
+Writes (``shm.tiers.remote_writes``): every block the host store commits (``write="through"``,
 the default) or only those it evicts (``write="evict"``), each value carrying the block's
 canonical name (``shm.block_names``) in its header, which is what lets every other replica
 announce the block; a block the store already holds is not sent again.
@@ -38,10 +38,10 @@ import structlog
 from kvcore.events import KVEvent, Tier
 from kvcore.extras import MissingExtraError
 from shm.block_names import BlockName
-from shm.disk_format import HEADER_BYTES
 from shm.host_events import HostEventLog
-from shm.remote_keys import BATCH_BYTES, KEYSPACE_EVENTS, RemoteKeys, check_value, value_name
-from shm.remote_writes import RemoteWrites
+from shm.tiers.disk_format import HEADER_BYTES
+from shm.tiers.remote_keys import BATCH_BYTES, KEYSPACE_EVENTS, RemoteKeys, check_value, value_name
+from shm.tiers.remote_writes import RemoteWrites
 
 __all__ = ["WRITE_POLICIES", "RemoteTier", "RemoteTierStats", "load_redis"]
 

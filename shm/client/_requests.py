@@ -3,7 +3,7 @@
 Keys travel as two flat lists (namespace seeds and block hashes), slot descriptors as two
 (slots and generations), a put's parents and tokens beside its keys. The clients
 (``BlockStoreClient``, ``AsyncBlockStoreClient``, ``AsyncSegmentReader``, ``LocalSession``)
-build their requests here and differ only in how the frames travel (``shm._transport``).
+build their requests here and differ only in how the frames travel (``shm.client._transport``).
 Meant to be imported as a namespace: ``req.lease(keys)``, ``req.release(reply)``.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from shm.owner.store import BlockKey
 from shm.protocol import Abort, Contains, Lease, Ping, Release, Remove, Slots, Stats
-from shm.store import BlockKey
 
 __all__ = [
     "PING",

@@ -1,6 +1,6 @@
 """``BlockStore``: the parts of the store core assembled, with sessions, removal and stats.
 
-See the package docstring (``shm.store``) for the whole; this module adds what spans the
+See the package docstring (``shm.owner.store``) for the whole; this module adds what spans the
 parts: closing a session (its reservations, grants and leases go together), ``contains``,
 ``remove`` and ``clear``, the host-tier events and the statistics.
 """
@@ -11,9 +11,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from kvcore.events import KVEvent
-from shm.store.books import DOOMED, BlockKey, SessionId
-from shm.store.grants import Grants
-from shm.store.leases import Leases
+from shm.owner.store.books import DOOMED, BlockKey, SessionId
+from shm.owner.store.grants import Grants
+from shm.owner.store.leases import Leases
 
 __all__ = ["BlockStore", "StoreStats"]
 
@@ -37,14 +37,14 @@ class StoreStats:
     num_claimed: int = 0  # blocks claimed in granted slots: put with no reserve round trip
     num_standby: int = 0  # committed blocks offered to writers to overwrite, not yet taken
     num_overwrites: int = 0  # blocks put over standby blocks: no message at all
-    # The owner's disk tier (``shm.disk_tier``; all 0 without one).
+    # The owner's disk tier (``shm.tiers.disk_tier``; all 0 without one).
     num_disk_blocks: int = 0
     num_disk_writes: int = 0
     num_disk_reads: int = 0  # blocks promoted back into shared memory
     num_disk_corrupt: int = 0  # dropped: their file failed its check
     num_disk_errors: int = 0
     num_disk_dropped: int = 0  # evicted blocks not kept: the writer fell behind
-    # The owner's remote tier (``shm.remote_tier``; all 0 without one).
+    # The owner's remote tier (``shm.tiers.remote_tier``; all 0 without one).
     remote_connected: bool = False
     num_remote_blocks: int = 0  # what the shared store holds in this scope
     num_remote_writes: int = 0

@@ -20,7 +20,7 @@ from typing import Any, NewType
 
 from shm.errors import StaleDescriptorError
 from shm.host_events import HostEventLog
-from shm.pool import SlotPool
+from shm.owner.pool import SlotPool
 from shm.read_index import ReadIndex
 
 __all__ = [
@@ -118,10 +118,10 @@ class StoreBooks(ABC):
         self._num_puts = self._num_hits = self._num_misses = self._num_evictions = 0
         # Called with the blocks an eviction takes, ``(key, slot)``, and their parents, while
         # their slots still hold their bytes (the owner's disk tier copies them out:
-        # ``shm.disk_tier``).
+        # ``shm.tiers.disk_tier``).
         self.spill: Callable[[list[tuple[BlockKey, int]], list[int | None]], None] | None = None
         # Called with the blocks a commit makes visible, ``(key, slot)``, and their parents
-        # (the owner's write-through remote tier queues them: ``shm.remote_tier``).
+        # (the owner's write-through remote tier queues them: ``shm.tiers.remote_tier``).
         self.committed: Callable[[list[tuple[BlockKey, int]], list[int | None]], None] | None = (
             None)
 

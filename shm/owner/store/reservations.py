@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
-from shm.store.books import COMMITTED, RESERVED, BlockKey, SessionBooks, SessionId
-from shm.store.eviction import Eviction
+from shm.owner.store.books import COMMITTED, RESERVED, BlockKey, SessionBooks, SessionId
+from shm.owner.store.eviction import Eviction
 
 __all__ = ["Reservations", "check_extras"]
 
@@ -37,7 +37,7 @@ class Reservations(Eviction):
     ) -> tuple[list[int | None], list[int | None]]:
         """Slots and generations to write per key; ``None`` where the key is held or in flight.
         ``standby``: the writer can take standby grants; if this leaves the store full, it
-        is offered one of this size once blocks are committed (``shm.store.standby``).
+        is offered one of this size once blocks are committed (``shm.owner.store.standby``).
 
         All or nothing: raises ``StoreFullError`` (changing nothing) when too few slots can
         be freed, i.e. when the rest of the store is leased or being written.

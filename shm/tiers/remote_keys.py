@@ -3,7 +3,7 @@
 A block is one string value under ``kvsidecar:<scope>:<namespace:016x><hash:016x>``: the
 ``scope`` (the model and its block size, see ``RemoteKeys``) keeps models and layouts apart
 in one store, the namespace keeps tenants and LoRA adapters apart within a model. The value is
-the disk tier's file (``shm.disk_format``: a 64-byte header with the key, the block's
+the disk tier's file (``shm.tiers.disk_format``: a 64-byte header with the key, the block's
 canonical name, the block size and an xxh3-64 of the payload, then the payload), so a reader
 checks what it got and learns the block's name from the header alone (``GETRANGE`` of 64
 bytes): a replica names a block another one wrote without having seen its tokens.
@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from shm.block_names import BlockName
-from shm.disk_format import HEADER_BYTES, header_for, header_name, problem_of
+from shm.tiers.disk_format import HEADER_BYTES, header_for, header_name, problem_of
 
 __all__ = [
     "BATCH_BYTES",

@@ -1,7 +1,7 @@
 """The disk tier: blocks evicted from the host store, kept in a local directory.
 
-One file per block (``shm.disk_format``), written to ``<name>.tmp`` and renamed into place,
-its checksum verified on every read (``shm.disk_files``: what the tier does to files), so a
+One file per block (``shm.tiers.disk_format``), written to ``<name>.tmp`` and renamed into place,
+its checksum verified on every read (``shm.tiers.disk_files``: what the tier does to files), so a
 crash (or a torn page after a power loss) never makes a torn block readable: a file that
 fails its check is dropped, counted, and the read is a miss.
 
@@ -44,8 +44,8 @@ import structlog
 
 from kvcore.events import KVEvent, Tier
 from shm.block_names import BlockName
-from shm.disk_files import BlockFiles
 from shm.host_events import HostEventLog
+from shm.tiers.disk_files import BlockFiles
 
 __all__ = ["DiskTier", "DiskTierStats"]
 

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from shm.errors import StaleDescriptorError
-from shm.store.books import DOOMED, BlockKey, SessionId, StoreBooks
+from shm.owner.store.books import DOOMED, BlockKey, SessionId, StoreBooks
 
 __all__ = ["Leases"]
 

@@ -9,11 +9,11 @@
         hits = store.get_many(keys, outs)  # through the read index, or lease → copy → release
 
 Keys are ``(namespace_seed, block_hash)`` pairs. Arrays are numpy arrays or torch tensors
-of exactly one block (see ``shm._blocks``). Block bytes never cross the socket: one small
+of exactly one block (see ``shm.client._blocks``). Block bytes never cross the socket: one small
 frame per batch asks for slots, and the copy goes straight to or from the mapped segment.
 
 Requests and replies pair first-in first-out; each request takes a ticket
-(``shm._transport.SocketChannel``), so a thread can send a ``Claim``, copy, and only then
+(``shm.client._transport.SocketChannel``), so a thread can send a ``Claim``, copy, and only then
 collect its reply while other threads make calls.
 """
 
@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
-import shm._requests as req
-from shm._attachment import Attachment
-from shm._puts import Part, PendingPut
-from shm._transport import SocketChannel, hello
+import shm.client._requests as req
+from shm.client._attachment import Attachment
+from shm.client._puts import Part, PendingPut
+from shm.client._transport import SocketChannel, hello
 from shm.errors import BlockStoreError, ClientDetachedError, ProtocolError, UnknownBlockError
+from shm.owner.store import BlockKey, StoreStats
 from shm.protocol import Claim, Done, Flags, Reserve, Slots, StatsReply, Welcome
-from shm.store import BlockKey, StoreStats
 
 __all__ = ["BlockStoreClient", "PendingPut"]
 
@@ -56,7 +56,7 @@ class BlockStoreClient:
         """``optimistic_reads``: gets read through the segment's read index, asking the
         owner only for what it does not show (see ``shm.read_index``); False: every get
         leases through the owner. ``register_cuda``: the first copy of a CUDA tensor pins
-        the mapping for CUDA, so GPU copies DMA straight to it (see ``shm._cuda``).
+        the mapping for CUDA, so GPU copies DMA straight to it (see ``shm.client._cuda``).
         ``spin_us``: how long a call busy-waits for its reply before it sleeps (0: never);
         ``timeout_s`` bounds each send and each wait for a reply."""
         if not timeout_s > 0 or spin_us < 0:
@@ -116,7 +116,7 @@ class BlockStoreClient:
         handles the request, so a put waits for the owner only for what did not fit, and
         the commit sends nothing (see ``PendingPut``). Once the store is full, a put
         without ``token_ids`` usually sends nothing at all: it overwrites blocks the owner
-        offered ahead (``shm.store.standby``).
+        offered ahead (``shm.owner.store.standby``).
         """
         if len(arrays) != len(keys):
             raise ValueError(f"{len(arrays)} arrays for {len(keys)} keys")
@@ -143,7 +143,7 @@ class BlockStoreClient:
 
     def _put_standby(self, keys: Sequence[BlockKey], arrays: Sequence[Any],
                      parents: req.Parents) -> list[bool] | None:
-        """``put_many`` over our standby grant (``shm.store.standby``), sending nothing:
+        """``put_many`` over our standby grant (``shm.owner.store.standby``), sending nothing:
         take it, retract the slots we overwrite, copy, then record, publish and mark it
         done in the read index, where the owner picks it up. ``None``: no grant offered
         big enough, so the put reserves. Keys the read index shows held are skipped; a

@@ -22,7 +22,7 @@ Every commit, eviction and removal is recorded as a normalized host-tier event
 (``shm.host_events``), which the owner drains with ``take_events``.
 """
 
-from shm.store.block_store import BlockStore, StoreStats
-from shm.store.books import BlockKey, SessionId
+from shm.owner.store.block_store import BlockStore, StoreStats
+from shm.owner.store.books import BlockKey, SessionId
 
 __all__ = ["BlockKey", "BlockStore", "SessionId", "StoreStats"]

@@ -13,7 +13,7 @@ as for any client. The reader can never write the peer's memory: the segment is 
     reader.release(slots, generations)
     await reader.aclose()
 
-One request is in flight at a time per reader (``shm._transport.StreamChannel``, as for
+One request is in flight at a time per reader (``shm.client._transport.StreamChannel``, as for
 ``AsyncBlockStoreClient``).
 """
 
@@ -25,12 +25,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-import shm._requests as req
-from shm._transport import StreamChannel
+import shm.client._requests as req
+from shm.client._transport import StreamChannel
+from shm.client.readonly import ReadOnlySegment
 from shm.errors import ForeignSegmentError, HeaderCorruptError
+from shm.owner.store import BlockKey
 from shm.protocol import Release, Slots, Welcome
-from shm.readonly import ReadOnlySegment
-from shm.store import BlockKey
 
 __all__ = ["AsyncSegmentReader"]
 

@@ -1,6 +1,6 @@
 """A client's mapping of the owner's segment: what both clients share about blocks.
 
-The clients differ only in how a frame crosses the socket (``shm._transport``); everything
+The clients differ only in how a frame crosses the socket (``shm.client._transport``); everything
 about blocks (shape checks, copies into and out of slot views, generation checks, reads
 through the read index and their hints, the commit of a filled reservation, standby
 grants taken and recorded) lives here once.
@@ -16,19 +16,19 @@ from typing import Any
 import numpy as np
 
 from shm._atomic import AVAILABLE as ATOMIC_AVAILABLE
-from shm._blocks import BlockFormat
-from shm._cuda import CudaMapping
-from shm._requests import descriptors
+from shm.client._blocks import BlockFormat
+from shm.client._cuda import CudaMapping
+from shm.client._requests import descriptors
 from shm.errors import (
     ClientDetachedError,
     ForeignSegmentError,
     HeaderCorruptError,
     StaleDescriptorError,
 )
+from shm.owner.store import BlockKey
 from shm.protocol import Publish, Slots, Welcome
 from shm.read_index import OPTIMISTIC_READS_SUPPORTED, STANDBY_TAKEN, ReadIndex
 from shm.segment import Segment
-from shm.store import BlockKey
 
 __all__ = ["Attachment"]
 
@@ -46,7 +46,8 @@ class Attachment:
     ) -> None:
         """``optimistic_reads``: read through the segment's read index where it can (see
         ``shm.read_index``; needs x86-64 and a hit cell from the owner), else lease.
-        ``register_cuda``: pin the mapping for CUDA on the first GPU tensor (``shm._cuda``)."""
+        ``register_cuda``: pin the mapping for CUDA on the first GPU tensor
+        (``shm.client._cuda``)."""
         if expected_owner_id is not None and welcome.owner_id != expected_owner_id:
             raise ForeignSegmentError(
                 f"the owner on this socket is {welcome.owner_id!r}, expected "
@@ -190,7 +191,7 @@ class Attachment:
         return self._index is not None and self.welcome.hit_cell >= 0 and ATOMIC_AVAILABLE
 
     def take_standby(self, want: int) -> tuple[int, list[int]] | None:
-        """Take our standby grant (``shm.store.standby``) if the owner offers one of at
+        """Take our standby grant (``shm.owner.store.standby``) if the owner offers one of at
         least ``want`` slots: its epoch and slots, now ours to overwrite (``None``: none
         offered, too small, or taken back as we swapped)."""
         index, cell = self._index, self.welcome.hit_cell

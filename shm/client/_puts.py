@@ -20,12 +20,12 @@ from types import TracebackType
 
 import numpy as np
 
-import shm._requests as req
-from shm._attachment import Attachment
-from shm._transport import SocketChannel, StreamChannel
+import shm.client._requests as req
+from shm.client._attachment import Attachment
+from shm.client._transport import SocketChannel, StreamChannel
 from shm.errors import BlockStoreError, ClientDetachedError
+from shm.owner.store import BlockKey
 from shm.protocol import Abort, Done, Slots
-from shm.store import BlockKey
 
 __all__ = ["AsyncPendingPut", "Part", "PendingPut"]
 

@@ -5,13 +5,13 @@ dead owner with the same id, creates and pre-faults the segment, and serves clie
 Unix socket until the block exits, when it drops every client and unlinks the segment and
 the socket. The sidecar embeds it in its own loop; ``python -m shm`` is a thin shell.
 
-Each connection is one store session (``shm._connection``). Frames are handled
+Each connection is one store session (``shm.owner._connection``). Frames are handled
 synchronously (the store core is pure and fast): one-way frames (``Release``, ``Publish``)
 as soon as they are read, a request once every connection readable in the same wake-up has
 been read (``wait_turn``: one ``call_soon`` hop, skipped when only one client is
 connected). So whatever one-way frame reached the owner before a request was sent is
 applied before that request, and so is every commit a writer made by publishing its slots
-in the read index (``shm._client_cells``; while reservations are open the owner also polls
+in the read index (``shm.owner._client_cells``; while reservations are open the owner also polls
 for those, every millisecond or so, for their events): a block whose ``put_many`` has
 returned is visible to every later request, and a lease given back is evictable.
 When a connection closes, however the client died, the frames it had sent are applied,
@@ -20,7 +20,7 @@ events go to ``listener``, a plain callable that must not block (the sidecar's p
 on a bounded queue); an exception from it is logged and counted, never lost silently and
 never fatal to the store.
 
-With lower tiers (disk, remote: ``shm.lower_tiers``), the blocks the store evicts go down
+With lower tiers (disk, remote: ``shm.owner.lower_tiers``), the blocks the store evicts go down
 to them, and a lease that misses in shared memory promotes what they hold back into slots
 first (the connection's reply deferred until the blocks are in): clients see one store,
 through the same protocol.
@@ -45,18 +45,18 @@ import msgspec
 import structlog
 
 from kvcore.events import KVEvent
-from shm._client_cells import ClientCells
-from shm._connection import Connection
 from shm.block_names import BlockNames
-from shm.config import OwnerConfig
-from shm.disk_tier import DiskTier
 from shm.errors import (
     BlockStoreError,
     ClientDetachedError,
     OwnerConflictError,
     ProtocolError,
 )
-from shm.lower_tiers import LowerTiers
+from shm.owner._client_cells import ClientCells
+from shm.owner._connection import Connection
+from shm.owner.config import OwnerConfig
+from shm.owner.lower_tiers import LowerTiers
+from shm.owner.store import BlockKey, BlockStore, SessionId, StoreStats
 from shm.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -81,9 +81,9 @@ from shm.protocol import (
     encode,
     is_one_way,
 )
-from shm.remote_tier import RemoteTier
 from shm.segment import Segment, unlink_stale_segments
-from shm.store import BlockKey, BlockStore, SessionId, StoreStats
+from shm.tiers.disk_tier import DiskTier
+from shm.tiers.remote_tier import RemoteTier
 
 __all__ = ["BlockStoreOwner", "EventListener"]
 
@@ -135,11 +135,11 @@ class BlockStoreOwner:
 
     @property
     def disk(self) -> DiskTier | None:
-        return self.lower_tiers.disk
+        return self.lower_tiers.of(DiskTier)
 
     @property
     def remote(self) -> RemoteTier | None:
-        return self.lower_tiers.remote
+        return self.lower_tiers.of(RemoteTier)
 
     # ---------------------------------------------------------------- lifecycle
     async def __aenter__(self) -> BlockStoreOwner:
@@ -383,7 +383,7 @@ class BlockStoreOwner:
             log.warning("shm_release_rejected", session=session, error=str(exc))
 
     def commit(self, session: SessionId, slots: Sequence[int], generations: Sequence[int]) -> None:
-        """Commit reserved slots of an in-process session (``shm.local``), which needs the
+        """Commit reserved slots of an in-process session (``shm.owner.local``), which needs the
         store's verdict (a stale descriptor raises here) and sends no frame; clients
         commit by publishing their slots in the read index, or with ``Publish``."""
         if self.store is None:

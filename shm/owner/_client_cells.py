@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import collections
 
+from shm.owner.store import BlockStore, SessionId
 from shm.read_index import MAX_HIT_CELLS, ReadIndex
-from shm.store import BlockStore, SessionId
 
 __all__ = ["ClientCells"]
 

@@ -3,9 +3,9 @@
     async with await AsyncBlockStoreClient.connect(path) as store:
         await store.put_many(keys, arrays)
 
-Control frames go over an asyncio Unix stream (``shm._transport.StreamChannel``); one
+Control frames go over an asyncio Unix stream (``shm.client._transport.StreamChannel``); one
 request is in flight at a time per client. Puts commit as the blocking client's do, by
-publishing their slots in the read index (``shm._puts``). Copies bigger than
+publishing their slots in the read index (``shm.client._puts``). Copies bigger than
 ``inline_copy_bytes`` run in a worker thread so a large batch never stalls the event loop;
 small ones run inline, where a thread hop would cost more than the copy.
 """
@@ -20,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-import shm._requests as req
-from shm._attachment import Attachment
-from shm._puts import AsyncPendingPut
-from shm._transport import StreamChannel
+import shm.client._requests as req
+from shm.client._attachment import Attachment
+from shm.client._puts import AsyncPendingPut
+from shm.client._transport import StreamChannel
 from shm.errors import UnknownBlockError
+from shm.owner.store import BlockKey, StoreStats
 from shm.protocol import Done, Flags, Reserve, Slots, StatsReply
-from shm.store import BlockKey, StoreStats
 
 __all__ = ["AsyncBlockStoreClient", "AsyncPendingPut"]
 

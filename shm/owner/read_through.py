@@ -2,7 +2,7 @@
 lease's misses that a lower tier holds are promoted back into shared memory before the lease
 is answered.
 
-The owner (``shm.server``) builds one ``ReadThrough`` when it has lower tiers and hands it
+The owner (``shm.owner.server``) builds one ``ReadThrough`` when it has lower tiers and hands it
 its leases; without them, a lease is the store's alone. Promotion reserves slots for the
 missed blocks some lower tier holds (as many as the store has room for; each from the first
 tier, in order, that holds it), reads them into those slots (``read_many`` of each tier, in
@@ -27,8 +27,8 @@ import structlog
 from kvcore.events import KVEvent
 from shm.block_names import BlockName, BlockNames
 from shm.errors import BlockStoreError, StoreFullError
+from shm.owner.store import BlockKey, BlockStore, SessionId
 from shm.protocol import ErrorReply, Slots, encode
-from shm.store import BlockKey, BlockStore, SessionId
 
 __all__ = ["LowerTier", "ReadThrough"]
 
@@ -39,7 +39,7 @@ _Planned = tuple[int, BlockKey, int, int, "LowerTier"]
 
 
 class LowerTier(Protocol):
-    """A tier below the host store (``shm.disk_tier``, ``shm.remote_tier``)."""
+    """A tier below the host store (``shm.tiers.disk_tier``, ``shm.tiers.remote_tier``)."""
 
     def contains(self, key: BlockKey) -> bool: ...
     def touch(self, keys: Sequence[BlockKey]) -> None: ...

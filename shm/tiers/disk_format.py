@@ -1,6 +1,6 @@
 """The disk tier's file format: one file per block, ``<namespace:016x>-<hash:016x>.blk``, a
 64-byte header then the block's bytes. Written as ``<name>.tmp`` and renamed into place,
-checked on every read. The remote tier's values are the same bytes (``shm.remote_keys``).
+checked on every read. The remote tier's values are the same bytes (``shm.tiers.remote_keys``).
 
 The header: magic ``KVSDISK2``, the store key (namespace, hash), the block's *name*
 (``shm.block_names``: its canonical hash and canonical parent, with flags saying whether it

@@ -19,8 +19,8 @@ from typing import Protocol, cast
 import structlog
 
 from shm.errors import BlockStoreError, ProtocolError
+from shm.owner.store import SessionId
 from shm.protocol import ErrorReply, FrameReader, encode, is_one_way
-from shm.store import SessionId
 
 __all__ = ["Connection", "ConnectionOwner"]
 
@@ -28,7 +28,7 @@ log = structlog.get_logger(component="shm")
 
 
 class ConnectionOwner(Protocol):
-    """What a connection asks of its owner (``shm.server.BlockStoreOwner``)."""
+    """What a connection asks of its owner (``shm.owner.server.BlockStoreOwner``)."""
 
     def handle(self, session: SessionId, body: bytes, *, drain: bool = True,
                defer: bool = False) -> bytes | asyncio.Task[bytes] | None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shm.store.books import GRANTED, BlockKey, SessionId
-from shm.store.reservations import check_extras
-from shm.store.standby import Standby
+from shm.owner.store.books import GRANTED, BlockKey, SessionId
+from shm.owner.store.reservations import check_extras
+from shm.owner.store.standby import Standby
 
 __all__ = ["Grants"]
 
