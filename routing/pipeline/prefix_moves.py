@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvcore.events import Tier
 from kvcore.requests import PrefixSource
 from routing.placement.kv_move import MovePlanner, parse_pull
 from routing.placement.scorer import Placement
@@ -49,7 +50,7 @@ class PrefixMoves:
         transport = pull_transport(self._transport, holder.address.host, worker.address.host)
         return PrefixSource(
             peer_url=holder.address.url,
-            block_hashes=list(block_hashes[: placement.overlap.host]),
+            block_hashes=list(block_hashes[: placement.overlap.depths[Tier.HOST]]),
             transport=transport,  # type: ignore[arg-type]  # checked by RouterConfig
             timeout_s=PULL_TIMEOUT_S,
         )

@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from kvcore.events import Tier
 from routing.placement.scorer import Candidate, TierOverlap
 
 __all__ = ["RATIO_PRIOR", "MovePlan", "MovePlanner", "PullReport", "parse_pull"]
@@ -164,13 +165,14 @@ class MovePlanner:
             return list(candidates), {}
         now = self._clock()
         source: Candidate | None = None
+        deepest = 0
         for c in sources:
-            if c.overlap.host > (0 if source is None else source.overlap.host) and (
-                    self._backoff.get(c.worker_id, 0.0) <= now):
-                source = c
+            held = c.overlap.depths[Tier.HOST]
+            if held > deepest and self._backoff.get(c.worker_id, 0.0) <= now:
+                source, deepest = c, held
         if source is None:
             return list(candidates), {}
-        depth = source.overlap.host
+        depth = source.overlap.depths[Tier.HOST]
         out: list[Candidate] = []
         plans: dict[str, MovePlan] = {}
         for i, c in enumerate(candidates):
@@ -184,10 +186,11 @@ class MovePlanner:
             if predicted >= depth:
                 out.append(c)  # credited already, as the blocks a move in flight brings
                 continue
-            o = c.overlap
+            depths = list(c.overlap.depths)
+            depths[Tier.HOST] = depth
             out.append(Candidate(
                 c.worker_id,
-                TierOverlap(o.gpu, depth, o.disk, o.remote),
+                TierOverlap(*depths),
                 replace(c.load, active_prefill_tokens=c.load.active_prefill_tokens
                         + round((depth - predicted) * self.block_size * ratio))))
         return out, plans

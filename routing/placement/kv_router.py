@@ -217,8 +217,9 @@ class KvRouter:
         if plan is None:
             return placement
         move.planned()
-        o = placement.overlap  # the pulled blocks land in the worker's host tier
-        overlap = TierOverlap(o.gpu, max(o.host, plan.blocks), o.disk, o.remote)
+        depths = list(placement.overlap.depths)  # the pulled blocks land in its host tier
+        depths[Tier.HOST] = max(depths[Tier.HOST], plan.blocks)
+        overlap = TierOverlap(*depths)
         return replace(placement, reason=Reason.MOVED, moved_from=plan.source_id,
                        overlap=overlap)
 

@@ -115,7 +115,7 @@ class TestPlacement:
         assert second is not None
         assert (second.worker_id, second.reason, second.moved_from) == (
             "w1", Reason.MOVED, "w0")
-        assert second.overlap.host == 10  # the sidecar is told the whole prefix
+        assert second.overlap.depths[Tier.HOST] == 10  # the sidecar is told the whole prefix
 
 
 class TestPrice:
