@@ -66,14 +66,17 @@ class BlockMirror:
     def holds(self, tier: Tier, block_hash: int) -> bool:
         return block_hash in self._tiers[tier]
 
-    def snapshot(self, worker_id: str, epoch: int, seq: int) -> WorkerSnapshot:
+    def snapshot(self, worker_id: str, epoch: int, seq: int, *,
+                 tokens: bool = True) -> WorkerSnapshot:
+        """Every block held, with its token ids unless ``tokens`` is False (a subscriber
+        that hashes in no other scheme: the tokens are most of its bytes)."""
         tiers = []
         for t, blocks in enumerate(self._tiers):
             if not blocks:
                 continue
-            tokens = self._tokens[t]
+            ids = self._tokens[t] if tokens else None
             held = list(blocks)
-            per_block = [tokens.get(b, b"") for b in held] if tokens else []
+            per_block = [ids.get(b, b"") for b in held] if ids else []
             tiers.append(TierBlocks(Tier(t), held, list(blocks.values()), per_block))
         return WorkerSnapshot(worker_id, epoch, seq, tiers)
 
