@@ -99,17 +99,35 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class TierBlocks(msgspec.Struct, frozen=True, array_like=True, gc=False):
-    """Every block a worker holds in one tier, each with its parent (None: a first block)."""
+    """Every block a worker holds in one tier, each with its parent (None: a first block)
+    and, when the holder kept them, its token ids.
+
+    ``token_ids`` is empty (no tokens at all: an older peer, an index that keeps none) or
+    one entry per block: its token ids as little-endian u32, ``b""`` for a block whose
+    events carried none. Bytes, not ints: a snapshot of a million blocks carries 16 M token
+    ids, which msgpack moves as one copy per block instead of one object per id. It was
+    appended within wire version 2: an older subscriber ignores it, an older sidecar's
+    snapshot decodes it as empty.
+    """
 
     tier: Tier
     block_hashes: list[U64]
     parent_hashes: list[U64 | None]
+    token_ids: list[bytes] = []
 
     def __post_init__(self) -> None:
         if len(self.block_hashes) != len(self.parent_hashes):
             raise ValueError(
                 f"{len(self.block_hashes)} block hashes but {len(self.parent_hashes)} parents"
             )
+        if self.token_ids:
+            if len(self.token_ids) != len(self.block_hashes):
+                raise ValueError(f"{len(self.block_hashes)} block hashes but token ids for "
+                                 f"{len(self.token_ids)} blocks")
+            for raw in self.token_ids:
+                if len(raw) % 4:
+                    raise ValueError(f"a block's token ids are u32: {len(raw)} bytes is not "
+                                     "a multiple of 4")
 
 
 class WorkerSnapshot(msgspec.Struct, frozen=True, array_like=True, gc=False, tag=4):

@@ -10,7 +10,8 @@ the engine are unaffected.
 With ``--events-via nats`` each frame is first offered to the JetStream publisher (the
 ``outlet``). A subscriber that asked ``events=0`` (a gateway reading events from JetStream)
 gets the start, the backlog and the status frames, and of the live events only those the
-outlet refused (NATS unreachable): it loses none either way.
+outlet refused (NATS unreachable): it loses none either way. One that asked ``tokens=0``
+(a gateway that keeps no XXH3 table) gets its snapshot without the blocks' token ids.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class EventStream:
         events = request.query.get("events") != "0"
         sub = _Subscriber(request.remote or "?", self.queue_frames, events)
         # plan() and registration happen with no await between them, so no frame is lost.
-        plan = self.relay.plan(epoch, seq)
+        plan = self.relay.plan(epoch, seq, tokens=request.query.get("tokens") != "0")
         self._subscribers.add(sub)
         if events:
             self._direct.add(sub)

@@ -67,13 +67,14 @@ class EventRelay:
         self._buffer.append(frame)
         return frame
 
-    def plan(self, epoch: int | None, seq: int | None) -> StreamPlan:
-        """What to send a subscriber whose last applied event was (epoch, seq)."""
+    def plan(self, epoch: int | None, seq: int | None, *, tokens: bool = True) -> StreamPlan:
+        """What to send a subscriber whose last applied event was (epoch, seq); a snapshot
+        without the blocks' token ids unless ``tokens``."""
         oldest = self.seq - len(self._buffer)  # the buffer holds events oldest+1 .. self.seq
         if epoch == self.epoch and seq is not None and oldest <= seq <= self.seq:
             backlog = list(self._buffer)[seq - oldest :]
             return StreamPlan(self._start("replay", seq), backlog)
-        snapshot = self.mirror.snapshot(self.worker_id, self.epoch, self.seq)
+        snapshot = self.mirror.snapshot(self.worker_id, self.epoch, self.seq, tokens=tokens)
         return StreamPlan(self._start("snapshot", self.seq), [encode(snapshot)])
 
     def marker(self) -> StreamStart:

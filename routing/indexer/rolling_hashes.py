@@ -15,14 +15,18 @@ an XXH3 hash, so ``RollingHashMap`` learns the translation at ingest: it watches
 from its first block (``BlockHasher.root_seed``), since events name no namespace; a query
 names one (model, LoRA adapter, salt), so identical tokens in two namespaces stay apart.
 
+A snapshot (a first subscription to a warm worker, a resync) is learned the same way: a
+sidecar's snapshot carries each block's token ids (``TierBlocks.token_ids``, kept by its
+mirror), and its chains are hashed a run of consecutive blocks at a time.
+
 An entry lives while some (worker, tier) holds its block: removals, cleared tiers, a worker
 gone or restarted take it out with the last holder. A block stored without token ids (a
-tier move, a relay that strips them) counts as held when its translation is known from
-another holder; otherwise, like a block stored under a parent whose hash is unknown, it is
-counted in ``blocks_untranslated`` and ``/query_by_hash`` stops there. So do the blocks a
-snapshot brought (snapshots carry no tokens): a resync keeps the translations of the blocks
-the snapshot still lists, but an index that starts from a warm worker's snapshot learns the
-XXH3 hashes of those blocks only when they are stored again.
+tier move, a relay that strips them), or listed without them by a snapshot (an older
+sidecar's; the block's events carried none), counts as held when its translation is known
+from another holder; otherwise it is counted in ``blocks_untranslated`` and
+``/query_by_hash`` stops there until it is stored again with its tokens. A block whose
+parent's ``seq_hash`` is unknown keeps its tokens, pending, until the parent's is learned.
+An index image (``PrefixIndex.load_image``) carries no tokens: see docs/indexer-api.md.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvcore import BlockHasher
-from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier, WorkerSnapshot
+from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier, TierBlocks, WorkerSnapshot
 
 __all__ = ["DEFAULT_XXH3_SEED", "RollingHashMap", "rolling_hashes"]
 
@@ -144,9 +148,13 @@ class RollingHashMap:
         held = self._held.pop(worker_id, None) or [set() for _ in Tier]
         kept: list[set[int]] = [set() for _ in Tier]
         if snapshot is not None:
+            entries = self._entries
             for tier_blocks in snapshot.tiers:
-                kept[tier_blocks.tier] = {b for b in tier_blocks.block_hashes
-                                          if b in self._entries}
+                if tier_blocks.token_ids:
+                    self._learn_snapshot(tier_blocks)
+                known = {b for b in tier_blocks.block_hashes if b in entries}
+                self.blocks_untranslated += len(tier_blocks.block_hashes) - len(known)
+                kept[tier_blocks.tier] = known
             self._held[worker_id] = kept
         for tier in Tier:
             for block in kept[tier] - held[tier]:
@@ -180,6 +188,42 @@ class RollingHashMap:
                         tokens[first * block_size:], block_size)
         for block in blocks:
             self._hold(tier_held, block)
+
+    def _learn_snapshot(self, tier_blocks: TierBlocks) -> None:
+        """Entries for a snapshot's blocks that carry token ids, a run of blocks at a time:
+        a holder lists a chain stored in one event as consecutive blocks, each the next
+        one's parent (a run's parent listed later, or not at all, leaves it pending)."""
+        entries = self._entries
+        run: list[int] = []
+        raw = bytearray()
+        parent: int | None = None
+        size = 0
+        for block, above, ids in zip(tier_blocks.block_hashes, tier_blocks.parent_hashes,
+                                     tier_blocks.token_ids, strict=True):
+            if run and (above != run[-1] or len(ids) != size):
+                self._learn_raw(run, parent, raw)
+                run, raw = [], bytearray()
+            if not ids or block in entries or block == above:
+                if run:
+                    self._learn_raw(run, parent, raw)
+                    run, raw = [], bytearray()
+                continue
+            if not run:
+                parent, size = above, len(ids)
+            run.append(block)
+            raw += ids
+        if run:
+            self._learn_raw(run, parent, raw)
+
+    def _learn_raw(self, blocks: list[int], parent: int | None, raw: bytearray) -> None:
+        block_size = len(raw) // 4 // len(blocks)
+        if not 1 <= block_size <= _MAX_BLOCK_SIZE:
+            return
+        ids = array("I")
+        ids.frombytes(raw)
+        if _BIG_ENDIAN:
+            ids.byteswap()
+        self._learn(blocks, parent, ids.tolist(), block_size)
 
     def _learn(self, blocks: Sequence[int], parent: int | None, tokens: list[int],
                block_size: int) -> None:

@@ -331,7 +331,7 @@ class PrefixIndex:
     def load_image(self, image: IndexImage) -> None:
         """Replace the whole index with an image's; on ``WireError`` it is left as it was."""
         loaded = unpack_workers(image, _NUM_TIERS)
-        if self.observer is not None:  # an image has no tokens: nothing left to translate
+        if self.observer is not None:  # an image has no tokens: nothing to translate
             for worker_id in self._workers:
                 self.observer.worker_reset(worker_id, None)
         workers: dict[str, _Worker] = {}

@@ -11,7 +11,9 @@ With ``--events-via nats`` the live events come from JetStream (``LiveEvents``,
 ``routing/replicas/durable.py``) while it is live: the feed then asks its sidecar for
 ``events=0`` (the start, the backlog since its position, status frames, and live events
 only while the sidecar cannot publish them to NATS). It reconnects, at the next status
-frame, when that changes or when the worker was found behind on JetStream.
+frame, when that changes or when the worker was found behind on JetStream. A gateway that
+keeps no XXH3 table (the index has no observer) asks ``tokens=0``: snapshots without the
+blocks' token ids, which only that table reads.
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ class SidecarFeed:
         resumable = position is not None and not self._removed
         if resumable and not self.router.index.needs_resync(self.worker_id):  # type: ignore[arg-type]
             params.update(epoch=str(position[0]), seq=str(position[1]))  # type: ignore[index]
+        if self.router.index.observer is None:  # no XXH3 table: the snapshot's tokens are unused
+            params["tokens"] = "0"
         live = self.live_events
         status_only = live is not None and live.live()
         if live is not None and status_only:

@@ -9,9 +9,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from kvcore import BlockHasher, namespace_seed
 from kvcore.events import BlockRemoved, BlockStored, Tier, WorkerSnapshot
 from kvcore.stream import StreamStart, WorkerStatus
 from kvcore.wire import FRAME_HEADER, decode
+from routing.indexer.rolling_hashes import RollingHashMap, rolling_hashes
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from sidecar.event_stream import EventStream
@@ -35,9 +37,14 @@ class Sidecar:
             worker_id, block_size=block_size, model_id="m", buffer_events=buffer
         )
         self.stream = EventStream(self.relay, queue_frames=queue_frames)
+        self.queries: list[dict[str, str]] = []  # what each subscriber asked
         app = web.Application()
-        app.router.add_get("/v1/kv-events", self.stream.handle)
+        app.router.add_get("/v1/kv-events", self._handle)
         self.server = TestServer(app, host="127.0.0.1")
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        self.queries.append(dict(request.query))
+        return await self.stream.handle(request)
 
     async def __aenter__(self) -> Sidecar:
         await self.server.start_server()
@@ -78,9 +85,9 @@ class Heard:
 
 
 async def start_feed(
-    url: str, session: aiohttp.ClientSession, **kw: object
+    url: str, session: aiohttp.ClientSession, router: KvRouter | None = None, **kw: object
 ) -> tuple[SidecarFeed, asyncio.Task[None]]:
-    feed = SidecarFeed(url, KvRouter(), session, model_id="m", **kw)  # type: ignore[arg-type]
+    feed = SidecarFeed(url, router or KvRouter(), session, model_id="m", **kw)  # type: ignore[arg-type]
     return feed, asyncio.create_task(feed.run())
 
 
@@ -241,3 +248,32 @@ async def test_status_only_subscriber_gets_what_the_outlet_refused(
             assert [type(await next_frame(plain)) for _ in range(3)] == [BlockStored,
                                                                         WorkerStatus,
                                                                         BlockStored]
+
+
+async def test_snapshot_token_ids_go_to_a_gateway_that_hashes_them(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A feed whose index keeps an XXH3 table gets the snapshot's token ids and translates
+    the blocks it holds; one without asks ``tokens=0`` and gets a snapshot without them."""
+    async with Sidecar(block_size=4) as sc:
+        tokens = list(range(1, 17))
+        ns = namespace_seed("m")
+        chain = BlockHasher(4).hash_tokens(tokens, ns)
+        sc.stream.publish(BlockStored("engine", 0, 0, Tier.GPU, chain, None, tokens))
+        url = f"{sc.url}/v1/kv-events"
+        async with session.get(url, params={"tokens": "0"}) as bare, session.get(url) as full:
+            for resp, count in ((bare, 0), (full, 4)):
+                assert isinstance(await next_frame(resp), StreamStart)
+                snapshot = await next_frame(resp)
+                assert isinstance(snapshot, WorkerSnapshot)
+                assert len(snapshot.tiers[0].token_ids) == count
+        router = KvRouter(block_size=4)
+        rolling = router.index.observer = RollingHashMap()
+        _, task = await start_feed(sc.url, session, router)
+        await eventually(lambda: rolling.canonical(ns, rolling_hashes(tokens, 4, 1337)) == chain,
+                         "the snapshot's blocks translated")
+        await stop(task)
+        plain, plain_task = await start_feed(sc.url, session, KvRouter(block_size=4))
+        await eventually(lambda: plain.router.index.match(chain) == {"w0": 4}, "the snapshot")
+        await stop(plain_task)
+        assert [q.get("tokens") for q in sc.queries] == ["0", None, None, "0"]

@@ -3,6 +3,7 @@ the RFC's example requests, and answers checked against what the workers really 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,6 +11,7 @@ import aiohttp
 import pytest
 
 from kvcore import BlockHasher, namespace_seed
+from kvsidecar.local_stack import GatewaySpec
 from routing.indexer.rolling_hashes import rolling_hashes
 from tests.integration.stack.test_stack import Stack, start_stack, stop_stack
 from tests.support.gateway import routable
@@ -116,6 +118,34 @@ async def test_query_by_hash_in_the_rfc_scheme_answers_as_query(stack, session, 
     status, body = await post(session, f"{stack.url}/query_by_hash", {**rfc, "hash_seed": 0})
     assert (status, body["error"]["param"]) == (400, "hash_seed")
     assert "1337" in body["error"]["message"]
+
+
+async def test_a_gateway_started_after_the_sidecars_hold_blocks(stack, session, served) -> None:  # type: ignore[no-untyped-def]
+    """A second gateway started once the prompt's blocks are held learns them from the
+    sidecars' snapshots, token ids included: its /query_by_hash (XXH3) answers exactly as
+    its /query, which gives the serving worker the prompt's full blocks."""
+    await eventually(lambda: _gpu(session, stack.url, OURS, served), "indexed", 10, 0.05)
+    (late,) = await asyncio.to_thread(stack.local.add_gateway, GatewaySpec(
+        name="late", health_check_interval_s=0.5, wait_routable=False,
+        args=("--xxh3-seed", "1337")))
+    try:
+        by_tokens = await eventually(lambda: _answer(session, late.url, OURS, served),
+                                     "the late gateway's index", 15, 0.05)
+        assert by_tokens["default"][served]["longest_matched"] == FULL
+        status, body = await post(session, f"{late.url}/query_by_hash", {
+            "model": "tiny", "block_size": BLOCK,
+            "seq_hashes": rolling_hashes(PROMPT, BLOCK, 1337)})
+        assert (status, body) == (200, by_tokens)
+    finally:
+        late.proc.stop()
+
+
+async def _answer(session: aiohttp.ClientSession, url: str, query: Any,
+                  worker: str) -> dict[str, Any]:
+    status, body = await post(session, f"{url}/query", query)
+    assert status == 200, body  # (a gateway just started may not list the worker yet)
+    assert body["default"].get(worker, {}).get("GPU", 0) > 0, body
+    return dict(body)
 
 
 async def _gpu(session: aiohttp.ClientSession, url: str, query: Any, worker: str) -> bool:

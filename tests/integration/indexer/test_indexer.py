@@ -14,6 +14,12 @@ import pytest
 from kvcore import BlockHasher, namespace_seed
 from kvsidecar.launch import ManagedProcess
 from routing.indexer.rolling_hashes import rolling_hashes
+from tests.integration.sidecar.test_zmq_republish import (
+    PUBLISH,
+    replay,
+    stored_blocks,
+    vllm_hashes,
+)
 from tests.integration.stack.test_stack import EVENTS
 from tests.support.polling import eventually
 from tests.unit.adapters.fake_engines import FakeVllmPublisher
@@ -27,6 +33,7 @@ pytestmark = pytest.mark.slow
 BLOCK = 16
 PROMPT_A = [(5 * i + 1) % 900 + 10 for i in range(70)]  # 4 full blocks
 PROMPT_B = [(11 * i + 2) % 900 + 10 for i in range(120)]  # 7 full blocks
+PROMPT_C = [(13 * i + 5) % 900 + 10 for i in range(100)]  # 6 full blocks
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +136,51 @@ async def test_dp_ranks_and_tenants_of_real_engines(engines, indexer, session) -
                                     "removed_instances": ["node-a|default|0"]})
     status, body = await post(session, f"{indexer}/query", {**query, "token_ids": PROMPT_A})
     assert body["default"]["node-a"]["DP"] == {"1": 0}
+
+
+async def test_an_indexer_started_after_a_sidecar_holds_blocks(engines, tmp_path, session) -> None:  # type: ignore[no-untyped-def]
+    """An indexer started once a sidecar republishing in vLLM's format (--publish-zmq) holds
+    a prompt's blocks rebuilds them from the republisher's replay buffer, token ids
+    included: its /query_by_hash (XXH3) answers exactly as its /query."""
+    sidecar = ManagedProcess.start("sidecar", [
+        "sidecar", "--engine-url", engines[0]["url"], "--worker-id", "late-0", "--port", "0",
+        *PUBLISH], workdir=tmp_path)
+    try:
+        published = sidecar.wait_ready(60)[0]["zmq_publish"]["late-0"]
+        await generate(session, engines[0], PROMPT_C)
+        hashes = set(vllm_hashes(PROMPT_C))
+
+        async def republished() -> bool:
+            blocks = stored_blocks([p for _, p in await replay(published["replay_endpoint"], 0)])
+            assert hashes <= blocks.keys()
+            return True
+
+        await eventually(republished, "the prompt republished", 15, 0.05)
+        proc = ManagedProcess.start("indexer", ["kvsidecar", "indexer", "--port", "0",
+                                                "--host", "127.0.0.1"], workdir=tmp_path)
+        try:
+            proc.wait_ready(30)
+            status, _ = await post(session, f"{proc.url}/register", {
+                "endpoint": published["endpoint"], "replay_endpoint": published["replay_endpoint"],
+                "type": "vLLM", "modelname": "tiny", "instance_id": "late", "block_size": BLOCK,
+                "dp_rank": 0})
+            assert status == 200
+            query = {"model": "tiny", "block_size": BLOCK, "token_ids": PROMPT_C}
+
+            async def answered() -> dict[str, Any]:
+                status, body = await post(session, f"{proc.url}/query", query)
+                assert status == 200 and body["default"]["late"]["GPU"] == 96, body
+                return dict(body)
+
+            by_tokens = await eventually(answered, "the replayed blocks", 15, 0.05)
+            status, body = await post(session, f"{proc.url}/query_by_hash", {
+                "model": "tiny", "block_size": BLOCK,
+                "seq_hashes": rolling_hashes(PROMPT_C, BLOCK, 1337)})
+            assert (status, body) == (200, by_tokens)
+        finally:
+            proc.stop()
+    finally:
+        sidecar.stop()
 
 
 async def test_tiers_and_registration_salt_from_a_vllm_publisher(indexer, session) -> None:  # type: ignore[no-untyped-def]

@@ -60,7 +60,10 @@ cleared = st.builds(AllBlocksCleared, worker_ids, counters, counters, tiers)
 def tier_blocks(draw: st.DrawFn) -> TierBlocks:
     hashes = draw(st.lists(u64, max_size=6))
     parents = draw(st.lists(st.one_of(st.none(), u64), min_size=len(hashes), max_size=len(hashes)))
-    return TierBlocks(draw(tiers), hashes, parents)
+    tokens = draw(st.one_of(st.just([]), st.lists(
+        st.sampled_from([b"", b"\x01\x00\x00\x00" * 4, bytes(range(8))]),
+        min_size=len(hashes), max_size=len(hashes))))
+    return TierBlocks(draw(tiers), hashes, parents, tokens)
 
 
 worker_snapshots = st.builds(
@@ -185,3 +188,32 @@ def test_worker_status_with_engine_load_crosses_older_peers() -> None:
     seen = msgspec.msgpack.decode(encode(ours)[1:], type=OlderWorkerStatus)
     assert (seen.worker_id, seen.capacity_blocks) == ("w", 64)
     assert EngineLoad(1, 2, 3, 4).view()["kv_usage"] == 0.75
+
+
+def test_snapshot_token_ids_cross_older_peers() -> None:
+    """Token ids are appended to TierBlocks: an older sidecar's snapshot (without them)
+    decodes with none, and an older gateway's TierBlocks decodes ours, ignoring them."""
+    older = msgspec.msgpack.encode([4, "w", 1, 2, [[0, [7, 8], [None, 7]]]])
+    snapshot = decode(bytes([WIRE_VERSION]) + older)
+    assert isinstance(snapshot, WorkerSnapshot) and snapshot.tiers[0].token_ids == []
+
+    class OlderTierBlocks(msgspec.Struct, array_like=True):
+        tier: int
+        block_hashes: list[int]
+        parent_hashes: list[int | None]
+
+    ours = TierBlocks(Tier.GPU, [7, 8], [None, 7], [bytes(8), b""])
+    seen = msgspec.msgpack.decode(msgspec.msgpack.encode(ours), type=OlderTierBlocks)
+    assert (seen.block_hashes, seen.parent_hashes) == ([7, 8], [None, 7])
+
+
+@pytest.mark.parametrize(("tokens", "reason"), [
+    ([bytes(8)], "2 block hashes but token ids for 1 blocks"),
+    ([bytes(8), bytes(3)], "3 bytes is not a multiple of 4"),
+])
+def test_snapshot_token_ids_that_do_not_fit_are_refused(tokens: list[bytes], reason: str) -> None:
+    """Token ids for another number of blocks, or not whole u32s, are a WireError."""
+    frame = bytes([WIRE_VERSION]) + msgspec.msgpack.encode(
+        [4, "w", 1, 2, [[0, [7, 8], [None, 7], tokens]]])
+    with pytest.raises(WireError, match=reason):
+        decode(frame)

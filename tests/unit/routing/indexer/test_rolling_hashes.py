@@ -20,9 +20,11 @@ from kvcore.events import (
     TierBlocks,
     WorkerSnapshot,
 )
+from kvcore.wire import decode
 from routing.indexer.answer import Rank, answer_query
 from routing.indexer.rolling_hashes import DEFAULT_XXH3_SEED, RollingHashMap, rolling_hashes
 from routing.placement.prefix_index import PrefixIndex
+from sidecar.relay import EventRelay
 
 BS = 4
 HASHER = BlockHasher(BS)
@@ -170,6 +172,51 @@ def test_a_resync_keeps_what_the_snapshot_still_lists() -> None:
     assert len(rolling) == 0
 
 
+def late_index(relays: dict[str, EventRelay]) -> tuple[PrefixIndex, RollingHashMap]:
+    """An index that first hears of the relays' workers through their snapshots (a gateway
+    subscribing to warm sidecars), over the wire."""
+    index, rolling = indexed()
+    for relay in relays.values():
+        snapshot = decode(relay.plan(None, None).backlog[0])
+        assert isinstance(snapshot, WorkerSnapshot)
+        index.load_worker_snapshot(snapshot)
+    return index, rolling
+
+
+def test_a_snapshot_with_token_ids_translates_its_blocks() -> None:
+    """A warm worker's snapshot teaches the blocks' XXH3 hashes: chains stored in several
+    events, a block listed before its parent (stored again after its child), another tier,
+    another namespace."""
+    relay = EventRelay("a", block_size=BS, model_id="m", epoch=1)
+    chain = HASHER.hash_tokens(TOKENS, NS)
+    salted = namespace_seed("m", None, "w8a8")
+    relay.publish(stored("a", 0, TOKENS[:8]))
+    relay.publish(stored("a", 0, TOKENS, skip=2))
+    relay.publish(BlockRemoved("a", 0, 0, Tier.GPU, chain[1:2]))
+    relay.publish(stored("a", 0, TOKENS[:8], skip=1))  # block 1 now follows its child
+    relay.publish(stored("a", 0, TOKENS[:8], tier=Tier.HOST))
+    relay.publish(stored("a", 0, TOKENS, salted))
+    index, rolling = late_index({"a": relay})
+    assert rolling.canonical(NS, xxh3(TOKENS)) == chain
+    assert rolling.canonical(salted, xxh3(TOKENS)) == HASHER.hash_tokens(TOKENS, salted)
+    assert rolling.num_translated("a") == 3 + 2 + 3 and rolling.blocks_untranslated == 0
+    index.apply(BlockRemoved("a", 1, 7, Tier.GPU, chain))
+    assert rolling.canonical(NS, xxh3(TOKENS)) == chain[:2]  # the host tier holds two
+
+
+def test_a_snapshot_without_token_ids_is_counted_untranslated() -> None:
+    """An older sidecar's snapshot (no token ids) is found by /query, not by XXH3 hashes,
+    and says so in blocks_untranslated; the blocks translate once stored again."""
+    index, rolling = indexed()
+    chain = HASHER.hash_tokens(TOKENS, NS)
+    index.load_worker_snapshot(WorkerSnapshot("a", 1, 9, [
+        TierBlocks(Tier.GPU, chain, [None, *chain[:2]])]))
+    assert rolling.canonical(NS, xxh3(TOKENS)) == [] and rolling.blocks_untranslated == 3
+    assert index.match(chain) == {"a": 3}
+    index.apply(stored("a", 10, TOKENS))
+    assert rolling.canonical(NS, xxh3(TOKENS)) == chain
+
+
 def test_a_self_parented_first_block_is_skipped_as_the_index_skips_it() -> None:
     """An event whose first block is its own parent: that block is not stored again."""
     index, rolling = indexed()
@@ -218,3 +265,37 @@ def test_query_by_hash_answers_as_query_after_any_history(history: list[tuple]) 
     index.remove_worker("a")
     index.remove_worker("b")
     assert len(rolling) == 0 and not rolling._waiting and not rolling._canonical  # no leak
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_event, max_size=25))
+def test_a_late_index_from_snapshots_answers_query_by_hash_as_query(history: list[tuple]) -> None:  # type: ignore[type-arg]
+    """For any history on two workers' sidecars, an index that starts from their snapshots
+    answers every prompt's XXH3 hashes exactly as its token ids, and as an index that saw
+    every event does."""
+    live, _ = indexed()
+    relays = {w: EventRelay(w, block_size=BS, model_id="m", epoch=1) for w in ("a", "b")}
+    for worker, tier, p, skip, count, kind in history:
+        tokens = PROMPTS[p]
+        chain = HASHER.hash_tokens(tokens, NS)
+        event: KVEvent
+        if kind == "store":
+            end = min(skip + count, len(chain))
+            if skip >= end:
+                continue
+            event = stored(worker, 0, tokens[:end * BS], tier=tier, skip=skip)
+        elif kind == "remove" and chain[skip:skip + count]:
+            event = BlockRemoved(worker, 0, 0, tier, chain[skip:skip + count])
+        elif kind == "clear":
+            event = AllBlocksCleared(worker, 0, 0, tier)
+        else:
+            continue
+        frame = relays[worker].publish(event)
+        live.apply(decode(frame))  # type: ignore[arg-type]
+    index, rolling = late_index(relays)
+    instances = {"i": [Rank(0, "a"), Rank(1, "b")]}
+    for tokens in PROMPTS:
+        by_tokens = answer_query(index, HASHER.hash_tokens(tokens, NS), BS, instances)
+        assert by_tokens == answer_query(live, HASHER.hash_tokens(tokens, NS), BS, instances)
+        translated = rolling.canonical(NS, xxh3(tokens))
+        assert answer_query(index, translated, BS, instances) == by_tokens
