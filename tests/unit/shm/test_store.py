@@ -274,6 +274,10 @@ class StoreMachine(RuleBasedStateMachine):
         # overwrite (DONE) and until the owner picks it up, the keys it published per slot.
         self.taking: dict[int, tuple[int, list[int], int]] = {}
         self.done: dict[int, dict[int, tuple[int, int]]] = {}
+        # Per session, the slots of its taken grant it did not retract: the owner has dropped
+        # them from its books (the writer won them), but their bytes are still the blocks the
+        # read index names there, until the owner picks the grant up.
+        self.untouched: dict[int, set[int]] = {}
 
     @rule(who=st.integers(0, 2), hashes=st.lists(st.integers(0, 12), max_size=4),
           commit=st.booleans(), writer_publishes=st.booleans(), standby=st.booleans())
@@ -304,6 +308,8 @@ class StoreMachine(RuleBasedStateMachine):
         published = {s for s in self.index.published(self.store._reserved.items()) if s in mine}
         done = {s: self.done.pop(s) for s in list(self.done)
                 if sessions is None or s in sessions}  # picked up too
+        for session in done:
+            self.untouched.pop(session, None)
         assert self.store.commit_published(sessions) >= len(published)
         self.store.offer_due()  # after the reply: the next standby grants
         assert published <= set(self.store._blocks.values())
@@ -362,6 +368,7 @@ class StoreMachine(RuleBasedStateMachine):
         slots = self.index.grant_slots(who)
         self.taking[session] = (epoch, slots, min(count, len(slots)))
         self.index.unpublish(slots[: self.taking[session][2]])
+        self.untouched[session] = set(slots[self.taking[session][2]:])
 
     @precondition(lambda self: bool(self.taking))
     @rule(data=st.data(), hashes=st.lists(st.integers(0, 12), max_size=4),
@@ -385,6 +392,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.commit_published([session])
             self.store.offer_due()
             del self.done[session]
+            self.untouched.pop(session, None)
             assert self._kept_or_in_flight(wanted)
             for slot, key in zip(written, wanted, strict=True):
                 if self.store._blocks.get(key) == slot and key[1]:
@@ -401,9 +409,11 @@ class StoreMachine(RuleBasedStateMachine):
         blocks, reserved = self.store._blocks, self.store._reserved  # the store's truth
         recorded = {(slot, key) for written in self.done.values() for slot, key in
                     written.items()}  # published over a standby grant, not picked up yet
+        untouched = set().union(*self.untouched.values())
         for key, hit in zip(wanted, hits, strict=True):
-            assert not hit or hints[key[1]] in (blocks.get(key), reserved.get(key)) or (
-                hints[key[1]], key) in recorded
+            slot = hints[key[1]]
+            assert not hit or slot in (blocks.get(key), reserved.get(key)) or (
+                slot, key) in recorded or slot in untouched
         overwriting = {slot for _, slots, count in self.taking.values()  # never a slot a
                        for slot in slots[:count]}  # writer retracted
         assert not any(hit and hints[key[1]] in overwriting
@@ -436,6 +446,7 @@ class StoreMachine(RuleBasedStateMachine):
         del self.leases[old]
         del self.grants[old]
         self.taking.pop(old, None)  # died mid-put: what it took is freed
+        self.untouched.pop(old, None)
         written = self.done.pop(old, {})  # died after its put: picked up at its end
         assert self._kept_or_in_flight(list(written.values()))
         self.sessions[who] = self.store.open_session()
