@@ -7,24 +7,26 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_stack import GatewaySpec, LocalStack, Part
+from kvsidecar.local_stack import GatewaySpec, LocalStack
 
-__all__ = ["gateway", "gateway_part", "own_gateways"]
+__all__ = ["gateway", "gateway_process", "own_gateways"]
 
 
-def gateway_part(stack: LocalStack, name: str, *flags: str,
-                 workers: Sequence[str] = ()) -> Part:
+def gateway_process(stack: LocalStack, name: str, *flags: str,
+                    workers: Sequence[str] = ()) -> ManagedProcess:
     """Start a gateway ``name`` (seed 1, health checks every 0.5 s) in front of ``workers``'
     sidecars (none named: all) with ``flags``, once it serves; the caller waits until its
     workers are routable."""
-    return stack.add_gateway(GatewaySpec(
+    proc = stack.add_gateway(GatewaySpec(
         name=name, health_check_interval_s=0.5, seed=1, wait_routable=False,
-        only=tuple(workers), args=flags))[0]
+        only=tuple(workers), args=flags))[0].proc
+    assert isinstance(proc, ManagedProcess)  # a gateway of ours
+    return proc
 
 
 def gateway(stack: LocalStack, name: str, *flags: str, workers: Sequence[str] = ()) -> str:
-    """``gateway_part``'s URL."""
-    return gateway_part(stack, name, *flags, workers=workers).url
+    """``gateway_process``'s URL."""
+    return gateway_process(stack, name, *flags, workers=workers).url
 
 
 @contextmanager

@@ -5,6 +5,7 @@ child that fails to start named with its log's tail, and children restarted in p
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -152,3 +153,51 @@ async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
             return True
 
         await eventually(served, "a completion through the restarted worker", 30, 0.2)
+
+
+def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
+    """A sidecar handoff shares no store socket across replicas of one simulated process,
+    sidecars publish to no NATS the stack does not run, and a gateway in front of a worker
+    with no sidecar says which: each refused before anything starts."""
+    with pytest.raises(ValueError, match="one replica per simulated engine spec"):
+        EngineSpec(role="prefill", replicas=2, handoff="sidecar")
+    with pytest.raises(ValueError, match="nats_events needs nats"):
+        StackSpec(nats_events=True)
+    stack = LocalStack(StackSpec(gateways=()), tmp_path)
+    with pytest.raises(ValueError, match="no sidecar for some of"):
+        stack.add_gateway(GatewaySpec(only=("decode-9",)))
+    assert stack.procs == []
+
+
+def test_a_sidecar_handoff_gives_engine_and_sidecar_one_store(tmp_path: Path) -> None:
+    """``handoff="sidecar"``: a P/D engine's HiCache hook is its sidecar's block store (one
+    socket between them, the decode sidecar pulling); ``"file"`` shares a page store
+    directory by name; ``"none"`` leaves the engine aggregated. Lookups by worker id find
+    each, a gateway in front of some workers lists those alone, and one stopped alone is
+    forgotten by the stack."""
+    spec = StackSpec(engines=(
+        EngineSpec(role="prefill", handoff="sidecar", worker_ids=("p",)),
+        EngineSpec(role="decode", handoff="file", page_store="pages-x", worker_ids=("d",)),
+        EngineSpec(role="decode", handoff="none", worker_ids=("n",)),
+    ), gateways=(), log_level="warning")
+    with LocalStack(spec, tmp_path) as stack:
+        engine = stack.process("p").proc.args
+        sidecar = next(p for p in stack.sidecars if p.worker_id == "p").proc.proc.args
+        assert isinstance(engine, list) and isinstance(sidecar, list)
+        hook = json.loads(engine[engine.index("--hicache-storage-backend-extra-config") + 1])
+        assert hook["socket"] == sidecar[sidecar.index("--store-socket") + 1]
+        assert sidecar[sidecar.index("--kv-handoff") + 1] == "transfer"
+        filed = stack.process("d").proc.args
+        assert isinstance(filed, list)
+        store = json.loads(filed[filed.index("--hicache-storage-backend-extra-config") + 1])
+        assert store == {"file_path": str(tmp_path / "pages-x")}
+        plain = stack.process("n").proc.args
+        assert isinstance(plain, list) and "--disaggregation-mode" not in plain
+        assert set(stack.sidecar_urls) == set(stack.engine_urls) == {"p", "d", "n"}
+        gateway = stack.add_gateway(GatewaySpec(only=("p", "d"), health_check_interval_s=0.5))
+        assert {w["worker_id"] for w in stack.workers} == {"p", "d"}
+        proc = gateway[0].proc
+        assert isinstance(proc, ManagedProcess)
+        stack.stop_child(proc)
+        assert stack.gateways == [] and proc.proc.returncode is not None
+        assert proc not in stack.procs
