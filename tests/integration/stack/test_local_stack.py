@@ -60,6 +60,7 @@ class _ReapWatch:
         self._thread.join()
 
 
+@pytest.mark.slow  # real processes, seconds each
 async def test_a_tiny_stack_serves_then_stops_gateways_first_leaving_no_process(
     tmp_path: Path, session: aiohttp.ClientSession
 ) -> None:
@@ -102,6 +103,7 @@ def test_a_child_that_fails_to_start_is_named_with_its_log_tail(tmp_path: Path) 
     assert stack.procs == []
 
 
+@pytest.mark.slow  # real processes, seconds each
 def test_a_sidecar_that_fails_stops_the_engines_already_up(tmp_path: Path) -> None:
     """A later stage failing stops the earlier ones: the ready engines leave no process."""
     spec = StackSpec(engines=(EngineSpec(sidecar_args=("--no-such-flag",)),), gateways=())
@@ -115,6 +117,7 @@ def test_a_sidecar_that_fails_stops_the_engines_already_up(tmp_path: Path) -> No
     wait_until(lambda: _groups_gone([engines]), "the engines' process group to be gone", 10)
 
 
+@pytest.mark.slow  # real processes, seconds each
 def test_every_sidecar_gets_the_stacks_redis_as_its_remote_tier(tmp_path: Path) -> None:
     """With ``redis``, a redis-server serves beside the stack, each sidecar is told its URL
     as the remote tier, and it is stopped with the stack."""
@@ -129,6 +132,7 @@ def test_every_sidecar_gets_the_stacks_redis_as_its_remote_tier(tmp_path: Path) 
     assert redis.returncode is not None
 
 
+@pytest.mark.slow  # real processes, seconds each
 async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
     tmp_path: Path, session: aiohttp.ClientSession
 ) -> None:
@@ -169,6 +173,7 @@ def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
     assert stack.procs == []
 
 
+@pytest.mark.slow  # real processes, seconds each
 def test_a_sidecar_handoff_gives_engine_and_sidecar_one_store(tmp_path: Path) -> None:
     """``handoff="sidecar"``: a P/D engine's HiCache hook is its sidecar's block store (one
     socket between them, the decode sidecar pulling); ``"file"`` shares a page store
