@@ -101,7 +101,8 @@ class EngineSpec:
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
-        if self.handoff == "sidecar" and self.compute == "sim" and self.replicas > 1:
+        if (self.role != "agg" and self.handoff == "sidecar" and self.compute == "sim"
+                and self.replicas > 1):
             raise ValueError("handoff='sidecar' needs a store socket per engine process: "
                              "one replica per simulated engine spec")
         if (self.kind == "vllm") != (self.vllm is not None):
