@@ -174,33 +174,27 @@ def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow  # real processes, seconds each
-def test_a_sidecar_handoff_gives_engine_and_sidecar_one_store(tmp_path: Path) -> None:
-    """``handoff="sidecar"``: a P/D engine's HiCache hook is its sidecar's block store (one
-    socket between them, the decode sidecar pulling); ``"file"`` shares a page store
-    directory by name; ``"none"`` leaves the engine aggregated. Lookups by worker id find
-    each, a gateway in front of some workers lists those alone, and one stopped alone is
-    forgotten by the stack."""
+def test_p_d_handoffs_lookups_and_a_gateway_in_front_of_some(tmp_path: Path) -> None:
+    """``handoff="file"`` points a P/D engine's hook at a page store directory of the work
+    dir, by name; ``"none"`` leaves the engine aggregated behind its role's sidecar. Lookups
+    by worker id find each; a gateway in front of some workers lists those alone, and one
+    stopped alone is forgotten by the stack. (``"sidecar"``, each engine's hook on its own
+    sidecar's store, is served end to end by tests/integration/disagg/test_pd_transfer.py.)"""
     spec = StackSpec(engines=(
-        EngineSpec(role="prefill", handoff="sidecar", worker_ids=("p",)),
         EngineSpec(role="decode", handoff="file", page_store="pages-x", worker_ids=("d",)),
         EngineSpec(role="decode", handoff="none", worker_ids=("n",)),
     ), gateways=(), log_level="warning")
     with LocalStack(spec, tmp_path) as stack:
-        engine = stack.process("p").proc.args
-        sidecar = next(p for p in stack.sidecars if p.worker_id == "p").proc.proc.args
-        assert isinstance(engine, list) and isinstance(sidecar, list)
-        hook = json.loads(engine[engine.index("--hicache-storage-backend-extra-config") + 1])
-        assert hook["socket"] == sidecar[sidecar.index("--store-socket") + 1]
-        assert sidecar[sidecar.index("--kv-handoff") + 1] == "transfer"
         filed = stack.process("d").proc.args
         assert isinstance(filed, list)
         store = json.loads(filed[filed.index("--hicache-storage-backend-extra-config") + 1])
         assert store == {"file_path": str(tmp_path / "pages-x")}
+        assert filed[filed.index("--disaggregation-mode") + 1] == "decode"
         plain = stack.process("n").proc.args
         assert isinstance(plain, list) and "--disaggregation-mode" not in plain
-        assert set(stack.sidecar_urls) == set(stack.engine_urls) == {"p", "d", "n"}
-        gateway = stack.add_gateway(GatewaySpec(only=("p", "d"), health_check_interval_s=0.5))
-        assert {w["worker_id"] for w in stack.workers} == {"p", "d"}
+        assert set(stack.sidecar_urls) == set(stack.engine_urls) == {"d", "n"}
+        gateway = stack.add_gateway(GatewaySpec(only=("d",), health_check_interval_s=0.5))
+        assert [w["worker_id"] for w in stack.workers] == ["d"]
         proc = gateway[0].proc
         assert isinstance(proc, ManagedProcess)
         stack.stop_child(proc)
