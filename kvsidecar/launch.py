@@ -10,13 +10,14 @@ did not reap). ``kvsidecar.local_stack`` starts whole stacks of them.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar
@@ -145,6 +146,16 @@ class ManagedProcess:
             self._log.close()
             self._log = None
         return int(self.proc.returncode)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """SIGSTOP its group for the block, SIGCONT on leaving whatever happened: what it
+        holds stays held, whatever the machine's speed, while everything else runs on."""
+        os.killpg(self.pgid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.killpg(self.pgid, signal.SIGCONT)
 
     def kill(self) -> None:
         """SIGKILL: the crash case."""

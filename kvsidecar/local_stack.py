@@ -70,13 +70,20 @@ class EngineSpec:
     """The engines of one role.
 
     ``kind="refengine"``: the CPU reference engine, given the stack's flags (model, KV pool,
-    KV events, the handoff store of a P/D role), then ``args``; ``compute="sim"`` serves all
+    KV events, the handoff of a P/D role), then ``args``; ``compute="sim"`` serves all
     ``replicas`` from one process, ``"torch"`` runs one process each. Any other ``kind`` is
     a module run as ``python -m <kind> *args``, one process per replica (a stand-in engine
     of the tests), which must write a ready file like ours. ``kind="vllm"``: real vLLM
     servers with the options ``vllm`` (``kvsidecar.local_vllm``), started side by side, each
     sidecar given ``--engine vllm`` (and, with the vLLM KV connector, the block store it
     attaches to).
+
+    How a prefill/decode role's reference engines hand their KV over (``handoff``):
+    ``"file"``, through a page store directory of the work dir (``page_store``) that the
+    P/D engines naming it share; ``"sidecar"``, each engine's HiCache hook is its own
+    sidecar's block store and decode sidecars pull the blocks (``--kv-handoff transfer``);
+    ``"none"``, the engine runs aggregated and only its sidecar declares the role (SGLang's
+    native P/D mode, where the engines would move the KV themselves).
     """
 
     replicas: int = 1
@@ -89,10 +96,16 @@ class EngineSpec:
     sidecar_args: tuple[str, ...] = ()  # for these replicas' sidecars, after the stack's
     worker_ids: tuple[str, ...] = ()  # one per replica; none: replica-<i> or <role>-<i>
     vllm: VllmOptions | None = None  # kind="vllm": the servers' options
+    handoff: Literal["file", "sidecar", "none"] = "file"  # a P/D role's; see above
+    page_store: str = "pd-pages"  # handoff="file": the shared directory's name
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if (self.role != "agg" and self.handoff == "sidecar" and self.compute == "sim"
+                and self.replicas > 1):
+            raise ValueError("handoff='sidecar' needs a store socket per engine process: "
+                             "one replica per simulated engine spec")
         if (self.kind == "vllm") != (self.vllm is not None):
             raise ValueError("kind='vllm' and its vllm options go together")
         if self.worker_ids and len(self.worker_ids) != self.replicas:
@@ -116,6 +129,8 @@ class GatewaySpec:
     health_check_interval_s: float = 1.0
     seed: int | None = None  # gateway i gets seed + i
     workers: Literal["sidecars", "engines", "none"] = "sidecars"
+    only: tuple[str, ...] = ()  # workers="sidecars": these worker ids' alone; none: all
+    nats: bool = True  # where the stack runs NATS: join it (--nats)
     args: tuple[str, ...] = ()  # after the stack's own, so they win
     wait_routable: bool = True  # start() returns once every worker is routable through it
 
@@ -133,9 +148,15 @@ class StackSpec:
     handoff_ms_per_1k_tokens: float = 0.0
     sidecar_args: tuple[str, ...] = ()  # for every sidecar, after the stack's own
     log_level: str | None = None  # for every engine, sidecar and gateway of ours
+    env: Mapping[str, str] = field(default_factory=dict)  # for each of them; an engine's on top
     nats: bool = False  # a nats-server (JetStream); every gateway gets --nats
+    nats_events: bool = False  # with nats: sidecars also publish their events there
     redis: bool = False  # a redis-server; every sidecar gets --remote-tier-url
     redis_maxmemory: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.nats_events and not self.nats:
+            raise ValueError("nats_events needs nats: the sidecars publish to its JetStream")
 
 
 @dataclass
@@ -148,6 +169,7 @@ class Part:
     proc: ManagedProcess | VllmServer
     role: str = "agg"
     worker_id: str = ""
+    store_socket: Path | None = None  # an engine of handoff="sidecar": its sidecar's store
 
 
 def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
@@ -182,19 +204,26 @@ class _Launch:
     wait_s: float
 
 
-def _role_flags(role: str, workdir: Path) -> list[str]:
-    """Engine flags of a role: prefill/decode engines share one page store (the handoff)."""
-    if role == "agg":
+# handoff="sidecar": a sidecar's block store of raw one-page blocks (the tiny model's KV is
+# 2 KiB per token in fp32, 16 tokens a page), and the pull of a decode sidecar.
+_STORE_FLAGS = ("--store-block-bytes", str(16 * 2048), "--store-capacity-bytes", "32MiB",
+                "--kv-handoff", "transfer")
+
+
+def _role_flags(engine: EngineSpec, workdir: Path, socket: Path | None) -> list[str]:
+    """Engine flags of a P/D role: its mode and the HiCache hook its handoff goes through."""
+    if engine.role == "agg" or engine.handoff == "none":
         return []
-    store = json.dumps({"file_path": str(workdir / "pd-pages")})
-    return [
-        "--disaggregation-mode",
-        role,
-        "--hicache-storage-backend",
-        "file",
-        "--hicache-storage-backend-extra-config",
-        store,
-    ]
+    if socket is None:
+        backend = "file"
+        config: dict[str, Any] = {"file_path": str(workdir / engine.page_store)}
+    else:
+        backend = "dynamic"
+        config = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
+                  "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
+                  "socket": str(socket), "model_id": "tiny"}
+    return ["--disaggregation-mode", engine.role, "--hicache-storage-backend", backend,
+            "--hicache-storage-backend-extra-config", json.dumps(config)]
 
 
 def _name(kind: str, role: str, i: int | None = None) -> str:
@@ -231,6 +260,7 @@ class LocalStack:
         self._procs: list[ManagedProcess] = []  # in start order; stopped in reverse
         self._vllm: list[VllmServer] = []  # real vLLM engines: stopped after our processes
         self._launched: dict[str, _Launch] = {}  # by process name: how to start it again
+        self._sockets = 0  # block-store sockets handed out (handoff="sidecar")
 
     @property
     def url(self) -> str:
@@ -241,6 +271,27 @@ class LocalStack:
     def procs(self) -> list[ManagedProcess]:
         """Every child of ours, in start order."""
         return list(self._procs)
+
+    @property
+    def sidecar_urls(self) -> dict[str, str]:
+        """Each sidecar's URL by its worker id."""
+        return {p.worker_id: p.url for p in self.sidecars}
+
+    @property
+    def engine_urls(self) -> dict[str, str]:
+        """Each engine replica's URL by the worker id of its sidecar."""
+        return {p.worker_id: p.url for p in self.engines if p.worker_id}
+
+    def process(self, name: str) -> ManagedProcess:
+        """The child of ours serving worker ``name``'s engine, or the one named ``name``
+        (a gateway)."""
+        for part in self.engines:
+            if part.worker_id == name and isinstance(part.proc, ManagedProcess):
+                return part.proc
+        for proc in self._procs:
+            if proc.name == name:
+                return proc
+        raise KeyError(f"no engine of worker {name!r} and no child named {name!r} of ours")
 
     # -- starting
 
@@ -271,6 +322,7 @@ class LocalStack:
         while unique in self._launched:
             n += 1
             unique = f"{name}-{n}"
+        env = {**self.spec.env, **(env or {})} or None
         proc = ManagedProcess.start(unique, argv, workdir=self.workdir, env=env)
         self._procs.append(proc)
         self._launched[unique] = _Launch(unique, argv, env, wait_s)
@@ -280,7 +332,7 @@ class LocalStack:
         """Flags every child of ours gets before its own extras."""
         return ["--log-level", self.spec.log_level] if self.spec.log_level else []
 
-    def _refengine_argv(self, engine: EngineSpec) -> list[str]:
+    def _refengine_argv(self, engine: EngineSpec, socket: Path | None = None) -> list[str]:
         spec = self.spec
         argv = ["refengine", "--compute", engine.compute]
         if engine.compute == "sim":
@@ -291,38 +343,51 @@ class LocalStack:
         if spec.max_total_tokens is not None:
             argv += ["--max-total-tokens", str(spec.max_total_tokens)]
         return [*argv, "--kv-events-config", spec.events_config, "--port", "0",
-                *_role_flags(engine.role, self.workdir), *self._ours(), *engine.args]
+                *_role_flags(engine, self.workdir, socket), *self._ours(), *engine.args]
 
     def _start_engines(self) -> None:
         """Every engine process at once, then wait for each; parts in spec order."""
-        started: list[tuple[EngineSpec, ManagedProcess | list[VllmServer], int, float]] = []
+        started: list[tuple[EngineSpec, ManagedProcess | list[VllmServer], int, float,
+                            Path | None]] = []
         index: dict[str, int] = {}
         for engine in self.spec.engines:
             if not engine.replicas:
                 continue
             env = dict(engine.env) or None
             if engine.kind == "vllm":
-                started.append((engine, self._start_vllm(engine), engine.replicas, 0.0))
+                started.append((engine, self._start_vllm(engine), engine.replicas, 0.0, None))
                 continue
             if engine.kind == "refengine" and engine.compute == "sim":
-                proc = self._launch(_name("engines", engine.role), self._refengine_argv(engine),
-                                    _READY_S["sim"], env)
-                started.append((engine, proc, engine.replicas, _READY_S["sim"]))
+                socket = self._store_socket(engine)
+                proc = self._launch(_name("engines", engine.role),
+                                    self._refengine_argv(engine, socket), _READY_S["sim"], env)
+                started.append((engine, proc, engine.replicas, _READY_S["sim"], socket))
                 continue
             for _ in range(engine.replicas):
                 i = index[engine.role] = index.get(engine.role, -1) + 1
+                socket = None
                 if engine.kind == "refengine":
-                    argv, wait = self._refengine_argv(engine), _READY_S[engine.compute]
+                    socket = self._store_socket(engine)
+                    argv = self._refengine_argv(engine, socket)
+                    wait = _READY_S[engine.compute]
                 else:
                     argv, wait = [engine.kind, *engine.args], _READY_S["standin"]
                 proc = self._launch(_name("engine", engine.role, i), argv, wait, env)
-                started.append((engine, proc, 1, wait))
-        for engine, launched, count, wait in started:
+                started.append((engine, proc, 1, wait, socket))
+        for engine, launched, count, wait, socket in started:
             if isinstance(launched, list):  # vLLM servers, ready already
                 self.engines += [Part(v.name, v.url, v, engine.role) for v in launched]
                 continue
             for line in launched.wait_ready(wait, count=count)[:count]:
-                self.engines.append(Part(launched.name, str(line["url"]), launched, engine.role))
+                self.engines.append(Part(launched.name, str(line["url"]), launched, engine.role,
+                                         store_socket=socket))
+
+    def _store_socket(self, engine: EngineSpec) -> Path | None:
+        """A new block-store socket for an engine of ``handoff="sidecar"``; else None."""
+        if engine.role == "agg" or engine.handoff != "sidecar":
+            return None
+        self._sockets += 1
+        return self.workdir / f"store-{self._sockets}.sock"
 
     def _start_vllm(self, engine: EngineSpec) -> list[VllmServer]:
         """``engine.replicas`` real vLLM servers, started side by side (each takes a minute
@@ -343,7 +408,9 @@ class LocalStack:
         """A sidecar beside each replica that wants one: worker ``replica-<i>`` when
         aggregated, ``<role>-<i>`` otherwise, counted per role (or the spec's ``worker_ids``)."""
         spec = self.spec
-        remote = ["--remote-tier-url", self.redis.url] if self.redis is not None else []
+        servers = ["--remote-tier-url", self.redis.url] if self.redis is not None else []
+        if spec.nats_events and self.nats is not None:
+            servers += ["--events-via", "nats", "--nats", self.nats.url]
         wanted = [(e, j) for e in spec.engines for j in range(e.replicas)]
         index: dict[str, int] = {}
         started: list[tuple[Part, ManagedProcess]] = []
@@ -354,9 +421,13 @@ class LocalStack:
             worker_id = (engine.worker_ids[j] if engine.worker_ids
                          else f"replica-{i}" if part.role == "agg" else f"{part.role}-{i}")
             kind = ["--engine", "vllm"] if engine.kind == "vllm" else []
-            # the block store a vLLM's KV connector attaches to
-            store = part.proc.store_args() if isinstance(part.proc, VllmServer) else []
-            extra = [*kind, *store, *self._ours(), *remote, *spec.sidecar_args,
+            if isinstance(part.proc, VllmServer):  # the store its KV connector attaches to
+                store = part.proc.store_args()
+            elif part.store_socket is not None:  # its engine's HiCache hook's store
+                store = [*_STORE_FLAGS, "--store-socket", str(part.store_socket)]
+            else:
+                store = []
+            extra = [*kind, *store, *self._ours(), *servers, *spec.sidecar_args,
                      *engine.sidecar_args]
             proc = self._launch(_name("sidecar", part.role, i), [
                 "sidecar",
@@ -372,15 +443,19 @@ class LocalStack:
         """Start ``gateway.count`` gateways (now, or beside a running stack); stopped first."""
         match gateway.workers:
             case "sidecars":
-                sidecars, workers = [p.url for p in self.sidecars], []
-                count = len(self.sidecars)
+                chosen = [p for p in self.sidecars
+                          if not gateway.only or p.worker_id in gateway.only]
+                if len(chosen) != len(gateway.only or chosen):
+                    raise ValueError(f"{gateway.name}: no sidecar for some of {gateway.only}")
+                sidecars, workers = [p.url for p in chosen], []
+                count = len(chosen)
             case "engines":
                 sidecars = []
                 workers = [f for p in self.engines for f in ("--worker", p.url)]
                 count = len(self.engines)
             case "none":
                 sidecars, workers, count = [], [], 0
-        nats = ["--nats", self.nats.url] if self.nats is not None else []
+        nats = ["--nats", self.nats.url] if self.nats is not None and gateway.nats else []
         started = []
         for g in range(gateway.count):
             seed = [] if gateway.seed is None else ["--seed", str(gateway.seed + g)]
@@ -434,6 +509,16 @@ class LocalStack:
         return new
 
     # -- stopping
+
+    def stop_child(self, proc: ManagedProcess) -> None:
+        """Stop one child of ours now and forget it and its parts: a gateway one test added
+        to a stack that the next test shares."""
+        if proc not in self._procs:
+            raise ValueError(f"{proc.name} is not a running child of this stack")
+        self._procs.remove(proc)
+        for parts in (self.engines, self.sidecars, self.gateways):
+            parts[:] = [p for p in parts if p.proc is not proc]
+        proc.stop()
 
     def stop(self) -> None:
         """Stop every child, newest first (gateways, sidecars, engines), then Redis and NATS;

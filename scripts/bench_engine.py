@@ -26,46 +26,43 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
-from benchkit import ROOT, Report, add_json_flag
+from benchkit import Report, add_json_flag
+
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 
 CLK = os.sysconf("SC_CLK_TCK")
 
 
 class Engine:
-    def __init__(self, *args: str, replicas: int = 1) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "refengine", "--port", "0", "--log-level", "warning", *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.ready = [json.loads(self.proc.stdout.readline()) for _ in range(replicas)]
-        if not all(r.get("event") == "server_started" for r in self.ready):
-            raise RuntimeError(f"engine did not start: {self.ready}")
-        self.urls = [r["url"] for r in self.ready]
+    """Reference engines alone, started by ``LocalStack`` (no sidecar, no KV events); the
+    process's CPU time is read from /proc."""
+
+    def __init__(self, *args: str, compute: Literal["sim", "torch"] = "torch",
+                 replicas: int = 1) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="bench-engine-"))
+        spec = StackSpec(engines=(EngineSpec(replicas=replicas, compute=compute, args=args,
+                                             sidecars=False),),
+                         gateways=(), events_config='{"publisher": "null"}', log_level="warning")
+        self.stack = LocalStack(spec, self.workdir).start()
+        self.urls = [part.url for part in self.stack.engines]
+        self.pid = self.stack.procs[0].proc.pid
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLK  # utime + stime
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self.stack.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 async def wait_healthy(session: aiohttp.ClientSession, url: str) -> None:
@@ -164,7 +161,7 @@ async def bench_torch(prompt_tokens: int, preset: str, report: Report) -> None:
 
 
 async def bench_sim(seconds: float, replicas: int, rate: float, report: Report) -> None:
-    eng = Engine("--compute", "sim", "--replicas", str(replicas), replicas=replicas)
+    eng = Engine(compute="sim", replicas=replicas)
     rng = random.Random(1)
     latencies: list[float] = []
     errors = 0

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -38,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from benchkit import ROOT, Report, add_json_flag, print_table, progress
+from benchkit import ROOT, Report, add_json_flag, print_table, progress, stream_reply
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory",
@@ -81,21 +80,11 @@ async def client(session: aiohttp.ClientSession, url: str, tenant: Tenant, seed:
                 "max_tokens": args.max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
-        first = None
-        usage = None
-        async with session.post(f"{url}/v1/chat/completions", json=body,
-                                headers=headers) as resp:
-            if resp.status != 200:
-                tenant.failed += 1
-                await resp.read()
-                continue
-            async for line in resp.content:
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                if first is None:
-                    first = time.perf_counter() - t0
-                chunk = json.loads(line[5:])
-                usage = chunk.get("usage") or usage
+        reply = await stream_reply(session, f"{url}/v1/chat/completions", body, headers=headers)
+        if reply.status != 200:
+            tenant.failed += 1
+            continue
+        first, usage = reply.ttft_s, reply.usage
         if time.perf_counter() > until:
             break  # finished after the window: not counted, for either ordering
         if t0 < counted_from:
@@ -136,31 +125,21 @@ def run(order: str, args: argparse.Namespace, tmp: Path) -> list[Tenant]:
     workdir.mkdir(parents=True)
     keys = workdir / "keys.txt"
     keys.write_text("".join(f"{t}-key {t} weight=1\n" for t in TENANTS))
-    procs: list[ManagedProcess] = []
-    try:
-        engines = ManagedProcess.start(
-            "engines", ["refengine", "--compute", "sim", "--replicas", str(args.workers),
-                        "--port", "0", "--log-level", "warning"], workdir=workdir)
-        procs.append(engines)
-        urls = [r["url"] for r in engines.wait_ready(90, count=args.workers)]
-        gateway = ManagedProcess.start(
-            "gateway",
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--log-level", "warning",
-             "--router-mode", "least-loaded", "--api-key-file", str(keys),
-             "--max-in-flight-per-worker", str(args.slots), "--queue-timeout-s",
-             str(args.queue_timeout_s), "--queue-order", order,
-             *[f for u in urls for f in ("--worker", u)]],
-            workdir=workdir)
-        procs.append(gateway)
-        gateway.wait_ready(90)
-        asyncio.run(wait_routable(gateway.url, args.workers))
+    spec = StackSpec(
+        # plain workers without KV events, no sidecars: the gateway's queue is measured
+        engines=(EngineSpec(replicas=args.workers, sidecars=False),),
+        gateways=(GatewaySpec(
+            router_mode="least-loaded", workers="engines", health_check_interval_s=10.0,
+            wait_routable=False,  # below, with an API key
+            args=("--api-key-file", str(keys), "--max-in-flight-per-worker", str(args.slots),
+                  "--queue-timeout-s", str(args.queue_timeout_s), "--queue-order", order)),),
+        model_path=str(MODEL), events_config='{"publisher": "null"}', log_level="warning")
+    with LocalStack(spec, workdir) as stack:
+        asyncio.run(wait_routable(stack.url, args.workers))
         tenants = [Tenant(TENANTS[0], args.flood_clients),
                    *(Tenant(name, args.quiet_clients) for name in TENANTS[1:])]
-        asyncio.run(drive(gateway.url, tenants, args))
+        asyncio.run(drive(stack.url, tenants, args))
         return tenants
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,8 +3,9 @@
 on the shared-prefix multi-turn chat workload, at two KV capacities, in one run.
 
 The workload and both stacks are those of the Dynamo comparison kit in the shared bench folder
-(``bench/dynamo/``: ``dynamo_stack.sh``, ``kvsidecar_stack.sh``, ``load.py``; read-only, so
-they are driven through their environment knobs): 20 system prompts × 2,000 tokens, 3 turns of
+(``bench/dynamo/``: ``dynamo_stack.sh``, ``load.py``; read-only, so they are driven through
+their environment knobs; our stack is the one of its ``kvsidecar_stack.sh``, started by
+``LocalStack``): 20 system prompts × 2,000 tokens, 3 turns of
 64 user tokens and 64 output tokens, 256 sessions, 64 in flight, 4 workers, block 16,
 mocker-like timing. At 4,096 blocks per worker every worker can hold every system prompt; at
 1,024 a worker holds fewer than half of them, and the fleet only so many copies.
@@ -59,6 +60,8 @@ from typing import Any
 
 from benchkit import ROOT, Report, add_json_flag, progress
 
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
+
 KIT = ROOT.parent / "shared" / "bench" / "dynamo"
 GAP_FLOOR = 0.005  # half a point: below it a gap is run-to-run noise
 _OURS = re.compile(rb"^kvsidecar_gateway_(predicted_cached_tokens|actual_cached_tokens|"
@@ -85,13 +88,40 @@ class Run:
                 "NUM_GPU_BLOCKS": str(capacity), "NUM_WORKERS": str(self.args.workers),
                 "MAIN": str(self.args.main), "PYTHONPATH": str(self.args.main), **extra}
 
+    def ours(self, capacity: int, extra: dict[str, str]) -> LocalStack:
+        """Our stack as the kit's ``kvsidecar_stack.sh`` starts it (its model dir, block
+        size, per-worker capacity and mocker-like timing), from ``--main``'s tree."""
+        model = str(self.args.bench_home / "tinymodel")
+        timing = ("--sim-prefill-base-ms", "20", "--sim-prefill-us-per-token", "20",
+                  "--sim-decode-base-ms", "4", "--sim-decode-us-per-seq", "1900",
+                  "--chunked-prefill-size", "8192")
+        workers = self.args.workers
+        spec = StackSpec(
+            engines=(EngineSpec(
+                replicas=workers, worker_ids=tuple(f"w{i}" for i in range(workers)),
+                args=("--served-model-name", "tiny", "--page-size", "16",
+                      "--max-running-requests", "256", *timing),
+                sidecar_args=("--model-path", model)),),
+            gateways=(GatewaySpec(
+                port=self.port, router_mode=extra["ROUTER_MODE"], health_check_interval_s=10.0,
+                args=("--served-model-name", "tiny",
+                      *extra.get("EXTRA_GATEWAY_ARGS", "").split())),),
+            model_path=model, max_total_tokens=capacity * 16, log_level="warning",
+            env={"PYTHONPATH": str(self.args.main)})
+        return LocalStack(spec, self.state).start()
+
     def go(self, stack: str, capacity: int, extra: dict[str, str]) -> dict[str, float]:
         env = self.env(capacity, extra)
-        start = subprocess.run([str(KIT / f"{stack}_stack.sh")], env=env, capture_output=True,
-                               text=True, timeout=300)
-        try:
+        ours = None
+        if stack == "kvsidecar":
+            ours = self.ours(capacity, extra)
+        else:
+            start = subprocess.run([str(KIT / f"{stack}_stack.sh")], env=env,
+                                   capture_output=True, text=True, timeout=300)
             if start.returncode:
+                self.stop(stack, env)
                 raise RuntimeError(f"{stack} stack did not start: {start.stderr[-800:]}")
+        try:
             url = f"http://127.0.0.1:{self.port}"
             out = self.state / "load.json"
             cmd = [sys.executable, str(KIT / "load.py"), "--url", url, "--model", "tiny",
@@ -122,8 +152,15 @@ class Run:
                     fig["gap"] = abs(predicted - fig["hit_rate"])
             return fig
         finally:
-            subprocess.run([str(KIT / f"stop_{stack}_stack.sh")], env=env, capture_output=True,
-                           timeout=120)
+            if ours is not None:
+                ours.stop()
+            else:
+                self.stop(stack, env)
+
+    @staticmethod
+    def stop(stack: str, env: dict[str, str]) -> None:
+        subprocess.run([str(KIT / f"stop_{stack}_stack.sh")], env=env, capture_output=True,
+                       timeout=120)
 
 
 def ours_predicted(url: str) -> float:

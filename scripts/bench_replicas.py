@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
-from benchkit import ROOT, Report, add_json_flag, progress
+from benchkit import ROOT, Report, add_json_flag, progress, stream_reply
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
@@ -200,28 +200,14 @@ class Drive:
         body = {"model": "tiny", "messages": messages, "max_tokens": self.work.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
-        first: float | None = None
-        parts: list[str] = []
-        usage = None
-        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-            headers = resp.headers
-            if resp.status != 200:
-                result.failed += 1
-                await resp.read()
-                return ""
-            async for line in resp.content:
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                if first is None:
-                    first = time.perf_counter() - t0
-                chunk = json.loads(line[5:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                parts += [(c.get("delta") or {}).get("content") or ""
-                          for c in chunk.get("choices") or ()]
+        reply = await stream_reply(session, f"{url}/v1/chat/completions", body)
+        if reply.status != 200:
+            result.failed += 1
+            return ""
         result.requests += 1
-        if first is not None:
-            result.ttft_s.append(first)
+        if reply.ttft_s is not None:
+            result.ttft_s.append(reply.ttft_s)
+        headers, usage = reply.headers, reply.usage
         worker = headers.get("x-kvsidecar-worker")
         if worker is not None:
             result.workers.setdefault(ids["group"], set()).add(worker)
@@ -236,7 +222,7 @@ class Drive:
                                    "prompt_tokens": prompt, "cached_tokens": cached}
             row.update((key, headers.get(name)) for key, name in _TRACE_HEADERS)
             self.trace.write(json.dumps(row) + "\n")
-        return "".join(parts)
+        return reply.text
 
     async def conversation(self, session: aiohttp.ClientSession, i: int) -> None:
         work = self.work

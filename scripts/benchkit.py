@@ -1,5 +1,5 @@
-"""The bench kit: the report format, the ``--json FILE`` flag, progress lines and tables that
-every ``scripts/bench_*.py`` shares.
+"""The bench kit: the report format, the ``--json FILE`` flag, progress lines, tables and
+the reading of a streamed reply that every ``scripts/bench_*.py`` shares.
 
 A benchmark reports *figures*, what it measured, named with their units (``ttft_p99_s``,
 ``blocks_per_s``), and *ratios*, each setting one of them against a baseline measured in the
@@ -25,9 +25,13 @@ import re
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
 if sys.path[:1] != [str(ROOT)]:
@@ -38,11 +42,13 @@ __all__ = [
     "Better",
     "Report",
     "ReportError",
+    "StreamedReply",
     "add_json_flag",
     "format_value",
     "print_table",
     "print_values",
     "progress",
+    "stream_reply",
 ]
 
 Better = Literal["higher", "lower"]
@@ -224,3 +230,46 @@ def print_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> None
     for r in text:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(r, widths, strict=False))).rstrip())
+
+
+@dataclass
+class StreamedReply:
+    """One streamed reply as a client saw it, timed from just before its request was sent."""
+
+    status: int
+    headers: Mapping[str, str]
+    ttft_s: float | None = None  # to the first data event; None: there was none
+    itl_s: list[float] = field(default_factory=list)  # between consecutive data events
+    text: str = ""  # the choices' content (chat deltas) or text (completions), joined
+    usage: dict[str, Any] | None = None  # the last usage a chunk carried
+
+
+async def stream_reply(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any], *,
+                       headers: Mapping[str, str] | None = None) -> StreamedReply:
+    """POST ``body`` (with ``"stream": true``) to ``url`` and read its server-sent events to
+    the end: TTFT, inter-token latencies, the text and the usage. A reply other than 200 is
+    read whole and returned with its status alone."""
+    t0 = time.perf_counter()
+    async with session.post(url, json=body, headers=headers) as resp:
+        reply = StreamedReply(resp.status, resp.headers)
+        if resp.status != 200:
+            await resp.read()
+            return reply
+        last = t0
+        parts: list[str] = []
+        async for line in resp.content:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if reply.ttft_s is None:
+                reply.ttft_s = now - t0
+            else:
+                reply.itl_s.append(now - last)
+            last = now
+            chunk = json.loads(line[5:])
+            reply.usage = chunk.get("usage") or reply.usage
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                parts.append(delta.get("content") or choice.get("text") or "")
+        reply.text = "".join(parts)
+    return reply

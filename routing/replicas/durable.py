@@ -345,7 +345,7 @@ class DurableEvents:
         frame = await asyncio.to_thread(_pack, self.model_id, self.router.block_size, seq, index)
         packed = time.perf_counter()
         await self._store.write(self._key, seq, frame)
-        self._written_seq = seq
+        self._written_seq = self.metrics.snapshot_seq = seq
         self.metrics.snapshots_written += 1
         log.info("snapshot_written", stream_seq=seq, bytes=len(frame),
                  copy_ms=round((copied - started) * 1000, 1),

@@ -86,6 +86,7 @@ class DurableMetrics:
         self.messages_rejected = 0  # undecodable messages: logged, counted, skipped
         self.gaps = 0  # workers found behind (a gap, a marker ahead): resynced from the sidecar
         self.snapshots_written = 0
+        self.snapshot_seq = 0  # the stream message the newest snapshot written covers
         self.snapshot_failures = 0
         self.snapshot_loaded_blocks = 0  # what the newest snapshot held at start (0: none)
         self.warm_start_s = 0.0  # start to caught up: snapshot loaded, stream replayed
@@ -109,6 +110,8 @@ class DurableMetrics:
         for name, doc, gauge in (
             ("live", "1 while the KV events come from JetStream", int(self.live)),
             ("stream_seq", "The last JetStream message applied", self.stream_seq),
+            ("snapshot_stream_seq", "The JetStream message the newest snapshot written covers",
+             self.snapshot_seq),
             ("snapshot_loaded_blocks", "Blocks of the snapshot loaded at start",
              self.snapshot_loaded_blocks),
             ("warm_start_seconds", "Start to caught up with the stream", self.warm_start_s),

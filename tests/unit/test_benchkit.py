@@ -9,7 +9,10 @@ import json
 import math
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from tests.support.scripts import SCRIPTS, load_script
 
@@ -249,3 +252,48 @@ class TestEveryBenchScript:
         assert "sys.path.insert" not in text and "sys.path.append" not in text
         assert '"ratios":' not in text.replace('``{"figures": {...}, "ratios": {...}}``', "")
         assert "def progress(" not in text
+
+
+class TestStreamReply:
+    """A streamed reply read by the kit: first-event time, gaps, text, usage, status."""
+
+    @staticmethod
+    def _app() -> web.Application:
+        async def chat(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            if body.get("model") != "tiny":
+                return web.json_response({"error": {"message": "no such model"}}, status=404)
+            resp = web.StreamResponse(headers={"x-kvsidecar-worker": "w1"})
+            await resp.prepare(request)
+            for piece in ("Hel", "lo", "!"):
+                chunk = {"choices": [{"index": 0, "delta": {"content": piece}}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            usage = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+            await resp.write(b": a comment line\n\ndata: " + json.dumps(usage).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        return app
+
+    async def test_a_stream_is_timed_and_folded(self) -> None:
+        """TTFT to the first data event, one gap per later event, the deltas' text joined,
+        the last usage, the headers; comments and [DONE] are not events."""
+        async with TestServer(self._app()) as server, aiohttp.ClientSession() as session:
+            reply = await benchkit.stream_reply(
+                session, str(server.make_url("/v1/chat/completions")),
+                {"model": "tiny", "stream": True})
+        assert reply.status == 200 and reply.headers["x-kvsidecar-worker"] == "w1"
+        assert reply.ttft_s is not None and reply.ttft_s > 0
+        assert len(reply.itl_s) == 3 and all(gap >= 0 for gap in reply.itl_s)
+        assert reply.text == "Hello!"
+        assert reply.usage == {"prompt_tokens": 5, "completion_tokens": 3}
+
+    async def test_a_refusal_is_read_whole_and_has_its_status_alone(self) -> None:
+        """A reply other than 200: its status, no timing, no text."""
+        async with TestServer(self._app()) as server, aiohttp.ClientSession() as session:
+            reply = await benchkit.stream_reply(
+                session, str(server.make_url("/v1/chat/completions")), {"model": "other"})
+        assert (reply.status, reply.ttft_s, reply.itl_s, reply.text, reply.usage) == (
+            404, None, [], "", None)

@@ -1,131 +1,39 @@
-"""Start a disaggregated stack from real processes: engines by role, sidecars, gateways."""
+"""Disaggregated stacks of the tests, on ``LocalStack``: engines by role with worker ids
+``<role>-<i>`` numbered across the stack, gateways started one by one, and the helpers that
+read what they answer."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
-import os
-import signal
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
-from kvsidecar.launch import ManagedProcess
+from kvcore.stream import Role
+from kvsidecar.local_stack import DEFAULT_MODEL, EngineSpec, LocalStack, StackSpec
 from tests.support.gateway import routable  # noqa: F401 (the disagg tests import it here)
 from tests.support.polling import eventually
+from tests.support.stacks import gateway  # noqa: F401 (the disagg tests import it here)
 
-ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "refengine" / "models" / "tiny"
-EVENTS = json.dumps(
-    {
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:*",
-        "replay_endpoint": "tcp://127.0.0.1:*",
-        "topic": "kv",
-    }
-)
+MODEL = DEFAULT_MODEL
 
 
-@dataclass(frozen=True)
-class Replica:
-    """One engine to start: its role, and (prefill/decode) the page-store directory name."""
-
-    role: str
-    store: str = "pages"
-    extra: tuple[str, ...] = ()
-    engine_disagg: bool = True  # False: an aggregated engine behind a prefill/decode sidecar
-    # "file": prefill/decode engines share a page-store directory; "sidecar": each engine's
-    # hook is its own sidecar's block store, and decode sidecars pull (--kv-handoff transfer)
-    hook: str = "file"
-    sidecar_extra: tuple[str, ...] = ()
-
-
-@dataclass
-class PdStack:
-    tmp: Path
-    procs: list[ManagedProcess] = field(default_factory=list)
-    sidecars: dict[str, str] = field(default_factory=dict)  # worker id → sidecar URL
-    engines: dict[str, str] = field(default_factory=dict)  # worker id → engine URL
-
-    def start_replicas(self, replicas: Sequence[Replica], compute: str = "sim",
-                       speedup: str = "4") -> None:
-        engines = []
-        for i, r in enumerate(replicas):
-            args = ["refengine", "--compute", compute, "--model-path", str(MODEL), "--port", "0",
-                    "--kv-events-config", EVENTS, *r.extra]
-            if compute == "sim":
-                args += ["--speedup", speedup]
-            if r.role != "agg" and r.engine_disagg:
-                args += ["--disaggregation-mode", r.role, *self._hook(r, i)]
-            proc = ManagedProcess.start(f"engine-{r.role}-{i}", args, workdir=self.tmp)
-            self.procs.append(proc)
-            engines.append((r, i, proc))
-        sidecars = []
-        for r, i, proc in engines:
-            proc.wait_ready(120)
-            worker_id = f"{r.role}-{i}"
-            self.engines[worker_id] = proc.url
-            store: list[str] = []
-            if r.hook == "sidecar":
-                # Raw blocks of one page each: the tiny model's KV is 2 KiB per token (fp32).
-                store = ["--store-block-bytes", str(16 * 2048), "--store-capacity-bytes",
-                         "32MiB", "--store-socket", str(self._socket(i)), "--kv-handoff",
-                         "transfer"]
-            sc = ManagedProcess.start(
-                f"sidecar-{worker_id}",
-                ["sidecar", "--engine-url", proc.url, "--worker-id", worker_id, "--role", r.role,
-                 "--port", "0", *store, *r.sidecar_extra],
-                workdir=self.tmp,
-            )
-            self.procs.append(sc)
-            sidecars.append((worker_id, sc))
-        for worker_id, sc in sidecars:
-            self.sidecars[worker_id] = sc.wait_ready(60)[0]["url"]
-
-    def _socket(self, index: int) -> Path:
-        return self.tmp / f"store-{index}.sock"
-
-    def _hook(self, r: Replica, index: int) -> list[str]:
-        if r.hook == "file":
-            config: dict[str, Any] = {"file_path": str(self.tmp / r.store)}
-            return ["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
-                    json.dumps(config)]
-        config = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
-                  "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
-                  "socket": str(self._socket(index)), "model_id": "tiny"}
-        return ["--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                json.dumps(config)]
-
-    def start_gateway(self, name: str, *flags: str, workers: Sequence[str] | None = None) -> str:
-        chosen = self.sidecars if workers is None else {w: self.sidecars[w] for w in workers}
-        sidecar_flags = [f for url in chosen.values() for f in ("--sidecar", url)]
-        proc = ManagedProcess.start(
-            name,
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--health-check-interval-s",
-             "0.5", "--seed", "1", *flags, *sidecar_flags],
-            workdir=self.tmp,
-        )
-        self.procs.append(proc)
-        return str(proc.wait_ready(60)[0]["url"])
-
-    @contextlib.contextmanager
-    def engine_stopped(self, worker_id: str) -> Iterator[None]:
-        """SIGSTOP the worker's engine for the block, SIGCONT on leaving: the requests it
-        holds stay held, whatever the machine's speed, and its sidecar and the gateways run
-        on. Keep the block short: the sidecar's health probe gives up after 5 s."""
-        proc = next(p for p in self.procs if p.name == f"engine-{worker_id}")
-        os.killpg(proc.proc.pid, signal.SIGSTOP)  # its own session: the group is the engine
-        try:
-            yield
-        finally:
-            os.killpg(proc.proc.pid, signal.SIGCONT)
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+def pd_stack(tmp: Path, engines: Sequence[Role | EngineSpec], *,
+             compute: Literal["sim", "torch"] = "sim", speedup: float = 4.0,
+             **spec: Any) -> LocalStack:
+    """A started stack of one engine process per entry (a role, or an ``EngineSpec`` of one
+    replica), each with its sidecar, worker ids ``<role>-<i>`` by position, no gateway yet;
+    ``spec`` goes to ``StackSpec``. The caller stops it."""
+    specs = []
+    for i, entry in enumerate(engines):
+        engine = EngineSpec(role=entry) if isinstance(entry, str) else entry
+        specs.append(dataclasses.replace(engine, compute=compute,
+                                         worker_ids=(f"{engine.role}-{i}",)))
+    stack = StackSpec(engines=tuple(specs), gateways=(), speedup=speedup, **spec)
+    return LocalStack(stack, tmp).start()
 
 
 async def complete(
@@ -206,7 +114,7 @@ async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
 async def metric_reaches(session: aiohttp.ClientSession, url: str, name: str, value: float,
                          timeout_s: float = 4.0) -> None:
     """Poll the gateway's /metrics until ``name`` is ``value`` (by default for 4 s: less
-    than an engine may stay stopped, see ``PdStack.engine_stopped``)."""
+    than an engine may stay paused, see ``ManagedProcess.paused``)."""
 
     async def reached() -> bool:
         seen = await metric(session, url, name)

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.local_stack import EngineSpec, LocalStack
 from tests.integration.disagg.pd_stack import (
-    PdStack,
-    Replica,
     answer_text,
     capacity_known,
     complete,
+    gateway,
     metric,
     metric_reaches,
+    pd_stack,
     routable,
 )
 
@@ -29,14 +30,12 @@ def prompt(seed: int, words: int) -> str:
 
 
 @pytest.fixture
-def torch_stack(tmp_path: Path) -> Iterator[tuple[PdStack, str, str]]:
+def torch_stack(tmp_path: Path) -> Iterator[tuple[LocalStack, str, str]]:
     """agg + prefill + decode torch engines; a PD gateway and an aggregated-only gateway."""
-    stack = PdStack(tmp_path)
+    stack = pd_stack(tmp_path, ["agg", "prefill", "decode"], compute="torch")
     try:
-        stack.start_replicas([Replica("agg"), Replica("prefill"), Replica("decode")],
-                             compute="torch")
-        pd = stack.start_gateway("gateway-pd")
-        agg = stack.start_gateway("gateway-agg", "--pd-mode", "off")
+        pd = gateway(stack, "gateway-pd")
+        agg = gateway(stack, "gateway-agg", "--pd-mode", "off")
         yield stack, pd, agg
     finally:
         stack.stop()
@@ -71,12 +70,11 @@ async def test_greedy_output_matches_aggregated_serving(torch_stack, session) ->
 
 
 @pytest.fixture
-def broken_stack(tmp_path: Path) -> Iterator[PdStack]:
+def broken_stack(tmp_path: Path) -> Iterator[LocalStack]:
     """The decode engine looks for pages in another store than the prefill engine writes."""
-    stack = PdStack(tmp_path)
+    stack = pd_stack(tmp_path, ["agg", EngineSpec(role="prefill", page_store="pages-prefill"),
+                                EngineSpec(role="decode", page_store="pages-decode")])
     try:
-        stack.start_replicas([Replica("agg"), Replica("prefill", store="pages-prefill"),
-                              Replica("decode", store="pages-decode")])
         yield stack
     finally:
         stack.stop()
@@ -87,10 +85,10 @@ async def test_failed_transfer_under_each_policy(broken_stack, session) -> None:
     """fail: 502 kv_transfer_failed (or an error event mid-stream); fallback: re-run on the
     agg worker; both counted."""
     stack = broken_stack
-    fail = stack.start_gateway("gateway-fail", "--kv-load-failure-policy", "fail")
-    fallback = stack.start_gateway("gateway-fallback", "--kv-load-failure-policy", "fallback")
-    alone = stack.start_gateway("gateway-alone", "--kv-load-failure-policy", "fallback",
-                                workers=["prefill-1", "decode-2"])
+    fail = gateway(stack, "gateway-fail", "--kv-load-failure-policy", "fail")
+    fallback = gateway(stack, "gateway-fallback", "--kv-load-failure-policy", "fallback")
+    alone = gateway(stack, "gateway-alone", "--kv-load-failure-policy", "fallback",
+                    workers=["prefill-1", "decode-2"])
     for url, count in ((fail, 3), (fallback, 3), (alone, 2)):
         await routable(session, url, count)
     text = prompt(7, 50)
@@ -120,10 +118,9 @@ async def test_failed_transfer_under_each_policy(broken_stack, session) -> None:
 @pytest.mark.slow
 async def test_handoff_timeout_counts_as_failed_transfer(tmp_path, session) -> None:  # type: ignore[no-untyped-def]
     """A handoff slower than --kv-transfer-timeout-s fails cleanly with the fail policy."""
-    stack = PdStack(tmp_path)
+    stack = pd_stack(tmp_path, ["prefill", "decode"], speedup=0.05)
     try:
-        stack.start_replicas([Replica("prefill"), Replica("decode")], speedup="0.05")
-        url = stack.start_gateway("gateway", "--kv-load-failure-policy", "fail",
+        url = gateway(stack, "gateway", "--kv-load-failure-policy", "fail",
                                   "--kv-transfer-timeout-s", "0.01")
         await routable(session, url, 2)
         status, _, body = await complete(session, url, prompt(9, 40), 4)
@@ -134,13 +131,12 @@ async def test_handoff_timeout_counts_as_failed_transfer(tmp_path, session) -> N
 
 
 @pytest.fixture
-def small_decode_stack(tmp_path: Path) -> Iterator[PdStack]:
+def small_decode_stack(tmp_path: Path) -> Iterator[LocalStack]:
     """A decode engine whose KV pool holds 16 blocks of 16 tokens."""
-    stack = PdStack(tmp_path)
+    stack = pd_stack(tmp_path, ["prefill",
+                                EngineSpec(role="decode", args=("--max-total-tokens", "256"))],
+                     speedup=1)
     try:
-        stack.start_replicas([Replica("prefill"),
-                              Replica("decode", extra=("--max-total-tokens", "256"))],
-                             speedup="1")
         yield stack
     finally:
         stack.stop()
@@ -153,14 +149,14 @@ async def test_full_decode_pool_applies_backpressure(small_decode_stack, session
     The decode engine is stopped while the requests arrive, so the one placed first holds
     its room until every other has met the full pool, however fast the machine."""
     stack = small_decode_stack
-    waits = stack.start_gateway("gateway-wait", "--pd-queue-timeout-s", "30")
-    rejects = stack.start_gateway("gateway-reject", "--pd-queue-timeout-s", "0")
+    waits = gateway(stack, "gateway-wait", "--pd-queue-timeout-s", "30")
+    rejects = gateway(stack, "gateway-reject", "--pd-queue-timeout-s", "0")
     for url in (waits, rejects):
         await routable(session, url, 2)
         await capacity_known(session, url, "decode-1", 16)  # till then: room for anything
     # Each needs ceil((~100 prompt + 60 output) / 16) = 10+ blocks: two never fit together.
     async with asyncio.TaskGroup() as tg:
-        with stack.engine_stopped("decode-1"):
+        with stack.process("decode-1").paused():
             tasks = [tg.create_task(complete(session, waits, prompt(20 + i, 45), 60,
                                              stream=True)) for i in range(3)]
             await metric_reaches(session, waits, "kvsidecar_gateway_pd_waiting", 2)
@@ -170,7 +166,7 @@ async def test_full_decode_pool_applies_backpressure(small_decode_stack, session
     assert await metric(session, waits, "kvsidecar_gateway_pd_backpressure_waits_total") == 2
     assert await metric(session, waits, "kvsidecar_gateway_pd_waiting") == 0
     async with asyncio.TaskGroup() as tg:
-        with stack.engine_stopped("decode-1"):
+        with stack.process("decode-1").paused():
             tasks = [tg.create_task(complete(session, rejects, prompt(30 + i, 45), 60))
                      for i in range(2)]
             await metric_reaches(session, rejects,

@@ -14,22 +14,16 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.integration.disagg.pd_stack import (
-    PdStack,
-    Replica,
-    answer_text,
-    complete,
-    routable,
-)
+from kvsidecar.local_stack import EngineSpec, LocalStack
+from tests.integration.disagg.pd_stack import answer_text, complete, gateway, pd_stack, routable
 from tests.support.polling import eventually
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[PdStack]:
-    s = PdStack(tmp_path)
+def stack(tmp_path: Path) -> Iterator[LocalStack]:
+    s = pd_stack(tmp_path, ["agg", EngineSpec(role="prefill", handoff="sidecar"),
+                            EngineSpec(role="decode", handoff="sidecar")], compute="torch")
     try:
-        s.start_replicas([Replica("agg"), Replica("prefill", hook="sidecar"),
-                          Replica("decode", hook="sidecar")], compute="torch")
         yield s
     finally:
         s.stop()
@@ -60,16 +54,16 @@ async def _hooks_attached(session: aiohttp.ClientSession, url: str) -> None:
 async def test_pulled_blocks_continue_exactly_as_aggregated(stack, session) -> None:  # type: ignore[no-untyped-def]
     """Greedy output is identical to aggregated serving, over shm, tcp and nixl (or its tcp
     fallback) pulls."""
-    shm = stack.start_gateway("gateway-shm", "--kv-load-failure-policy", "fail")
-    tcp = stack.start_gateway("gateway-tcp", "--kv-load-failure-policy", "fail",
-                              "--kv-transport", "tcp")
-    nixl = stack.start_gateway("gateway-nixl", "--kv-load-failure-policy", "fail",
-                               "--kv-transport", "nixl")
-    agg = stack.start_gateway("gateway-agg", "--pd-mode", "off")
+    shm = gateway(stack, "gateway-shm", "--kv-load-failure-policy", "fail")
+    tcp = gateway(stack, "gateway-tcp", "--kv-load-failure-policy", "fail",
+                  "--kv-transport", "tcp")
+    nixl = gateway(stack, "gateway-nixl", "--kv-load-failure-policy", "fail",
+                   "--kv-transport", "nixl")
+    agg = gateway(stack, "gateway-agg", "--pd-mode", "off")
     for url in (shm, tcp, nixl, agg):
         await routable(session, url, 3)
     await _hooks_attached(session, shm)
-    decode = stack.sidecars["decode-2"]
+    decode = stack.sidecar_urls["decode-2"]
     for url, transport, salt in ((shm, "shm", "a"), (tcp, "tcp", "b")):
         before = await _pulled_bytes(session, decode, transport)
         for i, stream in enumerate((False, True)):

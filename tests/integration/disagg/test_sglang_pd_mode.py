@@ -13,7 +13,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.integration.disagg.pd_stack import PdStack, Replica, answer_text, complete, routable
+from kvsidecar.local_stack import EngineSpec
+from tests.integration.disagg.pd_stack import (
+    answer_text,
+    complete,
+    gateway,
+    pd_stack,
+    routable,
+)
 from tests.support.polling import eventually
 
 
@@ -33,21 +40,20 @@ async def _engine_prompt_tokens(session: aiohttp.ClientSession, url: str, least:
 @pytest.mark.slow
 async def test_pair_gets_the_same_request_and_decode_answers(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
     """--pd-mode sglang sends one request to both workers and streams the decode side."""
-    stack = PdStack(tmp_path)
+    stack = pd_stack(tmp_path, [
+        "agg",
+        EngineSpec(role="prefill", handoff="none",
+                   sidecar_args=("--disaggregation-bootstrap-port", "9123")),
+        EngineSpec(role="decode", handoff="none"),
+    ])
     try:
-        stack.start_replicas([
-            Replica("agg"),
-            Replica("prefill", engine_disagg=False,
-                    sidecar_extra=("--disaggregation-bootstrap-port", "9123")),
-            Replica("decode", engine_disagg=False),
-        ])
-        native = stack.start_gateway("gateway-sglang", "--pd-mode", "sglang")
-        agg = stack.start_gateway("gateway-agg", "--pd-mode", "off")
+        native = gateway(stack, "gateway-sglang", "--pd-mode", "sglang")
+        agg = gateway(stack, "gateway-agg", "--pd-mode", "off")
         await routable(session, native, 3)
         await routable(session, agg, 3)
         text = "cache1 token2 prefix3 block4 engine5 gateway6 " * 8
         _, _, reference = await complete(session, agg, text, 10)
-        async with session.get(stack.sidecars["prefill-1"] + "/v1/kvsidecar/pd/info") as r:
+        async with session.get(stack.sidecar_urls["prefill-1"] + "/v1/kvsidecar/pd/info") as r:
             info = await r.json()
         assert (info["role"], info["bootstrap_port"]) == ("prefill", 9123)
         status, worker, body = await complete(session, native, text, 10, stream=True)
@@ -57,6 +63,6 @@ async def test_pair_gets_the_same_request_and_decode_answers(tmp_path: Path, ses
         # Both engines were given the whole prompt (the health checks add a token or two).
         want = body["usage"]["prompt_tokens"]
         for worker_id in ("prefill-1", "decode-2"):
-            assert await _engine_prompt_tokens(session, stack.engines[worker_id], want) >= want
+            assert await _engine_prompt_tokens(session, stack.engine_urls[worker_id], want) >= want
     finally:
         stack.stop()

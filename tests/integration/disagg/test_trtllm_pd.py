@@ -14,10 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 from tests.integration.disagg.pd_stack import MODEL, answer_text, complete, metric, routable
 from tests.integration.disagg.trtllm_pd_standin import signature
 from tests.support.polling import eventually
+from tests.support.stacks import gateway
 
 ROOT = Path(__file__).resolve().parents[3]
 KEY = "disagg-secret"
@@ -52,9 +53,7 @@ class TrtStack:
 
     def gateway(self, name: str, workers: Sequence[str], *flags: str) -> str:
         assert self.local is not None
-        return self.local.add_gateway(GatewaySpec(
-            name=name, workers="none", health_check_interval_s=0.5, seed=1, wait_routable=False,
-            args=(*flags, *(f for w in workers for f in ("--sidecar", self.sidecars[w])))))[0].url
+        return gateway(self.local, name, *flags, workers=workers)
 
     def stop(self) -> None:
         if self.local is not None:

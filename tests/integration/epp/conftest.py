@@ -1,10 +1,9 @@
-"""Real processes for the endpoint picker's tests: CPU reference engines, their sidecars and
-``python -m routing.epp`` on ephemeral ports, each ready by its ready file."""
+"""Real processes for the endpoint picker's tests: simulated reference engines and their
+sidecars (a ``LocalStack``) and ``python -m routing.epp`` on ephemeral ports, each ready by
+its ready file."""
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,32 +13,26 @@ import aiohttp
 import grpc
 import pytest
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.launch import ManagedProcess, Stoppable, stop_newest_first
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "refengine" / "models" / "tiny"
-_EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                      "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 
 
 @dataclass
 class Fleet:
     """Engines with their sidecars, and the picker following them."""
 
-    procs: list[ManagedProcess]
+    procs: list[ManagedProcess]  # the pickers, stopped before the stack
     engines: list[str]  # each engine's ip:port, as Envoy would reach it
     epp_url: str  # the HTTP views
     grpc_target: str
+    stack: LocalStack | None = None
 
     def stop(self) -> None:
-        errors = []
-        for proc in reversed(self.procs):
-            try:
-                proc.stop()
-            except Exception as exc:
-                errors.append(exc)
-        if errors:
-            raise ExceptionGroup("fleet failed to stop", errors)
+        servers: list[Stoppable] = [*([self.stack] if self.stack else []), *self.procs]
+        stop_newest_first(servers, "fleet failed to stop")
 
 
 def start_epp(procs: list[ManagedProcess], workdir: Path, name: str,
@@ -56,33 +49,24 @@ def start_epp(procs: list[ManagedProcess], workdir: Path, name: str,
 
 
 def start_fleet(workdir: Path, replicas: int, epp_args: list[str]) -> Fleet:
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                       os.environ.get("PYTHONPATH")]))}
-    procs: list[ManagedProcess] = []
+    """``replicas`` simulated reference engines (what the picker is tested on is its picks
+    and their load, not the engines' compute), a sidecar each (workers ``w<i>``), and a
+    picker following them."""
+    spec = StackSpec(engines=(EngineSpec(replicas=replicas,
+                                         worker_ids=tuple(f"w{i}" for i in range(replicas))),),
+                     gateways=(), model_path=str(MODEL))
+    fleet = Fleet([], [], "", "", LocalStack(spec, workdir))
     try:
-        engines, sidecars = [], []
-        for i in range(replicas):
-            engine = ManagedProcess.start(
-                f"engine-{i}", ["refengine", "--compute", "torch", "--port", "0",
-                                "--kv-events-config", _EVENTS], workdir=workdir, env=env)
-            procs.append(engine)
-        for i, engine in enumerate(list(procs)):
-            engine_url = engine.wait_ready(120)[0]["url"]
-            engines.append(engine_url.removeprefix("http://"))
-            sidecar = ManagedProcess.start(
-                f"sidecar-{i}", ["sidecar", "--engine-url", engine_url, "--worker-id",
-                                 f"w{i}", "--port", "0"], workdir=workdir)
-            procs.append(sidecar)
-            sidecars.append(sidecar)
-        args = list(epp_args)
-        for sidecar in sidecars:
-            sidecar.wait_ready(60)
-            args += ["--sidecar", sidecar.url]
-        url, target = start_epp(procs, workdir, "epp", ["--model-path", str(MODEL), *args])
+        assert fleet.stack is not None
+        fleet.stack.start()
+        fleet.engines = [p.url.removeprefix("http://") for p in fleet.stack.engines]
+        sidecars = [f for p in fleet.stack.sidecars for f in ("--sidecar", p.url)]
+        fleet.epp_url, fleet.grpc_target = start_epp(
+            fleet.procs, workdir, "epp", ["--model-path", str(MODEL), *epp_args, *sidecars])
     except BaseException:
-        Fleet(procs, [], "", "").stop()
+        fleet.stop()
         raise
-    return Fleet(procs, engines, url, target)
+    return fleet
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_nats import NatsServer
-from tests.integration.disagg.pd_stack import MODEL, PdStack, Replica, metric
+from kvsidecar.local_stack import EngineSpec, LocalStack
+from tests.integration.disagg.pd_stack import gateway, metric, pd_stack
 from tests.support.gateway import routable
 from tests.support.polling import eventually
 
@@ -46,16 +43,6 @@ def _body(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
-
-
-@contextmanager
-def paused(proc: ManagedProcess) -> Iterator[None]:
-    """SIGSTOP ``proc`` for the block; SIGCONT on the way out, whatever happened."""
-    os.kill(proc.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(proc.proc.pid, signal.SIGCONT)
 
 
 class Stream:
@@ -134,14 +121,14 @@ async def drained(session: aiohttp.ClientSession, url: str) -> None:
     await eventually(idle, f"nothing in flight at {url}", timeout_s=20)
 
 
-async def engines_idle(session: aiohttp.ClientSession, stack: PdStack) -> None:
+async def engines_idle(session: aiohttp.ClientSession, stack: LocalStack) -> None:
     """Until no sidecar and no engine of ``stack`` has a request left running."""
 
     async def idle() -> bool:
-        for worker_id, sidecar_url in stack.sidecars.items():
+        for worker_id, sidecar_url in stack.sidecar_urls.items():
             async with session.get(f"{sidecar_url}/v1/load") as resp:
                 in_flight = (await resp.json())[worker_id]["in_flight"]
-            async with session.get(f"{stack.engines[worker_id]}/metrics") as resp:
+            async with session.get(f"{stack.engine_urls[worker_id]}/metrics") as resp:
                 page = await resp.text()
             running = next(line for line in page.splitlines()
                            if line.startswith("sglang:num_running_reqs "))
@@ -161,17 +148,23 @@ async def reaches(session: aiohttp.ClientSession, url: str, name: str, value: fl
     await eventually(check, f"{name} == {value} at {url}", timeout_s=30)
 
 
-def _engine(stack: PdStack, worker_id: str) -> ManagedProcess:
-    return next(p for p in stack.procs if p.name == f"engine-{worker_id}")
+Start = Callable[..., LocalStack]
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[PdStack]:
-    stack = PdStack(tmp_path)
+def start(tmp_path: Path) -> Iterator[Start]:
+    """``pd_stack`` in the test's directory, each stack it starts stopped after the test."""
+    started: list[LocalStack] = []
+
+    def start(*args: Any, **kwargs: Any) -> LocalStack:
+        started.append(pd_stack(tmp_path, *args, **kwargs))
+        return started[-1]
+
     try:
-        yield stack
+        yield start
     finally:
-        stack.stop()
+        for stack in reversed(started):
+            stack.stop()
 
 
 # --- 1. an engine hung mid-stream, then resumed --------------------------------------------
@@ -179,21 +172,21 @@ def stack(tmp_path: Path) -> Iterator[PdStack]:
 
 @pytest.mark.parametrize("migration_limit", [1, 0])
 async def test_engine_hung_mid_stream_ends_and_the_worker_comes_back(
-    stack: PdStack, session: aiohttp.ClientSession, migration_limit: int
+    start: Start, session: aiohttp.ClientSession, migration_limit: int
 ) -> None:
     """A stream whose engine is SIGSTOPped after its first chunk ends past
     --upstream-timeout-s (migrated whole, or cut without [DONE]), a stream on the other
     worker is untouched, and after SIGCONT the hung worker is routable and serves again."""
-    stack.start_replicas([Replica("agg", extra=SLOW_DECODE)] * 2, speedup="1")
-    url = stack.start_gateway("gateway", "--router-mode", "round-robin", "--migration-limit",
-                              str(migration_limit), "--upstream-timeout-s", "2")
+    stack = start([EngineSpec(args=SLOW_DECODE)] * 2, speedup=1)
+    url = gateway(stack, "gateway", "--router-mode", "round-robin", "--migration-limit",
+                  str(migration_limit), "--upstream-timeout-s", "2")
     await routable(session, url, 2)
     async with (streaming(session, url, _prompt(1)) as hung,
                 streaming(session, url, _prompt(2)) as other):
         assert hung.worker != other.worker  # round-robin
         await hung.first_chunk()
         await other.first_chunk()
-        with paused(_engine(stack, hung.worker)):
+        with stack.process(hung.worker).paused():
             hung_end, other_end = await asyncio.gather(hung.rest(), other.rest(),
                                                        return_exceptions=True)
     assert other_end is other and other.done
@@ -217,25 +210,6 @@ async def test_engine_hung_mid_stream_ends_and_the_worker_comes_back(
 # --- 2. an engine restarted on its port, its event sequence reset --------------------------
 
 
-def _restart_engine(stack: PdStack, worker_id: str) -> ManagedProcess:
-    """SIGKILL the worker's engine and start a new one on the same HTTP and event ports: an
-    empty cache, and a KV event sequence that starts over."""
-    old = _engine(stack, worker_id)
-    ready = old.ready[0]
-    old.kill()
-    events = {"publisher": "zmq", "endpoint": ready["kv_events_endpoint"], "bind": True,
-              "replay_endpoint": ready["kv_replay_endpoint"], "topic": "kv"}
-    new = ManagedProcess.start(
-        f"engine-{worker_id}-restarted",
-        ["refengine", "--compute", "sim", "--model-path", str(MODEL), "--port",
-         str(ready["port"]), "--kv-events-config", json.dumps(events)],
-        workdir=stack.tmp,
-    )
-    stack.procs.append(new)
-    new.wait_ready(120)
-    return new
-
-
 async def _gpu_blocks(session: aiohttp.ClientSession, url: str, worker_id: str) -> int:
     return int((await workers(session, url))[worker_id]["cached_blocks"]["gpu"])
 
@@ -252,13 +226,13 @@ async def _resyncs_for_restart(session: aiohttp.ClientSession, sidecar_url: str)
 
 
 async def test_engine_restart_with_sequence_reset_clears_and_follows(
-    stack: PdStack, session: aiohttp.ClientSession
+    start: Start, session: aiohttp.ClientSession
 ) -> None:
     """An engine killed and started again on its ports (empty cache, event seq from 0): the
     gateway drops the blocks the old one held and follows the new one's events."""
-    stack.start_replicas([Replica("agg")])
-    url = stack.start_gateway("gateway")
-    (worker_id, sidecar_url), = stack.sidecars.items()
+    stack = start(["agg"])
+    url = gateway(stack, "gateway")
+    (worker_id, sidecar_url), = stack.sidecar_urls.items()
     await routable(session, url, 1)
     before = _prompt(20, 120)
     assert (await complete(session, url, before))[0] == worker_id
@@ -270,7 +244,10 @@ async def test_engine_restart_with_sequence_reset_clears_and_follows(
     assert (await complete(session, url, before))[1] > 0
     assert await _resyncs_for_restart(session, sidecar_url) == 0
 
-    _restart_engine(stack, worker_id)
+    # SIGKILLed, then started on its HTTP and event ports: an empty cache, and a KV event
+    # sequence that starts over.
+    stack.process(worker_id).kill()
+    stack.restart(stack.process(worker_id))
 
     async def cleared() -> bool:
         blocks = await _gpu_blocks(session, url, worker_id)
@@ -293,33 +270,23 @@ async def test_engine_restart_with_sequence_reset_clears_and_follows(
 PEER_TIMEOUT_S = "1"
 
 
-@pytest.fixture
-def nats(tmp_path: Path) -> Iterator[NatsServer]:
-    server = NatsServer(tmp_path).start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def test_gateway_paused_past_its_lease_is_dropped_then_rejoins(
-    stack: PdStack, nats: NatsServer, session: aiohttp.ClientSession
+    start: Start, session: aiohttp.ClientSession
 ) -> None:
     """A gateway SIGSTOPped past --nats-peer-timeout-s is dropped by the other with its load
     while the other serves alone; after SIGCONT its stream ends, both see each other again
     and serve, and nothing stays in flight."""
-    stack.start_replicas([Replica("agg", extra=SLOW_DECODE)] * 2, speedup="1")
-    replicas = ("--nats", nats.url, "--nats-peer-timeout-s", PEER_TIMEOUT_S)
-    a_url = stack.start_gateway("gateway-a", *replicas)
-    b_url = stack.start_gateway("gateway-b", *replicas)
-    a = next(p for p in stack.procs if p.name == "gateway-a")
+    stack = start([EngineSpec(args=SLOW_DECODE)] * 2, speedup=1, nats=True)
+    a_url = gateway(stack, "gateway-a", "--nats-peer-timeout-s", PEER_TIMEOUT_S)
+    b_url = gateway(stack, "gateway-b", "--nats-peer-timeout-s", PEER_TIMEOUT_S)
+    a = stack.process("gateway-a")
     for url in (a_url, b_url):
         await routable(session, url, 2)
         await reaches(session, url, "kvsidecar_gateway_replica_peers", 1)
     async with streaming(session, a_url, _prompt(30)) as held:
         await held.first_chunk()
         await reaches(session, b_url, "kvsidecar_gateway_replica_remote_requests", 1)
-        with paused(a):
+        with a.paused():
             await reaches(session, b_url, "kvsidecar_gateway_replica_peers", 0)
             await reaches(session, b_url, "kvsidecar_gateway_replica_remote_requests", 0)
             assert await metric(session, b_url,

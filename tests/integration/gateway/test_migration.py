@@ -3,21 +3,23 @@
 Real processes: two torch reference engines (greedy output is a function of the tokens so far,
 so a continuation elsewhere must produce what an uninterrupted run does), a sidecar each, one
 gateway with ``--migration-limit``. The serving engine is killed mid-stream (SIGKILL, as a
-crash); the client's stream must go on without a visible break.
+crash); the client's stream must go on without a visible break. The engines are the
+module's: one a test killed is started again on its ports before the next.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.integration.disagg.pd_stack import PdStack, Replica, complete, metric, routable
+from kvsidecar.local_stack import LocalStack
+from tests.integration.disagg.pd_stack import complete, gateway, metric, pd_stack, routable
 from tests.support.polling import eventually
+from tests.support.stacks import own_gateways
 
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory"]
 MAX_TOKENS = 400
@@ -28,23 +30,30 @@ def _prompt(seed: int, words: int = 40) -> str:
                     for i in range(words))
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[PdStack]:
-    stack = PdStack(tmp_path)
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    """The two torch engines and their sidecars, shared by the module's tests."""
+    stack = pd_stack(tmp_path_factory.mktemp("migration"), ["agg", "agg"], compute="torch")
     try:
-        stack.start_replicas([Replica("agg"), Replica("agg")], compute="torch")
         yield stack
     finally:
         stack.stop()
 
 
-def _engine(stack: PdStack, worker_id: str) -> Any:
-    index = worker_id.rsplit("-", 1)[1]
-    return next(p for p in stack.procs if p.name == f"engine-agg-{index}")
+@pytest.fixture
+def stack(engines: LocalStack) -> Iterator[LocalStack]:
+    """The shared engines, each one an earlier test killed started again on its ports (its
+    cache empty); the gateways the test starts are stopped after it."""
+    for worker_id in engines.engine_urls:
+        proc = engines.process(worker_id)
+        if proc.proc.poll() is not None:
+            engines.restart(proc)
+    with own_gateways(engines):
+        yield engines
 
 
 async def _stream_and_kill(
-    session: aiohttp.ClientSession, stack: PdStack, url: str, text: str, chat: bool,
+    session: aiohttp.ClientSession, stack: LocalStack, url: str, text: str, chat: bool,
     kill_after: int,
 ) -> tuple[str, dict[str, Any]]:
     """Stream ``text``; after ``kill_after`` events, SIGKILL the engine serving it. Returns
@@ -71,7 +80,7 @@ async def _stream_and_kill(
                 break
             chunks.append(json.loads(line[5:]))
             if len(chunks) == kill_after:
-                _engine(stack, worker).kill()
+                stack.process(worker).kill()
     assert not any(line.startswith(b":") for line in raw_lines), "token-id comments leaked"
     text_out, finish, usage = "", None, None
     roles = 0
@@ -92,7 +101,7 @@ async def _stream_and_kill(
 @pytest.mark.parametrize("chat", [False, True])
 async def test_stream_survives_its_engine_dying(stack, session, chat) -> None:  # type: ignore[no-untyped-def]
     """Greedy output through a migration equals an uninterrupted run, as one stream."""
-    url = stack.start_gateway("gateway", "--migration-limit", "2", "--upstream-timeout-s", "20")
+    url = gateway(stack, "gateway", "--migration-limit", "2", "--upstream-timeout-s", "20")
     await routable(session, url, 2)
     text = _prompt(7 if chat else 3)
     status, _, whole = await complete(session, url, text, MAX_TOKENS, stream=True, chat=chat)
@@ -111,7 +120,7 @@ async def test_stream_survives_its_engine_dying(stack, session, chat) -> None:  
     assert await metric(session, url, "kvsidecar_gateway_migrations_total") == 1
     assert await metric(session, url, "kvsidecar_gateway_streams_lost_total") == 0
     # The survivor serves what comes next; the dead worker leaves placement.
-    survivor = next(w for w in stack.sidecars if w != first)
+    survivor = next(w for w in stack.sidecar_urls if w != first)
     status, worker, _ = await complete(session, url, _prompt(11), 4)
     assert (status, worker) == (200, survivor)
 
@@ -119,7 +128,7 @@ async def test_stream_survives_its_engine_dying(stack, session, chat) -> None:  
 @pytest.mark.slow
 async def test_without_migration_the_stream_is_cut(stack, session) -> None:  # type: ignore[no-untyped-def]
     """--migration-limit 0 (the default): the client sees its stream end without [DONE]."""
-    url = stack.start_gateway("gateway")
+    url = gateway(stack, "gateway")
     await routable(session, url, 2)
     with pytest.raises(aiohttp.ClientPayloadError):
         await _stream_and_kill(session, stack, url, _prompt(5), False, kill_after=10)
@@ -133,7 +142,7 @@ async def test_without_migration_the_stream_is_cut(stack, session) -> None:  # t
 @pytest.mark.slow
 async def test_past_the_limit_the_stream_is_cut(stack, session) -> None:  # type: ignore[no-untyped-def]
     """--migration-limit 1: the first death migrates, the second cuts the stream."""
-    url = stack.start_gateway("gateway", "--migration-limit", "1")
+    url = gateway(stack, "gateway", "--migration-limit", "1")
     await routable(session, url, 2)
     body = {"model": "tiny", "prompt": _prompt(9), "max_tokens": MAX_TOKENS, "stream": True,
             "temperature": 0, "ignore_eos": True}
@@ -145,10 +154,10 @@ async def test_past_the_limit_the_stream_is_cut(stack, session) -> None:  # type
             async for line in resp.content:
                 events += line.startswith(b"data:")
                 if events == 10:
-                    _engine(stack, killed[0]).kill()
+                    stack.process(killed[0]).kill()
                 elif events == 30:  # on the second worker now
-                    killed.append(next(w for w in stack.sidecars if w != killed[0]))
-                    _engine(stack, killed[1]).kill()
+                    killed.append(next(w for w in stack.sidecar_urls if w != killed[0]))
+                    stack.process(killed[1]).kill()
     assert events >= 30
     assert await metric(session, url, "kvsidecar_gateway_migrations_total") == 1
     assert await metric(session, url, "kvsidecar_gateway_streams_lost_total") == 1

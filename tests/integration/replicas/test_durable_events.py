@@ -4,11 +4,8 @@ events from JetStream, restarting warm from an index snapshot."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -17,15 +14,13 @@ from kvcore import nats_extra
 from kvcore.jetstream import events_subject
 from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_nats import NatsServer
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 from tests.support.gateway import routable
 from tests.support.polling import eventually
+from tests.support.stacks import gateway_process, own_gateways
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "refengine" / "models" / "tiny"
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 WORKERS = ("replica-0", "replica-1")
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory"]
 
@@ -44,64 +39,30 @@ async def chat(session: aiohttp.ClientSession, url: str, system: str) -> tuple[s
         return resp.headers["x-kvsidecar-worker"], int(resp.headers["x-kvsidecar-cached-blocks"])
 
 
-@dataclass
-class Fleet:
-    nats: NatsServer
-    sidecar_urls: list[str]
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """NATS, and two simulated engines whose sidecars publish to JetStream."""
-    tmp = tmp_path_factory.mktemp("durable")
-    procs: list[ManagedProcess] = []
-    nats = NatsServer(tmp).start()
-    try:
-        engines = ManagedProcess.start(
-            "engines",
-            ["refengine", "--compute", "sim", "--replicas", "2", "--port", "0",
-             "--kv-events-config", EVENTS],
-            workdir=tmp,
-        )
-        procs.append(engines)
-        urls = [r["url"] for r in engines.wait_ready(60, count=2)]
-        for worker, url in zip(WORKERS, urls, strict=True):
-            procs.append(ManagedProcess.start(
-                f"sidecar-{worker}",
-                ["sidecar", "--engine-url", url, "--worker-id", worker, "--port", "0",
-                 "--events-via", "nats", "--nats", nats.url],
-                workdir=tmp,
-            ))
-        for sc in procs[1:]:
-            sc.wait_ready(60)
-        yield Fleet(nats, [sc.url for sc in procs[1:]])
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        nats.stop()
+    spec = StackSpec(engines=(EngineSpec(replicas=2, worker_ids=WORKERS),), gateways=(),
+                     nats=True, nats_events=True)
+    with LocalStack(spec, tmp_path_factory.mktemp("durable")) as stack:
+        yield stack
 
 
 @pytest.fixture
-def start_gateway(fleet: Fleet, tmp_path: Path) -> Iterator[Callable[[str], ManagedProcess]]:
+def start_gateway(fleet: LocalStack) -> Iterator[Callable[[str], ManagedProcess]]:
     """Starts gateways reading the events from JetStream; stops them after the test."""
-    started: list[ManagedProcess] = []
+    with own_gateways(fleet):
+        yield lambda name: gateway_process(fleet, name, "--events-via", "nats",
+                                        "--snapshot-interval-s", "0.5")
 
-    def start(name: str) -> ManagedProcess:
-        flags = [f for url in fleet.sidecar_urls for f in ("--sidecar", url)]
-        gw = ManagedProcess.start(
-            name,
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--seed", "1",
-             "--health-check-interval-s", "0.5", "--nats", fleet.nats.url,
-             "--events-via", "nats", "--snapshot-interval-s", "0.5", *flags],
-            workdir=tmp_path,
-        )
-        started.append(gw)
-        gw.wait_ready(60)
-        return gw
 
-    yield start
-    for gw in reversed(started):
-        gw.stop()
+def sidecar_urls(fleet: LocalStack) -> list[str]:
+    return [fleet.sidecar_urls[w] for w in WORKERS]
+
+
+def nats_of(fleet: LocalStack) -> NatsServer:
+    assert fleet.nats is not None
+    return fleet.nats
 
 
 async def metric(session: aiohttp.ClientSession, url: str, series: str) -> float:
@@ -141,13 +102,13 @@ async def live(session: aiohttp.ClientSession, url: str) -> None:
 
 
 async def test_events_flow_through_jetstream(
-    fleet: Fleet, start_gateway: Callable[[str], ManagedProcess],
+    fleet: LocalStack, start_gateway: Callable[[str], ManagedProcess],
     session: aiohttp.ClientSession,
 ) -> None:
     """The gateway's index fills from JetStream: its sidecar streams carry status only."""
     gw = start_gateway("gateway")
     await live(session, gw.url)
-    for sidecar, worker in zip(fleet.sidecar_urls, WORKERS, strict=True):
+    for sidecar, worker in zip(sidecar_urls(fleet), WORKERS, strict=True):
         series = f'kvsidecar_event_subscribers_status_only{{worker="{worker}"}}'
         assert await metric(session, sidecar, series) == 1
         assert await metric(session, sidecar, "kvsidecar_jetstream_connected") == 1
@@ -158,7 +119,7 @@ async def test_events_flow_through_jetstream(
 
 
 async def test_restarted_gateway_starts_from_the_snapshot(
-    fleet: Fleet, start_gateway: Callable[[str], ManagedProcess],
+    fleet: LocalStack, start_gateway: Callable[[str], ManagedProcess],
     session: aiohttp.ClientSession,
 ) -> None:
     """A gateway started after another one died loads its snapshot, replays the stream after
@@ -171,23 +132,25 @@ async def test_restarted_gateway_starts_from_the_snapshot(
         first, _ = await chat(session, a.url, text(seed))
         placed[seed] = (await cached_on_repeat(session, a.url, text(seed)))[0]
         assert placed[seed] == first
-    written = await metric(session, a.url, "kvsidecar_gateway_durable_snapshots_written_total")
-    await reaches(session, a.url, "kvsidecar_gateway_durable_snapshots_written_total",
-                  lambda v: v > written, "a snapshot after the requests")
+    # A snapshot covering every event of the requests (one may have been written already:
+    # the next is written only when more events arrive)
+    applied = await metric(session, a.url, "kvsidecar_gateway_durable_stream_seq")
+    await reaches(session, a.url, "kvsidecar_gateway_durable_snapshot_stream_seq",
+                  lambda v: v >= applied, "a snapshot after the requests")
     first, _ = await chat(session, a.url, text(13))  # after the snapshot: replayed
     placed[13] = (await cached_on_repeat(session, a.url, text(13)))[0]
     assert placed[13] == first
     a.kill()
     snapshots_before = [
         await metric(session, url, f'kvsidecar_stream_snapshots_total{{worker="{w}"}}')
-        for url, w in zip(fleet.sidecar_urls, WORKERS, strict=True)]
+        for url, w in zip(sidecar_urls(fleet), WORKERS, strict=True)]
     b = start_gateway("gateway-b")
     await live(session, b.url)
     assert await metric(session, b.url, "kvsidecar_gateway_durable_snapshot_loaded_blocks") > 0
     assert await metric(session, b.url, "kvsidecar_gateway_durable_warm_start_seconds") > 0
     snapshots_after = [
         await metric(session, url, f'kvsidecar_stream_snapshots_total{{worker="{w}"}}')
-        for url, w in zip(fleet.sidecar_urls, WORKERS, strict=True)]
+        for url, w in zip(sidecar_urls(fleet), WORKERS, strict=True)]
     assert snapshots_after == snapshots_before  # resumed from positions, not resynced
     for seed, worker in placed.items():
         assert (await chat(session, b.url, text(seed)))[0] == worker
@@ -195,7 +158,7 @@ async def test_restarted_gateway_starts_from_the_snapshot(
 
 
 async def test_nats_down_falls_back_to_the_sidecar_streams(
-    fleet: Fleet, start_gateway: Callable[[str], ManagedProcess],
+    fleet: LocalStack, start_gateway: Callable[[str], ManagedProcess],
     session: aiohttp.ClientSession,
 ) -> None:
     """NATS killed: sidecars count the frames they could not publish and send them on their
@@ -203,19 +166,19 @@ async def test_nats_down_falls_back_to_the_sidecar_streams(
     events come from JetStream again."""
     gw = start_gateway("gateway")
     await live(session, gw.url)
-    fleet.nats.kill()
+    nats_of(fleet).kill()
     await reaches(session, gw.url, "kvsidecar_gateway_durable_live", lambda v: v == 0, "== 0")
-    for sidecar in fleet.sidecar_urls:
+    for sidecar in sidecar_urls(fleet):
         await reaches(session, sidecar, "kvsidecar_jetstream_connected", lambda v: v == 0, "0")
     first, _ = await chat(session, gw.url, text(20))
     worker, cached = await cached_on_repeat(session, gw.url, text(20))
     assert worker == first and cached > 0
     dropped = sum([await metric(session, url, "kvsidecar_jetstream_frames_dropped_total")
-                   for url in fleet.sidecar_urls])
+                   for url in sidecar_urls(fleet)])
     assert dropped > 0
-    fleet.nats.start()  # on the same port, with its store
+    nats_of(fleet).start()  # on the same port, with its store
     await live(session, gw.url)
-    for sidecar in fleet.sidecar_urls:
+    for sidecar in sidecar_urls(fleet):
         await reaches(session, sidecar, "kvsidecar_jetstream_connected", lambda v: v == 1, "1")
     first, _ = await chat(session, gw.url, text(21))
     worker, cached = await cached_on_repeat(session, gw.url, text(21))
@@ -223,14 +186,14 @@ async def test_nats_down_falls_back_to_the_sidecar_streams(
 
 
 async def test_corrupt_message_is_counted_and_skipped(
-    fleet: Fleet, start_gateway: Callable[[str], ManagedProcess],
+    fleet: LocalStack, start_gateway: Callable[[str], ManagedProcess],
     session: aiohttp.ClientSession,
 ) -> None:
     """Bytes that are no batch of frames, on a worker's subject: logged, counted, skipped;
     the events after it still apply."""
     gw = start_gateway("gateway")
     await live(session, gw.url)
-    nc = await nats_extra.load("this test").connect(fleet.nats.url)
+    nc = await nats_extra.load("this test").connect(nats_of(fleet).url)
     try:
         await nc.jetstream().publish(events_subject("tiny", WORKERS[0]), b"\x00\x00\x00\x09oops")
     finally:

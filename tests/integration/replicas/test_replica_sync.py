@@ -4,102 +4,52 @@ on), simulated engines with their sidecars, and two ``kvsidecar gateway --nats``
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_nats import NatsServer
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from tests.support.gateway import routable
 from tests.support.polling import eventually
+from tests.support.stacks import gateway_process, own_gateways
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "refengine" / "models" / "tiny"
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory"]
 PEER_TIMEOUT_S = "1"
 
 
-@dataclass
-class Fleet:
-    nats: NatsServer
-    sidecar_urls: list[str]
-    tmp: Path
-
-
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """NATS and two simulated engines with sidecars, shared by the module's gateways. A
     prompt's prefill takes seconds (2 ms a token), so it is still running while a second
     gateway places the same prefix: only the first gateway's message can tell it where."""
-    tmp = tmp_path_factory.mktemp("replicas")
-    procs: list[ManagedProcess] = []
-    nats = NatsServer(tmp).start()
-    try:
-        engines = ManagedProcess.start(
-            "engines",
-            ["refengine", "--compute", "sim", "--replicas", "2", "--port", "0",
-             "--sim-prefill-us-per-token", "2000", "--kv-events-config", EVENTS],
-            workdir=tmp,
-        )
-        procs.append(engines)
-        urls = [r["url"] for r in engines.wait_ready(60, count=2)]
-        for i, url in enumerate(urls):
-            procs.append(ManagedProcess.start(
-                f"sidecar-{i}",
-                ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}", "--port", "0"],
-                workdir=tmp,
-            ))
-        for sc in procs[1:]:
-            sc.wait_ready(60)
-        yield Fleet(nats, [sc.url for sc in procs[1:]], tmp)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-        nats.stop()
+    spec = StackSpec(engines=(EngineSpec(replicas=2, args=("--sim-prefill-us-per-token",
+                                                           "2000")),),
+                     gateways=(), nats=True)
+    with LocalStack(spec, tmp_path_factory.mktemp("replicas")) as stack:
+        yield stack
 
 
 @pytest.fixture
-def gateways(fleet: Fleet, tmp_path: Path) -> Iterator[list[ManagedProcess]]:
-    yield from _gateway_pair(fleet, tmp_path)
+def gateways(fleet: LocalStack) -> Iterator[list[ManagedProcess]]:
+    yield from _gateway_pair(fleet)
 
 
 @pytest.fixture
-def wide_window_gateways(fleet: Fleet, tmp_path: Path) -> Iterator[list[ManagedProcess]]:
+def wide_window_gateways(fleet: LocalStack) -> Iterator[list[ManagedProcess]]:
     """Two replicas whose new-prompt window (2 s) outlasts any scheduling delay here."""
-    yield from _gateway_pair(fleet, tmp_path, "--nats-new-prompt-window-ms", "2000")
+    yield from _gateway_pair(fleet, "--nats-new-prompt-window-ms", "2000")
 
 
-def _gateway_pair(fleet: Fleet, tmp_path: Path, *common: str) -> Iterator[list[ManagedProcess]]:
-    started: list[ManagedProcess] = []
-
-    def start(name: str, *extra: str) -> ManagedProcess:
-        flags = [f for url in fleet.sidecar_urls for f in ("--sidecar", url)]
-        gw = ManagedProcess.start(
-            name,
-            ["routing", "--port", "0", "--model-path", str(MODEL), "--seed", "1",
-             "--health-check-interval-s", "0.5", *flags, *common, *extra],
-            workdir=tmp_path,
-        )
-        started.append(gw)
-        gw.wait_ready(60)
-        return gw
-
-    nats = ("--nats", fleet.nats.url, "--nats-peer-timeout-s", PEER_TIMEOUT_S)
-    start("gateway-a", *nats)
-    start("gateway-b", *nats)
-    yield started
-    for gw in reversed(started):
-        gw.stop()
+def _gateway_pair(fleet: LocalStack, *common: str) -> Iterator[list[ManagedProcess]]:
+    with own_gateways(fleet):
+        yield [gateway_process(fleet, name, "--nats-peer-timeout-s", PEER_TIMEOUT_S, *common)
+               for name in ("gateway-a", "gateway-b")]
 
 
 def text(seed: int, words: int) -> str:
@@ -229,14 +179,16 @@ async def test_killed_gateway_leaves_no_load(
 
 
 async def test_nats_down_both_keep_serving(
-    fleet: Fleet, gateways: list[ManagedProcess], session: aiohttp.ClientSession
+    fleet: LocalStack, gateways: list[ManagedProcess], session: aiohttp.ClientSession
 ) -> None:
     """NATS killed mid-run: both replicas keep serving alone, count it, and reconnect."""
     a, b = gateways
     for gw in gateways:
         await routable(session, gw.url, 2)
         await reaches(session, gw.url, "kvsidecar_gateway_replica_peers", 1)
-    fleet.nats.kill()
+    nats = fleet.nats
+    assert nats is not None
+    nats.kill()
     for gw in gateways:
         await reaches(session, gw.url, "kvsidecar_gateway_replica_nats_connected", 0)
     for seed in range(4):
@@ -244,7 +196,7 @@ async def test_nats_down_both_keep_serving(
             await chat(session, gw.url, text(20 + seed, 20))
     assert await metric(session, a.url, "kvsidecar_gateway_replica_nats_disconnects_total") == 1
     assert await metric(session, a.url, "kvsidecar_gateway_replica_events_dropped_total") > 0
-    fleet.nats.start()  # on the same port
+    nats.start()  # on the same port
     for gw in gateways:
         await reaches(session, gw.url, "kvsidecar_gateway_replica_nats_connected", 1)
         await reaches(session, gw.url, "kvsidecar_gateway_replica_peers", 1)
@@ -253,18 +205,16 @@ async def test_nats_down_both_keep_serving(
 
 
 async def test_unreachable_nats_at_start_and_no_nats(
-    fleet: Fleet, tmp_path: Path, session: aiohttp.ClientSession
+    fleet: LocalStack, session: aiohttp.ClientSession
 ) -> None:
     """A gateway whose NATS never answers serves alone; one without --nats has no link."""
-    flags = [f for url in fleet.sidecar_urls for f in ("--sidecar", url)]
-    started = []
-    try:
-        for name, extra in (("alone", []), ("unreachable", ["--nats", "nats://127.0.0.1:9"])):
-            gw = ManagedProcess.start(
-                name, ["routing", "--port", "0", "--model-path", str(MODEL), *flags, *extra],
-                workdir=tmp_path)
+    with own_gateways(fleet):
+        started = []
+        for name, joins, extra in (("alone", False, ()),
+                                   ("unreachable", True, ("--nats", "nats://127.0.0.1:9"))):
+            gw = fleet.add_gateway(GatewaySpec(name=name, nats=joins, wait_routable=False,
+                                               args=extra))[0]
             started.append(gw)
-            gw.wait_ready(60)
             await routable(session, gw.url, 2)
             await chat(session, gw.url, text(40, 20))
         alone, unreachable = started
@@ -274,6 +224,3 @@ async def test_unreachable_nats_at_start_and_no_nats(
                             "kvsidecar_gateway_replica_nats_connected") == 0
         assert await metric(session, unreachable.url,
                             "kvsidecar_gateway_replica_nats_errors_total") >= 1
-    finally:
-        for gw in reversed(started):
-            gw.stop()

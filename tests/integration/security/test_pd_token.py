@@ -10,22 +10,21 @@ import aiohttp
 import pytest
 
 from kvcore.control_token import CONTROL_TOKEN_HEADER
-from tests.integration.disagg.pd_stack import PdStack, Replica, complete, routable
+from kvsidecar.local_stack import EngineSpec, LocalStack
+from tests.integration.disagg.pd_stack import complete, gateway, pd_stack, routable
 from tests.support.polling import eventually
 
 TOKEN = "ctl-pd-51c0"
 
 
 @pytest.fixture
-def stack(tmp_path: Path) -> Iterator[PdStack]:
+def stack(tmp_path: Path) -> Iterator[LocalStack]:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     guarded = ("--control-token-file", str(token))
-    s = PdStack(tmp_path)
+    s = pd_stack(tmp_path, [EngineSpec(role=role, handoff="sidecar", sidecar_args=guarded)
+                            for role in ("prefill", "decode")], compute="torch")
     try:
-        s.start_replicas([Replica("prefill", hook="sidecar", sidecar_extra=guarded),
-                          Replica("decode", hook="sidecar", sidecar_extra=guarded)],
-                         compute="torch")
         yield s
     finally:
         s.stop()
@@ -40,12 +39,12 @@ async def _pulled_bytes(session: aiohttp.ClientSession, sidecar: str) -> float:
 
 @pytest.mark.slow
 async def test_a_pd_pair_behind_control_tokens_hands_its_kv_over(
-    stack: PdStack, session: aiohttp.ClientSession, tmp_path: Path
+    stack: LocalStack, session: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
-    url = stack.start_gateway("gateway", "--kv-load-failure-policy", "fail", "--kv-transport",
-                              "tcp", "--sidecar-token-file", str(tmp_path / "token"))
+    url = gateway(stack, "gateway", "--kv-load-failure-policy", "fail", "--kv-transport",
+                  "tcp", "--sidecar-token-file", str(tmp_path / "token"))
     await routable(session, url, 2)
-    decode = stack.sidecars["decode-1"]
+    decode = stack.sidecar_urls["decode-1"]
     attempts = iter(range(1, 1 << 30))
 
     async def handed_over() -> bool:
@@ -58,7 +57,7 @@ async def test_a_pd_pair_behind_control_tokens_hands_its_kv_over(
 
     await eventually(handed_over, "a request served by the pair", 60, 0.1)
     assert await _pulled_bytes(session, decode) > 0  # pulled from the guarded export
-    prefill = stack.sidecars["prefill-0"]
+    prefill = stack.sidecar_urls["prefill-0"]
     async with session.get(f"{prefill}/v1/blocks/info") as resp:
         assert resp.status == 401
     async with session.get(f"{prefill}/v1/blocks/info",

@@ -5,6 +5,7 @@ child that fails to start named with its log's tail, and children restarted in p
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from pathlib import Path
 
@@ -59,6 +60,7 @@ class _ReapWatch:
         self._thread.join()
 
 
+@pytest.mark.slow  # real processes, seconds each
 async def test_a_tiny_stack_serves_then_stops_gateways_first_leaving_no_process(
     tmp_path: Path, session: aiohttp.ClientSession
 ) -> None:
@@ -101,6 +103,7 @@ def test_a_child_that_fails_to_start_is_named_with_its_log_tail(tmp_path: Path) 
     assert stack.procs == []
 
 
+@pytest.mark.slow  # real processes, seconds each
 def test_a_sidecar_that_fails_stops_the_engines_already_up(tmp_path: Path) -> None:
     """A later stage failing stops the earlier ones: the ready engines leave no process."""
     spec = StackSpec(engines=(EngineSpec(sidecar_args=("--no-such-flag",)),), gateways=())
@@ -114,6 +117,7 @@ def test_a_sidecar_that_fails_stops_the_engines_already_up(tmp_path: Path) -> No
     wait_until(lambda: _groups_gone([engines]), "the engines' process group to be gone", 10)
 
 
+@pytest.mark.slow  # real processes, seconds each
 def test_every_sidecar_gets_the_stacks_redis_as_its_remote_tier(tmp_path: Path) -> None:
     """With ``redis``, a redis-server serves beside the stack, each sidecar is told its URL
     as the remote tier, and it is stopped with the stack."""
@@ -128,6 +132,7 @@ def test_every_sidecar_gets_the_stacks_redis_as_its_remote_tier(tmp_path: Path) 
     assert redis.returncode is not None
 
 
+@pytest.mark.slow  # real processes, seconds each
 async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
     tmp_path: Path, session: aiohttp.ClientSession
 ) -> None:
@@ -152,3 +157,46 @@ async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
             return True
 
         await eventually(served, "a completion through the restarted worker", 30, 0.2)
+
+
+def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
+    """A sidecar handoff shares no store socket across replicas of one simulated process,
+    sidecars publish to no NATS the stack does not run, and a gateway in front of a worker
+    with no sidecar says which: each refused before anything starts."""
+    with pytest.raises(ValueError, match="one replica per simulated engine spec"):
+        EngineSpec(role="prefill", replicas=2, handoff="sidecar")
+    with pytest.raises(ValueError, match="nats_events needs nats"):
+        StackSpec(nats_events=True)
+    stack = LocalStack(StackSpec(gateways=()), tmp_path)
+    with pytest.raises(ValueError, match="no sidecar for some of"):
+        stack.add_gateway(GatewaySpec(only=("decode-9",)))
+    assert stack.procs == []
+
+
+@pytest.mark.slow  # real processes, seconds each
+def test_p_d_handoffs_lookups_and_a_gateway_in_front_of_some(tmp_path: Path) -> None:
+    """``handoff="file"`` points a P/D engine's hook at a page store directory of the work
+    dir, by name; ``"none"`` leaves the engine aggregated behind its role's sidecar. Lookups
+    by worker id find each; a gateway in front of some workers lists those alone, and one
+    stopped alone is forgotten by the stack. (``"sidecar"``, each engine's hook on its own
+    sidecar's store, is served end to end by tests/integration/disagg/test_pd_transfer.py.)"""
+    spec = StackSpec(engines=(
+        EngineSpec(role="decode", handoff="file", page_store="pages-x", worker_ids=("d",)),
+        EngineSpec(role="decode", handoff="none", worker_ids=("n",)),
+    ), gateways=(), log_level="warning")
+    with LocalStack(spec, tmp_path) as stack:
+        filed = stack.process("d").proc.args
+        assert isinstance(filed, list)
+        store = json.loads(filed[filed.index("--hicache-storage-backend-extra-config") + 1])
+        assert store == {"file_path": str(tmp_path / "pages-x")}
+        assert filed[filed.index("--disaggregation-mode") + 1] == "decode"
+        plain = stack.process("n").proc.args
+        assert isinstance(plain, list) and "--disaggregation-mode" not in plain
+        assert set(stack.sidecar_urls) == set(stack.engine_urls) == {"d", "n"}
+        gateway = stack.add_gateway(GatewaySpec(only=("d",), health_check_interval_s=0.5))
+        assert [w["worker_id"] for w in stack.workers] == ["d"]
+        proc = gateway[0].proc
+        assert isinstance(proc, ManagedProcess)
+        stack.stop_child(proc)
+        assert stack.gateways == [] and proc.proc.returncode is not None
+        assert proc not in stack.procs
