@@ -110,6 +110,8 @@ class Gateway:
             # Unless the operator fixed them, the weights follow the fleet (tuning.py).
             learn_overlap_weight=cfg.overlap_weight is None,
             learn_prefill_load_scale=cfg.prefill_load_scale is None,
+            decode_interference_weight=cfg.decode_interference_weight,
+            itl_target_s=cfg.slo_itl_ms / 1000,
         )
         self.replicas = None if shared is None else ReplicaLink.for_gateway(
             cfg, self.router, shared)
