@@ -208,8 +208,7 @@ CHAT_LOADS = {
 # the gateway has no worker left. The gateway's admission keeps the engines' queues short.
 GATEWAY_ARGS = {
     "hot": (),
-    "capacity": ("--max-in-flight-per-worker", "16", "--busy-kv-fraction", "0.9",
-                 "--queue-timeout-s", "600"),
+    "capacity": ("--max-in-flight-per-worker", "12", "--queue-timeout-s", "600"),
 }
 # Our sim engine's timing, matched to the mocker's (../shared/bench/dynamo/kvsidecar_stack.sh).
 MOCKER_TIMING = ("--sim-prefill-base-ms", "20", "--sim-prefill-us-per-token", "20",
