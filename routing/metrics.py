@@ -214,7 +214,8 @@ class _Collector:
             "Scored placements (kv, approx) by why the chosen worker won: best (it held the "
             "deepest overlap), tie, only_candidate, load (a deeper worker was busier), tier "
             "(the deeper match was in a slower tier), capacity (every deeper worker was "
-            "full), sampled (--temperature), affinity (the client's x-session-id)",
+            "full), sampled (--temperature), affinity (the client's x-session-id), interference "
+            "(a deeper worker's decoding would slow too much)",
             labels=["reason"],
         )
         for reason, n in sorted(m.placement_reasons.items()):
