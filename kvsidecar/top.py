@@ -10,11 +10,15 @@ prints one row per worker:
   the requests that carried a usage object;
 * ``pred err``: per such request, the cached tokens predicted at placement less those the
   engine reported (positive: the gateway expected cache the engine did not have);
-* ``in-flight``, ``reqs``, ``parity``, ``health`` as the gateway has them.
+* ``in-flight``, ``reqs``, ``parity``, ``health`` as the gateway has them;
+* ``itl+1``: the inter-token latency the gateway predicts for the worker's batch with one
+  more stream (its learned decode-interference model; ``-`` before it has a fit).
 
 Rates are over the last interval; the first table (and ``--once``) covers everything since the
 gateway started. A footer gives the scored placements' achieved over achievable overlap and
-why a shallower worker was chosen (``kvsidecar_gateway_placement_reason``). Plain text: a
+why a shallower worker was chosen (``kvsidecar_gateway_placement_reason``), and the scorer's
+learned parameters (overlap weight, prefill load scale, the decode-interference fit). Plain
+text: a
 refreshing screen with ANSI clears, or one table with ``--once``.
 """
 
@@ -54,6 +58,7 @@ class Snapshot:
     t: float
     workers: list[dict[str, Any]]
     router_mode: str
+    scorer: dict[str, Any] = field(default_factory=dict)
     counters: dict[str, dict[str, float]] = field(default_factory=dict)  # family → worker → n
     reasons: dict[str, float] = field(default_factory=dict)
     best_blocks: float = 0.0
@@ -110,7 +115,9 @@ def fetch(gateway: str, api_key: str | None = None, timeout_s: float = 5.0) -> S
         raise GatewayError(f"{base}/v1/workers: not JSON ({exc})") from exc
     if type(state) is not dict or type(state.get("workers")) is not list:
         raise GatewayError(f"{base}/v1/workers: no worker list (is this a kvsidecar gateway?)")
-    snap = Snapshot(time.monotonic(), state["workers"], str(state.get("router_mode", "?")))
+    scorer = state.get("scorer")
+    snap = Snapshot(time.monotonic(), state["workers"], str(state.get("router_mode", "?")),
+                    scorer if type(scorer) is dict else {})
     text = _get(base + "/metrics", api_key, timeout_s).decode(errors="replace")
     try:
         parse_metrics(text, snap)
@@ -140,6 +147,8 @@ def _row(w: dict[str, Any], now: Snapshot, prev: Snapshot | None) -> list[str]:
     under = _delta(now, prev, "worker_underpredicted_tokens", wid)
     error = f"{(over - under) / checks:+.1f}" if checks > 0 else "-"
     requests = _delta(now, prev, "worker_requests", wid)
+    model = w.get("itl_model")
+    itl = f"{1000 * model['next_itl_s']:.1f}ms" if model else "-"
     return [
         wid,
         str(w.get("health", "?")),
@@ -150,11 +159,13 @@ def _row(w: dict[str, Any], now: Snapshot, prev: Snapshot | None) -> list[str]:
         occ,
         hit,
         error,
+        itl,
     ]
 
 
-_HEAD = ["worker", "health", "parity", "in-flight", "reqs", "cache", "occ", "hit", "pred err"]
-_RIGHT = {3, 4, 5, 6, 7, 8}  # numeric columns, right-aligned
+_HEAD = ["worker", "health", "parity", "in-flight", "reqs", "cache", "occ", "hit", "pred err",
+         "itl+1"]
+_RIGHT = {3, 4, 5, 6, 7, 8, 9}  # numeric columns, right-aligned
 
 
 def render(gateway: str, now: Snapshot, prev: Snapshot | None) -> str:
@@ -185,7 +196,27 @@ def render(gateway: str, now: Snapshot, prev: Snapshot | None) -> str:
         )
     else:
         lines.append("overlap achieved/achievable: no scored placements (kv/approx modes only)")
+    lines.append(_scorer_line(now.scorer))
     return "\n".join(lines)
+
+
+def _scorer_line(scorer: dict[str, Any]) -> str:
+    """The scorer's weights and the decode-interference fit, on one line."""
+    if not scorer:
+        return "scorer: -"
+    out = (f"scorer: overlap_weight={scorer.get('overlap_weight', 0):.3g}  "
+           f"prefill_load_scale={scorer.get('prefill_load_scale', 0):.3g}")
+    decode = scorer.get("decode_interference")
+    if not decode:
+        return out + "  decode interference: off"
+    if not decode.get("priced"):
+        return out + "  decode interference: learning"
+    return out + (
+        f"  decode interference: itl={1000 * decode['fleet_itl_base_s']:.1f}ms"
+        f"+{1000 * decode['fleet_itl_per_stream_s']:.2f}ms/stream"
+        f"  output={decode['output_tokens']:.0f} tok"
+        f"  prefill={1e6 * decode['prefill_s_per_token']:.1f}us/tok"
+        f"  target={1000 * decode['itl_target_s']:.0f}ms  weight={decode['weight']:g}")
 
 
 def _parser() -> argparse.ArgumentParser:

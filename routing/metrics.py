@@ -214,7 +214,8 @@ class _Collector:
             "Scored placements (kv, approx) by why the chosen worker won: best (it held the "
             "deepest overlap), tie, only_candidate, load (a deeper worker was busier), tier "
             "(the deeper match was in a slower tier), capacity (every deeper worker was "
-            "full), sampled (--temperature), affinity (the client's x-session-id)",
+            "full), sampled (--temperature), affinity (the client's x-session-id), interference "
+            "(a deeper worker's decoding would slow too much)",
             labels=["reason"],
         )
         for reason, n in sorted(m.placement_reasons.items()):
@@ -365,8 +366,24 @@ class _Collector:
                  "reported"),
             )
         }
+        itl = {
+            key: GaugeMetricFamily(p + "worker_itl_" + key, doc, labels=labels)
+            for key, doc in (
+                ("base_seconds", "Learned inter-token latency of the worker with no stream "
+                 "in flight (decode interference: base + per_stream x in flight)"),
+                ("per_stream_seconds", "Learned inter-token latency each request in flight "
+                 "adds on the worker"),
+                ("next_seconds", "Inter-token latency the worker's batch is predicted to "
+                 "have with one more stream"),
+            )
+        }
         for w in state["workers"]:
             wid = w["worker_id"]
+            model = w.get("itl_model")
+            if model:
+                itl["base_seconds"].add_metric([wid], model["base_s"])
+                itl["per_stream_seconds"].add_metric([wid], model["per_stream_s"])
+                itl["next_seconds"].add_metric([wid], model["next_itl_s"])
             if "parity" in w:
                 parity.add_metric([wid, w["parity"]], 1.0)
             healthy.add_metric([wid], 1.0 if w["healthy"] else 0.0)
@@ -380,7 +397,42 @@ class _Collector:
                 for key, family in engine.items():
                     if reading[key] is not None:
                         family.add_metric([wid], reading[key])
-        yield from (healthy, in_flight, blocks, prefill, parity, source, *engine.values())
+        yield from (healthy, in_flight, blocks, prefill, parity, source, *engine.values(),
+                    *itl.values())
+        yield from _scorer_metrics(p, state.get("scorer"))
+
+
+def _scorer_metrics(p: str, scorer: dict[str, Any] | None) -> Iterator[Metric]:
+    """The scorer's weights now, learned or fixed, and the decode-interference fit."""
+    if not scorer:
+        return
+    for key, doc in (
+        ("overlap_weight", "Credit per GPU-cached prefix block, in blocks of prefill work "
+         "(learned from eviction pressure unless fixed)"),
+        ("prefill_load_scale", "Weight of a block of prefill work against a block held by "
+         "decoding requests (learned from TTFT unless fixed)"),
+    ):
+        yield GaugeMetricFamily(p + "scorer_" + key, doc, value=scorer[key])
+    decode = scorer.get("decode_interference")
+    if not decode:
+        return
+    yield GaugeMetricFamily(p + "decode_interference_weight",
+                            "Weight of the decode-interference term (--decode-interference-"
+                            "weight)", value=decode["weight"])
+    yield GaugeMetricFamily(p + "decode_interference_priced",
+                            "1 once the decode-interference term has a fit and prices "
+                            "placements", value=1.0 if decode["priced"] else 0.0)
+    for key, name, doc in (
+        ("output_tokens", "output_tokens", "Mean tokens a request streams (learned)"),
+        ("prefill_s_per_token", "prefill_seconds_per_token",
+         "Seconds of prefill per uncached prompt token (the TTFT fit)"),
+        ("fleet_itl_base_s", "fleet_itl_base_seconds",
+         "Learned fleet-wide inter-token latency with nothing in flight"),
+        ("fleet_itl_per_stream_s", "fleet_itl_per_stream_seconds",
+         "Learned fleet-wide inter-token latency per request in flight"),
+    ):
+        if decode[key] is not None:
+            yield GaugeMetricFamily(p + "decode_" + name, doc, value=decode[key])
 
 
 class AdmissionCounts(Protocol):

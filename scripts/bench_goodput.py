@@ -1,43 +1,71 @@
 #!/usr/bin/env python3
-"""Benchmark what users of an overloaded fleet feel: each tenant's share when one floods.
+"""Benchmark what users feel: goodput under TTFT and ITL targets, against Dynamo, and each
+tenant's share when one floods (issue #32).
 
-``--load flood`` (the only load so far; issue #32 adds the goodput loads against Dynamo):
-three tenants, each an API key of the gateway's ``--api-key-file`` with weight 1, drive
-closed loops of one-turn chats against ``--workers`` simulated reference engines
-(``refengine --compute sim``) behind one gateway that admits ``--slots`` requests per worker
-and queues the rest (``--queue-timeout-s``). The flooding tenant keeps ``--flood-clients``
-requests in flight, each quiet tenant ``--quiet-clients``: together far more than the
-fleet's slots, so every tenant is backlogged and the queue decides who is served. The same
-load runs twice on fresh stacks, with the queue ordered by the tenants' fair shares
-(``--queue-order fair``, ours) and first come, first served (``fcfs``, the baseline: what a
-least-loaded router with a queue gives), for ``--warmup-s`` and then ``--duration-s`` each.
+``--load hot``: two hot system prompts of 4,000 tokens, 384 one-turn sessions, 64 in flight,
+4 simulated workers of 2,048 KV blocks. ``--load capacity``: capacity-bound multi-turn chat,
+40 system prompts of 2,000 tokens, 1,024 blocks a worker, 384 sessions of 2 turns, 64 in
+flight. Each turn adds 64 user tokens and streams exactly 64 (``scripts/_chat_load.py``).
+Each runs, on a fresh stack each time, through:
 
-Per tenant, over the requests sent after the warm-up and finished within the run: requests
-served, tokens served (prompt + completion, from the replies' usage), TTFT p50 and p99 at
-the client. (The warm-up is the start, when every client sends at once and the slots go to
-whoever arrives first, before any request waits.) Jain's fairness index over the tenants'
-tokens served (divided by their weights): 1 when every tenant got the same share, 1/n when
-one got all.
+* ``ours``: sim reference engines (``refengine --compute sim``, timing matched to Dynamo's
+  mocker: 20 ms + 20 us per uncached prompt token a prefill step, 4 ms + 1.9 ms per sequence
+  a decode step, 8,192-token prefill chunks), a sidecar each, one gateway in kv mode with
+  every mechanism on;
+* ``prefill_only``: the same with ``--decode-interference-weight 0`` (the cost before #32:
+  prefill and held blocks only), to show what the decode-interference term buys;
+* ``dynamo`` (unless ``--peers none``): Dynamo 1.6.1's frontend (kv router) and mockers with
+  the same block size, KV capacity, batch limits and speed (``../shared/bench/dynamo/``;
+  ``setup_dynamo.sh`` builds its venv under ``~/.cache/kvsidecar-bench`` when absent).
 
-Prints a table per ordering; ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``
-with ``fairness_vs_least_loaded`` (ours / the baseline's Jain index, target >= 1) and
-``quiet_ttft_p50_vs_least_loaded`` (the quiet tenants' TTFT p50, the baseline's / ours).
+Before the counted load each stack gets the same warm-up (``--warmup-requests`` unrelated
+one-turn chats, a ramp up to 16 in flight): a serving stack has seen traffic before a load
+arrives, and our gateway's online fits learn from it. Figures per stack: requests, failures,
+requests/s, goodput (requests whose TTFT is within ``--slo-ttft-ms`` and whose mean ITL is
+within ``--slo-itl-ms``, per second), TTFT p50/p99, ITL p50/p99 (every gap between streamed
+chunks), prefix-cache hit rate (cached over prompt tokens, from the replies' usage).
+Ratios (>= 1 better): ``goodput_vs_dynamo_<load>``, ``ttft_p99_vs_dynamo_<load>``,
+``itl_p50_vs_dynamo_<load>``, ``hit_rate_vs_dynamo_<load>``, and the same against
+``prefill_only_<load>``.
+
+``--load flood``: three tenants, each an API key of the gateway's ``--api-key-file`` with
+weight 1, drive closed loops of one-turn chats against ``--workers`` simulated reference
+engines behind one gateway that admits ``--slots`` requests per worker and queues the rest
+(``--queue-timeout-s``). The flooding tenant keeps ``--flood-clients`` requests in flight,
+each quiet tenant ``--quiet-clients``: together far more than the fleet's slots, so every
+tenant is backlogged and the queue decides who is served. The same load runs twice on fresh
+stacks, with the queue ordered by the tenants' fair shares (``--queue-order fair``, ours) and
+first come, first served (``fcfs``, the baseline: what a least-loaded router with a queue
+gives), for ``--warmup-s`` and then ``--duration-s`` each. Per tenant, over the requests sent
+after the warm-up and finished within the run: requests, tokens served (prompt + completion),
+TTFT p50 and p99. Jain's fairness index over the tenants' tokens: 1 when every tenant got
+the same share, 1/n when one got all. Ratios: ``fairness_vs_least_loaded`` and
+``quiet_ttft_p50_vs_least_loaded``.
+
+``--load all`` runs all three. ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import urllib.request
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import aiohttp
-from benchkit import ROOT, Report, add_json_flag, print_table, progress, stream_reply
+from _chat_load import ChatLoad, ChatResult, run_chat, warm_up
+from benchkit import ROOT, Better, Report, add_json_flag, print_table, progress, stream_reply
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
@@ -77,7 +105,7 @@ async def client(session: aiohttp.ClientSession, url: str, tenant: Tenant, seed:
     while time.perf_counter() < until:
         words = " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
         body = {"model": "tiny", "messages": [{"role": "user", "content": words}],
-                "max_tokens": args.max_tokens, "stream": True,
+                "max_tokens": args.flood_max_tokens, "stream": True,
                 "stream_options": {"include_usage": True}}
         t0 = time.perf_counter()
         reply = await stream_reply(session, f"{url}/v1/chat/completions", body, headers=headers)
@@ -127,7 +155,7 @@ def run(order: str, args: argparse.Namespace, tmp: Path) -> list[Tenant]:
     keys.write_text("".join(f"{t}-key {t} weight=1\n" for t in TENANTS))
     spec = StackSpec(
         # plain workers without KV events, no sidecars: the gateway's queue is measured
-        engines=(EngineSpec(replicas=args.workers, sidecars=False),),
+        engines=(EngineSpec(replicas=args.flood_workers, sidecars=False),),
         gateways=(GatewaySpec(
             router_mode="least-loaded", workers="engines", health_check_interval_s=10.0,
             wait_routable=False,  # below, with an API key
@@ -135,37 +163,194 @@ def run(order: str, args: argparse.Namespace, tmp: Path) -> list[Tenant]:
                   "--queue-timeout-s", str(args.queue_timeout_s), "--queue-order", order)),),
         model_path=str(MODEL), events_config='{"publisher": "null"}', log_level="warning")
     with LocalStack(spec, workdir) as stack:
-        asyncio.run(wait_routable(stack.url, args.workers))
+        asyncio.run(wait_routable(stack.url, args.flood_workers))
         tenants = [Tenant(TENANTS[0], args.flood_clients),
                    *(Tenant(name, args.quiet_clients) for name in TENANTS[1:])]
         asyncio.run(drive(stack.url, tenants, args))
         return tenants
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", choices=["flood"], default="flood")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--slots", type=int, default=4, help="requests in flight per worker")
-    p.add_argument("--flood-clients", type=int, default=32)
-    p.add_argument("--quiet-clients", type=int, default=4)
-    p.add_argument("--prompt-words", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--warmup-s", type=float, default=3.0,
-                   help="of each ordering's run, before requests are counted")
-    p.add_argument("--duration-s", type=float, default=20.0,
-                   help="of each ordering's run, counted")
-    p.add_argument("--queue-timeout-s", type=float, default=120.0)
-    add_json_flag(p)
-    args = p.parse_args(argv)
-    report = Report()
+# --- the goodput loads, against Dynamo --------------------------------------------------
+
+BENCH_HOME = Path(os.environ.get("BENCH_HOME") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvsidecar-bench")
+DYNAMO_DIR = ROOT.parent / "shared" / "bench" / "dynamo"
+CHAT_LOADS = {
+    "hot": (ChatLoad(system_prompts=2, system_tokens=4000, sessions=384, turns=1,
+                     concurrency=64), 2048),
+    "capacity": (ChatLoad(system_prompts=40, system_tokens=2000, sessions=384, turns=2,
+                          concurrency=64), 1024),
+}
+# Our gateway's own flags per load, for both of our stacks. Capacity-bound engines queue
+# whole prompts (FIFO, the head blocks), and the engine's SGLang-style /health is a one-token
+# generation behind that queue: past its 20 s, every sidecar reports its engine unhealthy and
+# the gateway has no worker left. The gateway's admission keeps the engines' queues short.
+GATEWAY_ARGS = {
+    "hot": (),
+    "capacity": ("--max-in-flight-per-worker", "12", "--queue-timeout-s", "600"),
+}
+# Our sim engine's timing, matched to the mocker's (../shared/bench/dynamo/kvsidecar_stack.sh).
+MOCKER_TIMING = ("--sim-prefill-base-ms", "20", "--sim-prefill-us-per-token", "20",
+                 "--sim-decode-base-ms", "4", "--sim-decode-us-per-seq", "1900",
+                 "--chunked-prefill-size", "8192", "--max-running-requests", "256")
+OURS = (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0")))
+
+
+def free_port() -> int:
+    """A port for Dynamo's frontend (its script takes a number; ours bind port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def targets(args: argparse.Namespace) -> tuple[float, float]:
+    """The TTFT and ITL targets in seconds at the run's ``--speedup``."""
+    return (args.slo_ttft_ms / 1000 / args.speedup, args.slo_itl_ms / 1000 / args.speedup)
+
+
+def run_ours(name: str, extra: tuple[str, ...], load: ChatLoad, blocks: int,
+             args: argparse.Namespace, tmp: Path) -> tuple[ChatResult, dict[str, float]]:
+    """``load`` through our stack with ``extra`` gateway flags; the result and what the
+    gateway learned."""
+    spec = StackSpec(
+        engines=(EngineSpec(replicas=args.workers, args=(
+            "--served-model-name", "tiny", "--page-size", "16", *MOCKER_TIMING)),),
+        gateways=(GatewaySpec(args=(
+            "--served-model-name", "tiny", "--slo-ttft-ms", f"{targets(args)[0] * 1000:g}",
+            "--slo-itl-ms", f"{targets(args)[1] * 1000:g}", *extra)),),
+        model_path=str(args.model_dir), max_total_tokens=blocks * 16, speedup=args.speedup,
+        log_level="warning",
+    )
+    stack = LocalStack(spec, tmp / name).start()
+    try:
+        url = stack.url
+        warm_up(url, "tiny", args.warmup_requests, 16)
+        before = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        result = run_chat(url, "tiny", load)
+        after = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+        scorer = _get_json(f"{url}/v1/workers")["scorer"]
+    finally:
+        stack.stop()
+    reason = 'kvsidecar_gateway_placement_reason_total{reason="interference"}'
+    learned = {
+        "interference_placements": _metric(after, reason) - _metric(before, reason),
+        "prefill_load_scale": round(scorer["prefill_load_scale"], 3),
+        "overlap_weight": round(scorer["overlap_weight"], 3),
+    }
+    decode = scorer.get("decode_interference") or {}
+    if decode.get("priced"):
+        learned["itl_base_ms"] = round(decode["fleet_itl_base_s"] * 1e3, 3)
+        learned["itl_per_stream_ms"] = round(decode["fleet_itl_per_stream_s"] * 1e3, 3)
+    return result, learned
+
+
+def ensure_dynamo(args: argparse.Namespace) -> Path:
+    """Dynamo's venv (built by its setup script when absent); its python."""
+    python = BENCH_HOME / "dynamo-venv" / "bin" / "python"
+    if not (BENCH_HOME / "dynamo-venv" / ".ready").exists():
+        progress("building Dynamo's venv (setup_dynamo.sh, about a minute)")
+        subprocess.run([str(args.dynamo_dir / "setup_dynamo.sh")], check=True,
+                       env={**os.environ, "BENCH_HOME": str(BENCH_HOME)})
+    return python
+
+
+def run_dynamo(load: ChatLoad, blocks: int, args: argparse.Namespace,
+               tmp: Path) -> ChatResult:
+    """``load`` through Dynamo's frontend (kv router) and mockers."""
+    state = tmp / "dynamo"
+    env = {**os.environ, "BENCH_HOME": str(BENCH_HOME), "STATE_DIR": str(state),
+           "PORT": str(free_port()), "ROUTER_MODE": "kv", "NUM_WORKERS": str(args.workers),
+           "NUM_GPU_BLOCKS": str(blocks), "SPEEDUP": f"{args.speedup:g}",
+           "MAX_NUM_SEQS": "256", "MAX_BATCHED_TOKENS": "8192",
+           "MODEL_DIR": str(args.model_dir)}
+    try:
+        started = subprocess.run([str(args.dynamo_dir / "dynamo_stack.sh")], env=env,
+                                 capture_output=True, text=True, timeout=300)
+        if started.returncode != 0:
+            raise RuntimeError(f"Dynamo's stack did not start: {started.stderr[-2000:]}")
+        url = started.stdout.strip().splitlines()[-1]
+        warm_up(url, "tiny", args.warmup_requests, 16)
+        return run_chat(url, "tiny", load)
+    finally:
+        subprocess.run([str(args.dynamo_dir / "stop_dynamo_stack.sh")], env=env,
+                       capture_output=True, timeout=120)
+
+
+_RATIOS: tuple[tuple[str, Better], ...] = (
+    ("goodput_req_per_s", "higher"), ("ttft_p99_ms", "lower"), ("itl_p50_ms", "lower"),
+    ("hit_rate", "higher"))
+_COLUMNS = ("requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_share",
+            "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "hit_rate",
+            "busiest_worker_share")
+
+
+def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path) -> None:
+    load, blocks = CHAT_LOADS[name]
+    load = replace(load, **{k: v for k, v in (
+        ("sessions", args.sessions), ("concurrency", args.concurrency),
+        ("system_tokens", args.system_tokens), ("max_tokens", args.max_tokens)) if v})
+    blocks = args.blocks or blocks
+    ttft_s, itl_s = targets(args)
+    rows: dict[str, dict[str, float]] = {}
+    learned: dict[str, dict[str, float]] = {}
+    for system, extra in OURS:
+        progress(f"{name}: {system} ({load.sessions} sessions x {load.turns} turns)")
+        result, learned[system] = run_ours(system, (*GATEWAY_ARGS[name], *extra), load,
+                                           blocks, args, tmp / name)
+        rows[system] = result.summary(ttft_s, itl_s)
+        if result.errors:
+            progress(f"{name}: {system}: {len(result.errors)} errors, e.g. {result.errors[:2]}")
+    if args.peers == "dynamo":
+        progress(f"{name}: dynamo")
+        result = run_dynamo(load, blocks, args, tmp / name)
+        rows["dynamo"] = result.summary(ttft_s, itl_s)
+        if result.errors:
+            progress(f"{name}: dynamo: {len(result.errors)} errors, e.g. {result.errors[:2]}")
+    print(f"\n{name}: {load.system_prompts} system prompts x {load.system_tokens} tokens, "
+          f"{load.sessions} sessions x {load.turns} turns, {load.concurrency} in flight, "
+          f"{args.workers} workers x {blocks} blocks, speedup {args.speedup:g}; targets "
+          f"TTFT {ttft_s * 1000:g} ms, ITL {itl_s * 1000:g} ms; our gateways: "
+          f"{' '.join(GATEWAY_ARGS[name]) or 'defaults'}")
+    print_table(["stack", *_COLUMNS], [[system, *(row.get(c) for c in _COLUMNS)]
+                                       for system, row in rows.items()])
+    for system, values in learned.items():
+        print(f"  {system} learned: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
+    for system, row in rows.items():
+        if row["failed"]:
+            print(f"  WARNING: {system}: {row['failed']:g} requests failed; its figures cover "
+                  "the rest, its goodput counts them as missed")
+    for system, row in rows.items():
+        report.add_figures(row, prefix=f"{name}.{system}.")
+    for system, values in learned.items():
+        report.add_figures(values, prefix=f"{name}.{system}.")
+    ours = rows["ours"]
+    for baseline in ("dynamo", "prefill_only"):
+        theirs = rows.get(baseline)
+        if theirs is None:
+            continue
+        for figure, better in _RATIOS:
+            if ours[figure] > 0 and theirs[figure] > 0:
+                short = figure.removesuffix("_req_per_s").removesuffix("_ms")
+                report.ratio(short, f"{baseline}_{name}", ours[figure], theirs[figure],
+                             better=better, ndigits=3)
+
+
+def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
     results: dict[str, list[Tenant]] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
-        for order, name in ORDERS:
-            progress(f"running {args.load} with --queue-order {order} for {args.duration_s:g}s")
-            results[name] = run(order, args, Path(tmp))
-    print(f"\n{args.load}: {args.workers} simulated workers x {args.slots} slots; tenants "
+    for order, name in ORDERS:
+        progress(f"flood: --queue-order {order} for {args.duration_s:g}s")
+        results[name] = run(order, args, tmp)
+    print(f"\nflood: {args.flood_workers} simulated workers x {args.slots} slots; tenants "
           f"{TENANTS[0]} ({args.flood_clients} clients), {', '.join(TENANTS[1:])} "
           f"({args.quiet_clients} clients each), all weight 1; {args.duration_s:g}s each")
     fairness: dict[str, float] = {}
@@ -182,19 +367,86 @@ def main(argv: list[str] | None = None) -> int:
         fairness[name] = jain([float(t.tokens) for t in tenants])
         quiet_ttft[name] = statistics.median(
             [s for t in tenants[1:] for s in t.ttft_s] or [0.0])
-        report.figure(f"{name}.jain_index", round(fairness[name], 4))
-        report.figure(f"{name}.quiet_ttft_p50_s", round(quiet_ttft[name], 4))
-        report.figure(f"{name}.tokens_per_s",
+        report.figure(f"flood.{name}.jain_index", round(fairness[name], 4))
+        report.figure(f"flood.{name}.quiet_ttft_p50_s", round(quiet_ttft[name], 4))
+        report.figure(f"flood.{name}.tokens_per_s",
                       round(sum(t.tokens for t in tenants) / args.duration_s, 1))
         for t in tenants:
-            report.figure(f"{name}.{t.name}.tokens", t.tokens)
+            report.figure(f"flood.{name}.{t.name}.tokens", t.tokens)
         print(f"Jain's fairness index over tenants' tokens: {fairness[name]:.3f}")
     report.ratio("fairness", "least_loaded", fairness["ours"], fairness["least_loaded"],
                  better="higher", ndigits=3)
     if quiet_ttft["ours"] > 0:
         report.ratio("quiet_ttft_p50", "least_loaded", quiet_ttft["ours"],
                      quiet_ttft["least_loaded"], better="lower", ndigits=3)
-    report.print_ratios("fair shares", {"fairness_vs_least_loaded": "(target >= 1)"})
+
+
+_TARGETS = {"fairness_vs_least_loaded": "(target >= 1)"}
+for _load in CHAT_LOADS:
+    _TARGETS |= {f"goodput_vs_dynamo_{_load}": "(target >= 1.2)",
+                 f"ttft_p99_vs_dynamo_{_load}": "(target >= 1)",
+                 f"itl_p50_vs_dynamo_{_load}": "(target >= 1)"}
+_TARGETS["hit_rate_vs_dynamo_hot"] = "(target >= 0.99)"
+_TARGETS["hit_rate_vs_prefill_only_capacity"] = "(target >= 1: today's hit rate)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", choices=["hot", "capacity", "flood", "all"], default="all")
+    g = p.add_argument_group("hot and capacity loads")
+    g.add_argument("--peers", choices=["dynamo", "none"], default="dynamo",
+                   help="dynamo: run Dynamo's frontend + mocker too; none: our stacks only")
+    g.add_argument("--workers", type=int, default=4)
+    g.add_argument("--speedup", type=float, default=1.0,
+                   help="divide every simulated duration, ours and the mocker's")
+    g.add_argument("--slo-ttft-ms", type=float, default=500.0,
+                   help="the TTFT target at speedup 1 (divided by --speedup)")
+    g.add_argument("--slo-itl-ms", type=float, default=50.0,
+                   help="the ITL target at speedup 1 (divided by --speedup)")
+    g.add_argument("--warmup-requests", type=int, default=128)
+    g.add_argument("--sessions", type=int, help="instead of the load's")
+    g.add_argument("--concurrency", type=int, help="instead of the load's")
+    g.add_argument("--system-tokens", type=int, help="instead of the load's")
+    g.add_argument("--max-tokens", type=int, help="instead of the load's 64")
+    g.add_argument("--blocks", type=int, help="KV blocks a worker, instead of the load's")
+    g.add_argument("--model-dir", type=Path,
+                   help="the model both stacks serve (default: Dynamo's one-word-one-token "
+                   "tinymodel under ~/.cache/kvsidecar-bench; with --peers none and no such "
+                   "directory, refengine/models/tiny)")
+    g.add_argument("--dynamo-dir", type=Path, default=DYNAMO_DIR,
+                   help="the scripts that run Dynamo's CPU stack")
+    f = p.add_argument_group("flood load")
+    f.add_argument("--flood-workers", type=int, default=2)
+    f.add_argument("--slots", type=int, default=4, help="requests in flight per worker")
+    f.add_argument("--flood-clients", type=int, default=32)
+    f.add_argument("--quiet-clients", type=int, default=4)
+    f.add_argument("--prompt-words", type=int, default=200)
+    f.add_argument("--flood-max-tokens", type=int, default=32)
+    f.add_argument("--warmup-s", type=float, default=3.0,
+                   help="of each ordering's run, before requests are counted")
+    f.add_argument("--duration-s", type=float, default=20.0,
+                   help="of each ordering's run, counted")
+    f.add_argument("--queue-timeout-s", type=float, default=120.0)
+    add_json_flag(p)
+    args = p.parse_args(argv)
+    loads = ["hot", "capacity", "flood"] if args.load == "all" else [args.load]
+    if args.model_dir is None:
+        shared = BENCH_HOME / "tinymodel"
+        args.model_dir = shared if args.peers == "dynamo" or shared.is_dir() else MODEL
+    if args.peers == "dynamo" and any(load in CHAT_LOADS for load in loads):
+        if not (args.dynamo_dir / "dynamo_stack.sh").is_file():
+            p.error(f"--peers dynamo: no Dynamo scripts in {args.dynamo_dir} (--dynamo-dir, "
+                    "or --peers none)")
+        ensure_dynamo(args)
+    report = Report()
+    with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
+        for load in loads:
+            if load == "flood":
+                run_flood(args, report, Path(tmp) / "flood")
+            else:
+                run_chat_load(load, args, report, Path(tmp))
+    report.print_ratios("ours", {k: v for k, v in _TARGETS.items() if k in report.ratios})
     if args.json:
         report.write_json(args.json)
     return 0

@@ -23,17 +23,35 @@ To tell a candidate how many of a new request's blocks it already holds actively
 refcounts themselves are searched: every active request holds a whole prefix of its chain
 and hashes are chained, so a worker's active set is prefix-closed and "block i is active"
 is monotone in i — a binary search over the request's blocks finds the depth.
+
+An ``observer`` (``interference.py``), when set, is told each streamed request's gaps
+between tokens with the worker's requests in flight at the time, and each finished request's
+output tokens: what decode interference is learned from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvcore.stream import EngineLoad
 from routing.placement.scorer import WorkerLoad
 
-__all__ = ["ActiveLoad", "UnknownRequestError"]
+__all__ = ["ActiveLoad", "TokenObserver", "UnknownRequestError"]
+
+
+class TokenObserver(Protocol):
+    """What the gateway's token timings feed (``interference.DecodeInterference``)."""
+
+    def now(self) -> float: ...
+
+    def token_gap(self, worker_id: str, in_flight: int, gap_s: float, tokens: int) -> None:
+        """``tokens`` more tokens of a stream on ``worker_id``, ``gap_s`` apart on average,
+        while it had ``in_flight`` requests."""
+
+    def finished(self, output_tokens: int) -> None:
+        """A request ended having streamed ``output_tokens``."""
 
 
 class UnknownRequestError(KeyError):
@@ -48,6 +66,7 @@ class _Request:
     prefill_tokens: int  # uncached prompt tokens, until the first token
     output_tokens: int = 0
     output_blocks: int = 0
+    last_token_at: float | None = None  # when its last tokens came (with an observer)
 
 
 @dataclass(slots=True)
@@ -71,6 +90,7 @@ class ActiveLoad:
         self._workers: dict[str, _WorkerTotals] = {}
         self._refs: dict[str, dict[int, int]] = {}  # worker → active prompt block → refcount
         self.on_first_token: Callable[[str], None] | None = None  # feedback (tuning.py)
+        self.observer: TokenObserver | None = None  # token timings (interference.py)
 
     # --- lifecycle ----------------------------------------------------------------------
 
@@ -110,8 +130,17 @@ class ActiveLoad:
         request.output_tokens += count
         total = request.prompt_tokens + request.output_tokens
         blocks = total // self.block_size - request.prompt_tokens // self.block_size
-        self._workers[request.worker_id].output_blocks += blocks - request.output_blocks
+        totals = self._workers[request.worker_id]
+        totals.output_blocks += blocks - request.output_blocks
         request.output_blocks = blocks
+        observer = self.observer
+        if observer is not None and count > 0:
+            now = observer.now()
+            last = request.last_token_at
+            if last is not None:
+                observer.token_gap(request.worker_id, totals.in_flight + totals.engine_in_flight,
+                                   (now - last) / count, count)
+            request.last_token_at = now
 
     def finish(self, request_id: str) -> None:
         """The request ended (finished, failed or aborted): release everything it held."""
@@ -122,6 +151,8 @@ class ActiveLoad:
         totals.prefill_tokens -= request.prefill_tokens
         totals.output_blocks -= request.output_blocks
         totals.in_flight -= 1
+        if self.observer is not None and request.output_tokens:
+            self.observer.finished(request.output_tokens)
         refs = self._refs[request.worker_id]
         for block in request.block_hashes:
             count = refs[block] - 1

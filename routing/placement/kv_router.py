@@ -9,7 +9,9 @@ Pure and synchronous like its parts; the gateway drives it from its event loop::
 
 Self-tuning: unless fixed by the caller, the scorer's overlap weight and prefill load scale
 follow the fleet's feedback (``tuning.py``), fed here from the events, the dispatches and the
-first tokens.
+first tokens. With ``decode_interference_weight`` > 0 the scorer also prices the decode
+slowdown of one more stream (``interference.py``), learned from the gaps between the tokens
+the gateway relays.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import replace
 
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Tier
 from routing.placement.active_load import ActiveLoad
+from routing.placement.interference import DecodeInterference
 from routing.placement.kv_move import MovePlanner
 from routing.placement.peer_share import PeerShare
 from routing.placement.pending import PendingPrefixes
@@ -58,13 +61,18 @@ class KvRouter:
         learn_overlap_weight: bool = False,
         learn_prefill_load_scale: bool = False,
         use_events: bool = True,
+        decode_interference_weight: float = 0.0,
+        itl_target_s: float = 0.1,
     ) -> None:
         """``load``: the active load to keep (a subclass shares it with other gateway
         replicas: ``routing.replicas``); a plain ``ActiveLoad`` by default. ``learn_*``:
         the weight is tuned from feedback (``tuning.py``) instead of taken from ``weights``.
         ``use_events``: whether the events applied inform placement (``--router-mode``
         decides, ``policies.prediction``); without, the index still follows them (for the
-        indexer API and the replicas) but overlaps are the speculative prefixes alone."""
+        indexer API and the replicas) but overlaps are the speculative prefixes alone.
+        ``decode_interference_weight``: how much the learned decode-interference term counts
+        (0: not at all, the prefill-only cost); ``itl_target_s``: the ITL target it prices
+        overshoot against."""
         self.block_size = block_size
         self.use_events = use_events
         self.index = PrefixIndex()
@@ -78,13 +86,23 @@ class KvRouter:
         # With --kv-move on: a lighter worker may pull a busy holder's prefix (kv_move.py).
         self.move: MovePlanner | None = None
         self.tuner: WeightTuner | None = None
-        if learn_overlap_weight or learn_prefill_load_scale:
+        self.interference: DecodeInterference | None = None
+        decode = decode_interference_weight > 0
+        if learn_overlap_weight or learn_prefill_load_scale or decode:
             self.tuner = WeightTuner(
                 self.scorer,
                 fixed_overlap=None if learn_overlap_weight else weights.overlap_weight,
                 fixed_scale=None if learn_prefill_load_scale else weights.prefill_load_scale,
+                fit_ttft=decode,
             )
             self.load.on_first_token = self._first_token
+        if decode:
+            assert self.tuner is not None
+            self.interference = DecodeInterference(
+                self.scorer, self.tuner, itl_target_s=itl_target_s,
+                weight=decode_interference_weight, clock=clock,
+            )
+            self.load.observer = self.interference
 
     def apply(self, event: KVEvent) -> ApplyOutcome:
         """Feed one normalized event; a GPU store confirms speculative blocks, a GPU clear
@@ -128,6 +146,8 @@ class KvRouter:
         """A worker is gone: its blocks leave the index; returns its in-flight request ids."""
         self.index.remove_worker(worker_id)
         self.pending.forget_worker(worker_id)
+        if self.interference is not None:
+            self.interference.forget_worker(worker_id)
         return self.load.forget_worker(worker_id)
 
     def candidates(
@@ -233,7 +253,7 @@ class KvRouter:
         """Commit a placement: count its load and speculate its prefix onto the worker."""
         cached_tokens = min(prompt_tokens, placement.overlap.longest * self.block_size)
         tuner = self.tuner
-        if tuner is not None and tuner.learns_scale:
+        if tuner is not None and tuner.collects_ttft:
             wl = self.load.load(placement.worker_id, block_hashes)
             prefill = wl.active_prefill_tokens + prompt_tokens - cached_tokens
             tuner.dispatched(request_id, prefill, wl.decode_blocks, self._clock())

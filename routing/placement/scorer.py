@@ -33,6 +33,10 @@ Selection: at temperature 0 the arg-min wins; ties go to the larger total overla
 back-to-back identical prompts stay together), then uniformly at random. At temperature T > 0
 costs are min-max normalized to [0, 1] and a worker is drawn with probability ∝ exp(−cost/T).
 
+A learned decode-interference term (``decode_price.py``) adds, for an aggregated worker, the
+decode time its streams would lose to one more request, in the same units; without it (none
+learned yet, or ``--decode-interference-weight 0``) the cost is the formula above.
+
 Disaggregated pools score differently: the prefill pool by overlap and prefill load only,
 the decode pool by how full each worker would be (decode blocks over capacity).
 """
@@ -47,6 +51,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from kvcore.events import Tier
+from routing.placement.decode_price import DecodePrice
 
 __all__ = [
     "DEFAULT_TIER_WEIGHTS",
@@ -182,8 +187,12 @@ class Reason:
     SAMPLED = "sampled"  # --temperature drew a worker costlier than the cheapest
     AFFINITY = "affinity"  # the client's session (x-session-id) is pinned to the worker
     MOVED = "moved"  # its sidecar pulls the prefix from a busier holder's store (kv_move.py)
+    # a deeper worker would have won on prefill and held blocks, but one more stream there
+    # slows its decoding more than the prefill saved (decode_price.py)
+    INTERFERENCE = "interference"
 
-    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED, AFFINITY, MOVED)
+    ALL = (BEST, TIE, ONLY_CANDIDATE, LOAD, TIER, CAPACITY, SAMPLED, AFFINITY, MOVED,
+           INTERFERENCE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +214,7 @@ class Placement:
 class Scorer:
     """Scores candidates for one request and picks one."""
 
-    __slots__ = ("_rng", "block_size", "weights")
+    __slots__ = ("_rng", "block_size", "decode", "weights")
 
     def __init__(
         self, weights: ScoringWeights, block_size: int, rng: random.Random | None = None
@@ -215,6 +224,8 @@ class Scorer:
         self.weights = weights
         self.block_size = block_size
         self._rng = rng or random.Random()
+        # The decode-interference price, set by its learner (interference.py); None: off.
+        self.decode: DecodePrice | None = None
 
     def credit_blocks(self, overlap: TierOverlap) -> float:
         """Cached blocks credited against prefill, each at the fastest tier holding it."""
@@ -242,6 +253,15 @@ class Scorer:
             if not capacity:
                 return float(candidate.load.decode_blocks)
             return candidate.load.decode_blocks / capacity
+        cost = self.prefill_decode_cost(candidate, prompt_tokens)
+        decode = self.decode
+        if decode is not None:
+            uncached = prompt_tokens - candidate.overlap.longest * self.block_size
+            cost += decode.cost(candidate.worker_id, candidate.load.in_flight, uncached)
+        return cost
+
+    def prefill_decode_cost(self, candidate: Candidate, prompt_tokens: int) -> float:
+        """The aggregated cost without the decode-interference term (Dynamo's)."""
         scale = self.weights.prefill_load_scale
         return scale * self.prefill_blocks_after_credit(candidate, prompt_tokens) + (
             candidate.load.decode_blocks
@@ -286,11 +306,16 @@ class Scorer:
         elif depth >= best:
             reason = Reason.TIE if tied else Reason.BEST
         else:
-            reason = self._why_shallower(candidates, costs, index, best)
+            reason = self._why_shallower(candidates, costs, index, best, prompt_tokens)
         return Placement(chosen.worker_id, costs[index], chosen.overlap, best, reason)
 
     def _why_shallower(
-        self, candidates: Sequence[Candidate], costs: list[float], index: int, best: int
+        self,
+        candidates: Sequence[Candidate],
+        costs: list[float],
+        index: int,
+        best: int,
+        prompt_tokens: int,
     ) -> str:
         """Why ``candidates[index]`` won over the cheapest of the deepest candidates."""
         if costs[index] > min(costs):
@@ -302,6 +327,10 @@ class Scorer:
         chosen_credit = self.credit_blocks(candidates[index].overlap)
         if self.credit_blocks(candidates[deepest].overlap) <= chosen_credit:
             return Reason.TIER
+        if self.decode is not None and self.prefill_decode_cost(
+            candidates[deepest], prompt_tokens
+        ) <= self.prefill_decode_cost(candidates[index], prompt_tokens):
+            return Reason.INTERFERENCE  # the deepest would have won without the decode term
         return Reason.LOAD
 
     def _argmin(self, candidates: Sequence[Candidate], costs: list[float]) -> tuple[int, bool]:

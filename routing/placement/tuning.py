@@ -21,6 +21,10 @@ block is worth against a block of queued prefill. Each is learned from what the 
   Mooncake conversation trace found (10 to 50, docs/bench/replay.md), a property of LRU
   caches under pressure rather than of one workload.
 
+The same TTFT fit gives ``prefill_s_per_token`` (``a``), which the decode-interference term
+(``interference.py``) needs to price decode seconds in the cost's units; with that term on,
+TTFT samples are kept even when the scale is fixed.
+
 An operator's ``--overlap-weight`` or ``--prefill-load-scale`` fixes that weight; the tuner
 then learns only the other. Pure and synchronous: time comes in as arguments.
 """
@@ -56,6 +60,7 @@ class WeightTuner:
         "_scorer",
         "_stored",
         "_sums",
+        "collects_ttft",
         "prefill_s_per_token",
         "scale",
     )
@@ -66,13 +71,17 @@ class WeightTuner:
         *,
         fixed_overlap: float | None = None,
         fixed_scale: float | None = None,
+        fit_ttft: bool = False,
     ) -> None:
+        """``fit_ttft``: keep the TTFT fit even with a fixed scale (for its
+        ``prefill_s_per_token``)."""
         self._scorer = scorer
         self._fixed_overlap = fixed_overlap
         self._fixed_scale = fixed_scale
         self.scale = SCALE_PRIOR if fixed_scale is None else fixed_scale
         # The fit's seconds per prefill token (the fleet's prefill speed), once it has one:
-        # what a pull is priced against (``kv_move.py``).
+        # what a pull (``kv_move.py``) and decode interference (``decode_price.py``) are
+        # priced against.
         self.prefill_s_per_token: float | None = None
         # Forgetting sums over TTFT samples, x = (1, prefill tokens p, decode blocks d):
         # n, Σp, Σd, Σp², Σpd, Σd², Σy, Σpy, Σdy.
@@ -81,6 +90,7 @@ class WeightTuner:
         self._pending: dict[str, tuple[float, float, float]] = {}
         self._stored = 0.0
         self._removed = 0.0
+        self.collects_ttft = fixed_scale is None or fit_ttft
         self._apply()
 
     @property
@@ -149,15 +159,22 @@ class WeightTuner:
     # --- the fit ------------------------------------------------------------------------
 
     def _refit(self) -> None:
-        if self._fixed_scale is None and self._samples >= _MIN_SAMPLES:
-            fitted = self._fitted_scale()
-            if fitted is not None:
-                # Halfway there in log space: one noisy window does not swing placement.
-                self.scale = math.sqrt(self.scale * fitted)
+        if self._samples >= _MIN_SAMPLES:
+            fit = self._fit()
+            if fit is not None:
+                a, c = fit
+                self.prefill_s_per_token = a
+                if self._fixed_scale is None:
+                    low, high = SCALE_RANGE
+                    block = self._scorer.block_size
+                    fitted = high if c <= 0 else min(high, max(low, a * block / c))
+                    # Halfway there in log space: one noisy window does not swing placement.
+                    self.scale = math.sqrt(self.scale * fitted)
         self._apply()
 
-    def _fitted_scale(self) -> float | None:
-        """``a·block_size / c`` from the least-squares fit, clamped; None if degenerate."""
+    def _fit(self) -> tuple[float, float] | None:
+        """``(a, c)`` of the least-squares fit; None if degenerate or ``a`` is not positive
+        (the scale is then ``a·block_size / c``, clamped)."""
         n, sp, sd, spp, spd, sdd, sy, spy, sdy = self._sums
         # Centred normal equations for (a, c): the intercept k drops out.
         vpp = spp - sp * sp / n
@@ -172,11 +189,7 @@ class WeightTuner:
         c = (cdy * vpp - cpy * vpd) / det
         if a <= 0:
             return None  # prefill work did not show in TTFT: nothing to learn from
-        self.prefill_s_per_token = a
-        low, high = SCALE_RANGE
-        if c <= 0:
-            return high
-        return min(high, max(low, a * self._scorer.block_size / c))
+        return a, c
 
     def _apply(self) -> None:
         scorer = self._scorer

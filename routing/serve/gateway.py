@@ -108,6 +108,8 @@ class Gateway:
             # Unless the operator fixed them, the weights follow the fleet (tuning.py).
             learn_overlap_weight=cfg.overlap_weight is None,
             learn_prefill_load_scale=cfg.prefill_load_scale is None,
+            decode_interference_weight=cfg.decode_interference_weight,
+            itl_target_s=cfg.slo_itl_ms / 1000,
         )
         if cfg.kv_move is KvMove.ON and self.has_sidecars:
             self.router.enable_moves()

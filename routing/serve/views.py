@@ -98,6 +98,8 @@ def workers_state(
                 "idle_connections": pool.idle_count(wid),
                 # relayed routes its engine refused lately (asked again after a while)
                 "refused_endpoints": refusals.of(wid),
+                # the learned decode-interference model (None: no fit yet, or the term off)
+                "itl_model": _itl_view(router, wid, load.in_flight),
             }
         )
     return {
@@ -125,4 +127,36 @@ def scorer_state(cfg: RouterConfig, router: KvRouter) -> dict[str, Any]:
             if value is None
         ],
         "eviction_pressure": None if tuner is None else tuner.pressure,
+        "decode_interference": _decode_view(router),
+    }
+
+
+def _decode_view(router: KvRouter) -> dict[str, Any] | None:
+    """The decode-interference term's fleet-wide parameters (``interference.py``)."""
+    learner = router.interference
+    if learner is None:
+        return None
+    price = router.scorer.decode
+    return {
+        "weight": learner.weight,
+        "itl_target_s": learner.itl_target_s,
+        "priced": price is not None,
+        "output_tokens": None if price is None else round(price.output_tokens, 2),
+        "prefill_s_per_token": None if price is None else price.prefill_s_per_token,
+        "units_per_s": None if price is None else round(price.units_per_s, 3),
+        "fleet_itl_base_s": None if price is None else price.fleet.base_s,
+        "fleet_itl_per_stream_s": None if price is None else price.fleet.per_stream_s,
+    }
+
+
+def _itl_view(router: KvRouter, worker_id: str, in_flight: int) -> dict[str, float] | None:
+    """A worker's learned ITL model and the ITL it predicts with one more stream."""
+    price = router.scorer.decode
+    if price is None:
+        return None
+    model = price.model(worker_id)
+    return {
+        "base_s": model.base_s,
+        "per_stream_s": model.per_stream_s,
+        "next_itl_s": model.itl(in_flight + 1),
     }

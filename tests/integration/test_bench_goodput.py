@@ -1,6 +1,8 @@
-"""The goodput benchmark's flood load runs end to end: three tenants behind one gateway
-whose queue is ordered by fair shares, then first come, first served; the fair run must
-serve the quiet tenants their share, which the first-come run does not."""
+"""The goodput benchmark runs end to end on tiny sizes: the flood load's fair queue serves
+the quiet tenants their share where first come, first served does not; the hot-prefix load
+runs through our stack with and without the decode-interference term (``--peers none``) and
+reports each figure and ratio; and, where the checkout sits beside the shared Dynamo scripts,
+the same load runs against Dynamo's frontend and mocker too."""
 
 from __future__ import annotations
 
@@ -8,29 +10,77 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+DYNAMO_DIR = ROOT.parent / "shared" / "bench" / "dynamo"
+# A hot load small enough for the suite: 2 prompts of 300 tokens, 24 one-turn sessions.
+TINY_HOT = ["--load", "hot", "--sessions", "24", "--concurrency", "8", "--system-tokens", "300",
+            "--max-tokens", "8", "--warmup-requests", "8", "--speedup", "4"]
+CHAT_FIGURES = {"requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_share",
+                "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "hit_rate"}
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_flood_load_gives_each_tenant_its_share_only_when_fair(tmp_path: Path) -> None:
+def bench(tmp_path: Path, *flags: str, timeout: int = 300) -> tuple[dict[str, Any], str]:
     out = tmp_path / "goodput.json"
-    run = subprocess.run(
-        [sys.executable, "scripts/bench_goodput.py", "--load", "flood", "--warmup-s", "1.5",
-         "--duration-s", "4", "--flood-clients", "16", "--quiet-clients", "4",
-         "--prompt-words", "60", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "scripts/bench_goodput.py", *flags, "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert set(data) == {"figures", "ratios"}
+    return data, run.stdout
+
+
+def test_the_flood_load_gives_each_tenant_its_share_only_when_fair(tmp_path: Path) -> None:
+    data, stdout = bench(tmp_path, "--load", "flood", "--warmup-s", "1.5", "--duration-s", "4",
+                         "--flood-clients", "16", "--quiet-clients", "4", "--prompt-words", "60")
     figures = data["figures"]
     for name in ("ours", "least_loaded"):
-        assert all(figures[f"{name}.{t}.tokens"] > 0 for t in ("flood", "quiet-a", "quiet-b"))
+        assert all(figures[f"flood.{name}.{t}.tokens"] > 0
+                   for t in ("flood", "quiet-a", "quiet-b"))
     # 16 flooding clients against 4 + 4: first come, first served gives the flood about
     # 16/24 of the tokens (Jain about 0.67); fair shares about a third each (Jain near 1).
-    assert figures["least_loaded.jain_index"] < 0.8 < figures["ours.jain_index"]
+    assert figures["flood.least_loaded.jain_index"] < 0.8 < figures["flood.ours.jain_index"]
     assert data["ratios"]["fairness_vs_least_loaded"] > 1.2
-    assert "Jain's fairness index" in run.stdout
+    assert "Jain's fairness index" in stdout
+
+
+def check_chat_figures(figures: dict[str, float], stack: str, sessions: int) -> None:
+    prefix = f"hot.{stack}."
+    got = {k.removeprefix(prefix) for k in figures if k.startswith(prefix)}
+    assert got >= CHAT_FIGURES, CHAT_FIGURES - got
+    assert figures[prefix + "requests"] == sessions and figures[prefix + "failed"] == 0
+    assert 0 <= figures[prefix + "goodput_req_per_s"] <= figures[prefix + "req_per_s"]
+    assert figures[prefix + "ttft_p50_ms"] <= figures[prefix + "ttft_p99_ms"]
+    # Every session shares one of two system prompts: after the first of each, it is cached.
+    assert 0.2 < figures[prefix + "hit_rate"] <= 1
+
+
+def test_the_hot_load_runs_our_stack_with_and_without_the_decode_term(tmp_path: Path) -> None:
+    data, stdout = bench(tmp_path, *TINY_HOT, "--peers", "none")
+    figures, ratios = data["figures"], data["ratios"]
+    for stack in ("ours", "prefill_only"):
+        check_chat_figures(figures, stack, 24)
+    assert not any(k.startswith("hot.dynamo.") for k in figures)
+    assert {"goodput_vs_prefill_only_hot", "ttft_p99_vs_prefill_only_hot",
+            "itl_p50_vs_prefill_only_hot", "hit_rate_vs_prefill_only_hot"} <= set(ratios)
+    assert not any("dynamo" in k for k in ratios)
+    # what the gateway learned is reported beside the figures
+    assert figures["hot.ours.prefill_load_scale"] >= 1
+    assert "ours learned:" in stdout
+
+
+@pytest.mark.skipif(not (DYNAMO_DIR / "dynamo_stack.sh").is_file(),
+                    reason=f"no Dynamo scripts beside this checkout ({DYNAMO_DIR})")
+def test_the_hot_load_runs_against_dynamo(tmp_path: Path) -> None:
+    """Builds Dynamo's venv when absent (PyPI), then the same tiny load through its stack."""
+    data, _ = bench(tmp_path, *TINY_HOT, "--peers", "dynamo", timeout=900)
+    figures, ratios = data["figures"], data["ratios"]
+    for stack in ("ours", "prefill_only", "dynamo"):
+        check_chat_figures(figures, stack, 24)
+    assert {"goodput_vs_dynamo_hot", "ttft_p99_vs_dynamo_hot", "itl_p50_vs_dynamo_hot",
+            "hit_rate_vs_dynamo_hot"} <= set(ratios)

@@ -106,6 +106,8 @@ async def test_busy_holder_loses_on_load_and_top_shows_the_fleet(  # type: ignor
     )
     assert metrics[f"kvsidecar_gateway_worker_prediction_checks_total{{worker={holder}}}"] >= 2
     assert metrics[f"kvsidecar_gateway_worker_actual_cached_tokens_total{{worker={holder}}}"] > 0
+    assert metrics["kvsidecar_gateway_scorer_prefill_load_scale{}"] == 1.0
+    assert metrics["kvsidecar_gateway_decode_interference_weight{}"] == 1.0
 
     # 4. kvsidecar top prints both workers with their figures.
     proc = await asyncio.to_thread(
@@ -130,4 +132,8 @@ async def test_busy_holder_loses_on_load_and_top_shows_the_fleet(  # type: ignor
     hit = holder_row[7]
     assert hit.endswith("%") and 0 < int(hit[:-1]) <= 100
     float(holder_row[8])  # the mean prediction error, signed tokens per request
-    assert "placements by reason:" in lines[-1] and "load=" in lines[-1]
+    assert "placements by reason:" in lines[-2] and "load=" in lines[-2]
+    # the scorer's weights (fixed here) and the decode-interference term, still learning
+    assert lines[-1].startswith("scorer: overlap_weight=1  prefill_load_scale=1  decode ")
+    itl_next = holder_row[9]  # ITL predicted with one more stream, once fitted
+    assert itl_next == "-" or float(itl_next.removesuffix("ms")) > 0
