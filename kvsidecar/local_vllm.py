@@ -19,6 +19,7 @@ that many bytes: ``store_args()``).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -223,7 +224,10 @@ class VllmServer:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
                     if r.status == 200:
                         return True
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, http.client.HTTPException):
+                # not up yet, or the port is someone else's: another vLLM's ZMQ publisher,
+                # bound on an ephemeral port, can take it first (this one then fails to
+                # bind, exits, and is started again on another port)
                 pass
             time.sleep(_POLL_S)
         self.stop()

@@ -139,6 +139,7 @@ class Sidecar:
             names = store_names(cfg, adapter)  # before start: the first blocks are named too
             info = await adapter.start()
             self._adapter = adapter
+            self._silence.listening_on(_event_sources(cfg, info.endpoints))
             self.block_size = info.block_size
             self.reasoning_parser = info.reasoning_parser
             for worker_id in info.worker_ids:
@@ -499,3 +500,11 @@ def _bound_port(runner: web.AppRunner) -> int | None:
         if isinstance(address, tuple) and len(address) >= 2:
             return int(address[1])
     return None
+
+
+def _event_sources(cfg: SidecarConfig, endpoints: tuple[EventEndpoint, ...]) -> str:
+    """Where the events are awaited and who chose it, for a silent verdict's reason."""
+    where = ", ".join(e.endpoint for e in endpoints) or "(no endpoint)"
+    if cfg.kv_events_endpoint:
+        return f"{where} (the sidecar's --kv-events-endpoint: is that where the engine publishes?)"
+    return f"{where} (as the engine advertised it; the sidecar's --kv-events-endpoint overrides)"

@@ -74,12 +74,18 @@ class SilenceDetector:
         self._canary: _Canary | None = None  # one at a time
         self._next_canary_s = -math.inf  # rate limit: none before this
         self._reason = ""  # set: unroutable until the next event
+        self._listening = ""  # where the sidecar waits for events, for the reason
         self._seen: OrderedDict[int, None] = OrderedDict()
         self.num_canaries = 0
         self.num_silent_verdicts = 0
 
     def now(self) -> float:
         return self._clock()
+
+    def listening_on(self, where: str) -> None:
+        """Name where the events are awaited (the endpoints, and the flag or discovery that
+        chose them): a silent verdict says it, since a wrong endpoint is silent too."""
+        self._listening = where
 
     # --- evidence ---------------------------------------------------------------------------
 
@@ -150,11 +156,12 @@ class SilenceDetector:
         self._unseen_since_s = None
         self._next_canary_s = now + self.silent_after_s
         self.num_silent_verdicts += 1
+        where = f" on {self._listening}" if self._listening else ""
         self._reason = (
             f"the engine stored new KV blocks, and then a canary prompt's, but published no KV "
-            f"event within {self.silent_after_s:g}s: are KV events enabled (--kv-events-config) "
-            f"and reachable? A canary re-checks every {self.silent_after_s:g}s; the first KV "
-            "event makes the worker routable again"
+            f"event within {self.silent_after_s:g}s{where}: are KV events enabled "
+            f"(--kv-events-config) and reachable there? A canary re-checks every "
+            f"{self.silent_after_s:g}s; the first KV event makes the worker routable again"
         )
 
     # --- views ------------------------------------------------------------------------------

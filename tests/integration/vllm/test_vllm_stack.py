@@ -4,9 +4,12 @@ the gateway's hash canary reads ``exact``, a second chat turn finds what the gat
 the gateway's index is vLLM's live blocks after evictions, with duplicate stores, and after a
 prefix-cache reset (checked against vLLM's own replay buffer, read here with no code of
 ours), tools,
-``json_schema`` and logprobs come back through the OpenAI path, and our KV connector loads a
-prompt's blocks from the sidecar's host memory and from its Redis tier (and misses when the
-store is down), with the reply a recompute gives.
+``json_schema`` and logprobs come back through the OpenAI path. Bad input and faults: a field
+vLLM refuses comes back as vLLM's own error in OpenAI's shape, and a sidecar listening where
+vLLM does not publish makes its worker unroutable with a reason naming the flag (a vLLM killed
+mid-stream: ``test_vllm_pair.py``). Last, our KV connector loads a prompt's blocks from the
+sidecar's host memory and from its Redis tier (and misses when the store is down), with the
+reply a recompute gives.
 
 One stack for the module, started by ``kvsidecar up --engine vllm`` with the KV connector
 and a ``redis-server`` as every sidecar's remote tier (vLLM takes one to two minutes to
@@ -21,6 +24,8 @@ import json
 import os
 import re
 import signal
+import socket
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -37,9 +42,11 @@ from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
 from kvsidecar.launch import LaunchError, ManagedProcess
 from kvsidecar.local_redis import RedisServer
-from kvsidecar.local_vllm import VLLM_BLOCK_SIZE
+from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, tiny_model_with_weights
 from shm import BlockStoreClient, BlockStoreError
+from tests.support.openai_shapes import check_error
 from tests.support.polling import wait_until
+from tests.support.processes import ProcessGroup
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -245,6 +252,74 @@ def test_tools_json_schema_and_logprobs_come_back(stack: Stack) -> None:
     content = scored["choices"][0]["logprobs"]["content"]
     assert len(content) == 3
     assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
+
+
+# --- bad input and faults (#30): a refused field, a publisher where the sidecar is not -------
+
+def _post_error(url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST ``body``, expecting an error: (status, the JSON body)."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_field_vllm_refuses_answers_with_vllms_own_error(stack: Stack, route: str) -> None:
+    """A value vLLM refuses (not ours to judge): the client gets vLLM's status and words,
+    in OpenAI's error shape, through the gateway."""
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 4, "repetition_penalty": 0}
+    if route == "/v1/completions":
+        body["prompt"] = "Refuse this field please."
+    else:
+        body["messages"] = [{"role": "user", "content": "Refuse this field please."}]
+    status, direct = _post_error(stack.vllm + route, body)
+    assert status == 400, direct
+    vllms = check_error(direct)["message"]
+    status, relayed = _post_error(stack.gateway + route, body)
+    assert status == 400, relayed
+    error = check_error(relayed)
+    assert vllms in error["message"], (vllms, error)
+
+
+def test_a_publisher_on_another_endpoint_makes_the_worker_unroutable(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A sidecar told the wrong --kv-events-endpoint hears nothing: after a request that
+    stored blocks and a silent canary, its worker is unroutable, the reason naming the flag
+    and the endpoint."""
+    with socket.socket() as nobody, ProcessGroup[ManagedProcess]() as procs:
+        nobody.bind(("127.0.0.1", 0))  # held, never listening: nothing publishes there
+        wrong = f"tcp://127.0.0.1:{nobody.getsockname()[1]}"
+        sidecar = procs.add(ManagedProcess.start("sidecar-wrong", [
+            "sidecar", "--engine", "vllm", "--engine-url", stack.vllm, "--worker-id", "wrong",
+            "--port", "0", "--kv-events-endpoint", wrong, "--silent-after-s", "1",
+        ], workdir=tmp_path))
+        sidecar_url = str(sidecar.wait_ready(60)[0]["url"])
+        gateway = procs.add(ManagedProcess.start("gateway-wrong", [
+            "routing", "--port", "0", "--model-path", str(tiny_model_with_weights()),
+            "--block-size", str(BLOCK), "--sidecar", sidecar_url,
+            "--health-check-interval-s", "0.2",
+        ], workdir=tmp_path))
+        url = str(gateway.wait_ready(60)[0]["url"])
+
+        def listed(routable: bool) -> dict[str, Any] | None:
+            workers = _get(f"{url}/v1/workers")["workers"]
+            return dict(workers[0]) if workers and workers[0]["routable"] is routable else None
+
+        wait_until(lambda: listed(True), "the worker to be routable first", 30, 0.1)
+        _fill_through(url, 200)  # new blocks: their events are due
+
+        worker = wait_until(lambda: listed(False), "the silent worker to be unroutable", 30, 0.1)
+        assert "--kv-events-endpoint" in worker["reason"] and wrong in worker["reason"], worker
+
+
+def _fill_through(gateway: str, i: int) -> None:
+    prompt = " ".join(f"Prompt {i} stores value {j * i} in block {j}." for j in range(20))
+    _post(f"{gateway}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
 
 
 # --- the KV connector (adapters.vllm.connector) over the sidecar's store ----------------------

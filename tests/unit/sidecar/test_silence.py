@@ -196,6 +196,17 @@ class TestCanaryVerdict:
         clock.advance(10 * SILENT_S)
         assert not detector.canary_due()
 
+    def test_the_verdict_names_where_the_events_were_awaited(
+        self, detector: SilenceDetector, clock: Clock
+    ) -> None:
+        """A wrong endpoint is silent too: the reason names it and the flag that chose it."""
+        detector.listening_on("tcp://127.0.0.1:5999 (the sidecar's --kv-events-endpoint)")
+        served(detector, clock, stored_new=True)
+        clock.advance(SILENT_S)
+        silent_verdict(detector, clock)
+        reason = detector.health().reason
+        assert "on tcp://127.0.0.1:5999 (the sidecar's --kv-events-endpoint)" in reason
+
     def test_a_failed_canary_gives_no_verdict_and_is_retried(
         self, detector: SilenceDetector, clock: Clock
     ) -> None:
