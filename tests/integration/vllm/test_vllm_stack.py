@@ -76,6 +76,7 @@ class Stack:
     vllm: list[str]  # each replica's engine URL, replica-<i> at i
     sidecars: list[str]  # each replica's sidecar URL
     workdir: Path  # up's: the processes' logs and ready files
+    restarted: list[subprocess.Popen[bytes]]  # engines a test started again: stopped at the end
 
     def store_socket(self, replica: int) -> Path:
         """The replica's sidecar's block store, which its vLLM's KV connector attaches to."""
@@ -89,6 +90,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     sidecar each (a host store of 64 blocks over one shared Redis tier) and a gateway that
     migrates streams, for the module."""
     tmp = tmp_path_factory.mktemp("vllm")
+    restarted: list[subprocess.Popen[bytes]] = []
     with RedisServer(tmp) as redis:
         up = ManagedProcess.start("up", [
             "kvsidecar", "up", "--engine", "vllm", "--replicas", "2", "--port", "0",
@@ -110,9 +112,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             workers = {w["worker_id"]: w for w in _get(f"{gateway}/v1/workers")["workers"]}
             assert sorted(workers) == WORKERS, workers
             yield Stack(gateway, [workers[w]["engine_url"] for w in WORKERS],
-                        [workers[w]["url"] for w in WORKERS], tmp)
+                        [workers[w]["url"] for w in WORKERS], tmp, restarted)
         finally:
             up.stop(timeout_s=90)
+            for proc in restarted:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -562,6 +568,46 @@ def test_a_prompt_computed_on_one_replica_loads_on_the_other_from_redis(stack: S
         assert store.stats().num_remote_reads >= reads_before + 8
     assert again.cached_tokens == 8 * BLOCK
     assert again.text == first.text
+
+
+# --- an engine restart: replica-0's vLLM killed and started again on its port -----------------
+
+
+def test_the_index_is_vllms_live_blocks_after_an_engine_restart(stack: Stack) -> None:
+    """replica-0's vLLM, its whole process group SIGKILLed and started again as it was (same
+    command line, environment and port): its event ``seq`` restarts at 0 and its cache is
+    empty, and the gateway's index follows, holding nothing of the old engine's blocks and
+    then the next prompt's, as vLLM does."""
+    _fill(stack, 200, 1)
+    before, _ = _index_matches_engine(stack)
+    assert before > 0
+    port = stack.vllm[0].rsplit(":", 1)[1]
+    pid = _pid_of(b"vllm.entrypoints.openai.api_server", f"--port\0{port}\0".encode())
+    proc = Path(f"/proc/{pid}")
+    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+    env = dict(line.split(b"=", 1) for line in (proc / "environ").read_bytes().split(b"\0")
+               if b"=" in line)
+    cwd = os.readlink(proc / "cwd")
+    os.killpg(os.getpgid(pid), signal.SIGKILL)  # its engine core too
+    wait_until(lambda: not _answers(f"{stack.vllm[0]}/health"), "the old vLLM gone", 30, 0.2)
+    with (stack.workdir / "vllm-0-restarted.log").open("ab") as log:
+        restarted = subprocess.Popen(argv, env={k.decode(): v.decode() for k, v in env.items()},
+                                     cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+    stack.restarted.append(restarted)
+    wait_until(lambda: _answers(f"{stack.vllm[0]}/health"), "the vLLM started again", 240, 0.5)
+    wait_until(lambda: _worker(stack)["routable"] or None, "replica-0 routable again", 60, 0.2)
+    _fill(stack, 201, 1)
+    live, _ = _index_matches_engine(stack)  # equal: none of the old engine's blocks kept
+    assert live > 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bool(resp.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
 
 
 # --- destructive, last: a vLLM killed (replica-0), a store owner killed (replica-1's) --------
