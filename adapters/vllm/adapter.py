@@ -167,6 +167,8 @@ class VllmAdapter(AdapterShell):
         self._ranks = {ep.dp_rank: w for ep, w in zip(endpoints, worker_ids, strict=True)}
         producers = [sub.run for sub in self.subscribers]
         producers.append(self._poll_load)
+        if not cfg.endpoints:  # discovered: a restarted vLLM may publish on other ports
+            producers.append(self._follow_sources)
         self._info = EngineInfo(
             kind=self.kind,
             block_size=block_size,
@@ -189,6 +191,26 @@ class VllmAdapter(AdapterShell):
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
             ctx.destroy(linger=0)
+
+    async def _follow_sources(self) -> None:
+        """While a rank's publisher is gone, ask ``/kv_event_sources`` again every
+        ``idle_probe_s``: a vLLM started again binds new ephemeral ports (``tcp://*:0``), and
+        its ranks' subscribers move there and rebuild (``RankSubscriber.move_to``)."""
+        cfg = self.config
+        while True:
+            await asyncio.sleep(self._idle_probe_s)
+            if not any(sub.peer_lost for sub in self.subscribers):
+                continue
+            try:
+                endpoints = endpoints_from_sources(
+                    await engine_call(cfg, "GET", "/kv_event_sources"), cfg.engine_url)
+            except AdapterError:
+                continue  # still down, or starting
+            by_rank = {ep.dp_rank: ep for ep in endpoints}
+            for rank, worker_id in self._ranks.items():
+                sub = next(s for s in self.subscribers if s.worker_id == worker_id)
+                if rank in by_rank:
+                    sub.move_to(by_rank[rank])
 
     # --- load -------------------------------------------------------------------------------
 

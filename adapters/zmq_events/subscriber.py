@@ -118,11 +118,36 @@ class RankSubscriber:
         self._gaps = metrics.gaps.labels(metrics.engine, worker)
         self._metrics = metrics
         self._peer_lost = False
+        self._moved = False  # ``move_to`` gave another endpoint: the loop reconnects there
         self.connected = asyncio.Event()
+
+    @property
+    def peer_lost(self) -> bool:
+        """The publisher's connection dropped and has not come back (an engine restart, which
+        may have bound new ports: ``move_to``)."""
+        return self._peer_lost
+
+    def move_to(self, endpoint: EventEndpoint) -> None:
+        """The publisher is at ``endpoint`` now (an engine restarted on ephemeral ports): the
+        loop drops its socket and state and rebuilds from there, as after a restart."""
+        if endpoint != self.endpoint:
+            log.warning("kv_publisher_moved", worker_id=self._worker, old=self.endpoint.endpoint,
+                        new=endpoint.endpoint)
+            self.endpoint = endpoint
+            self._topic = endpoint.topic.encode("utf-8")
+            self._moved = True
 
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
+        moved = False
+        while True:
+            await self._run_connected(moved)
+            moved = True  # ``_run_connected`` returns only when the publisher moved
+
+    async def _run_connected(self, moved: bool) -> None:
+        """Consume the current endpoint until cancelled, or until it moves."""
+        self._moved = False
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
@@ -135,13 +160,16 @@ class RankSubscriber:
                 endpoint=self.endpoint.endpoint,
                 replay_endpoint=self.endpoint.replay_endpoint,
             )
-            if self.endpoint.replay_endpoint is not None:
+            if moved:
+                self._peer_lost = False
+                await self._resync("publisher_moved")
+            elif self.endpoint.replay_endpoint is not None:
                 await self._rebuild()
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             last_activity = time.monotonic()
-            while True:
+            while not self._moved:
                 ready = dict(await poller.poll(timeout=self._poll_ms()))
                 if monitor in ready:
                     await self._on_monitor(parse_monitor_message(await monitor.recv_multipart()))
@@ -219,7 +247,7 @@ class RankSubscriber:
     async def _resync(self, reason: str) -> None:
         self._metrics.resyncs.labels(self._metrics.engine, self._worker, reason).inc()
         log.warning("kv_worker_resynced", worker_id=self._worker, reason=reason)
-        if reason in ("sequence_reset", "publisher_reconnected"):
+        if reason in ("sequence_reset", "publisher_reconnected", "publisher_moved"):
             self._core.publisher_restarted()
         out: list[KVEvent] = []
         self._core.resync(out)
