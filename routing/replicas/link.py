@@ -22,7 +22,7 @@ import asyncio
 import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -265,22 +265,23 @@ class ReplicaLink:
                             error=repr(exc))
 
     async def _on_resync(self, msg: Any) -> None:
-        try:
-            request = decode_resync(msg.data)
-        except WireError as exc:
-            self.metrics.batches_rejected += 1
-            log.warning("replica_resync_rejected", raw_len=len(msg.data), error=str(exc))
-            return
-        if request.replica_id == self.replica_id:
+        if self._asked_of_me(msg, decode_resync, "replica_resync_rejected"):
             self._snapshot_due = True
             self._wake.set()
 
     async def _on_settle(self, msg: Any) -> None:
+        if self._asked_of_me(msg, decode_settle, "replica_settle_rejected"):
+            self._wake.set()  # the next batch answers: settled as of its reading
+
+    def _asked_of_me(
+        self, msg: Any, decode: Callable[[bytes], ResyncRequest | SettleRequest], rejected: str
+    ) -> bool:
+        """Whether ``msg``, a peer's request to one replica, names this one (a bad frame is
+        counted and logged as ``rejected``)."""
         try:
-            request = decode_settle(msg.data)
+            request = decode(msg.data)
         except WireError as exc:
             self.metrics.batches_rejected += 1
-            log.warning("replica_settle_rejected", raw_len=len(msg.data), error=str(exc))
-            return
-        if request.replica_id == self.replica_id:
-            self._wake.set()
+            log.warning(rejected, raw_len=len(msg.data), error=str(exc))
+            return False
+        return request.replica_id == self.replica_id
