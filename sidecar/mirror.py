@@ -11,9 +11,6 @@ second dict per tier holding only the blocks that have them.
 
 from __future__ import annotations
 
-import sys
-from array import array
-
 from kvcore.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -23,10 +20,9 @@ from kvcore.events import (
     TierBlocks,
     WorkerSnapshot,
 )
+from kvcore.wire import WireError, pack_le
 
 __all__ = ["BlockMirror"]
-
-_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class BlockMirror:
@@ -87,12 +83,9 @@ class BlockMirror:
         assert event.token_ids is not None
         hashes = event.block_hashes
         try:
-            ids = array("I", event.token_ids)
-        except OverflowError:  # not u32 (the event type bounds them: never here)
+            raw = pack_le(event.token_ids)
+        except WireError:  # not u32 (the event type bounds them: never here)
             return
-        if _BIG_ENDIAN:
-            ids.byteswap()
-        raw = ids.tobytes()
         step = len(raw) // len(hashes)
         for i, block in enumerate(hashes):
             if block not in tokens:

@@ -32,8 +32,6 @@ An index image (``PrefixIndex.load_image``) carries no tokens: see docs/indexer-
 from __future__ import annotations
 
 import struct
-import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +39,7 @@ import xxhash
 
 from kvcore import BlockHasher
 from kvcore.events import BlockRemoved, BlockStored, KVEvent, Tier, TierBlocks, WorkerSnapshot
+from kvcore.wire import pack_le, unpack_le
 
 __all__ = ["DEFAULT_XXH3_SEED", "RollingHashMap", "rolling_hashes"]
 
@@ -48,7 +47,6 @@ DEFAULT_XXH3_SEED = 1337  # Dynamo's XXH3_SEED: the RFC leaves S open
 _U64 = (1 << 64) - 1
 _MAX_BLOCK_SIZE = 4096  # BlockHasher's bound
 _PAIR = struct.Struct("<QQ")
-_BIG_ENDIAN = sys.byteorder == "big"
 _xxh3 = xxhash.xxh3_64_intdigest
 
 
@@ -56,12 +54,7 @@ def rolling_hashes(token_ids: Sequence[int], block_size: int, seed: int,
                    parent: int | None = None) -> list[int]:
     """The ``seq_hash`` of every full block of ``token_ids``, continuing after ``parent``
     (the ``seq_hash`` of the block before them; None: they start the sequence)."""
-    tokens = array("I")
-    full = token_ids[: len(token_ids) // block_size * block_size]
-    tokens.fromlist(full if isinstance(full, list) else list(full))  # the fastest u32 packing
-    if _BIG_ENDIAN:
-        tokens.byteswap()
-    raw = tokens.tobytes()
+    raw = pack_le(token_ids[: len(token_ids) // block_size * block_size])
     step = 4 * block_size
     out = []
     for start in range(0, len(raw), step):
@@ -219,11 +212,7 @@ class RollingHashMap:
         block_size = len(raw) // 4 // len(blocks)
         if not 1 <= block_size <= _MAX_BLOCK_SIZE:
             return
-        ids = array("I")
-        ids.frombytes(raw)
-        if _BIG_ENDIAN:
-            ids.byteswap()
-        self._learn(blocks, parent, ids.tolist(), block_size)
+        self._learn(blocks, parent, unpack_le(raw), block_size)
 
     def _learn(self, blocks: Sequence[int], parent: int | None, tokens: list[int],
                block_size: int) -> None:

@@ -19,8 +19,6 @@ never a corrupt index.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 from itertools import compress, count
 from operator import eq
@@ -30,15 +28,13 @@ import msgspec
 from msgspec import Meta
 
 from kvcore.events import Counter, WorkerId
-from kvcore.wire import WireError
+from kvcore.wire import WireError, pack_le, unpack_le
 
 __all__ = ["IMAGE_VERSION", "IndexImage", "TierImage", "WorkerImage", "pack_worker",
            "unpack_workers"]
 
 IMAGE_VERSION = 2
 _MAX_SLOTS = 1 << 16  # worker slots; far past any fleet, small enough to refuse nonsense
-_BIG_ENDIAN = sys.byteorder == "big"
-_U32 = "I" if array("I").itemsize == 4 else "L"
 Slot = Annotated[int, Meta(ge=0, lt=_MAX_SLOTS)]
 
 
@@ -69,23 +65,6 @@ class IndexImage(msgspec.Struct, frozen=True, array_like=True, gc=False):
     workers: list[WorkerImage]
 
 
-def _to_bytes(column: array[int]) -> bytes:
-    if _BIG_ENDIAN:
-        column.byteswap()
-    return column.tobytes()
-
-
-def _from_bytes(code: str, raw: bytes, what: str) -> list[int]:
-    column = array(code)
-    if len(raw) % column.itemsize:
-        raise WireError(f"index image: {what} holds {len(raw)} bytes, not a multiple of "
-                        f"{column.itemsize}")
-    column.frombytes(raw)
-    if _BIG_ENDIAN:
-        column.byteswap()
-    return column.tolist()
-
-
 def pack_worker(worker_id: str, slot: int, epoch: int, seq: int, needs_resync: bool,
                 tiers: Sequence[dict[int, int]]) -> WorkerImage:
     """One worker's ``block → parent`` dicts (one per tier) as arrays. Each is a few C
@@ -102,8 +81,7 @@ def pack_worker(worker_id: str, slot: int, epoch: int, seq: int, needs_resync: b
                 found[i] = len(keys) + len(lost)
                 lost.append(values[i])
         parents = cast(list[int], found)
-        out.append(TierImage(_to_bytes(array("Q", keys)), _to_bytes(array(_U32, parents)),
-                             _to_bytes(array("Q", lost))))
+        out.append(TierImage(pack_le(keys, 8), pack_le(parents), pack_le(lost, 8)))
     return WorkerImage(worker_id, slot, epoch, seq, needs_resync, out)
 
 
@@ -125,12 +103,12 @@ def unpack_workers(image: IndexImage,
                             f"expected {num_tiers}")
         tiers = []
         for t, part in enumerate(w.tiers):
-            keys = _from_bytes("Q", part.keys, "keys")
-            parents = _from_bytes(_U32, part.parents, "parents")
+            keys = unpack_le(part.keys, 8, "index image keys")
+            parents = unpack_le(part.parents, 4, "index image parents")
             if len(parents) != len(keys):
                 raise WireError(f"index image worker {w.worker_id!r} tier {t}: "
                                 f"{len(keys)} blocks, {len(parents)} parents")
-            table = keys + _from_bytes("Q", part.lost, "lost")
+            table = keys + unpack_le(part.lost, 8, "index image lost parents")
             try:
                 values = list(map(table.__getitem__, parents))
             except IndexError:

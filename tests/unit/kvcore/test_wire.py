@@ -17,7 +17,7 @@ from kvcore.events import (
     WorkerSnapshot,
 )
 from kvcore.stream import EngineLoad, ResyncRequired, StreamStart, WorkerStatus
-from kvcore.wire import WIRE_VERSION, WireError, decode, encode
+from kvcore.wire import WIRE_VERSION, WireError, decode, encode, pack_le, unpack_le
 
 u64 = st.integers(0, 2**64 - 1)
 counters = st.integers(0, 2**63 - 1)
@@ -217,3 +217,50 @@ def test_snapshot_token_ids_that_do_not_fit_are_refused(tokens: list[bytes], rea
         [4, "w", 1, 2, [[0, [7, 8], [None, 7], tokens]]])
     with pytest.raises(WireError, match=reason):
         decode(frame)
+
+
+@settings(max_examples=50)
+@given(st.data(), st.sampled_from([4, 8]))
+def test_packed_uints_round_trip(data: st.DataObject, width: int) -> None:
+    """unpack_le(pack_le(x)) == x for any unsigned ints of the width, empty included."""
+    values = data.draw(st.lists(st.integers(0, 2 ** (8 * width) - 1), max_size=40))
+    raw = pack_le(values, width)
+    assert len(raw) == width * len(values)
+    assert unpack_le(raw, width) == unpack_le(memoryview(raw), width) == values
+
+
+def test_packed_uints_are_little_endian_whatever_the_host() -> None:
+    """The bytes are little-endian (int.to_bytes(..., "little")) on any host."""
+    assert pack_le([1, 0x01020304]) == bytes([1, 0, 0, 0, 4, 3, 2, 1])
+    assert pack_le([0x0102030405060708], 8) == bytes(range(8, 0, -1))
+    assert unpack_le(bytes([4, 3, 2, 1])) == [0x01020304]
+    assert pack_le(iter([7])) == (7).to_bytes(4, "little")
+    assert pack_le([]) == b"" and unpack_le(b"", 8) == []
+
+
+@pytest.mark.parametrize(("values", "width", "reason"), [
+    ([1, 2**32], 4, "4294967296 is not an unsigned 32-bit int"),
+    ([-1], 8, "-1 is not an unsigned 64-bit int"),
+    ([1, "2"], 4, "'2' is not an unsigned 32-bit int"),
+])
+def test_packing_what_does_not_fit_is_refused(values: list[int], width: int,
+                                              reason: str) -> None:
+    """A value outside the width (or no int) is a WireError naming it."""
+    with pytest.raises(WireError, match=reason):
+        pack_le(values, width)
+
+
+@pytest.mark.parametrize(("raw", "width", "reason"), [
+    (bytes(7), 4, "token ids holds 7 bytes, not a multiple of 4"),
+    (bytes(12), 8, "token ids holds 12 bytes, not a multiple of 8"),
+])
+def test_unpacking_a_partial_int_is_refused(raw: bytes, width: int, reason: str) -> None:
+    """Bytes that are not whole ints of the width are a WireError naming the column."""
+    with pytest.raises(WireError, match=reason):
+        unpack_le(raw, width, "token ids")
+
+
+def test_only_four_and_eight_byte_uints() -> None:
+    """Another width is a programming error, said as such."""
+    with pytest.raises(ValueError, match="not 2"):
+        pack_le([1], 2)
