@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import aiohttp
-from benchkit import Better, Report, add_json_flag, print_table, progress
+from benchkit import Better, Report, add_json_flag, print_table, progress, stream_reply
 
 from adapters.vllm.adapter import endpoints_from_sources
 from kvsidecar.launch import ManagedProcess
@@ -173,25 +173,16 @@ async def one_turn(session: aiohttp.ClientSession, url: str, chat: Chat, turn: i
     body = {"model": "tiny", "messages": chat.messages(turn), "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
-    started = time.perf_counter()
-    first: float | None = None
-    usage: dict[str, Any] | None = None
-    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            if first is None:
-                first = time.perf_counter() - started
-            chunk = json.loads(line[5:])
-            usage = chunk.get("usage") or usage
-    if first is None or usage is None:
+    reply = await stream_reply(session, f"{url}/v1/chat/completions", body)
+    if reply.status != 200:
+        raise RuntimeError(f"{url} answered {reply.status}: {reply.error}")
+    usage = reply.usage
+    if reply.ttft_s is None or usage is None:
         raise RuntimeError(f"{url}: a stream with no chunk or no usage")
     details = usage.get("prompt_tokens_details") or {}
     if "cached_tokens" not in details:
         raise RuntimeError(f"{url}: usage without prompt_tokens_details.cached_tokens: {usage}")
-    result.ttft_s.append(first)
+    result.ttft_s.append(reply.ttft_s)
     result.prompt_tokens += usage["prompt_tokens"]
     result.cached_tokens += details["cached_tokens"] or 0
     result.output_tokens += usage["completion_tokens"]

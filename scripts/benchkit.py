@@ -242,18 +242,19 @@ class StreamedReply:
     itl_s: list[float] = field(default_factory=list)  # between consecutive data events
     text: str = ""  # the choices' content (chat deltas) or text (completions), joined
     usage: dict[str, Any] | None = None  # the last usage a chunk carried
+    error: str = ""  # a reply other than 200: its body, for a message saying why
 
 
 async def stream_reply(session: aiohttp.ClientSession, url: str, body: Mapping[str, Any], *,
                        headers: Mapping[str, str] | None = None) -> StreamedReply:
     """POST ``body`` (with ``"stream": true``) to ``url`` and read its server-sent events to
     the end: TTFT, inter-token latencies, the text and the usage. A reply other than 200 is
-    read whole and returned with its status alone."""
+    read whole and returned with its status and its body (``error``) alone."""
     t0 = time.perf_counter()
     async with session.post(url, json=body, headers=headers) as resp:
         reply = StreamedReply(resp.status, resp.headers)
         if resp.status != 200:
-            await resp.read()
+            reply.error = (await resp.read()).decode(errors="replace")
             return reply
         last = t0
         parts: list[str] = []

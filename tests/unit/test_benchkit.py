@@ -291,9 +291,10 @@ class TestStreamReply:
         assert reply.usage == {"prompt_tokens": 5, "completion_tokens": 3}
 
     async def test_a_refusal_is_read_whole_and_has_its_status_alone(self) -> None:
-        """A reply other than 200: its status, no timing, no text."""
+        """A reply other than 200: its status and body, no timing, no text."""
         async with TestServer(self._app()) as server, aiohttp.ClientSession() as session:
             reply = await benchkit.stream_reply(
                 session, str(server.make_url("/v1/chat/completions")), {"model": "other"})
         assert (reply.status, reply.ttft_s, reply.itl_s, reply.text, reply.usage) == (
             404, None, [], "", None)
+        assert json.loads(reply.error) == {"error": {"message": "no such model"}}
