@@ -208,7 +208,7 @@ class Exchange(ErrorRelay):
             self._wait(queue, None)
             return
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session)
+                                  self.session, itl_target_s=self._itl_target_s())
         self.observe_placement()
         if isinstance(placed, Refusal) and placed.busy:
             if queue is None:
@@ -217,6 +217,11 @@ class Exchange(ErrorRelay):
                 self._wait(queue, placed)
             return
         self._go(placed)
+
+    def _itl_target_s(self) -> float | None:
+        """The request's own ITL target, for the scorer (None: the gateway's)."""
+        slo = self.record.slo
+        return None if slo is None else slo.itl_s
 
     def _wait(self, queue: AdmissionQueue, busy: Refusal | None) -> None:
         """Queue it (``admit_waiting`` places it, or ``wait_expired`` answers), or refuse it
@@ -254,7 +259,7 @@ class Exchange(ErrorRelay):
         if self.done:
             return Admit.PLACED
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session, keep_prefix)
+                                  self.session, keep_prefix, self._itl_target_s())
         if placed is HOLDER_BUSY:
             return Admit.ELSEWHERE
         if isinstance(placed, Refusal) and placed.busy:

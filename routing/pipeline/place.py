@@ -36,12 +36,14 @@ def place_aggregated(
     only: Callable[[Worker], bool] | None = None,
     session: bytes | None = None,
     keep_prefix: bool = False,
+    itl_target_s: float | None = None,
 ) -> tuple[Worker, Placement] | Refusal:
     """A worker of the aggregated pool by ``--router-mode``, never one in ``tried``, none
     busy (``ctx.busy``); with ``only``, among the workers it accepts (the endpoint picker's
     subset hint); with ``session``, the session's worker while it is eligible. With
     ``keep_prefix``, ``HOLDER_BUSY`` rather than a worker holding markedly less of the
-    prefix than a busy one (``KEEP_PREFIX_SHARE`` of the prompt's blocks)."""
+    prefix than a busy one (``KEEP_PREFIX_SHARE`` of the prompt's blocks). ``itl_target_s``:
+    the request's own ITL target, which the scorer prices (None: the gateway's)."""
     if only is None:
         ids = ctx.workers.routable_ids(Role.AGG)
     else:
@@ -65,7 +67,7 @@ def place_aggregated(
         placement = _pinned(ctx, sessions, session, prompt, ids, tried)  # type: ignore[arg-type]
     if placement is None:
         placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried,
-                                      full)
+                                      full, itl_target_s)
     if placement is None:
         return _none_left(tried, "no worker available")
     if keep_prefix and _holder_busy(placement, len(prompt.block_hashes)):
