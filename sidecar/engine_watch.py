@@ -31,7 +31,7 @@ class Probe(enum.Enum):
     """How one ``GET /health`` went."""
 
     OK = "ok"
-    FAILED = "failed"  # answered something else than 200, or no connection
+    FAILED = "failed"  # an answer other than 200, or no connection
     TIMED_OUT = "timed_out"
 
 
