@@ -19,6 +19,7 @@ import structlog
 
 from refengine.config import Compute, DisaggMode, EngineConfig
 from refengine.executor import Executor, SimExecutor
+from refengine.heartbeat import Heartbeat
 from refengine.kv_events import EventRecorder
 from refengine.kv_pool import KVStore, PageAllocator, SimKVStore
 from refengine.page_hash import extend_storage_keys
@@ -124,6 +125,7 @@ class Engine:
             self.host = PageStoreClient(store, pool, kv_store)
         self.publisher = KVEventPublisher(cfg.kv_events, replica) if cfg.kv_events.enabled else None
         self.stats = EngineStats()
+        self.heartbeat = Heartbeat()  # one beat per pass of the loop: what /health reads
         self._channels: dict[str, _Channel] = {}
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -238,6 +240,15 @@ class Engine:
         s = self.scheduler
         return not (s.waiting or s.prefilling or s.decoding)
 
+    @property
+    def has_work(self) -> bool:
+        """Requests wait or run: the loop will beat (``heartbeat``) unless it is stuck."""
+        return not self._idle()
+
+    @property
+    def loop_alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
     async def _loop(self) -> None:
         assert self._wake is not None
         while True:
@@ -269,6 +280,7 @@ class Engine:
                 ) > ch.notified_tokens:
                     ch.notified_tokens = len(req.output_ids)
                     ch.changed.set()
+            self.heartbeat.beat()
             await asyncio.sleep(0)
 
     async def _run(self, step: Any) -> list[Request]:

@@ -2,7 +2,8 @@
 :mod:`refengine.openai_api`, Anthropic's ``/v1/messages`` in :mod:`refengine.anthropic_api`).
 
 ``/generate`` (text or ``input_ids``, streaming SSE with cumulative ``text``/``output_ids`` as
-SGLang does by default), ``/health`` and ``/health_generate`` (a one-token generation),
+SGLang does by default), ``/health`` and ``/health_generate`` (the step loop advances: a
+one-token generation when idle),
 ``/server_info`` (resolved args, ``max_total_num_tokens``, ``kv_events`` block),
 ``/flush_cache``, ``/v1/loads`` and ``/get_load``, ``/abort_request``, ``/model_info``,
 ``/metrics``. Errors are SGLang's ``{"error": {"message": ...}}`` with a 4xx/5xx status.
@@ -38,7 +39,8 @@ from refengine.request import Request, SamplingParams
 __all__ = ["build_app"]
 
 VERSION = "0.5.23-refengine"
-HEALTH_TIMEOUT_S = 20.0
+HEALTH_TIMEOUT_S = 20.0  # SGLang's HEALTH_CHECK_TIMEOUT
+_HEALTH_TIMEOUT_S = web.AppKey("health_timeout_s", float)
 
 
 def _kv_transfer(engine: Engine, req: Request) -> dict[str, Any]:
@@ -139,17 +141,23 @@ async def _generate_stream(
 
 
 async def health(request: web.Request) -> web.Response:
-    """SGLang's /health: a one-token generation must come back in time."""
+    """SGLang's /health: the engine is healthy when its step loop advances. While it has
+    work that is the loop's next pass (``refengine.heartbeat``: the probe does not queue
+    behind the work); idle, a one-token generation must come back. Either within the app's
+    health timeout (``HEALTH_TIMEOUT_S``)."""
     engine = request.app[ENGINE]
-    if not engine.accepting:
+    if not engine.accepting or not engine.loop_alive:
         return web.Response(status=503)
-    req = Request(
-        f"{HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}",
-        [0],
-        SamplingParams(max_new_tokens=1, temperature=0),
-    )
     try:
-        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+        async with asyncio.timeout(request.app[_HEALTH_TIMEOUT_S]):
+            if engine.has_work:
+                await engine.heartbeat.next()
+                return web.Response(status=200)
+            req = Request(
+                f"{HEALTH_CHECK_PREFIX}{uuid.uuid4().hex}",
+                [0],
+                SamplingParams(max_new_tokens=1, temperature=0),
+            )
             await _collect(engine, req)
     except (TimeoutError, BadRequest):
         return web.Response(status=503)
@@ -308,11 +316,12 @@ def _api_key_middleware(api_key: str) -> Any:
     return check
 
 
-def build_app(engine: Engine) -> web.Application:
+def build_app(engine: Engine, health_timeout_s: float = HEALTH_TIMEOUT_S) -> web.Application:
     api_key = engine.cfg.api_key
     middlewares = [_api_key_middleware(api_key)] if api_key else []
     app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
     app[ENGINE] = engine
+    app[_HEALTH_TIMEOUT_S] = health_timeout_s
     r = app.router
     r.add_route("POST", "/generate", generate)
     r.add_route("PUT", "/generate", generate)

@@ -185,6 +185,12 @@ class RouterConfig:
         help="within a priority, waiting requests are served by their tenants' weighted fair "
         "shares of tokens (fair; the API key file's weight= column) or first come, first "
         "served (fcfs)")
+    queue_lookahead: int = option(
+        16, group=_ADMISSION, metavar="N",
+        help="with a prefix policy (kv, approx): a freed worker takes a waiting request whose "
+        "prefix it holds, among the N behind the queue's head in its priority band, before "
+        "the head when a busy worker holds the head's; the head is passed over at most N "
+        "times; 0: always the head")
     session_affinity: bool = option(
         False, group=_ADMISSION,
         help="keep a client's x-session-id on the worker that served it last, while that "
@@ -394,6 +400,8 @@ class RouterConfig:
             raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s!r}")
         if self.queue_max < 1:
             raise ValueError(f"queue_max must be >= 1, got {self.queue_max}")
+        if self.queue_lookahead < 0:
+            raise ValueError(f"queue_lookahead must be >= 0, got {self.queue_lookahead}")
         for name in ("slo_ttft_ms", "slo_itl_ms"):
             value = getattr(self, name)
             if not math.isfinite(value) or not 0 < value <= 3_600_000:

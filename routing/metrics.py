@@ -443,6 +443,7 @@ class AdmissionCounts(Protocol):
     num_expired: int
     num_full: int
     num_shed: int
+    num_for_prefix: int
 
     def __len__(self) -> int: ...
 
@@ -462,4 +463,8 @@ def _admission_metrics(p: str, q: AdmissionCounts) -> list[Metric]:
         c.add_metric([outcome], n)
     waiting = GaugeMetricFamily(p + "admission_waiting", "Requests waiting for a worker now",
                                 value=len(q))
-    return [c, waiting]
+    for_prefix = CounterMetricFamily(
+        p + "admission_for_prefix",
+        "Waiting requests admitted ahead of the queue's head, to a freed worker holding their "
+        "prefix while a busy one held the head's (--queue-lookahead)", value=q.num_for_prefix)
+    return [c, waiting, for_prefix]

@@ -14,6 +14,11 @@ Each runs, on a fresh stack each time, through:
   every mechanism on;
 * ``prefill_only``: the same with ``--decode-interference-weight 0`` (the cost before #32:
   prefill and held blocks only), to show what the decode-interference term buys;
+* on the capacity load, ``capped``: ``ours`` behind a gateway admission cap
+  (``--max-in-flight-per-worker 12``, the rest queued), which this load needed while the
+  engines' health probes queued behind their work, its queue placing by prefix
+  (``--queue-lookahead``); and ``capped_fifo``: the same with ``--queue-lookahead 0`` (the
+  queue's head to the first worker that frees);
 * ``dynamo`` (unless ``--peers none``): Dynamo 1.6.1's frontend (kv router) and mockers with
   the same block size, KV capacity, batch limits and speed (``../shared/bench/dynamo/``;
   ``setup_dynamo.sh`` builds its venv under ``~/.cache/kvsidecar-bench`` when absent).
@@ -26,7 +31,8 @@ within ``--slo-itl-ms``, per second), TTFT p50/p99, ITL p50/p99 (every gap betwe
 chunks), prefix-cache hit rate (cached over prompt tokens, from the replies' usage).
 Ratios (>= 1 better): ``goodput_vs_dynamo_<load>``, ``ttft_p99_vs_dynamo_<load>``,
 ``itl_p50_vs_dynamo_<load>``, ``hit_rate_vs_dynamo_<load>``, and the same against
-``prefill_only_<load>``.
+``prefill_only_<load>`` and ``capped_<load>``; ``queue_lookahead_hit_rate_vs_capped_fifo_<load>``
+compares the two capped stacks. ``--stacks`` runs a subset of ours.
 
 ``--load flood``: three tenants, each an API key of the gateway's ``--api-key-file`` with
 weight 1, drive closed loops of one-turn chats against ``--workers`` simulated reference
@@ -52,6 +58,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -181,19 +188,21 @@ CHAT_LOADS = {
     "capacity": (ChatLoad(system_prompts=40, system_tokens=2000, sessions=384, turns=2,
                           concurrency=64), 1024),
 }
-# Our gateway's own flags per load, for both of our stacks. Capacity-bound engines queue
-# whole prompts (FIFO, the head blocks), and the engine's SGLang-style /health is a one-token
-# generation behind that queue: past its 20 s, every sidecar reports its engine unhealthy and
-# the gateway has no worker left. The gateway's admission keeps the engines' queues short.
-GATEWAY_ARGS = {
-    "hot": (),
-    "capacity": ("--max-in-flight-per-worker", "12", "--queue-timeout-s", "600"),
+# Our stacks per load: each a name and its gateway's flags. ``ours`` has every mechanism on,
+# ``prefill_only`` the decode-interference term off. On the capacity load, also the gateway
+# admission cap the load needed before the engines' health answered from their progress
+# (``capped``: --max-in-flight-per-worker 12, the queue placing by prefix) and the same with
+# the queue placing its head on the first worker that frees (``capped_fifo``).
+_CAP = ("--max-in-flight-per-worker", "12", "--queue-timeout-s", "600")
+OURS = {
+    "hot": (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0"))),
+    "capacity": (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0")),
+                 ("capped", _CAP), ("capped_fifo", (*_CAP, "--queue-lookahead", "0"))),
 }
 # Our sim engine's timing, matched to the mocker's (../shared/bench/dynamo/kvsidecar_stack.sh).
 MOCKER_TIMING = ("--sim-prefill-base-ms", "20", "--sim-prefill-us-per-token", "20",
                  "--sim-decode-base-ms", "4", "--sim-decode-us-per-seq", "1900",
                  "--chunked-prefill-size", "8192", "--max-running-requests", "256")
-OURS = (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0")))
 
 
 def free_port() -> int:
@@ -241,9 +250,15 @@ def run_ours(name: str, extra: tuple[str, ...], load: ChatLoad, blocks: int,
         scorer = _get_json(f"{url}/v1/workers")["scorer"]
     finally:
         stack.stop()
-    reason = 'kvsidecar_gateway_placement_reason_total{reason="interference"}'
+    def grew(name: str) -> float:
+        return _metric(after, name) - _metric(before, name)
+
+    reason = 'kvsidecar_gateway_placement_reason_total{reason="%s"}'
     learned = {
-        "interference_placements": _metric(after, reason) - _metric(before, reason),
+        "interference_placements": grew(reason % "interference"),
+        # placed off a deeper holder because it was at the admission cap
+        "capacity_placements": grew(reason % "capacity"),
+        "queue_for_prefix": grew("kvsidecar_gateway_admission_for_prefix_total"),
         "prefill_load_scale": round(scorer["prefill_load_scale"], 3),
         "overlap_weight": round(scorer["overlap_weight"], 3),
     }
@@ -303,9 +318,12 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
     ttft_s, itl_s = targets(args)
     rows: dict[str, dict[str, float]] = {}
     learned: dict[str, dict[str, float]] = {}
-    for system, extra in OURS:
+    gateway_args = tuple(shlex.split(args.gateway_args or ""))
+    stacks = OURS[name] if args.stacks is None else [
+        (system, extra) for system, extra in OURS[name] if system in args.stacks]
+    for system, extra in stacks:
         progress(f"{name}: {system} ({load.sessions} sessions x {load.turns} turns)")
-        result, learned[system] = run_ours(system, (*GATEWAY_ARGS[name], *extra), load,
+        result, learned[system] = run_ours(system, (*gateway_args, *extra), load,
                                            blocks, args, tmp / name)
         rows[system] = result.summary(ttft_s, itl_s)
         if result.errors:
@@ -320,7 +338,8 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
           f"{load.sessions} sessions x {load.turns} turns, {load.concurrency} in flight, "
           f"{args.workers} workers x {blocks} blocks, speedup {args.speedup:g}; targets "
           f"TTFT {ttft_s * 1000:g} ms, ITL {itl_s * 1000:g} ms; our gateways: "
-          f"{' '.join(GATEWAY_ARGS[name]) or 'defaults'}")
+          f"{' '.join(gateway_args) or 'defaults'}, and per stack: " + "; ".join(
+              f"{system} {' '.join(extra) or '(none)'}" for system, extra in stacks))
     print_table(["stack", *_COLUMNS], [[system, *(row.get(c) for c in _COLUMNS)]
                                        for system, row in rows.items()])
     for system, values in learned.items():
@@ -333,10 +352,14 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         report.add_figures(row, prefix=f"{name}.{system}.")
     for system, values in learned.items():
         report.add_figures(values, prefix=f"{name}.{system}.")
-    ours = rows["ours"]
-    for baseline in ("dynamo", "prefill_only"):
+    ours = rows.get("ours")
+    capped, fifo = rows.get("capped"), rows.get("capped_fifo")
+    if capped is not None and fifo is not None and fifo["hit_rate"] > 0:
+        report.ratio("queue_lookahead_hit_rate", f"capped_fifo_{name}", capped["hit_rate"],
+                     fifo["hit_rate"], better="higher", ndigits=3)
+    for baseline in ("dynamo", "prefill_only", "capped"):
         theirs = rows.get(baseline)
-        if theirs is None:
+        if theirs is None or ours is None:
             continue
         for figure, better in _RATIOS:
             if ours[figure] > 0 and theirs[figure] > 0:
@@ -410,6 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--system-tokens", type=int, help="instead of the load's")
     g.add_argument("--max-tokens", type=int, help="instead of the load's 64")
     g.add_argument("--blocks", type=int, help="KV blocks a worker, instead of the load's")
+    g.add_argument("--gateway-args", metavar="FLAGS",
+                   help="more flags (one string) for every one of our gateways")
+    g.add_argument("--stacks", nargs="+", metavar="NAME",
+                   help="only these of our stacks (ours, prefill_only; capacity: capped, "
+                   "capped_fifo)")
     g.add_argument("--model-dir", type=Path,
                    help="the model both stacks serve (default: Dynamo's one-word-one-token "
                    "tinymodel under ~/.cache/kvsidecar-bench; with --peers none and no such "

@@ -100,6 +100,7 @@ class Sidecar:
         self._silence = SilenceDetector(cfg.silent_after_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._capacity_blocks: int | None = None  # the engine's KV per worker, once it says
+        self._engine_events = 0  # KV events received from the engine
         self._zmq: ZmqRepublisher | None = None  # --publish-zmq
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -160,6 +161,7 @@ class Sidecar:
                     on_pull=self._on_pull,
                 )
             self.load = LoadTracker(info.block_size)
+            self._engine.progress = self._engine_progress
             self._proxy = RequestProxy(
                 adapter,
                 self._engine_session,
@@ -386,6 +388,12 @@ class Sidecar:
     def _publish(self, stream: EventStream, event: KVEvent) -> None:
         stream.publish(event)
         self._silence.on_event()
+        self._engine_events += 1
+
+    def _engine_progress(self) -> int:
+        """The engine's output so far: tokens relayed and KV events received (``EngineWatch``
+        keeps a busy engine whose probe is slow healthy while this grows)."""
+        return self._engine_events + (0 if self.load is None else self.load.generated)
 
     async def _report_status(self) -> None:
         """Every worker's status on its stream, every interval; asks the engine its KV
@@ -433,6 +441,8 @@ class Sidecar:
         body = {
             "status": "ok" if routable else "unavailable",
             "engine_healthy": self.engine_healthy,
+            # probes that timed out while the engine's output advanced (kept healthy)
+            "engine_slow_probes": 0 if self._engine is None else self._engine.slow_probes,
             "routable": routable,
             "reason": reason,
             "draining": self.draining,

@@ -36,6 +36,7 @@ class LoadTracker:
         self._workers: dict[str, WorkerLoadFigures] = {}
         self.completed = 0
         self.failed = 0
+        self.generated = 0  # tokens the engine produced, all requests: its work advancing
 
     def start(self, request_id: str, worker_id: str, prompt_tokens: int) -> None:
         if request_id in self._flights:
@@ -57,6 +58,7 @@ class LoadTracker:
             w.queued_prefill_tokens -= flight.prompt_tokens
         flight.generated += count
         w.active_tokens += count
+        self.generated += count
 
     def finish(self, request_id: str, ok: bool = True) -> None:
         flight = self._flights.pop(request_id, None)

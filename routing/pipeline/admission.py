@@ -28,11 +28,21 @@ overload each backlogged tenant gets its weighted share of the tokens served, wh
 number of clients. A full queue sheds the request that ranks last (lowest priority, then
 latest start) when the newcomer ranks ahead of it, so the flooding tenant's newest request
 is the one refused (429 ``fair_share``), not a quiet tenant's.
+
+Prefix-aware dispatch (``--queue-lookahead N``, a prefix policy): a slot that frees goes to
+a waiting request whose prefix that worker holds, not to the head wherever its prefix lives.
+The head is offered it first, on the condition that no busy worker holds markedly more of
+its prefix than the free one it would get (``Admit.ELSEWHERE`` otherwise); then the next
+``N`` requests of the head's priority band, in order, on the same condition; when none fits,
+the head goes to the best free worker, as without look-ahead. So a freed slot is never left
+idle while requests wait, priority bands are kept, and fair order bends only within the
+window: the head is passed over at most ``N`` times, then placed wherever there is room.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import heapq
 import itertools
 import math
@@ -52,6 +62,7 @@ __all__ = [
     "SHED_QUEUE_TIMEOUT",
     "SHED_RATE_LIMIT",
     "AdmissionQueue",
+    "Admit",
     "Busy",
     "Waiter",
     "parse_priority",
@@ -130,6 +141,15 @@ def parse_priority(raw: bytes | None) -> int:
     return value
 
 
+class Admit(enum.Enum):
+    """What a waiting request's try to be placed came to."""
+
+    PLACED = "placed"  # it left the queue: placed, or answered
+    BUSY = "busy"  # every worker it may go to is busy
+    # (asked to keep its prefix) a worker is free, but a busy one holds markedly more of it
+    ELSEWHERE = "elsewhere"
+
+
 class Waiter(Protocol):
     """A request waiting for a worker (``routing.pipeline.exchange.Exchange``)."""
 
@@ -139,8 +159,9 @@ class Waiter(Protocol):
     cost: int  # tokens it asks for: prompt + max_tokens
     done: bool
 
-    def admit_waiting(self) -> bool:
-        """Try to place it now: True if it left the queue (placed, or answered)."""
+    def admit_waiting(self, keep_prefix: bool = False) -> Admit:
+        """Try to place it now; with ``keep_prefix``, only where no busy worker holds
+        markedly more of its prefix (``Admit.ELSEWHERE`` otherwise)."""
         ...
 
     def wait_expired(self, waited_s: float) -> None:
@@ -158,22 +179,28 @@ class _Entry:
     since: float = field(compare=False)  # when it was queued, on the queue's clock
     finish: float = field(compare=False)  # its tenant's finish tag once it was queued
     waiter: Waiter = field(compare=False)
+    passed_over: int = field(default=0, compare=False)  # as the head, by the look-ahead
 
 
 class AdmissionQueue:
     """Requests waiting for a worker, bounded in number and in time.
 
     ``order``: within a priority, by tenants' fair shares or first come, first served.
+    ``lookahead``: how many requests behind the head a freed slot may go to, for their
+    prefix (module docstring; 0: always the head).
     ``clock``: what waits are timed by (seconds; default: the running loop's clock)."""
 
     def __init__(self, timeout_s: float, max_waiting: int,
                  order: QueueOrder = QueueOrder.FAIR,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, lookahead: int = 0) -> None:
         if timeout_s <= 0 or max_waiting < 1:
             raise ValueError("the admission queue needs timeout_s > 0 and max_waiting >= 1")
+        if lookahead < 0:
+            raise ValueError(f"--queue-lookahead must be >= 0, got {lookahead}")
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
         self.order = order
+        self.lookahead = lookahead
         self._clock = clock
         self._heap: list[_Entry] = []
         self._seq = itertools.count()
@@ -183,6 +210,7 @@ class AdmissionQueue:
         self._timer: asyncio.TimerHandle | None = None
         self.num_queued = self.num_admitted = self.num_expired = self.num_full = 0
         self.num_shed = 0  # waiting requests shed for newcomers ranking ahead (fair_share)
+        self.num_for_prefix = 0  # admitted ahead of the head, to the worker holding its prefix
 
     @property
     def retry_after_s(self) -> int:
@@ -251,9 +279,14 @@ class AdmissionQueue:
                 heapq.heappop(heap)
                 self._refund(entry)
                 continue
-            if not entry.waiter.admit_waiting():
+            outcome, entry = self._admit_one(entry)
+            if outcome is not Admit.PLACED:
                 break
-            heapq.heappop(heap)
+            if entry is heap[0]:
+                heapq.heappop(heap)
+            else:
+                heap.remove(entry)
+                heapq.heapify(heap)
             self._virtual = max(self._virtual, entry.rank[1])
             self.num_admitted += 1
         if heap:  # expire anywhere in the queue, not only at the head
@@ -275,6 +308,25 @@ class AdmissionQueue:
             self._arm(loop)
         else:  # idle: no tenant is behind any other any more
             self._finish.clear()
+
+    def _admit_one(self, head: _Entry) -> tuple[Admit, _Entry]:
+        """Place the head, or with look-ahead one behind it whose prefix a free worker
+        holds (module docstring); what came of it, and which entry it was."""
+        if not self.lookahead or head.passed_over >= self.lookahead:
+            return head.waiter.admit_waiting(), head
+        outcome = head.waiter.admit_waiting(keep_prefix=True)
+        if outcome is not Admit.ELSEWHERE:
+            return outcome, head
+        for entry in heapq.nsmallest(self.lookahead + 1, self._heap)[1:]:
+            if entry.rank[0] != head.rank[0]:
+                break  # a lower priority band: never ahead of the head
+            if entry.waiter.done:
+                continue
+            if entry.waiter.admit_waiting(keep_prefix=True) is Admit.PLACED:
+                head.passed_over += 1
+                self.num_for_prefix += 1
+                return Admit.PLACED, entry
+        return head.waiter.admit_waiting(), head
 
     def close(self) -> None:
         for handle in (self._pass, self._timer):

@@ -49,11 +49,12 @@ from routing.pipeline.admission import (
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,
     AdmissionQueue,
+    Admit,
 )
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.error_relay import ErrorRelay
 from routing.pipeline.legs import Drain, Leg, LegTarget
-from routing.pipeline.place import place_aggregated
+from routing.pipeline.place import HOLDER_BUSY, place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
 from routing.pipeline.stream_tokens import StreamTokens
@@ -207,7 +208,7 @@ class Exchange(ErrorRelay):
             self._wait(queue, None)
             return
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session)
+                                  self.session, itl_target_s=self._itl_target_s())
         self.observe_placement()
         if isinstance(placed, Refusal) and placed.busy:
             if queue is None:
@@ -216,6 +217,11 @@ class Exchange(ErrorRelay):
                 self._wait(queue, placed)
             return
         self._go(placed)
+
+    def _itl_target_s(self) -> float | None:
+        """The request's own ITL target, for the scorer (None: the gateway's)."""
+        slo = self.record.slo
+        return None if slo is None else slo.itl_s
 
     def _wait(self, queue: AdmissionQueue, busy: Refusal | None) -> None:
         """Queue it (``admit_waiting`` places it, or ``wait_expired`` answers), or refuse it
@@ -247,17 +253,20 @@ class Exchange(ErrorRelay):
 
     # --- the admission queue's ``Waiter`` -------------------------------------------------
 
-    def admit_waiting(self) -> bool:
-        """Place it now, unless every worker is still busy."""
+    def admit_waiting(self, keep_prefix: bool = False) -> Admit:
+        """Place it now, unless every worker is still busy (or, with ``keep_prefix``, the
+        one holding its prefix is: ``place_aggregated``)."""
         if self.done:
-            return True
+            return Admit.PLACED
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session)
+                                  self.session, keep_prefix, self._itl_target_s())
+        if placed is HOLDER_BUSY:
+            return Admit.ELSEWHERE
         if isinstance(placed, Refusal) and placed.busy:
-            return False
+            return Admit.BUSY
         self.last_activity = time.monotonic()
         self._go(placed)
-        return True
+        return Admit.PLACED
 
     def wait_expired(self, waited_s: float) -> None:
         queue = self.ctx.admission

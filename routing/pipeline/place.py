@@ -20,7 +20,13 @@ from routing.placement.sessions import SessionAffinity
 from routing.prompt.preparer import PreparedPrompt
 from routing.workers.registry import Role, Worker
 
-__all__ = ["place_aggregated", "place_rerun"]
+__all__ = ["HOLDER_BUSY", "place_aggregated", "place_rerun"]
+
+# A worker is free, but a busy one holds at least this share of the prompt's blocks more
+# than it: with ``keep_prefix`` the request waits for the holder (routing.pipeline.admission).
+KEEP_PREFIX_SHARE = 0.25
+HOLDER_BUSY = Refusal(429, "the worker holding the request's prefix is busy; retry later",
+                      RATE_LIMIT_EXCEEDED, busy=True, retry_after_s=1)
 
 
 def place_aggregated(
@@ -29,10 +35,15 @@ def place_aggregated(
     tried: set[str],
     only: Callable[[Worker], bool] | None = None,
     session: bytes | None = None,
+    keep_prefix: bool = False,
+    itl_target_s: float | None = None,
 ) -> tuple[Worker, Placement] | Refusal:
     """A worker of the aggregated pool by ``--router-mode``, never one in ``tried``, none
     busy (``ctx.busy``); with ``only``, among the workers it accepts (the endpoint picker's
-    subset hint); with ``session``, the session's worker while it is eligible."""
+    subset hint); with ``session``, the session's worker while it is eligible. With
+    ``keep_prefix``, ``HOLDER_BUSY`` rather than a worker holding markedly less of the
+    prefix than a busy one (``KEEP_PREFIX_SHARE`` of the prompt's blocks). ``itl_target_s``:
+    the request's own ITL target, which the scorer prices (None: the gateway's)."""
     if only is None:
         ids = ctx.workers.routable_ids(Role.AGG)
     else:
@@ -56,14 +67,24 @@ def place_aggregated(
         placement = _pinned(ctx, sessions, session, prompt, ids, tried)  # type: ignore[arg-type]
     if placement is None:
         placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried,
-                                      full)
+                                      full, itl_target_s)
     if placement is None:
         return _none_left(tried, "no worker available")
+    if keep_prefix and _holder_busy(placement, len(prompt.block_hashes)):
+        return HOLDER_BUSY
     if sessions is not None:
         sessions.placed(session, placement.worker_id, time.monotonic())  # type: ignore[arg-type]
     worker = ctx.workers.get(placement.worker_id)
     assert worker is not None  # placed among the registry's workers, synchronously
     return worker, placement
+
+
+def _holder_busy(placement: Placement, num_blocks: int) -> bool:
+    """Whether a busy worker holds markedly more of the prefix than the chosen one."""
+    if placement.reason != Reason.CAPACITY:
+        return False
+    lost = placement.best_overlap - placement.overlap.longest
+    return lost >= max(1, KEEP_PREFIX_SHARE * num_blocks)
 
 
 def _pinned(ctx: PipelineContext, sessions: SessionAffinity, session: bytes,

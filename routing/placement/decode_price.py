@@ -17,6 +17,8 @@ seconds converted to the cost's units, from what the gateway has learned
 * goodput: when ``itl(n+1)`` exceeds the ITL target, the ``n+1`` streams each run that much
   over it for every token: ``output_tokens · (n+1) · (itl(n+1) − target)`` more seconds, so
   the penalty grows in proportion to how far, and how many, placement pushes past the target.
+  The target is the request's own (``x-kvsidecar-slo-itl-ms``) where it names one, else the
+  gateway's.
 
 Seconds become cost units at the rate the prefill term already uses: a block of prefill
 costs ``prefill_load_scale`` units and takes ``block_size · prefill_s_per_token`` seconds.
@@ -56,19 +58,23 @@ class DecodePrice:
     def model(self, worker_id: str) -> ItlModel:
         return self.workers.get(worker_id, self.fleet)
 
-    def seconds(self, worker_id: str, in_flight: int, uncached_tokens: float) -> float:
-        """Decode seconds the fleet's streams lose if the request goes to ``worker_id``."""
+    def seconds(self, worker_id: str, in_flight: int, uncached_tokens: float,
+                itl_target_s: float | None = None) -> float:
+        """Decode seconds the fleet's streams lose if the request goes to ``worker_id``;
+        ``itl_target_s``: the request's ITL target (None: the gateway's)."""
         m = self.workers.get(worker_id, self.fleet)
         n = in_flight
         itl = m.base_s + m.per_stream_s * (n + 1)
         lost = self.output_tokens * (itl + m.per_stream_s * n)
         if uncached_tokens > 0:
             lost += n * self.prefill_s_per_token * uncached_tokens
-        over = itl - self.itl_target_s
+        over = itl - (self.itl_target_s if itl_target_s is None else itl_target_s)
         if over > 0:
             lost += self.output_tokens * (n + 1) * over
         return lost
 
-    def cost(self, worker_id: str, in_flight: int, uncached_tokens: float) -> float:
+    def cost(self, worker_id: str, in_flight: int, uncached_tokens: float,
+             itl_target_s: float | None = None) -> float:
         """``seconds`` in the cost's units, times ``weight``."""
-        return self.weight * self.units_per_s * self.seconds(worker_id, in_flight, uncached_tokens)
+        return self.weight * self.units_per_s * self.seconds(
+            worker_id, in_flight, uncached_tokens, itl_target_s)

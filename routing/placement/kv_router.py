@@ -195,10 +195,12 @@ class KvRouter:
         pool: Pool = Pool.AGGREGATED,
         exclude: Collection[str] = (),
         saturated: Sequence[str] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None:
         """Choose a worker (None: no eligible worker). Does not record anything.
         ``saturated``: workers at their in-flight cap, never chosen, whose overlap counts
-        as achievable (``Placement.best_overlap``, reason ``capacity``).
+        as achievable (``Placement.best_overlap``, reason ``capacity``). ``itl_target_s``:
+        the request's own ITL target (``x-kvsidecar-slo-itl-ms``; None: the gateway's).
 
         None stays the core's answer: it knows the workers it was given, not why they are
         all it has, so it has no status or message for the client. The stage that asked
@@ -220,17 +222,19 @@ class KvRouter:
         if share is not None:
             chosen = share.adjust(chosen, stored[:n] if full else stored, len(block_hashes))
         if move is None:
-            return self.scorer.place(chosen, prompt_tokens, pool, scored[n:])
-        return self._place_or_move(move, chosen, scored, stored[:n], prompt_tokens)
+            return self.scorer.place(chosen, prompt_tokens, pool, scored[n:], itl_target_s)
+        return self._place_or_move(move, chosen, scored, stored[:n], prompt_tokens,
+                                   itl_target_s)
 
     def _place_or_move(self, move: MovePlanner, chosen: Sequence[Candidate],
                        scored: Sequence[Candidate], stored: Sequence[int],
-                       prompt_tokens: int) -> Placement | None:
+                       prompt_tokens: int, itl_target_s: float | None) -> Placement | None:
         """The scorer's choice among ``chosen`` with the pull option offered (any scored
         worker's store, a busy one's too, may be the source); a move if the pull won it."""
         n = len(chosen)
         offered, plans = move.offer(chosen, scored, stored)
-        placement = self.scorer.place(offered, prompt_tokens, Pool.AGGREGATED, scored[n:])
+        placement = self.scorer.place(offered, prompt_tokens, Pool.AGGREGATED, scored[n:],
+                                      itl_target_s)
         if placement is None:
             return None
         plan = plans.get(placement.worker_id)

@@ -64,7 +64,9 @@ def prediction(mode: RouterMode, *, has_events: bool, approx_ttl_s: float) -> Pr
 
 class Policy(Protocol):
     """``choose`` picks among ``workers`` less ``exclude``; ``saturated`` (workers at their
-    in-flight cap, never chosen) only tells a prefix policy the overlap it could not reach."""
+    in-flight cap, never chosen) only tells a prefix policy the overlap it could not reach;
+    ``itl_target_s``, the request's own ITL target (None: the gateway's), is priced by the
+    scoring policies' decode term."""
 
     uses_prefix: bool  # does the policy look at block hashes?
 
@@ -75,6 +77,7 @@ class Policy(Protocol):
         workers: Sequence[str],
         exclude: Collection[str],
         saturated: Sequence[str] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None: ...
 
 
@@ -95,6 +98,7 @@ class RoundRobin:
         workers: Sequence[str],
         exclude: Collection[str],
         saturated: Sequence[str] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None:
         eligible = _eligible(workers, exclude)
         if not eligible:
@@ -117,6 +121,7 @@ class RandomChoice:
         workers: Sequence[str],
         exclude: Collection[str],
         saturated: Sequence[str] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None:
         eligible = _eligible(workers, exclude)
         if not eligible:
@@ -140,6 +145,7 @@ class LeastLoaded:
         workers: Sequence[str],
         exclude: Collection[str],
         saturated: Sequence[str] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None:
         eligible = _eligible(workers, exclude)
         if not eligible:
@@ -166,9 +172,11 @@ class PrefixAware:
         workers: Sequence[str],
         exclude: Collection[str],
         saturated: Sequence[str] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None:
         return self._router.place(
-            block_hashes, prompt_tokens, workers, exclude=exclude, saturated=saturated
+            block_hashes, prompt_tokens, workers, exclude=exclude, saturated=saturated,
+            itl_target_s=itl_target_s,
         )
 
 

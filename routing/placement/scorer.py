@@ -244,8 +244,10 @@ class Scorer:
         raw = (candidate.load.active_prefill_tokens + prompt_tokens) / self.block_size
         return raw - self.credit_blocks(candidate.overlap)  # unclamped: see the module doc
 
-    def cost(self, candidate: Candidate, prompt_tokens: int, pool: Pool = Pool.AGGREGATED) -> float:
-        """The cost of placing the request on ``candidate`` (lower is better)."""
+    def cost(self, candidate: Candidate, prompt_tokens: int, pool: Pool = Pool.AGGREGATED,
+             itl_target_s: float | None = None) -> float:
+        """The cost of placing the request on ``candidate`` (lower is better);
+        ``itl_target_s``: the request's own ITL target, for the decode term."""
         if pool is Pool.PREFILL:
             return self.prefill_blocks_after_credit(candidate, prompt_tokens)
         if pool is Pool.DECODE:
@@ -257,7 +259,8 @@ class Scorer:
         decode = self.decode
         if decode is not None:
             uncached = prompt_tokens - candidate.overlap.longest * self.block_size
-            cost += decode.cost(candidate.worker_id, candidate.load.in_flight, uncached)
+            cost += decode.cost(candidate.worker_id, candidate.load.in_flight, uncached,
+                                itl_target_s)
         return cost
 
     def prefill_decode_cost(self, candidate: Candidate, prompt_tokens: int) -> float:
@@ -273,11 +276,13 @@ class Scorer:
         prompt_tokens: int,
         pool: Pool = Pool.AGGREGATED,
         saturated: Sequence[Candidate] = (),
+        itl_target_s: float | None = None,
     ) -> Placement | None:
         """The chosen candidate, or None if there is none (or, for a decode pool, none has
         room for the request's blocks: the caller applies backpressure). ``saturated``: the
         workers at their in-flight cap, never chosen, whose overlap still counts as the
-        deepest on offer (so a miss they cause reads ``capacity``)."""
+        deepest on offer (so a miss they cause reads ``capacity``). ``itl_target_s``: the
+        request's own ITL target (None: the gateway's)."""
         full = saturated
         if pool is Pool.DECODE:
             fits: list[Candidate] = []
@@ -288,7 +293,7 @@ class Scorer:
             candidates, full = fits, over
         if not candidates:
             return None
-        costs = [self.cost(c, prompt_tokens, pool) for c in candidates]
+        costs = [self.cost(c, prompt_tokens, pool, itl_target_s) for c in candidates]
         tied = False
         if self.weights.temperature > 0:
             index = self._sample(costs)

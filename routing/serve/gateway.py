@@ -177,7 +177,9 @@ class Gateway:
             in_flight={},
             model_names=self.model_names,
             busy=busy if busy.any else None,
-            admission=(AdmissionQueue(cfg.queue_timeout_s, cfg.queue_max, cfg.queue_order)
+            admission=(AdmissionQueue(cfg.queue_timeout_s, cfg.queue_max, cfg.queue_order,
+                                      lookahead=cfg.queue_lookahead if policy.uses_prefix
+                                      else 0)
                        if cfg.queue_timeout_s > 0 and busy.any else None),
             sessions=(SessionAffinity(cfg.session_ttl_s) if cfg.session_affinity else None),
             slo=Slo(cfg.slo_ttft_ms / 1000, cfg.slo_itl_ms / 1000),

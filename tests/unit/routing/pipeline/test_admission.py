@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcore.stream import EngineLoad
-from routing.pipeline.admission import AdmissionQueue, Busy, parse_priority
+from routing.pipeline.admission import AdmissionQueue, Admit, Busy, parse_priority
 from routing.placement.active_load import ActiveLoad
 from routing.placement.sessions import SessionAffinity
 from routing.vocabulary import QueueOrder
@@ -43,20 +43,25 @@ def test_priority_header() -> None:
 
 
 class _Waiter:
+    """``room``: a worker it may go to is free; ``holder_busy``: a busy one holds its prefix."""
+
     def __init__(self, name: str, priority: int, log: list[str], tenant: str = "",
-                 cost: int = 100, weight: float = 1.0) -> None:
+                 cost: int = 100, weight: float = 1.0, holder_busy: bool = False) -> None:
         self.name, self.priority, self.done, self.log = name, priority, False, log
         self.tenant, self.cost, self.weight = tenant, cost, weight
         self.room = False
+        self.holder_busy = holder_busy
         self.tries = 0
 
-    def admit_waiting(self) -> bool:
+    def admit_waiting(self, keep_prefix: bool = False) -> Admit:
         self.tries += 1
         if not self.room:
-            return False
+            return Admit.BUSY
+        if keep_prefix and self.holder_busy:
+            return Admit.ELSEWHERE
         self.done = True
         self.log.append(self.name)
-        return True
+        return Admit.PLACED
 
     def wait_expired(self, waited_s: float) -> None:
         self.done = True
@@ -150,6 +155,46 @@ async def test_a_full_queue_sheds_the_request_ranking_last() -> None:
     fcfs = AdmissionQueue(timeout_s=30, max_waiting=1, order=QueueOrder.FCFS)
     assert fcfs.offer(_Waiter("a", 0, log)) and not fcfs.offer(_Waiter("b", 0, log, "x"))
     fcfs.close()
+
+
+async def test_a_freed_slot_goes_to_a_request_whose_prefix_it_holds() -> None:
+    """With look-ahead, a request behind the head whose prefix a free worker holds goes
+    first while a busy worker holds the head's; the head is passed over at most
+    ``lookahead`` times, then placed where there is room; a request waiting for its holder
+    when nothing behind it fits is placed at once (no free slot stays idle)."""
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=30, max_waiting=16, lookahead=2)
+    head = _Waiter("head", 0, log, holder_busy=True)
+    waiters = [head, _Waiter("b", 0, log, holder_busy=True), _Waiter("c", 0, log),
+               _Waiter("d", 0, log), _Waiter("e", 0, log)]
+    for w in waiters:
+        assert queue.offer(w)
+        w.room = True
+    queue.wake()
+    await wait_for(lambda: not len(queue), "every request admitted")
+    # c, then d (each within two behind the head) fit; the head, passed over twice, goes
+    # next; b, now the head, waits for its holder while e goes, then goes itself: nothing
+    # is left behind it.
+    assert log == ["c", "d", "head", "e", "b"]
+    assert queue.num_for_prefix == 3 and queue.num_admitted == 5
+    queue.close()
+
+
+async def test_look_ahead_keeps_priority_bands_and_stops_when_all_are_busy() -> None:
+    """A lower band never goes before the head; every worker busy: nobody is tried behind it."""
+    log: list[str] = []
+    queue = AdmissionQueue(timeout_s=30, max_waiting=16, lookahead=4)
+    urgent = _Waiter("urgent", 5, log, holder_busy=True)
+    low = _Waiter("low", 0, log)
+    assert queue.offer(urgent) and queue.offer(low)
+    queue.wake()
+    await wait_for(lambda: urgent.tries, "a pass over the queue")
+    assert low.tries == 0 and log == []  # no room anywhere
+    urgent.room = low.room = True
+    queue.wake()
+    await wait_for(lambda: not len(queue), "both admitted")
+    assert log == ["urgent", "low"] and queue.num_for_prefix == 0
+    queue.close()
 
 
 def test_sessions_expire_and_stay_bounded() -> None:

@@ -20,15 +20,15 @@ from routing.pipeline.admission import Busy
 from routing.pipeline.admit import admit
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.legs import Leg, LegTarget
-from routing.pipeline.place import place_aggregated
+from routing.pipeline.place import HOLDER_BUSY, place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import make_policy
 from routing.placement.refusal import Refusal
-from routing.placement.scorer import Placement, TierOverlap
+from routing.placement.scorer import Placement, Reason, TierOverlap
 from routing.prompt.openai_api import Endpoint, parse_request
-from routing.prompt.preparer import PromptPreparer
+from routing.prompt.preparer import PreparedPrompt, PromptPreparer
 from routing.workers.registry import Worker, WorkerKind, WorkerRegistry
 
 BS = 16
@@ -140,12 +140,13 @@ class TestRelay:
         assert m.completion_tokens == 5 and m.usage_prompt_tokens == 40
 
 
-def context(*workers: Worker, cap: int | None = None) -> PipelineContext:
+def context(*workers: Worker, cap: int | None = None,
+            mode: RouterMode = RouterMode.LEAST_LOADED) -> PipelineContext:
     router = KvRouter(block_size=BS)
     registry = WorkerRegistry(on_capacity=router.load.set_capacity)
     for worker in workers:
         registry.add(worker)
-    policy = make_policy(RouterMode.LEAST_LOADED, router, random.Random(0))
+    policy = make_policy(mode, router, random.Random(0))
     return PipelineContext(
         router=router,
         policy=policy,
@@ -195,6 +196,23 @@ class TestPlace:
         ctx.router.dispatch("r1", Placement("a", 0.0, TierOverlap()), [], 10)
         refused = place_aggregated(ctx, self.prompt(ctx), set())
         assert isinstance(refused, Refusal) and refused.status == 429
+
+    def test_keep_prefix_waits_for_a_busy_holder(self) -> None:
+        """A busy worker holds the prompt's prefix and a free one none of it: asked to keep
+        its prefix, the request is told the holder is busy; otherwise it goes to the free
+        one (reason capacity). A prefix held by no one does not hold it back."""
+        a, b = plain("a"), plain("b", 9001)
+        ctx = context(a, b, cap=1, mode=RouterMode.KV)
+        prefix = list(range(100, 108))
+        ctx.router.dispatch("r1", Placement("a", 0.0, TierOverlap()), prefix, 8 * BS)
+        prompt = PreparedPrompt(prefix, 8 * BS + 3, None, timed=False)
+        assert place_aggregated(ctx, prompt, set(), keep_prefix=True) is HOLDER_BUSY
+        placed = place_aggregated(ctx, prompt, set())
+        assert not isinstance(placed, Refusal)
+        assert placed[0] is b and placed[1].reason == Reason.CAPACITY
+        cold = PreparedPrompt(list(range(200, 208)), 8 * BS, None, timed=False)
+        placed = place_aggregated(ctx, cold, set(), keep_prefix=True)
+        assert not isinstance(placed, Refusal) and placed[0] is b
 
 
 class TestLegs:

@@ -197,3 +197,17 @@ class TestHotPrefix:
         assert router.scorer.decode.fleet.per_stream_s == pytest.approx(0.0, abs=1e-6)
         placement = router.place(hashes, tokens, WORKERS)
         assert placement is not None and placement.worker_id == "w0"
+
+    def test_a_requests_own_itl_target_is_priced(self) -> None:
+        """x-kvsidecar-slo-itl-ms reaches the overshoot term: at a flat 30 ms ITL the holder
+        meets the gateway's 50 ms target and keeps the request, but not one asking for 20 ms;
+        at 60 ms it misses the gateway's, yet meets a request's 1 s."""
+        router, hashes, tokens = hot_fleet(1.0, ItlModel(0.030, 0.0), Clock())
+        assert router.place(hashes, tokens, WORKERS).worker_id == "w0"  # type: ignore[union-attr]
+        tight = router.place(hashes, tokens, WORKERS, itl_target_s=0.020)
+        assert tight is not None and tight.worker_id != "w0"
+        assert tight.reason == Reason.INTERFERENCE
+        router, hashes, tokens = hot_fleet(1.0, ItlModel(0.060, 0.0), Clock())
+        assert router.place(hashes, tokens, WORKERS).worker_id != "w0"  # type: ignore[union-attr]
+        loose = router.place(hashes, tokens, WORKERS, itl_target_s=1.0)
+        assert loose is not None and loose.worker_id == "w0"
