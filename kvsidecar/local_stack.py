@@ -40,11 +40,11 @@ from kvsidecar.local_nats import NatsServer
 from kvsidecar.local_redis import RedisServer
 from kvsidecar.local_vllm import VllmServer
 from kvsidecar.stack_argv import (
-    STORE_FLAGS,
     gateway_argv,
     part_name,
     refengine_argv,
     sidecar_argv,
+    store_flags,
 )
 from kvsidecar.stack_spec import DEFAULT_MODEL, EVENTS_CONFIG, EngineSpec, GatewaySpec, StackSpec
 
@@ -75,7 +75,7 @@ class Part:
     proc: ManagedProcess | VllmServer
     role: str = "agg"
     worker_id: str = ""
-    store_socket: Path | None = None  # an engine of handoff="sidecar": its sidecar's store
+    store_socket: Path | None = None  # its sidecar's block store (EngineSpec.store, handoff)
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class LocalStack:
         self._procs: list[ManagedProcess] = []  # in start order; stopped in reverse
         self._vllm: list[VllmServer] = []  # real vLLM engines: stopped after our processes
         self._launched: dict[str, _Launch] = {}  # by process name: how to start it again
-        self._sockets = 0  # block-store sockets handed out (handoff="sidecar")
+        self._sockets = 0  # block-store sockets handed out
 
     @property
     def url(self) -> str:
@@ -134,8 +134,14 @@ class LocalStack:
         return {p.worker_id: p.url for p in self.sidecars}
 
     @property
+    def store_sockets(self) -> dict[str, Path]:
+        """Each sidecar's block store socket by its worker id (``EngineSpec.store``)."""
+        return {p.worker_id: p.store_socket for p in self.sidecars if p.store_socket}
+
+    @property
     def engine_urls(self) -> dict[str, str]:
-        """Each engine replica's URL by the worker id of its sidecar."""
+        """Each engine replica's URL by the worker id of its sidecar (or, for a replica
+        without one, the name ``EngineSpec.worker_ids`` gives it)."""
         return {p.worker_id: p.url for p in self.engines if p.worker_id}
 
     def process(self, name: str) -> ManagedProcess:
@@ -227,9 +233,12 @@ class LocalStack:
                                          store_socket=socket))
 
     def _store_socket(self, engine: EngineSpec) -> Path | None:
-        """A new block-store socket for an engine of ``handoff="sidecar"``; else None."""
-        if engine.role == "agg" or engine.handoff != "sidecar":
+        """A new block-store socket for an engine hooked to its sidecar's store; else None."""
+        if not engine.hooked:
             return None
+        return self._new_socket()
+
+    def _new_socket(self) -> Path:
         self._sockets += 1
         return self.workdir / f"store-{self._sockets}.sock"
 
@@ -259,7 +268,8 @@ class LocalStack:
         index: dict[str, int] = {}
         started: list[tuple[Part, ManagedProcess]] = []
         for (engine, j), part in zip(wanted, self.engines, strict=True):
-            if not engine.sidecars:
+            if not engine.sidecars:  # named all the same when worker_ids names it
+                part.worker_id = engine.worker_ids[j] if engine.worker_ids else ""
                 continue
             i = index[part.role] = index.get(part.role, -1) + 1
             worker_id = (engine.worker_ids[j] if engine.worker_ids
@@ -268,7 +278,10 @@ class LocalStack:
             if isinstance(part.proc, VllmServer):  # the store its KV connector attaches to
                 store = part.proc.store_args()
             elif part.store_socket is not None:  # its engine's HiCache hook's store
-                store = [*STORE_FLAGS, "--store-socket", str(part.store_socket)]
+                store = store_flags(engine, part.store_socket)
+            elif engine.store == "sidecar":
+                part.store_socket = self._new_socket()
+                store = store_flags(engine, part.store_socket)
             else:
                 store = []
             extra = [*kind, *store, *self._ours(), *servers, *spec.sidecar_args,
@@ -281,7 +294,8 @@ class LocalStack:
             started.append((part, proc))
         for part, proc in started:
             url = str(proc.wait_ready(_READY_S["sidecar"])[0]["url"])
-            self.sidecars.append(Part(proc.name, url, proc, part.role, part.worker_id))
+            self.sidecars.append(Part(proc.name, url, proc, part.role, part.worker_id,
+                                      part.store_socket))
 
     def add_gateway(self, gateway: GatewaySpec) -> list[Part]:
         """Start ``gateway.count`` gateways (now, or beside a running stack); stopped first."""

@@ -11,7 +11,7 @@ from typing import Any
 from kvsidecar.stack_spec import EngineSpec, GatewaySpec, StackSpec
 
 __all__ = ["STORE_FLAGS", "gateway_argv", "part_name", "refengine_argv", "role_flags",
-           "sidecar_argv"]
+           "sidecar_argv", "store_flags"]
 
 
 def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
@@ -56,22 +56,35 @@ def refengine_argv(spec: StackSpec, engine: EngineSpec, workdir: Path, socket: P
 # 2 KiB per token in fp32, 16 tokens a page), and the pull of a decode sidecar.
 STORE_FLAGS = ("--store-block-bytes", str(16 * 2048), "--store-capacity-bytes", "32MiB",
                "--kv-handoff", "transfer")
+# store="sidecar"/"hook": a block store the sidecar sizes from the engine's KV layout.
+_AGG_STORE_FLAGS = ("--store-capacity-bytes", "32MiB")
 
 
 def role_flags(engine: EngineSpec, workdir: Path, socket: Path | None) -> list[str]:
-    """Engine flags of a P/D role: its mode and the HiCache hook its handoff goes through."""
-    if engine.role == "agg" or engine.handoff == "none":
-        return []
-    if socket is None:
-        backend = "file"
-        config: dict[str, Any] = {"file_path": str(workdir / engine.page_store)}
-    else:
+    """Engine flags of a P/D role (its mode) and of the HiCache hook its KV goes through: the
+    page store directory of ``handoff="file"``, or its sidecar's block store at ``socket``."""
+    pd = engine.role != "agg" and engine.handoff != "none"
+    mode = ["--disaggregation-mode", engine.role] if pd else []
+    if socket is not None:
         backend = "dynamic"
-        config = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
-                  "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
-                  "socket": str(socket), "model_id": "tiny"}
-    return ["--disaggregation-mode", engine.role, "--hicache-storage-backend", backend,
+        config: dict[str, Any] = {
+            "backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
+            "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
+            "socket": str(socket), "model_id": "tiny"}
+    elif pd:
+        backend = "file"
+        config = {"file_path": str(workdir / engine.page_store)}
+    else:
+        return []
+    return [*mode, "--hicache-storage-backend", backend,
             "--hicache-storage-backend-extra-config", json.dumps(config)]
+
+
+def store_flags(engine: EngineSpec, socket: Path) -> list[str]:
+    """A sidecar's flags for the block store at ``socket``: a P/D role's handoff store, or
+    the store of ``EngineSpec.store``."""
+    pd = engine.role != "agg" and engine.handoff == "sidecar"
+    return [*(STORE_FLAGS if pd else _AGG_STORE_FLAGS), "--store-socket", str(socket)]
 
 
 def part_name(kind: str, role: str, i: int | None = None) -> str:

@@ -45,6 +45,11 @@ class EngineSpec:
     sidecar's block store and decode sidecars pull the blocks (``--kv-handoff transfer``);
     ``"none"``, the engine runs aggregated and only its sidecar declares the role (SGLang's
     native P/D mode, where the engines would move the KV themselves).
+
+    A block store beside each replica (``store``, the KV-tier tests): ``"sidecar"``, its
+    sidecar owns one at a socket of the work dir (``LocalStack.store_sockets``);
+    ``"hook"``, and the reference engine's HiCache hook writes its pages through to it, as
+    ``handoff="sidecar"`` does for a P/D role. ``sidecar_args`` size it (a later flag wins).
     """
 
     replicas: int = 1
@@ -59,19 +64,28 @@ class EngineSpec:
     vllm: VllmOptions | None = None  # kind="vllm": the servers' options
     handoff: Literal["file", "sidecar", "none"] = "file"  # a P/D role's; see above
     page_store: str = "pd-pages"  # handoff="file": the shared directory's name
+    store: Literal["none", "sidecar", "hook"] = "none"  # see above
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
-        if (self.role != "agg" and self.handoff == "sidecar" and self.compute == "sim"
-                and self.replicas > 1):
-            raise ValueError("handoff='sidecar' needs a store socket per engine process: "
-                             "one replica per simulated engine spec")
+        if self.hooked and self.compute == "sim" and self.replicas > 1:
+            raise ValueError("an engine hooked to its sidecar's store (store='hook', or "
+                             "handoff='sidecar' in a P/D role) needs a store socket per engine "
+                             "process: one replica per simulated engine spec")
+        if self.store == "hook" and self.kind != "refengine":
+            raise ValueError("store='hook' loads the reference engine's HiCache hook: "
+                             f"kind={self.kind!r} has none")
         if (self.kind == "vllm") != (self.vllm is not None):
             raise ValueError("kind='vllm' and its vllm options go together")
         if self.worker_ids and len(self.worker_ids) != self.replicas:
             raise ValueError(f"worker_ids names {len(self.worker_ids)} workers for "
                              f"{self.replicas} replicas")
+
+    @property
+    def hooked(self) -> bool:
+        """Whether each engine's HiCache hook writes through to its sidecar's block store."""
+        return self.store == "hook" or (self.role != "agg" and self.handoff == "sidecar")
 
 
 @dataclass(frozen=True)
