@@ -1,19 +1,13 @@
+"""The KV-tier tests' shared replicas (the kv-move and tier-credit modules)."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
 
-from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_stack import LocalStack
-from tests.support.processes import ProcessGroup
 from tests.support.tier_stack import PAGE_BYTES, plain, replica, tier_spec
-
-
-@pytest.fixture
-def procs() -> Iterator[ProcessGroup[ManagedProcess]]:
-    with ProcessGroup[ManagedProcess]() as group:
-        yield group
 
 
 @pytest.fixture(scope="package")
