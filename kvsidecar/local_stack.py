@@ -16,6 +16,9 @@ the start with its log's tail; stopping sends SIGTERM, then SIGKILL, and then ki
 is left of its group. Logs and ready files go in the work directory, one per child.
 ``add_gateway`` starts more gateways beside a running stack; ``restart`` brings a child back
 on the ports it had (fault tests and the soak).
+
+The specs live in ``kvsidecar.stack_spec``, the children's command lines (and a P/D role's
+handoff wiring) in ``kvsidecar.stack_argv``; both are re-exported here.
 """
 
 from __future__ import annotations
@@ -26,18 +29,24 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Self
 from urllib.parse import urlsplit
 
-from kvcore.stream import Role
 from kvsidecar.launch import LaunchError, ManagedProcess, Stoppable, stop_newest_first
 from kvsidecar.local_nats import NatsServer
 from kvsidecar.local_redis import RedisServer
-from kvsidecar.local_vllm import VllmOptions, VllmServer
-from routing.config import FailurePolicy, PdMode, RouterMode
+from kvsidecar.local_vllm import VllmServer
+from kvsidecar.stack_argv import (
+    gateway_argv,
+    part_name,
+    refengine_argv,
+    sidecar_argv,
+    store_flags,
+)
+from kvsidecar.stack_spec import DEFAULT_MODEL, EVENTS_CONFIG, EngineSpec, GatewaySpec, StackSpec
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -51,112 +60,9 @@ __all__ = [
     "sidecar_argv",
 ]
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "refengine" / "models" / "tiny"
-EVENTS_CONFIG = json.dumps(
-    {
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:*",
-        "replay_endpoint": "tcp://127.0.0.1:*",
-        "topic": "kv-events",
-    }
-)
 # Deadlines for a child's ready file: torch engines load a model, the rest only bind.
 _READY_S = {"sim": 120.0, "torch": 300.0, "standin": 120.0, "sidecar": 120.0, "gateway": 60.0}
 _ROUTABLE_S = 60.0
-
-
-@dataclass(frozen=True)
-class EngineSpec:
-    """The engines of one role.
-
-    ``kind="refengine"``: the CPU reference engine, given the stack's flags (model, KV pool,
-    KV events, the handoff of a P/D role), then ``args``; ``compute="sim"`` serves all
-    ``replicas`` from one process, ``"torch"`` runs one process each. Any other ``kind`` is
-    a module run as ``python -m <kind> *args``, one process per replica (a stand-in engine
-    of the tests), which must write a ready file like ours. ``kind="vllm"``: real vLLM
-    servers with the options ``vllm`` (``kvsidecar.local_vllm``), started side by side, each
-    sidecar given ``--engine vllm`` (and, with the vLLM KV connector, the block store it
-    attaches to).
-
-    How a prefill/decode role's reference engines hand their KV over (``handoff``):
-    ``"file"``, through a page store directory of the work dir (``page_store``) that the
-    P/D engines naming it share; ``"sidecar"``, each engine's HiCache hook is its own
-    sidecar's block store and decode sidecars pull the blocks (``--kv-handoff transfer``);
-    ``"none"``, the engine runs aggregated and only its sidecar declares the role (SGLang's
-    native P/D mode, where the engines would move the KV themselves).
-    """
-
-    replicas: int = 1
-    role: Role = "agg"
-    compute: Literal["sim", "torch"] = "sim"
-    kind: str = "refengine"
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)  # for the engines and their sidecars
-    sidecars: bool = True  # a sidecar beside each replica
-    sidecar_args: tuple[str, ...] = ()  # for these replicas' sidecars, after the stack's
-    worker_ids: tuple[str, ...] = ()  # one per replica; none: replica-<i> or <role>-<i>
-    vllm: VllmOptions | None = None  # kind="vllm": the servers' options
-    handoff: Literal["file", "sidecar", "none"] = "file"  # a P/D role's; see above
-    page_store: str = "pd-pages"  # handoff="file": the shared directory's name
-
-    def __post_init__(self) -> None:
-        if self.replicas < 0:
-            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
-        if (self.role != "agg" and self.handoff == "sidecar" and self.compute == "sim"
-                and self.replicas > 1):
-            raise ValueError("handoff='sidecar' needs a store socket per engine process: "
-                             "one replica per simulated engine spec")
-        if (self.kind == "vllm") != (self.vllm is not None):
-            raise ValueError("kind='vllm' and its vllm options go together")
-        if self.worker_ids and len(self.worker_ids) != self.replicas:
-            raise ValueError(f"worker_ids names {len(self.worker_ids)} workers for "
-                             f"{self.replicas} replicas")
-
-
-@dataclass(frozen=True)
-class GatewaySpec:
-    """``count`` gateways alike (named ``name``, then ``name-1``...), in front of every
-    sidecar (``workers="sidecars"``), every engine as a plain worker (``"engines"``), or
-    only what ``args`` names (``"none"``)."""
-
-    name: str = "gateway"
-    count: int = 1
-    host: str = "127.0.0.1"
-    port: int = 0  # the first one's; the others bind any
-    router_mode: str = RouterMode.KV.value
-    pd_mode: str = PdMode.AUTO.value
-    kv_load_failure_policy: str = FailurePolicy.FALLBACK.value
-    health_check_interval_s: float = 1.0
-    seed: int | None = None  # gateway i gets seed + i
-    workers: Literal["sidecars", "engines", "none"] = "sidecars"
-    only: tuple[str, ...] = ()  # workers="sidecars": these worker ids' alone; none: all
-    nats: bool = True  # where the stack runs NATS: join it (--nats)
-    args: tuple[str, ...] = ()  # after the stack's own, so they win
-    wait_routable: bool = True  # start() returns once every worker is routable through it
-
-
-@dataclass(frozen=True)
-class StackSpec:
-    """What runs: engines, their sidecars, gateways, and NATS / Redis when asked for."""
-
-    engines: tuple[EngineSpec, ...] = (EngineSpec(),)
-    gateways: tuple[GatewaySpec, ...] = (GatewaySpec(),)
-    model_path: str = str(DEFAULT_MODEL)
-    max_total_tokens: int | None = None  # None: the engine's default pool
-    speedup: float | None = None  # sim compute; None: the engine's default
-    events_config: str = EVENTS_CONFIG
-    handoff_ms_per_1k_tokens: float = 0.0
-    sidecar_args: tuple[str, ...] = ()  # for every sidecar, after the stack's own
-    log_level: str | None = None  # for every engine, sidecar and gateway of ours
-    env: Mapping[str, str] = field(default_factory=dict)  # for each of them; an engine's on top
-    nats: bool = False  # a nats-server (JetStream); every gateway gets --nats
-    nats_events: bool = False  # with nats: sidecars also publish their events there
-    redis: bool = False  # a redis-server; every sidecar gets --remote-tier-url
-    redis_maxmemory: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.nats_events and not self.nats:
-            raise ValueError("nats_events needs nats: the sidecars publish to its JetStream")
 
 
 @dataclass
@@ -169,29 +75,7 @@ class Part:
     proc: ManagedProcess | VllmServer
     role: str = "agg"
     worker_id: str = ""
-    store_socket: Path | None = None  # an engine of handoff="sidecar": its sidecar's store
-
-
-def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
-                 extra: list[str] | None = None) -> list[str]:
-    """A sidecar's arguments: the stack's own, then ``extra`` (a later flag wins)."""
-    return ["--engine-url", url, "--worker-id", worker_id, "--role", role, "--port", "0",
-            "--sim-handoff-ms-per-1k-tokens", str(handoff_ms), *(extra or [])]
-
-
-def gateway_argv(spec: GatewaySpec, model_path: str, sidecars: list[str], *,
-                 port: int | None = None, more: list[str] | None = None) -> list[str]:
-    """A gateway's arguments: the stack's own, ``--sidecar`` per sidecar URL, ``more`` (the
-    stack's wiring: workers, seed, NATS), then the spec's ``args`` (a later flag wins)."""
-    return [
-        "--host", spec.host, "--port", str(spec.port if port is None else port),
-        "--router-mode", spec.router_mode, "--model-path", model_path,
-        "--health-check-interval-s", f"{spec.health_check_interval_s:g}",
-        "--pd-mode", spec.pd_mode, "--kv-load-failure-policy", spec.kv_load_failure_policy,
-        *[flag for url in sidecars for flag in ("--sidecar", url)],
-        *(more or []),
-        *spec.args,
-    ]
+    store_socket: Path | None = None  # its sidecar's block store (EngineSpec.store, handoff)
 
 
 @dataclass(frozen=True)
@@ -202,34 +86,6 @@ class _Launch:
     argv: list[str]
     env: Mapping[str, str] | None
     wait_s: float
-
-
-# handoff="sidecar": a sidecar's block store of raw one-page blocks (the tiny model's KV is
-# 2 KiB per token in fp32, 16 tokens a page), and the pull of a decode sidecar.
-_STORE_FLAGS = ("--store-block-bytes", str(16 * 2048), "--store-capacity-bytes", "32MiB",
-                "--kv-handoff", "transfer")
-
-
-def _role_flags(engine: EngineSpec, workdir: Path, socket: Path | None) -> list[str]:
-    """Engine flags of a P/D role: its mode and the HiCache hook its handoff goes through."""
-    if engine.role == "agg" or engine.handoff == "none":
-        return []
-    if socket is None:
-        backend = "file"
-        config: dict[str, Any] = {"file_path": str(workdir / engine.page_store)}
-    else:
-        backend = "dynamic"
-        config = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
-                  "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
-                  "socket": str(socket), "model_id": "tiny"}
-    return ["--disaggregation-mode", engine.role, "--hicache-storage-backend", backend,
-            "--hicache-storage-backend-extra-config", json.dumps(config)]
-
-
-def _name(kind: str, role: str, i: int | None = None) -> str:
-    """``engines``, ``engine-0``, ``sidecar-prefill-1``: the role named unless aggregated."""
-    base = kind if role == "agg" else f"{kind}-{role}"
-    return base if i is None else f"{base}-{i}"
 
 
 def routable_workers(url: str, count: int, timeout_s: float = _ROUTABLE_S) -> list[Any]:
@@ -260,7 +116,7 @@ class LocalStack:
         self._procs: list[ManagedProcess] = []  # in start order; stopped in reverse
         self._vllm: list[VllmServer] = []  # real vLLM engines: stopped after our processes
         self._launched: dict[str, _Launch] = {}  # by process name: how to start it again
-        self._sockets = 0  # block-store sockets handed out (handoff="sidecar")
+        self._sockets = 0  # block-store sockets handed out
 
     @property
     def url(self) -> str:
@@ -278,8 +134,14 @@ class LocalStack:
         return {p.worker_id: p.url for p in self.sidecars}
 
     @property
+    def store_sockets(self) -> dict[str, Path]:
+        """Each sidecar's block store socket by its worker id (``EngineSpec.store``)."""
+        return {p.worker_id: p.store_socket for p in self.sidecars if p.store_socket}
+
+    @property
     def engine_urls(self) -> dict[str, str]:
-        """Each engine replica's URL by the worker id of its sidecar."""
+        """Each engine replica's URL by the worker id of its sidecar (or, for a replica
+        without one, the name ``EngineSpec.worker_ids`` gives it)."""
         return {p.worker_id: p.url for p in self.engines if p.worker_id}
 
     def process(self, name: str) -> ManagedProcess:
@@ -332,19 +194,6 @@ class LocalStack:
         """Flags every child of ours gets before its own extras."""
         return ["--log-level", self.spec.log_level] if self.spec.log_level else []
 
-    def _refengine_argv(self, engine: EngineSpec, socket: Path | None = None) -> list[str]:
-        spec = self.spec
-        argv = ["refengine", "--compute", engine.compute]
-        if engine.compute == "sim":
-            argv += ["--replicas", str(engine.replicas)]
-            if spec.speedup is not None:
-                argv += ["--speedup", str(spec.speedup)]
-        argv += ["--model-path", spec.model_path]
-        if spec.max_total_tokens is not None:
-            argv += ["--max-total-tokens", str(spec.max_total_tokens)]
-        return [*argv, "--kv-events-config", spec.events_config, "--port", "0",
-                *_role_flags(engine, self.workdir, socket), *self._ours(), *engine.args]
-
     def _start_engines(self) -> None:
         """Every engine process at once, then wait for each; parts in spec order."""
         started: list[tuple[EngineSpec, ManagedProcess | list[VllmServer], int, float,
@@ -359,8 +208,9 @@ class LocalStack:
                 continue
             if engine.kind == "refengine" and engine.compute == "sim":
                 socket = self._store_socket(engine)
-                proc = self._launch(_name("engines", engine.role),
-                                    self._refengine_argv(engine, socket), _READY_S["sim"], env)
+                argv = refengine_argv(self.spec, engine, self.workdir, socket, self._ours())
+                proc = self._launch(part_name("engines", engine.role), argv, _READY_S["sim"],
+                                    env)
                 started.append((engine, proc, engine.replicas, _READY_S["sim"], socket))
                 continue
             for _ in range(engine.replicas):
@@ -368,11 +218,11 @@ class LocalStack:
                 socket = None
                 if engine.kind == "refengine":
                     socket = self._store_socket(engine)
-                    argv = self._refengine_argv(engine, socket)
+                    argv = refengine_argv(self.spec, engine, self.workdir, socket, self._ours())
                     wait = _READY_S[engine.compute]
                 else:
                     argv, wait = [engine.kind, *engine.args], _READY_S["standin"]
-                proc = self._launch(_name("engine", engine.role, i), argv, wait, env)
+                proc = self._launch(part_name("engine", engine.role, i), argv, wait, env)
                 started.append((engine, proc, 1, wait, socket))
         for engine, launched, count, wait, socket in started:
             if isinstance(launched, list):  # vLLM servers, ready already
@@ -383,9 +233,12 @@ class LocalStack:
                                          store_socket=socket))
 
     def _store_socket(self, engine: EngineSpec) -> Path | None:
-        """A new block-store socket for an engine of ``handoff="sidecar"``; else None."""
-        if engine.role == "agg" or engine.handoff != "sidecar":
+        """A new block-store socket for an engine hooked to its sidecar's store; else None."""
+        if not engine.hooked:
             return None
+        return self._new_socket()
+
+    def _new_socket(self) -> Path:
         self._sockets += 1
         return self.workdir / f"store-{self._sockets}.sock"
 
@@ -415,7 +268,8 @@ class LocalStack:
         index: dict[str, int] = {}
         started: list[tuple[Part, ManagedProcess]] = []
         for (engine, j), part in zip(wanted, self.engines, strict=True):
-            if not engine.sidecars:
+            if not engine.sidecars:  # named all the same when worker_ids names it
+                part.worker_id = engine.worker_ids[j] if engine.worker_ids else ""
                 continue
             i = index[part.role] = index.get(part.role, -1) + 1
             worker_id = (engine.worker_ids[j] if engine.worker_ids
@@ -424,12 +278,15 @@ class LocalStack:
             if isinstance(part.proc, VllmServer):  # the store its KV connector attaches to
                 store = part.proc.store_args()
             elif part.store_socket is not None:  # its engine's HiCache hook's store
-                store = [*_STORE_FLAGS, "--store-socket", str(part.store_socket)]
+                store = store_flags(engine, part.store_socket)
+            elif engine.store == "sidecar":
+                part.store_socket = self._new_socket()
+                store = store_flags(engine, part.store_socket)
             else:
                 store = []
             extra = [*kind, *store, *self._ours(), *servers, *spec.sidecar_args,
                      *engine.sidecar_args]
-            proc = self._launch(_name("sidecar", part.role, i), [
+            proc = self._launch(part_name("sidecar", part.role, i), [
                 "sidecar",
                 *sidecar_argv(part.url, worker_id, part.role, spec.handoff_ms_per_1k_tokens, extra),
             ], _READY_S["sidecar"], dict(engine.env) or None)
@@ -437,7 +294,8 @@ class LocalStack:
             started.append((part, proc))
         for part, proc in started:
             url = str(proc.wait_ready(_READY_S["sidecar"])[0]["url"])
-            self.sidecars.append(Part(proc.name, url, proc, part.role, part.worker_id))
+            self.sidecars.append(Part(proc.name, url, proc, part.role, part.worker_id,
+                                      part.store_socket))
 
     def add_gateway(self, gateway: GatewaySpec) -> list[Part]:
         """Start ``gateway.count`` gateways (now, or beside a running stack); stopped first."""

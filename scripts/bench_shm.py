@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 from benchkit import ROOT, Report, add_json_flag
 
+from kvsidecar.local_store import StoreProcess
 from shm import BlockStoreClient
 from shm.protocol import Contains, Done, Flags, Lease, Ping, Release, Slots
 
@@ -88,21 +89,12 @@ ORDERS = (("put", "get", "memcpy"), ("memcpy", "put", "get"), ("put", "memcpy", 
 OWNER_ARGS: list[str] = []  # extra owner options (--owner-sched-batch, --grant-fraction)
 
 
-def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> subprocess.Popen[str]:
-    sock = tmp / f"{name}.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shm", "--owner-id", f"bench{os.getpid()}-{name}",
-         "--socket", str(sock), "--capacity-bytes", str(block_bytes * num_slots),
-         "--block-bytes", str(block_bytes), "--log-level", "warning", *OWNER_ARGS],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "shm_owner_ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"owner did not start: {line!r}")
-    return proc
+def _start_owner(tmp: Path, name: str, block_bytes: int, num_slots: int) -> StoreProcess:
+    """A real owner (``python -m shm``) of this checkout, its socket ``<tmp>/<name>.sock``."""
+    return StoreProcess.start(tmp, owner_id=f"bench{os.getpid()}-{name}",
+                              socket=tmp / f"{name}.sock", block_bytes=block_bytes,
+                              capacity_bytes=block_bytes * num_slots, args=OWNER_ARGS,
+                              env={"PYTHONPATH": str(ROOT)})
 
 
 def _aligned(nbytes: int) -> np.ndarray:
@@ -113,11 +105,6 @@ def _aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + 4096, dtype=np.uint8)
     start = -raw.ctypes.data % 4096
     return raw[start : start + nbytes]
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
@@ -189,7 +176,7 @@ def bench_size(tmp: Path, label: str, block_bytes: int, max_segment: int,
                     fig[f"{op}_{tag}_gbps"] = batch * block_bytes / t / 1e9
                     fig[f"{op}_{tag}_blocks_per_s"] = batch / t
     finally:
-        _stop(owner)
+        owner.stop()
     return fig
 
 
@@ -211,7 +198,7 @@ def bench_rtt(tmp: Path, reps: int, cpus: tuple[int, int] | None) -> dict[str, f
         owner = _start_owner(tmp, "rtt", 4096, 256)
         if cpus is not None:
             os.sched_setaffinity(0, {cpus[0]})
-            for pid in (echo.pid, owner.pid):
+            for pid in (echo.pid, owner.proc.pid):
                 os.sched_setaffinity(pid, {cpus[1]})
         # A second, idle client, as in a deployment (the sidecar and an engine): with more
         # than one connection the owner queues each request for one loop turn behind the
@@ -256,7 +243,7 @@ def bench_rtt(tmp: Path, reps: int, cpus: tuple[int, int] | None) -> dict[str, f
         echo.stdin.close()
         echo.wait(timeout=30)
         if owner is not None:
-            _stop(owner)
+            owner.stop()
     fig: dict[str, float] = {}
     for name, values in samples.items():
         values.sort()

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -42,11 +39,11 @@ import numpy as np
 import uvloop
 from benchkit import ROOT, Report, add_json_flag, progress
 
+from kvsidecar.local_store import StoreProcess
 from refengine.presets import PRESETS, ModelConfig
 from shm import BlockStoreClient, BlockStoreOwner, OwnerConfig
 from shm.client.readonly import ReadOnlySegment
 from shm.owner.local import LocalSession
-from shm.segment import unlink_stale_segments
 from sidecar.transfer import BlockTransferService, TransferConfig, Transport
 from sidecar.transfer.messages import ExportRequest
 from sidecar.transfer.peer import PeerClient
@@ -70,23 +67,15 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _start_exporter(tmp: Path, owner_id: str, batch: int, block_bytes: int) -> tuple[
-        subprocess.Popen[str], dict[str, str]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar.transfer", "--owner-id", owner_id,
-         "--socket", str(tmp / "exporter.sock"), "--capacity-bytes",
-         str((batch + 2) * block_bytes), "--block-bytes", str(block_bytes), "--port", "0",
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if not line:
-        raise SystemExit(f"the exporter exited with {proc.wait()}")
-    return proc, json.loads(line)
+def _start_exporter(tmp: Path, batch: int, block_bytes: int) -> StoreProcess:
+    """The exporter: a block peer of this checkout (``python -m sidecar.transfer``)."""
+    return StoreProcess.start(tmp, peer=True, socket=tmp / "exporter.sock",
+                              block_bytes=block_bytes, capacity_bytes=(batch + 2) * block_bytes,
+                              env={"PYTHONPATH": str(ROOT)})
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, exporter: dict[str, str],
+    def __init__(self, args: argparse.Namespace, exporter: StoreProcess,
                  service: BlockTransferService, owner: BlockStoreOwner,
                  session: aiohttp.ClientSession) -> None:
         self.args = args
@@ -104,7 +93,7 @@ class Bench:
         self.times.setdefault(name, []).append(time.perf_counter() - start)
 
     async def run(self, transports: list[Transport]) -> None:
-        url = self.exporter["url"]
+        url = self.exporter.url or ""
         nixl = Transport.NIXL in transports
         if nixl:
             await self.service.nixl_endpoint()
@@ -116,7 +105,7 @@ class Bench:
         scratch = LocalSession(self.owner)
         reply = scratch.reserve([(98, i) for i in range(len(self.keys))])
         dst = [s for s in reply.slots if s is not None]
-        src_segment = ReadOnlySegment.attach(self.exporter["segment"])
+        src_segment = ReadOnlySegment.attach(self.exporter.segment)
         sender = subprocess.Popen([sys.executable, "-c", _SENDER,
                                    str(len(self.keys) * self.block_bytes)],
                                   stdout=subprocess.PIPE, text=True)
@@ -207,12 +196,11 @@ def _report(bench: Bench, transports: list[Transport], json_path: Path | None) -
 async def _main(args: argparse.Namespace, transports: list[Transport]) -> None:
     block_bytes = args.block_mib << 20
     tmp = Path(tempfile.mkdtemp(prefix="kvb-"))
-    exporter_id = f"bx{uuid.uuid4().hex[:8]}"
-    proc, ready = _start_exporter(tmp, exporter_id, args.batch, block_bytes)
+    exporter = _start_exporter(tmp, args.batch, block_bytes)
     try:
         keys = [(99, i) for i in range(args.batch)]
         rng = np.random.default_rng(0)
-        with BlockStoreClient(ready["socket"]) as store:
+        with BlockStoreClient(exporter.socket) as store:
             store.put_many(keys, [rng.integers(0, 256, block_bytes, dtype=np.uint8)
                                   for _ in keys])
         cfg = OwnerConfig(owner_id=f"bi{uuid.uuid4().hex[:8]}",
@@ -223,13 +211,11 @@ async def _main(args: argparse.Namespace, transports: list[Transport]) -> None:
             aiohttp.ClientSession() as session,
             BlockTransferService(owner, session, TransferConfig()) as service,
         ):
-            bench = Bench(args, ready, service, owner, session)
+            bench = Bench(args, exporter, service, owner, session)
             await bench.run(transports)
         _report(bench, transports, args.json)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(15)
-        unlink_stale_segments(exporter_id)
+        exporter.stop()
         for path in tmp.iterdir():
             path.unlink()
         tmp.rmdir()

@@ -12,8 +12,9 @@ HTTP surface: ``/health``, ``/metrics``, ``/v1/load``, ``/v1/workers``, ``/v1/kv
 request proxy).
 
 This is the composition root: each part lives in its own module (engine watch, host tier,
-relay, proxy, prefill/decode routes); what stays here is their order of start and stop and
-the views that read across them, a little over 400 lines.
+relay, proxy, prefill/decode routes); what stays here is their order of start and stop. The
+views that read across them (the worker status, ``/health``, ``/v1/load``...) are its base's,
+``views.SidecarViews``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ import json
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 import aiohttp
-import orjson
 import structlog
 from aiohttp import web
-from prometheus_client import generate_latest
 
 from adapters.base import (
     AdapterConfig,
@@ -41,7 +40,6 @@ from adapters.base import (
 from adapters.normalize_metrics import AdapterMetrics
 from kvcore.control_token import CONTROL_TOKEN_HEADER
 from kvcore.events import KVEvent
-from kvcore.stream import EngineLoad, WorkerStatus
 from sidecar.canary import CanaryLoop
 from sidecar.config import SidecarConfig
 from sidecar.control_guard import token_guard
@@ -60,6 +58,7 @@ from sidecar.pd_handoff import (
 from sidecar.proxy import RequestProxy
 from sidecar.relay import EventRelay
 from sidecar.transfer import PullRecord
+from sidecar.views import SidecarViews
 from sidecar.zmq_publisher import ZmqRepublisher
 
 __all__ = ["Sidecar"]
@@ -68,11 +67,7 @@ log = structlog.get_logger(component="sidecar")
 _ENGINE_WAIT_S = 600.0
 
 
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
-
-
-class Sidecar:
+class Sidecar(SidecarViews):
     """Everything one sidecar runs, started and stopped in order."""
 
     def __init__(self, cfg: SidecarConfig, *, engine_wait_s: float = _ENGINE_WAIT_S) -> None:
@@ -366,14 +361,6 @@ class Sidecar:
             timeout_s=self.cfg.upstream_timeout_s,
         )
 
-    def _bootstrap(self) -> dict[str, Any] | None:
-        """Where a prefill engine serves its own KV transfer (the gateway's native PD mode)."""
-        pd = self._adapter.pd if self._adapter is not None else None
-        if self.cfg.role != "prefill" or pd is None:
-            return None
-        address = pd.bootstrap_address(self.cfg.engine_url, self.cfg.disaggregation_bootstrap_port)
-        return None if address is None else {"host": address[0], "port": address[1]}
-
     # --- background tasks -----------------------------------------------------------------
 
     async def _pump_events(self) -> None:
@@ -405,103 +392,6 @@ class Sidecar:
             await asyncio.sleep(self.cfg.load_report_interval_s)
             for worker_id, stream in self.streams.items():
                 stream.broadcast(self._status(worker_id))
-
-    @property
-    def engine_healthy(self) -> bool:
-        return self._engine is not None and self._engine.healthy
-
-    # --- views ----------------------------------------------------------------------------
-
-    def _routing_state(self) -> tuple[bool, str]:
-        if self.draining:
-            return False, "draining"
-        if not self.engine_healthy:
-            return False, f"engine at {self.cfg.engine_url} fails its health check"
-        health = self._silence.health()
-        return health.routable, health.reason
-
-    def _status(self, worker_id: str) -> WorkerStatus:
-        routable, reason = self._routing_state()
-        return WorkerStatus(
-            worker_id,
-            time.time_ns() // 1_000_000,
-            routable,
-            reason,
-            self.cfg.role,
-            self._capacity_blocks,
-            self._engine_load(worker_id),
-        )
-
-    def _engine_load(self, worker_id: str) -> EngineLoad | None:
-        """The engine's own load reading for the worker, when it publishes one."""
-        return None if self._adapter is None else self._adapter.engine_load(worker_id)
-
-    async def _health(self, request: web.Request) -> web.Response:
-        routable, reason = self._routing_state()
-        body = {
-            "status": "ok" if routable else "unavailable",
-            "engine_healthy": self.engine_healthy,
-            # probes that timed out while the engine's output advanced (kept healthy)
-            "engine_slow_probes": 0 if self._engine is None else self._engine.slow_probes,
-            "routable": routable,
-            "reason": reason,
-            "draining": self.draining,
-            "kv_events": self._silence.view(),
-        }
-        return _json(body, 200 if routable else 503)
-
-    async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8"
-        )
-
-    async def _load_view(self, request: web.Request) -> web.Response:
-        """What this sidecar has in flight per worker (its own view: the gateway counts its
-        load itself), with the worker's routing state and, when the engine publishes its
-        own load, that reading (``load_source`` says which there is)."""
-        assert self.load is not None
-        routable, reason = self._routing_state()
-        view = {}
-        for w in self.streams:
-            figures = self.load.figures(w)
-            engine = self._engine_load(w)
-            view[w] = {
-                "in_flight": figures.in_flight,
-                "active_blocks": self.load.active_blocks(w),
-                "queued_prefill_tokens": figures.queued_prefill_tokens,
-                "capacity_blocks": self._capacity_blocks,
-                "routable": routable,
-                "reason": reason,
-                "role": self.cfg.role,
-                "load_source": "sidecar" if engine is None else "engine",
-                "engine_load": None if engine is None else engine.view(),
-            }
-        return _json(view)
-
-    async def _workers_view(self, request: web.Request) -> web.Response:
-        return _json(
-            {
-                "model_id": self.model_id,
-                "block_size": self.block_size,
-                "role": self.cfg.role,
-                "workers": list(self.streams),
-                "bootstrap": self._bootstrap(),
-                # Where the engine serves OpenAI itself (an endpoint picker's pick; a loopback
-                # host there means "this sidecar's host").
-                "engine_url": self.cfg.engine_url,
-                # Chats go to the engine's OpenAI server, where its parser splits the output.
-                "reasoning_parser": self.reasoning_parser,
-            }
-        )
-
-    async def _kv_events(self, request: web.Request) -> web.StreamResponse:
-        worker_id = request.query.get("worker") or next(iter(self.streams))
-        stream = self.streams.get(worker_id)
-        if stream is None:
-            return _json(
-                {"error": f"unknown worker {worker_id!r}; known: {list(self.streams)}"}, 404
-            )
-        return await stream.handle(request)
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:

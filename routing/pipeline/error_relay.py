@@ -1,14 +1,15 @@
 """What an exchange answers when it does not relay a success: ``ErrorRelay``, the base of
-``exchange.Exchange``.
+``migration.Migration`` and so of ``exchange.Exchange``.
 
-A worker's error reply is held (``Exchange.upstream_head``) and, once complete, relayed in
-the gateway's vocabulary (``kvcore.errors``) and the route's dialect, with the gateway's
-headers naming the worker. One saying the worker's engine lacks the route (its sidecar's
-``endpoint_refused_by_worker``, or a plain engine's bare 404) is not relayed: the refusal is
-remembered (``route_refusals.py``) and the request is placed again, away from the workers that
-refused it; when every routable worker has refused the route, the client gets 404
-``endpoint_not_served`` naming them. A pair's exchange decides first what its held errors
-mean (``pair.PdPairing.held_error``: a failed KV handoff is re-run).
+A worker's error reply is held (``_hold_error``, from ``Exchange.upstream_head``) and, once
+complete (``_relay_held``), relayed in the gateway's vocabulary (``kvcore.errors``) and the
+route's dialect, with the gateway's headers naming the worker; a sidecar's 502 saying its
+engine is gone is a failed leg instead, placed again. One saying the worker's engine lacks
+the route (its sidecar's ``endpoint_refused_by_worker``, or a plain engine's bare 404) is not
+relayed: the refusal is remembered (``route_refusals.py``) and the request is placed again,
+away from the workers that refused it; when every routable worker has refused the route,
+the client gets 404 ``endpoint_not_served`` naming them. A pair's exchange decides first what
+its held errors mean (``pair.PdPairing.held_error``: a failed KV handoff is re-run).
 
 The exchange's own errors (busy workers, a timeout, a request no worker can take: a
 placement's ``Refusal``, answered by ``refuse``) go out through the same door
@@ -28,6 +29,7 @@ import structlog
 from kvcore.errors import (
     ENDPOINT_NOT_SERVED,
     ENDPOINT_REFUSED,
+    ENGINE_UNREACHABLE,
     OpenAIError,
     error_from_reply,
     route_missing,
@@ -44,13 +46,14 @@ from routing.workers.registry import Role, Worker, WorkerKind
 __all__ = ["ErrorRelay"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
+_ENGINE_LOST = b'"code":"%s"' % ENGINE_UNREACHABLE.encode()  # a sidecar's 502: engine gone
 
 
 class ErrorRelay:
     """The error replies of an exchange: a worker's relayed, a refused route tried
     elsewhere, the exchange's own answered."""
 
-    __slots__ = ()
+    __slots__ = ("_error_parts",)
 
     # The exchange's state this base reads (``Exchange.__init__`` sets it).
     ctx: PipelineContext
@@ -62,6 +65,7 @@ class ErrorRelay:
     leg: Leg | None
     tried: set[str]
     refused: list[str]  # workers whose engines refused its route
+    _error_parts: list[bytes] | None  # an error reply held (this base's own slot)
 
     # --- the flow's steps (``Exchange``) ----------------------------------------------------
 
@@ -85,7 +89,53 @@ class ErrorRelay:
         """Release what a pair holds (its load and decode room), if any."""
         raise NotImplementedError
 
+    def leg_failed(self, leg: Leg, why: str, stale: bool) -> None:
+        """``leg`` failed before the first byte of its reply: try again, elsewhere."""
+        raise NotImplementedError
+
+    def _pair_holds_errors(self) -> bool:
+        """Whether a pair holds every reply of its relayed leg that is not a plain 200."""
+        raise NotImplementedError
+
+    def _pair_took_error(self, raw: bytes) -> bool:
+        """Whether a pair dealt with a held error reply (a failed handoff re-run)."""
+        raise NotImplementedError
+
     # --- a worker's error reply -------------------------------------------------------------
+
+    def _hold_error(self, status: int) -> bool:
+        """Whether the relayed leg's reply of ``status`` is held, not relayed as it comes."""
+        if status != 200 and (status >= 400 or self.relay.resuming
+                              or self._pair_holds_errors()):
+            # Held: an error is relayed in the gateway's vocabulary (``relay_error``), or
+            # decides a retry (a refused route, a gone engine, a failed handoff).
+            self._error_parts = []
+            return True
+        return False
+
+    def _held(self, pieces: list[bytes]) -> bool:
+        """Keep ``pieces`` of a held reply (False: none is held)."""
+        if self._error_parts is None:
+            return False
+        self._error_parts += pieces
+        return True
+
+    def _relay_held(self, leg: Leg) -> bool:
+        """A held reply is whole: a retry elsewhere, the pair's to deal with, or relayed
+        (False: none was held)."""
+        if self._error_parts is None:
+            return False
+        raw, self._error_parts = b"".join(self._error_parts), None
+        if self.record.status == 502 and _ENGINE_LOST in raw:
+            # The sidecar is up but its engine is not: as if it failed before its reply.
+            self.leg_failed(leg, "its engine is unreachable", False)
+        elif not self._pair_took_error(raw):
+            self.relay_error(raw)
+        return True
+
+    @property
+    def relay_started(self) -> bool:
+        return bool(self.record.status) and self._error_parts is None
 
     def relay_error(self, raw: bytes) -> None:
         """A worker's error reply, in the gateway's vocabulary and the route's dialect; a

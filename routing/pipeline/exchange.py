@@ -9,8 +9,8 @@ A request that a prefill/decode pair may serve has a ``Pairing`` (``pair.PdPairi
 object the exchange asks at each step where a pair differs from one worker (placing,
 holding and reading an error reply, the relayed body and its end, abandoning, finishing).
 Without one (a gateway with no sidecars) the request goes to one worker. What the exchange
-answers when it relays no success (a worker's error, a refused route, its own error) is its
-base's, ``error_relay.ErrorRelay``.
+answers when it relays no success (a worker's error, held until whole; a refused route; its
+own error) is its base's base's, ``error_relay.ErrorRelay``.
 
 A *leg* is one upstream request on a keep-alive connection (``legs.Leg``); its load is
 counted in the placement core from dispatch to release. A leg that fails before the first
@@ -20,10 +20,8 @@ stale keep-alive connection is first retried once on a fresh one. A client that 
 aborts every leg by closing its connection; an engine stops generating when its client
 disconnects.
 
-A stream whose worker dies after its first byte (or goes silent past ``--upstream-timeout-s``)
-*migrates*, up to ``--migration-limit`` times: placed again, away from the workers that
-failed it, with the tokens the client already has (``stream_tokens.StreamTokens``) as a
-``Continuation``, and relayed on under the head already written.
+A stream whose worker dies after its first byte (or goes silent) *migrates*: its base
+``migration.Migration``.
 """
 
 from __future__ import annotations
@@ -34,10 +32,8 @@ from typing import Protocol
 import structlog
 
 from kvcore.errors import (
-    ENGINE_UNREACHABLE,
     RATE_LIMIT_EXCEEDED,
     SERVICE_UNAVAILABLE,
-    UPSTREAM_TIMEOUT,
     OpenAIError,
 )
 from routing.http.client import UpstreamConnection
@@ -52,8 +48,8 @@ from routing.pipeline.admission import (
     Admit,
 )
 from routing.pipeline.context import PipelineContext
-from routing.pipeline.error_relay import ErrorRelay
 from routing.pipeline.legs import Drain, Leg, LegTarget
+from routing.pipeline.migration import Migration
 from routing.pipeline.place import HOLDER_BUSY, place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
@@ -68,7 +64,6 @@ from routing.workers.registry import Role, Worker, WorkerKind
 __all__ = ["Exchange", "Pairing"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
-_ENGINE_LOST = b'"code":"%s"' % ENGINE_UNREACHABLE.encode()  # a sidecar's 502: engine gone
 
 
 class Pairing(Protocol):
@@ -114,11 +109,10 @@ class Pairing(Protocol):
         ...
 
 
-class Exchange(ErrorRelay):
+class Exchange(Migration):
     """A client request on its way through one worker, a pair, or (after retries) several."""
 
     __slots__ = (
-        "_error_parts",
         "client",
         "cost",
         "ctx",
@@ -135,7 +129,6 @@ class Exchange(ErrorRelay):
         "request",
         "session",
         "stale_retry_used",
-        "target",
         "tenant",
         "tried",
         "weight",
@@ -165,7 +158,7 @@ class Exchange(ErrorRelay):
         self.stale_retry_used = False
         self.done = False
         self.last_activity = record.t_start
-        self._error_parts: list[bytes] | None = None  # an error reply held
+        self._error_parts = None  # an error reply held (``ErrorRelay``)
         # Its place in the admission queue: x-kvsidecar-priority, then its tenant's share.
         self.priority = 0
         self.tenant = ""  # its API key's tenant ("" without --api-key-file)
@@ -392,19 +385,12 @@ class Exchange(ErrorRelay):
         leg, moves = self.leg, self.ctx.moves
         if moves is not None and leg is not None and leg.placement.moved_from is not None:
             moves.reported(leg.placement, None if leg.conn is None else leg.conn.kv_pull)
-        pairing = self.pairing
-        if status != 200 and (status >= 400 or self.relay.resuming
-                              or (pairing is not None and pairing.holds_errors())):
-            # Held: an error is relayed in the gateway's vocabulary (``relay_error``), or
-            # decides a retry (a refused route, a gone engine, a failed handoff).
-            self._error_parts = []
-            return
-        self.relay.head(status, content_type, content_length)
+        if not self._hold_error(status):
+            self.relay.head(status, content_type, content_length)
 
     def upstream_body(self, pieces: list[bytes]) -> None:
         now = self.last_activity = time.monotonic()
-        if self._error_parts is not None:
-            self._error_parts += pieces
+        if self._held(pieces):
             return
         record, leg = self.record, self.leg
         assert leg is not None
@@ -425,14 +411,7 @@ class Exchange(ErrorRelay):
         leg = self.leg
         assert leg is not None
         leg.conn = None
-        if self._error_parts is not None:
-            raw, self._error_parts = b"".join(self._error_parts), None
-            if self.record.status == 502 and _ENGINE_LOST in raw:
-                # The sidecar is up but its engine is not: as if it failed before its reply.
-                self.leg_failed(leg, "its engine is unreachable", False)
-                return
-            if self.pairing is None or not self.pairing.held_error(self, raw):
-                self.relay_error(raw)
+        if self._relay_held(leg):
             return
         self.relay.complete()
         record = self.record
@@ -443,61 +422,6 @@ class Exchange(ErrorRelay):
             self.pairing.completed(self)
         self._finish(record.status)
         self.client.finish()
-
-    def upstream_lost(self, exc: Exception | None, got_head: bool) -> None:
-        if self.done:
-            return
-        leg = self.leg
-        assert leg is not None
-        stale = leg.reused
-        leg.conn = None
-        if not got_head:
-            self.leg_failed(leg, f"connection lost before the reply: {exc!r}", stale)
-            return
-        if self._migrate(f"connection lost mid-reply: {exc!r}"):
-            return
-        errors = self.ctx.metrics.worker_errors
-        errors[leg.worker.worker_id] = errors.get(leg.worker.worker_id, 0) + 1
-        self.ctx.metrics.streams_lost += 1
-        self._finish(502)
-        self.client.abort()  # the reply is cut: the client must see the connection end
-
-    def _migrate(self, why: str) -> bool:
-        """The relayed leg died mid-reply: go on on another worker, from what the client
-        has, when the stream may migrate and its limit allows (False: it ends here)."""
-        tokens, leg, ctx = self.relay.tokens, self.leg, self.ctx
-        if tokens is None or leg is None:
-            return False
-        if tokens.finished:  # the client has the whole answer but its end
-            self.release(leg)
-            self.relay.end_stream()
-            self._finish(200)
-            self.client.finish()
-            return True
-        resumable = tokens.resumable and (bool(tokens.ids) or not self.relay.started)
-        if self.record.migrations >= ctx.migration_limit or not resumable:
-            log.warning("stream_lost", request_id=self.record.request_id.decode(),
-                        worker_id=leg.worker.worker_id, error=why,
-                        migrations=self.record.migrations, resumable=resumable)
-            return False
-        worker_id = leg.worker.worker_id
-        leg.abandon()
-        self.release(leg)
-        ctx.metrics.worker_errors[worker_id] = ctx.metrics.worker_errors.get(worker_id, 0) + 1
-        ctx.workers.probed(leg.worker, False, why)
-        self.tried.add(worker_id)
-        self.record.migrations += 1
-        ctx.metrics.migrations += 1
-        tokens.tail = b""  # the dead worker's half event: the client never sees it
-        if tokens.ids:
-            self.target = self.target.continued(tokens.ids, tokens.created)
-            self.relay.resuming = True
-        log.warning("request_migrated", request_id=self.record.request_id.decode(),
-                    from_worker=worker_id, error=why, tokens_streamed=len(tokens.ids),
-                    migration=self.record.migrations)
-        self._end_pair()
-        self._place()
-        return True
 
     def side_done(self, leg: Leg, status: int) -> None:
         """A drained leg answered (its body is of no use)."""
@@ -522,6 +446,12 @@ class Exchange(ErrorRelay):
         if self.pairing is not None:
             self.pairing.end(self)
 
+    def _pair_holds_errors(self) -> bool:
+        return self.pairing is not None and self.pairing.holds_errors()
+
+    def _pair_took_error(self, raw: bytes) -> bool:
+        return self.pairing is not None and self.pairing.held_error(self, raw)
+
     # --- client events (``routing.http.server.InFlight``) ---------------------------------
 
     def on_client_lost(self) -> None:
@@ -538,25 +468,6 @@ class Exchange(ErrorRelay):
     def on_resume(self) -> None:
         if self.leg is not None and self.leg.conn is not None:
             self.leg.conn.resume_reading()
-
-    def timed_out(self) -> None:
-        """No byte from the worker for ``--upstream-timeout-s``."""
-        if self.done:
-            return
-        self.ctx.metrics.upstream_timeouts += 1
-        if self.relay_started and self._migrate("no byte for --upstream-timeout-s"):
-            return
-        self._abandon()
-        if self.relay_started:
-            self.ctx.metrics.streams_lost += 1
-            self._finish(504)
-            self.client.abort()
-        else:
-            self._reply_error(504, f"{self._who()} did not answer in time", UPSTREAM_TIMEOUT)
-
-    @property
-    def relay_started(self) -> bool:
-        return bool(self.record.status) and self._error_parts is None
 
     # --- endings -------------------------------------------------------------------------
 

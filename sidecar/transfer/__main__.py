@@ -4,7 +4,8 @@ A sidecar without an engine: it owns a store (engine hooks may attach to its soc
 exports its blocks to peers and pulls blocks from them. For tests, benchmarks and
 operators who want a standalone host-tier peer. Prints one JSON ready line on stdout,
 ``{"event": "block_peer_ready", "url": ..., "socket": ..., "segment": ..., "pid": ...}``,
-and runs until SIGTERM or SIGINT, when it unlinks its segment and socket.
+and writes the same line to ``--ready-file`` when given; runs until SIGTERM or SIGINT, when
+it unlinks its segment and socket.
 
 Besides the routes peers pull through it serves ``POST /v1/blocks/pull``, which pulls from
 another peer into this store (``service``).
@@ -60,11 +61,14 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"a token callers must send as '{CONTROL_TOKEN_HEADER}' (and this peer "
                    f"sends to the peers it pulls from); or set {CONTROL_TOKEN_ENV}")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--ready-file", type=Path, metavar="PATH",
+                   help="also write the ready line to this file once serving")
     return p
 
 
 async def _serve(
-    owner_cfg: OwnerConfig, cfg: TransferConfig, host: str, port: int, token: str | None
+    owner_cfg: OwnerConfig, cfg: TransferConfig, host: str, port: int, token: str | None,
+    ready_file: Path | None = None,
 ) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -86,11 +90,14 @@ async def _serve(
         try:
             bound = next(a for a in runner.addresses if isinstance(a, tuple))
             assert owner.segment is not None
-            print(orjson.dumps({
+            line = orjson.dumps({
                 "event": "block_peer_ready", "url": f"http://{host}:{bound[1]}",
                 "socket": str(owner_cfg.socket_path), "segment": owner.segment.name,
                 "owner_id": owner_cfg.owner_id, "pid": os.getpid(),
-            }).decode(), flush=True)
+            }).decode()
+            if ready_file is not None:
+                ready_file.write_text(line + "\n")
+            print(line, flush=True)
             await stop.wait()
         finally:
             await runner.cleanup()
@@ -111,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     configure_logging(args.log_level)
     try:
-        uvloop.run(_serve(owner_cfg, cfg, args.host, args.port, token))
+        uvloop.run(_serve(owner_cfg, cfg, args.host, args.port, token, args.ready_file))
     except OwnerConflictError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 3

@@ -1,21 +1,17 @@
 """Real block store owners for the storage-hook tests (unit/adapters, engines/adapters): in a
-thread of this process, or as ``python -m shm`` in a child process (owner death, restart)."""
+thread of this process, or as ``python -m shm`` in a child process (owner death, restart),
+started by ``kvsidecar.local_store`` as the benchmarks start theirs."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import threading
 import uuid
 from pathlib import Path
 from types import TracebackType
 
+from kvsidecar.local_store import StoreProcess
 from shm import BlockStoreOwner, OwnerConfig
-from tests.support.polling import wait_until
-from tests.support.processes import ready_lines
 
 _READY_TIMEOUT_S = 30.0
 
@@ -75,44 +71,28 @@ class OwnerThread:
 
 
 class OwnerProcess:
-    """``python -m shm`` in a child process; ready once it writes its ready file."""
+    """``python -m shm`` for ``config`` in a child process (``StoreProcess``); ``start()``
+    after ``stop()`` brings a successor up on the same owner id and socket."""
 
     def __init__(self, config: OwnerConfig) -> None:
         self.config = config
-        self.ready_file = config.socket_path.with_suffix(".ready")
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.store: StoreProcess | None = None
 
     def start(self) -> OwnerProcess:
-        self.ready_file.unlink(missing_ok=True)
         c = self.config
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shm", "--owner-id", c.owner_id, "--socket",
-             str(c.socket_path), "--capacity-bytes", str(c.capacity_bytes), "--block-bytes",
-             str(c.block_bytes), "--dtype", c.dtype, "--layout", c.layout,
-             "--ready-file", str(self.ready_file), "--log-level", "warning",
-             *(() if c.disk_dir is None else ("--disk-tier-dir", str(c.disk_dir),
-                                              "--disk-tier-capacity-bytes",
-                                              str(c.disk_capacity_bytes)))],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=os.getcwd())
-        proc = self.proc
-        try:
-            wait_until(lambda: ready_lines(self.ready_file, proc, tail=self._stderr),
-                       "python -m shm to become ready", _READY_TIMEOUT_S, interval_s=0.01)
-        except AssertionError:
-            self.stop()
-            raise
+        disk = () if c.disk_dir is None else (
+            "--disk-tier-dir", str(c.disk_dir),
+            "--disk-tier-capacity-bytes", str(c.disk_capacity_bytes))
+        self.store = StoreProcess.start(
+            c.socket_path.parent, owner_id=c.owner_id, socket=c.socket_path,
+            block_bytes=c.block_bytes, capacity_bytes=c.capacity_bytes,
+            args=("--dtype", c.dtype, "--layout", c.layout, *disk))
         return self
 
-    def _stderr(self) -> str:
-        return self.proc.stderr.read().decode() if self.proc and self.proc.stderr else ""
-
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(_READY_TIMEOUT_S)
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
-        self.proc = None
+        if self.store is not None:
+            self.store.stop()
+        self.store = None
 
     def __enter__(self) -> OwnerProcess:
         return self.start()

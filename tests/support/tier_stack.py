@@ -1,46 +1,53 @@
 """Reference engines with their sidecars, for the KV-tier tests through real processes: the
-engine's HiCache hook attached to the sidecar's store, one prefill at a time."""
+engine's HiCache hook attached to the sidecar's store, one prefill at a time.
+
+The stacks are ``LocalStack``'s: ``replica("A")`` is one replica whose hook writes through
+to its sidecar's store (``stack.store_sockets["A"]``), ``plain("C")`` one with neither::
+
+    async with LocalStack(tier_spec(replica("A"), gateways=(GatewaySpec(),)), tmp) as stack:
+        ...
+"""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from collections.abc import Sequence
+from typing import Literal
 
 import aiohttp
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import DEFAULT_MODEL, EngineSpec, GatewaySpec, StackSpec
 from shm import BlockStoreClient
-from tests.support.processes import ProcessGroup
 
 __all__ = [
-    "EVENTS", "MODEL", "PAGE_BYTES", "PAGE_TOKENS", "engine_argv", "generate", "hook_attached",
-    "start",
+    "MODEL", "PAGE_BYTES", "PAGE_TOKENS", "generate", "hook_attached", "plain", "replica",
+    "tier_spec",
 ]
 
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = ROOT / "refengine" / "models" / "tiny"
+MODEL = DEFAULT_MODEL
 PAGE_TOKENS = 16
 PAGE_BYTES = PAGE_TOKENS * 2048  # the tiny model's KV: 2 KiB per token (fp32)
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 
 
-def start(procs: ProcessGroup[ManagedProcess], name: str, argv: list[str],
-          tmp: Path) -> ManagedProcess:
-    proc = procs.add(ManagedProcess.start(name, argv, workdir=tmp))
-    proc.wait_ready(60)
-    return proc
+def replica(name: str, *sidecar_args: str, compute: Literal["sim", "torch"] = "sim",
+           store: Literal["hook", "sidecar"] = "hook") -> EngineSpec:
+    """Replica ``name``: the reference engine (simulated compute unless ``compute`` says
+    torch, the tiny model) with its HiCache hook on its sidecar's store (``store="sidecar"``:
+    the store without the hook), the sidecar given ``sidecar_args`` last."""
+    return EngineSpec(compute=compute, store=store, worker_ids=(name,),
+                      sidecar_args=tuple(sidecar_args))
 
 
-def engine_argv(socket: Path, compute: str = "sim") -> list[str]:
-    """The reference engine (simulated compute unless ``compute`` says torch, the tiny model)
-    with its HiCache hook on the sidecar store at ``socket``."""
-    hook = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
-            "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "socket": str(socket),
-            "model_id": "tiny"}
-    return ["refengine", "--compute", compute, "--model-path", str(MODEL), "--port", "0",
-            "--kv-events-config", EVENTS, "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(hook)]
+def plain(name: str, compute: Literal["sim", "torch"] = "torch") -> EngineSpec:
+    """Engine ``name`` alone, no sidecar and no hook: what a full prefill answers."""
+    return EngineSpec(compute=compute, sidecars=False, worker_ids=(name,))
+
+
+def tier_spec(*engines: EngineSpec, gateways: Sequence[GatewaySpec] = (),
+              redis: bool = False) -> StackSpec:
+    """The stack of ``engines``, ``gateways`` over their sidecars, ``redis-server`` for the
+    remote tier when asked (every sidecar gets ``--remote-tier-url``)."""
+    return StackSpec(engines=engines, gateways=tuple(gateways), redis=redis,
+                     log_level="warning")
 
 
 async def generate(session: aiohttp.ClientSession, url: str, ids: list[int]) -> dict[str, int]:

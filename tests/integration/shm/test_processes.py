@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -11,12 +10,12 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvsidecar.local_store import StoreProcess
 from shm import (
     BlockSizeError,
     BlockStoreClient,
@@ -24,7 +23,7 @@ from shm import (
     StoreFullError,
     segments_of,
 )
-from shm.segment import Segment, unlink_stale_segments
+from shm.segment import Segment
 from tests.support.polling import wait_until
 from tests.support.processes import read_line
 
@@ -40,43 +39,24 @@ def content(ns: int, block_hash: int, block_bytes: int) -> np.ndarray:
     return np.random.default_rng([ns, block_hash]).integers(0, 256, block_bytes, dtype=np.uint8)
 
 
-@dataclass
-class Owner:
-    proc: subprocess.Popen[str]
-    owner_id: str
-    socket: Path
-    segment: str
-
-
 class Processes:
     """Starts owners and workers and makes sure none outlives the test."""
 
     def __init__(self, sock_dir: Path) -> None:
         self.sock_dir = sock_dir
         self.procs: list[subprocess.Popen[str]] = []
-        self.owner_ids: set[str] = set()
+        self.owners: list[StoreProcess] = []
 
     def owner(self, owner_id: str, *, slots: int, block_bytes: int,
-              extra: tuple[str, ...] = ()) -> Owner:
-        proc = self.owner_proc(owner_id, slots=slots, block_bytes=block_bytes, extra=extra)
-        ready = json.loads(read_line(proc))
-        assert ready["event"] == "shm_owner_ready" and ready["pid"] == proc.pid
-        return Owner(proc, owner_id, Path(ready["socket"]), ready["segment"])
-
-    def owner_proc(self, owner_id: str, *, slots: int, block_bytes: int,
-                   extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
-        self.owner_ids.add(owner_id)
-        log = (self.sock_dir / f"{owner_id}.log").open("a")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "shm", "--owner-id", owner_id,
-             "--socket", str(self.sock_dir / "store.sock"),
-             "--capacity-bytes", str(slots * block_bytes), "--block-bytes", str(block_bytes),
-             *extra],
-            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=log, text=True,
-        )
-        log.close()
-        self.procs.append(proc)
-        return proc
+              extra: tuple[str, ...] = ()) -> StoreProcess:
+        owner = StoreProcess.start(self.sock_dir, owner_id=owner_id,
+                                   socket=self.sock_dir / "store.sock", block_bytes=block_bytes,
+                                   capacity_bytes=slots * block_bytes, args=extra,
+                                   log_level="info", env=ENV)
+        self.owners.append(owner)
+        ready = owner.process.ready[0]
+        assert ready["event"] == "shm_owner_ready" and ready["pid"] == owner.proc.pid
+        return owner
 
     def worker(self, socket: Path, *args: object) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
@@ -99,8 +79,8 @@ class Processes:
             for stream in (proc.stdin, proc.stdout):
                 if stream is not None:
                     stream.close()
-        for owner_id in self.owner_ids:  # owners a test SIGKILLed leave stale segments
-            unlink_stale_segments(owner_id)
+        for owner in reversed(self.owners):  # a SIGKILLed owner's stale segments: unlinked
+            owner.stop()
 
 
 @pytest.fixture

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import aiohttp
 import pytest
@@ -15,78 +15,36 @@ import pytest
 from kvcore import BlockHasher, Namespace
 from kvcore.events import Tier
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from tests.support.polling import eventually, wait_http_ok_async
-from tests.support.processes import ProcessGroup
 
-EVENTS = json.dumps(
-    {
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:*",
-        "replay_endpoint": "tcp://127.0.0.1:*",
-        "topic": "kv",
-    }
-)
 HASHER = BlockHasher(16)
-# Processes the running test started; the autouse fixture below stops whatever is left, so a
-# failure between starting an engine and reaching a test's `finally` leaks nothing.
-_LAUNCHED: list[ProcessGroup[ManagedProcess]] = []
 
 
-@pytest.fixture(autouse=True)
-def _stop_leftovers() -> Iterator[None]:
-    with ProcessGroup[ManagedProcess]() as started:
-        _LAUNCHED.append(started)
-        try:
-            yield
-        finally:
-            _LAUNCHED.pop()
+def local(tmp: Path, *sidecar_args: str, speedup: int = 20, workers: tuple[str, ...] = ("r0",),
+          store: Literal["none", "sidecar"] = "none") -> LocalStack:
+    """The reference engine (simulated compute) serving ``workers``, a sidecar beside each
+    given ``sidecar_args`` (``store="sidecar"``: with a block store), no gateway."""
+    engine = EngineSpec(replicas=len(workers), worker_ids=workers, store=store,
+                        sidecar_args=sidecar_args)
+    return LocalStack(StackSpec(engines=(engine,), gateways=(), speedup=speedup), tmp)
 
 
-def _track(proc: ManagedProcess) -> ManagedProcess:
-    return _LAUNCHED[-1].add(proc) if _LAUNCHED else proc
-
-
-def engine(
-    tmp: Path, name: str = "engine", port: int = 0, events: str = EVENTS, speedup: int = 20
-) -> ManagedProcess:
-    proc = ManagedProcess.start(
-        name,
-        [
-            "refengine",
-            "--compute",
-            "sim",
-            "--port",
-            str(port),
-            "--speedup",
-            str(speedup),
-            "--kv-events-config",
-            events,
-        ],
-        workdir=tmp,
-    )
-    _track(proc).wait_ready(60)
-    return proc
-
-
-def sidecar(tmp: Path, engine_url: str, *extra: str) -> ManagedProcess:
-    proc = ManagedProcess.start(
-        "sidecar",
-        ["sidecar", "--engine-url", engine_url, "--worker-id", "r0", "--port", "0", *extra],
-        workdir=tmp,
-    )
-    _track(proc).wait_ready(60)
-    return proc
+def parts(stack: LocalStack, worker: str = "r0") -> tuple[ManagedProcess, ManagedProcess]:
+    """Worker ``worker``'s engine process and its sidecar's."""
+    sidecar = next(p.proc for p in stack.sidecars if p.worker_id == worker)
+    assert isinstance(sidecar, ManagedProcess)
+    return stack.process(worker), sidecar
 
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[tuple[ManagedProcess, ManagedProcess]]:
-    eng = engine(tmp_path)
-    sc = sidecar(tmp_path, eng.url)
-    yield eng, sc
-    assert sc.stop() == 0, sc.log_tail()
-    eng.stop()
+    with local(tmp_path) as started:
+        eng, sc = parts(started)
+        yield eng, sc
+        assert sc.stop() == 0, sc.log_tail()
 
 
 async def generate(
@@ -174,31 +132,17 @@ class TestSidecarWithEngine:
 
     async def test_engine_restart_resyncs_the_mirror(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
         """An engine that restarts with an empty cache clears what the gateway believed."""
-        eng = engine(tmp_path)
-        port = eng.ready[0]["port"]
-        sc = sidecar(tmp_path, eng.url)
-        try:
+        async with local(tmp_path) as started:
+            eng, sc = parts(started)
             feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
             task = asyncio.create_task(feed.run())
             await generate(session, sc.url, prompt(3), "f")
             await eventually(lambda: overlap(feed, prompt(3)).get(Tier.GPU) == {"r0": 6},
                              "the first engine's blocks at the gateway")
-            # The restarted engine comes back with the same configuration: same ports. As in
-            # SGLang, a host-less `tcp://*:port` binds (a concrete host would connect out).
-            ready = eng.ready[0]
-            ports = [
-                ready[k].rsplit(":", 1)[1] for k in ("kv_events_endpoint", "kv_replay_endpoint")
-            ]
-            same = json.dumps(
-                {
-                    "publisher": "zmq",
-                    "endpoint": f"tcp://*:{ports[0]}",
-                    "replay_endpoint": f"tcp://*:{ports[1]}",
-                    "topic": "kv",
-                }
-            )
+            # The restarted engine comes back with the same configuration: the HTTP port and
+            # the KV event endpoints it had bound (LocalStack.restart binds them again).
             eng.kill()
-            eng = engine(tmp_path, "engine2", port=port, events=same)
+            await asyncio.to_thread(started.restart, eng)
             await wait_http_ok_async(session, f"{sc.url}/health",
                                      "the sidecar to see the engine come back", timeout_s=30)
             await generate(session, sc.url, prompt(4), "g")
@@ -206,26 +150,16 @@ class TestSidecarWithEngine:
                              "the restarted engine's blocks at the gateway", timeout_s=30)
             assert overlap(feed, prompt(3)) == {}
             task.cancel()
-        finally:
             assert sc.stop() == 0, sc.log_tail()
-            eng.stop()
 
     async def test_silent_engine_is_reported_unroutable(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
         """A request that stored new blocks, then a canary's, with no KV event: /health says
         why (the re-check and the way back: tests/integration/sidecar/test_kv_event_silence)."""
-        eng = engine(tmp_path)
         # Listen to an endpoint nobody publishes on: the engine serves, events never arrive.
-        sc = sidecar(
-            tmp_path,
-            eng.url,
-            "--kv-events-endpoint",
-            "tcp://127.0.0.1:9",
-            "--block-size",
-            "16",
-            "--silent-after-s",
-            "0.3",
-        )
-        try:
+        silent = ("--kv-events-endpoint", "tcp://127.0.0.1:9", "--block-size", "16",
+                  "--silent-after-s", "0.3")
+        async with local(tmp_path, *silent) as started:
+            _, sc = parts(started)
             for i in range(3):
                 await generate(session, sc.url, prompt(5), f"h{i}")
 
@@ -242,19 +176,14 @@ class TestSidecarWithEngine:
             assert body["http"] == 503 and body["routable"] is False
             assert "published no KV event" in str(body["reason"])
             assert body["kv_events"]["canaries_sent"] >= 1  # re-checked before the verdict
-        finally:
-            sc.stop()
-            eng.stop()
 
     async def test_sigterm_drains_and_exits_zero(self, tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
         """SIGTERM mid-request lets the request finish, then the sidecar exits 0."""
-        eng = engine(tmp_path, speedup=1)
-        sc = sidecar(tmp_path, eng.url)
-        try:
+        async with local(tmp_path, speedup=1) as started:
+            eng, sc = parts(started)
             # The engine is stopped until the signal has landed: the request is in flight
             # then, however fast the engine would have answered it.
-            os.killpg(eng.proc.pid, signal.SIGSTOP)
-            try:
+            with eng.paused():
                 pending = asyncio.create_task(
                     generate(session, sc.url, prompt(6), "i", max_tokens=64))
                 await eventually(lambda: in_flight_is(session, sc.url, 1),
@@ -266,14 +195,9 @@ class TestSidecarWithEngine:
                         return bool((await resp.json())["draining"])
 
                 await eventually(draining, "the sidecar to drain", timeout_s=10)
-            finally:
-                os.killpg(eng.proc.pid, signal.SIGCONT)
             result = await pending
             assert result["status"] == 200
             assert sc.stop() == 0
-        finally:
-            sc.stop()
-            eng.stop()
 
     async def test_bad_requests_get_clear_errors(self, stack, session) -> None:  # type: ignore[no-untyped-def]
         """Malformed JSON and bad fields get 400 in OpenAI's shape; the sidecar keeps serving."""
@@ -311,19 +235,10 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
     from refengine.page_hash import page_digests
     from shm import BlockStoreClient
 
-    eng = engine(tmp_path)
-    sock = tmp_path / "store.sock"
-    sc = sidecar(
-        tmp_path,
-        eng.url,
-        "--store-capacity-bytes",
-        "1MiB",
-        "--store-block-bytes",
-        "4KiB",
-        "--store-socket",
-        str(sock),
-    )
-    try:
+    sizes = ("--store-capacity-bytes", "1MiB", "--store-block-bytes", "4KiB")
+    async with local(tmp_path, *sizes, store="sidecar") as started:
+        _, sc = parts(started)
+        sock = started.store_sockets["r0"]
         feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
         task = asyncio.create_task(feed.run())
         await generate(session, sc.url, prompt(8), "p")  # its events name the pages
@@ -345,10 +260,8 @@ async def test_host_store_puts_reach_the_gateway_as_host_tier(tmp_path: Path, se
         # The writer's slots granted ahead of a next put went back when it disconnected.
         assert 'kvsidecar_store_blocks{kind="granted"} 0.0' in text
         task.cancel()
-    finally:
         assert sc.stop() == 0, sc.log_tail()
-        eng.stop()
-    assert not sock.exists()
+        assert not sock.exists()
 
 
 @pytest.mark.slow
@@ -361,71 +274,46 @@ async def test_peer_sidecar_imports_blocks(tmp_path: Path, session, transport: s
 
     if transport == "nixl":
         pytest.importorskip("nixl_cu12", reason="the nixl extra (nixl-cu12) is not installed")
-    eng = engine(tmp_path)
-    peers = []
-    for name in ("a", "b"):
-        proc = _track(
-            ManagedProcess.start(
-                f"sidecar-{name}",
-                [
-                    "sidecar",
-                    "--engine-url",
-                    eng.url,
-                    "--worker-id",
-                    f"peer-{name}",
-                    "--port",
-                    "0",
-                    "--store-capacity-bytes",
-                    "2MiB",
-                    "--store-block-bytes",
-                    "64KiB",
-                    "--store-socket",
-                    str(tmp_path / f"{name}.sock"),
-                ],
-                workdir=tmp_path,
-            )
-        )
-        peers.append(proc)
-    try:
-        a, b = (p.wait_ready(60)[0]["url"] for p in peers)
+    sizes = ("--store-capacity-bytes", "2MiB", "--store-block-bytes", "64KiB")
+    async with local(tmp_path, *sizes, workers=("peer-a", "peer-b"), store="sidecar") as started:
+        sockets = started.store_sockets
+        a, b = (started.sidecar_urls[f"peer-{name}"] for name in ("a", "b"))
         seed = Namespace("tiny").seed
         blocks = HASHER.hash_tokens(prompt(30, 8), seed)
         data = [
             np.random.default_rng(i).integers(0, 256, 65536, dtype=np.uint8)
             for i in range(len(blocks))
         ]
-        with BlockStoreClient(str(tmp_path / "a.sock")) as store:
+        with BlockStoreClient(str(sockets["peer-a"])) as store:
             store.put_many([(seed, h) for h in blocks], data)
         body = {"peer_url": a, "keys": [[seed, h] for h in blocks], "transport": transport}
         async with session.post(f"{b}/v1/blocks/pull", json=body) as resp:
             assert resp.status == 200, await resp.text()
         outs = [np.empty(65536, dtype=np.uint8) for _ in blocks]
-        with BlockStoreClient(str(tmp_path / "b.sock")) as store:
+        with BlockStoreClient(str(sockets["peer-b"])) as store:
             assert store.get_many([(seed, h) for h in blocks], outs) == [True] * len(blocks)
         assert all((o == d).all() for o, d in zip(outs, data, strict=True))
         async with session.get(f"{b}/metrics") as resp:
             metrics = await resp.text()
         expected = f'kvsidecar_transfer_bytes_total{{outcome="ok",transport="{transport}"}} '
         assert expected + f"{len(blocks) * 65536}.0" in metrics
-    finally:
-        for proc in peers:
+        for name in ("peer-a", "peer-b"):
+            _, proc = parts(started, name)
             assert proc.stop() == 0, proc.log_tail()
-        eng.stop()
 
 
 @pytest.mark.slow
 async def test_client_disconnect_aborts_the_engine_request(tmp_path: Path, session) -> None:  # type: ignore[no-untyped-def]
     """A client that goes away mid-stream makes the sidecar abort the engine's request."""
-    eng = engine(tmp_path, speedup=1)
-    sc = sidecar(tmp_path, eng.url)
+    async with local(tmp_path, speedup=1) as started:
+        eng, sc = parts(started)
 
-    async def running() -> int:
-        async with session.get(f"{eng.url}/v1/loads") as resp:
-            body = await resp.json()
-        loads = body["loads"] if isinstance(body, dict) and "loads" in body else body
-        return sum(int(x["num_running_reqs"]) for x in loads)
+        async def running() -> int:
+            async with session.get(f"{eng.url}/v1/loads") as resp:
+                body = await resp.json()
+            loads = body["loads"] if isinstance(body, dict) and "loads" in body else body
+            return sum(int(x["num_running_reqs"]) for x in loads)
 
-    try:
         body = {
             "request_id": "long",
             "model": "tiny",
@@ -448,6 +336,3 @@ async def test_client_disconnect_aborts_the_engine_request(tmp_path: Path, sessi
         await eventually(stopped, "the engine to stop generating for a gone client",
                          timeout_s=10, interval_s=0.05)
         assert await in_flight(session, sc.url) == 0
-    finally:
-        sc.stop()
-        eng.stop()

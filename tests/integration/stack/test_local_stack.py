@@ -160,11 +160,17 @@ async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
 
 
 def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
-    """A sidecar handoff shares no store socket across replicas of one simulated process,
+    """A sidecar handoff (or an engine hooked to its sidecar's store) shares no store socket
+    across replicas of one simulated process, only the reference engine has the hook,
     sidecars publish to no NATS the stack does not run, and a gateway in front of a worker
     with no sidecar says which: each refused before anything starts."""
     with pytest.raises(ValueError, match="one replica per simulated engine spec"):
         EngineSpec(role="prefill", replicas=2, handoff="sidecar")
+    with pytest.raises(ValueError, match="one replica per simulated engine spec"):
+        EngineSpec(replicas=2, store="hook")
+    EngineSpec(replicas=2, store="sidecar")  # a store per sidecar, no hook: fine
+    with pytest.raises(ValueError, match="has none"):
+        EngineSpec(kind="tests.support.sglang_standin", store="hook")
     with pytest.raises(ValueError, match="nats_events needs nats"):
         StackSpec(nats_events=True)
     stack = LocalStack(StackSpec(gateways=()), tmp_path)

@@ -4,7 +4,6 @@ engine) restarted on the same directory; a gateway feed sees the ``disk`` tier."
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,23 +13,21 @@ import pytest
 
 from adapters.sglang.hicache_keys import HiCacheKeyMap
 from kvcore.events import Tier
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import LocalStack
 from refengine.page_hash import page_digests
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from shm import BlockStoreClient
 from shm.tiers.disk_format import HEADER_BYTES
 from tests.support.polling import eventually, wait_until
-from tests.support.processes import ProcessGroup
 from tests.support.store_owner import OwnerProcess, owner_config
 from tests.support.tier_stack import (
-    EVENTS,
     PAGE_BYTES,
     PAGE_TOKENS,
-    engine_argv,
     generate,
     hook_attached,
-    start,
+    replica,
+    tier_spec,
 )
 
 BLOCK = 4096
@@ -90,87 +87,85 @@ def test_owner_process_keeps_evicted_blocks_across_a_restart(
 
 @pytest.mark.slow
 async def test_a_sidecar_restart_reannounces_its_disk_tier(
-        tmp_path: Path, procs: ProcessGroup[ManagedProcess],
-        session: aiohttp.ClientSession) -> None:
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
     """Blocks the sidecar's store evicts are ``disk`` blocks on the gateway's feed, named as
     the engine's events name their pages, and a restarted sidecar on the same directory
     announces them again, named from the files alone."""
-    eng = start(procs, "engine", ["refengine", "--compute", "sim", "--port", "0",
-                                     "--kv-events-config", EVENTS], tmp_path)
-    sock = tmp_path / f"s{uuid.uuid4().hex[:6]}.sock"
-    argv = ["sidecar", "--engine-url", eng.url, "--worker-id", "r0", "--port", "0",
-            "--store-capacity-bytes", str(4 * BLOCK), "--store-block-bytes", str(BLOCK),
-            "--store-socket", str(sock), "--disk-tier-dir", str(tmp_path / "disk"),
-            "--disk-tier-capacity-bytes", "1MiB"]
-    # Keyed as the engine's HiCache hook keys them: by their pages' hashes.
+    # Keyed as the engine's HiCache hook keys them: by their pages' hashes. The engine's own
+    # hook stays out of the store (store="sidecar"): the test writes it.
     tokens = [(i * 29 + 3) % 1000 for i in range(10 * PAGE_TOKENS + 1)]
     digests = [d.hex() for d in page_digests(tokens, PAGE_TOKENS)]
     keys = HiCacheKeyMap("tiny").store_keys(digests)
-    sc = start(procs, "sidecar", argv, tmp_path)
-    feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
-    task = asyncio.create_task(feed.run())
-    try:
-        await generate(session, eng.url, tokens)  # the engine's events name the 10 pages
-        await eventually(lambda: held(feed, Tier.GPU) == 10, "the pages at the gateway")
-        with BlockStoreClient(str(sock)) as store:
-            put_one_by_one(store, keys)
-            # At least the 6 that 4 slots cannot hold (a slot granted ahead holds none).
-            wait_until(lambda: store.stats().num_disk_blocks >= 6, "6 blocks on disk")
-            await eventually(lambda: agree(feed, store), "the gateway's feed to agree with "
-                             "the store on its host and disk tiers")
-            on_disk = store.stats().num_disk_blocks
-        async with session.get(f"{sc.url}/metrics") as resp:
-            text = await resp.text()
-        assert f'kvsidecar_disk_tier_held{{kind="blocks"}} {on_disk}.0' in text
-        assert f'kvsidecar_disk_tier_blocks_total{{op="written"}} {on_disk}.0' in text
-    finally:
-        task.cancel()
-    assert sc.stop() == 0, sc.log_tail()
-    assert not sock.exists()
-    sc = start(procs, "sidecar", argv, tmp_path)
-    feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
-    task = asyncio.create_task(feed.run())
-    try:
-        await eventually(lambda: held(feed, Tier.DISK) == on_disk,
-                         "the restarted sidecar's disk tier on the gateway's feed")
-        assert held(feed, Tier.HOST) == 0
-        with BlockStoreClient(str(sock)) as store:
-            out = np.empty(BLOCK, np.uint8)
-            assert (store.get(keys[2], out) == data(2)).all()
-        await eventually(lambda: held(feed, Tier.HOST) == 1,
-                         "the promoted block in the gateway's host tier")
-    finally:
-        task.cancel()
-    assert sc.stop() == 0, sc.log_tail()
+    spec = tier_spec(replica(
+        "r0", "--store-capacity-bytes", str(4 * BLOCK), "--store-block-bytes", str(BLOCK),
+        "--disk-tier-dir", str(tmp_path / "disk"), "--disk-tier-capacity-bytes", "1MiB",
+        store="sidecar"))
+    async with LocalStack(spec, tmp_path / "stack") as stack:
+        eng_url, sock = stack.engine_urls["r0"], stack.store_sockets["r0"]
+        sc = stack.process("sidecar-0")
+        feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+        task = asyncio.create_task(feed.run())
+        try:
+            await generate(session, eng_url, tokens)  # the engine's events name the 10 pages
+            await eventually(lambda: held(feed, Tier.GPU) == 10, "the pages at the gateway")
+            with BlockStoreClient(str(sock)) as store:
+                put_one_by_one(store, keys)
+                # At least the 6 that 4 slots cannot hold (a slot granted ahead holds none).
+                wait_until(lambda: store.stats().num_disk_blocks >= 6, "6 blocks on disk")
+                await eventually(lambda: agree(feed, store), "the gateway's feed to agree "
+                                 "with the store on its host and disk tiers")
+                on_disk = store.stats().num_disk_blocks
+            async with session.get(f"{sc.url}/metrics") as resp:
+                text = await resp.text()
+            assert f'kvsidecar_disk_tier_held{{kind="blocks"}} {on_disk}.0' in text
+            assert f'kvsidecar_disk_tier_blocks_total{{op="written"}} {on_disk}.0' in text
+        finally:
+            task.cancel()
+        assert sc.stop() == 0, sc.log_tail()
+        assert not sock.exists()
+        sc = await asyncio.to_thread(stack.restart, sc)  # same arguments, same port
+        feed = SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
+        task = asyncio.create_task(feed.run())
+        try:
+            await eventually(lambda: held(feed, Tier.DISK) == on_disk,
+                             "the restarted sidecar's disk tier on the gateway's feed")
+            assert held(feed, Tier.HOST) == 0
+            with BlockStoreClient(str(sock)) as store:
+                out = np.empty(BLOCK, np.uint8)
+                assert (store.get(keys[2], out) == data(2)).all()
+            await eventually(lambda: held(feed, Tier.HOST) == 1,
+                             "the promoted block in the gateway's host tier")
+        finally:
+            task.cancel()
+        assert sc.stop() == 0, sc.log_tail()
 
 
 @pytest.mark.slow
 async def test_the_reference_engine_loads_its_prefix_back_through_disk(
-        tmp_path: Path, procs: ProcessGroup[ManagedProcess],
-        session: aiohttp.ClientSession) -> None:
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
     """The engine's pages, written through its HiCache hook into a 16-page store, are evicted
     to disk by a second prompt's; after a device flush the first prompt's prefill loads all
     12 pages from the store (engine-reported ``storage`` tokens), most through disk."""
-    sock = tmp_path / f"s{uuid.uuid4().hex[:6]}.sock"
-    eng = start(procs, "engine", engine_argv(sock), tmp_path)
-    start(procs, "sidecar", [
-        "sidecar", "--engine-url", eng.url, "--worker-id", "r0", "--port", "0",
-        "--store-block-bytes", str(PAGE_BYTES), "--store-capacity-bytes", str(16 * PAGE_BYTES),
-        "--store-socket", str(sock), "--disk-tier-dir", str(tmp_path / "disk"),
-        "--disk-tier-capacity-bytes", "8MiB"], tmp_path)
+    spec = tier_spec(replica(
+        "r0", "--store-block-bytes", str(PAGE_BYTES), "--store-capacity-bytes",
+        str(16 * PAGE_BYTES), "--disk-tier-dir", str(tmp_path / "disk"),
+        "--disk-tier-capacity-bytes", "8MiB"))
     first = [(i * 37 + 11) % 1000 for i in range(12 * PAGE_TOKENS + 5)]
     second = [(i * 53 + 7) % 1000 for i in range(12 * PAGE_TOKENS + 5)]
-    with BlockStoreClient(str(sock)) as store:
-        base = await hook_attached(session, eng.url, store)
-        assert await generate(session, eng.url, first) == {}
-        wait_until(lambda: store.stats().num_puts >= base + 12, "the first prompt's pages")
-        await generate(session, eng.url, second)
-        # 24 pages in 16 slots: at least the first prompt's 8 oldest are on disk only.
-        wait_until(lambda: store.stats().num_puts >= base + 24
-                   and store.stats().num_disk_blocks >= 8, "the first prompt's pages on disk")
-        assert store.stats().num_disk_reads == 0
-        async with session.post(eng.url + "/flush_cache") as resp:
-            assert resp.status == 200
-        assert await generate(session, eng.url, first) == {"device": 0, "host": 0,
-                                                            "storage": 12 * PAGE_TOKENS}
-        assert store.stats().num_disk_reads >= 8
+    async with LocalStack(spec, tmp_path / "stack") as stack:
+        eng_url = stack.engine_urls["r0"]
+        with BlockStoreClient(str(stack.store_sockets["r0"])) as store:
+            base = await hook_attached(session, eng_url, store)
+            assert await generate(session, eng_url, first) == {}
+            wait_until(lambda: store.stats().num_puts >= base + 12, "the first prompt's pages")
+            await generate(session, eng_url, second)
+            # 24 pages in 16 slots: at least the first prompt's 8 oldest are on disk only.
+            wait_until(lambda: store.stats().num_puts >= base + 24
+                       and store.stats().num_disk_blocks >= 8,
+                       "the first prompt's pages on disk")
+            assert store.stats().num_disk_reads == 0
+            async with session.post(eng_url + "/flush_cache") as resp:
+                assert resp.status == 200
+            assert await generate(session, eng_url, first) == {"device": 0, "host": 0,
+                                                                "storage": 12 * PAGE_TOKENS}
+            assert store.stats().num_disk_reads >= 8

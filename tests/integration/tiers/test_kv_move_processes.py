@@ -1,8 +1,9 @@
 """A hot prefix moves to a light worker instead of herding, through real processes.
 
 Reference engines with torch compute (real KV bytes) whose HiCache hooks write through to
-their own sidecar's store; a gateway over the two sidecars A and B, its weights fixed, its
-health probes out of the way; a plain engine C computes what a full prefill answers.
+their own sidecar's store (the replicas ``conftest.py`` shares with the tier-credit test); a
+gateway over the two sidecars A and B, its weights fixed, its health probes out of the way;
+a plain engine C computes what a full prefill answers.
 
 A holds a 12-page prompt. A request sharing it goes to A; while it is held there (A's engine
 stopped, or A's sidecar), A's queue outweighs the cached prefix, and the next one is placed
@@ -15,11 +16,7 @@ is the same, with nothing cached.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,17 +25,17 @@ import aiohttp
 import pytest
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import GatewaySpec, LocalStack
 from shm import BlockStoreClient
 from tests.integration.disagg.pd_stack import metric
 from tests.support.gateway import routable
 from tests.support.polling import eventually
-from tests.support.processes import ProcessGroup
-from tests.support.tier_stack import MODEL, PAGE_TOKENS, engine_argv, generate, hook_attached
+from tests.support.stacks import own_gateways
+from tests.support.tier_stack import PAGE_TOKENS, generate, hook_attached
 
 pytestmark = pytest.mark.slow
 
 PAGES = 12
-STORE_BYTES = str(64 * PAGE_TOKENS * 2048)  # 64 pages of the tiny model
 
 
 @dataclass
@@ -50,42 +47,18 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("kv-move")
-    with ProcessGroup[ManagedProcess]() as procs:
-        socks = {n: tmp / f"{n}-{uuid.uuid4().hex[:6]}.sock" for n in ("A", "B")}
-        engines = {n: procs.add(ManagedProcess.start(
-            f"engine-{n}", engine_argv(socks[n], compute="torch"), workdir=tmp))
-            for n in ("A", "B")}
-        engines["C"] = procs.add(ManagedProcess.start("engine-C", [
-            "refengine", "--model-path", str(MODEL), "--port", "0"], workdir=tmp))
-        for eng in engines.values():
-            eng.wait_ready(60)
-        sidecars = {n: procs.add(ManagedProcess.start(f"sidecar-{n}", [
-            "sidecar", "--engine-url", engines[n].url, "--worker-id", n, "--port", "0",
-            "--store-capacity-bytes", STORE_BYTES, "--store-socket", str(socks[n])],
-            workdir=tmp)) for n in ("A", "B")}
-        for sc in sidecars.values():
-            sc.wait_ready(60)
+def stack(replicas: LocalStack) -> Iterator[Stack]:
+    """The shared replicas (conftest.py) behind a gateway over A and B."""
+    with own_gateways(replicas):
         # Fixed weights: the placements below follow from the loads, not from a fit. No
         # periodic probe: a stopped sidecar stays a worker (and a source) for the test.
-        gateway = procs.add(ManagedProcess.start("gateway", [
-            "routing", "--port", "0", "--model-path", str(MODEL), "--overlap-weight", "1",
-            "--prefill-load-scale", "1", "--health-check-interval-s", "3600",
-            "--kv-move", "on", "--sidecar", sidecars["A"].url, "--sidecar", sidecars["B"].url],
-            workdir=tmp))
-        gateway.wait_ready(60)
-        yield Stack(engines, sidecars, socks, gateway.url)
-
-
-@contextmanager
-def stopped(proc: ManagedProcess) -> Iterator[None]:
-    """SIGSTOP the process for the block (its own process group), SIGCONT on leaving."""
-    os.killpg(proc.pgid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.killpg(proc.pgid, signal.SIGCONT)
+        gateway = replicas.add_gateway(GatewaySpec(
+            only=("A", "B"), health_check_interval_s=3600, wait_routable=False,
+            args=("--overlap-weight", "1", "--prefill-load-scale", "1", "--kv-move", "on")))
+        sidecars = {p.worker_id: p.proc for p in replicas.sidecars
+                    if isinstance(p.proc, ManagedProcess)}
+        yield Stack({n: replicas.process(n) for n in ("A", "B", "C")}, sidecars,
+                    replicas.store_sockets, gateway[0].url)
 
 
 def prompt(seed: int, suffix: int = 0) -> list[int]:
@@ -160,7 +133,7 @@ async def test_a_hot_prefix_moves_to_the_light_worker(
     s = ready
     await held_on_a(session, s, 37)
     expected = texts((await complete(session, s.engines["C"].url, prompt(37, 2)))[0])
-    with stopped(s.engines["A"]):
+    with s.engines["A"].paused():
         first = await held_there(session, s, prompt(37, 1))
         body, headers = await complete(session, s.gateway, prompt(37, 2))
     assert (headers["x-kvsidecar-worker"], headers["x-kvsidecar-placement-reason"],
@@ -182,7 +155,7 @@ async def test_a_failed_pull_is_a_recompute(
     s = ready
     await held_on_a(session, s, 53)
     expected = texts((await complete(session, s.engines["C"].url, prompt(53, 2)))[0])
-    with stopped(s.sidecars["A"]):
+    with s.sidecars["A"].paused():
         first = await held_there(session, s, prompt(53, 1))
         body, headers = await complete(session, s.gateway, prompt(53, 2))
     assert (headers["x-kvsidecar-worker"], headers["x-kvsidecar-placement-reason"]) == (

@@ -5,27 +5,24 @@ the rest; the gateway's feeds credit those blocks as ``remote`` on both workers.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from kvcore.events import Tier
-from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_redis import RedisServer
+from kvsidecar.local_stack import LocalStack
 from routing.placement.kv_router import KvRouter
 from routing.workers.event_feed import SidecarFeed
 from shm import BlockStoreClient
 from tests.support.polling import eventually, wait_until
-from tests.support.processes import ProcessGroup
 from tests.support.tier_stack import (
     PAGE_BYTES,
     PAGE_TOKENS,
-    engine_argv,
     generate,
     hook_attached,
-    start,
+    replica,
+    tier_spec,
 )
 
 
@@ -36,31 +33,25 @@ def remote_blocks(feed: SidecarFeed, worker: str) -> int:
 
 @pytest.mark.slow
 async def test_a_prefix_computed_on_one_replica_is_loaded_on_another(
-        tmp_path: Path, procs: ProcessGroup[ManagedProcess],
-        session: aiohttp.ClientSession) -> None:
+        tmp_path: Path, session: aiohttp.ClientSession) -> None:
     prompt = [(i * 37 + 11) % 1000 for i in range(12 * PAGE_TOKENS + 5)]
-    with RedisServer(tmp_path) as redis:
-        replicas = []
-        for name in ("r0", "r1"):
-            sock = tmp_path / f"{name}-{uuid.uuid4().hex[:6]}.sock"
-            eng = start(procs, f"engine-{name}", engine_argv(sock), tmp_path)
-            sc = start(procs, f"sidecar-{name}", [
-                "sidecar", "--engine-url", eng.url, "--worker-id", name, "--port", "0",
-                "--store-block-bytes", str(PAGE_BYTES),
-                "--store-capacity-bytes", str(64 * PAGE_BYTES), "--store-socket", str(sock),
-                "--remote-tier-url", redis.url], tmp_path)
-            replicas.append((eng, sc, sock))
-        feeds = [SidecarFeed(sc.url, KvRouter(), session, model_id="tiny")
-                 for _, sc, _ in replicas]
+    store = ("--store-block-bytes", str(PAGE_BYTES), "--store-capacity-bytes",
+             str(64 * PAGE_BYTES))
+    spec = tier_spec(replica("r0", *store), replica("r1", *store), redis=True)
+    async with LocalStack(spec, tmp_path) as stack:
+        feeds = [SidecarFeed(stack.sidecar_urls[name], KvRouter(), session, model_id="tiny")
+                 for name in ("r0", "r1")]
         tasks = [asyncio.create_task(feed.run()) for feed in feeds]
-        (eng0, _, sock0), (eng1, sc1, sock1) = replicas
+        eng0, eng1 = (stack.engine_urls[name] for name in ("r0", "r1"))
+        sock0, sock1 = (stack.store_sockets[name] for name in ("r0", "r1"))
+        sc1 = stack.sidecar_urls["r1"]
         try:
             with BlockStoreClient(str(sock0)) as store0, BlockStoreClient(str(sock1)) as store1:
                 wait_until(lambda: store0.stats().remote_connected
                            and store1.stats().remote_connected, "both tiers connected")
-                base0 = await hook_attached(session, eng0.url, store0)
-                await hook_attached(session, eng1.url, store1)
-                assert await generate(session, eng0.url, prompt) == {}
+                base0 = await hook_attached(session, eng0, store0)
+                await hook_attached(session, eng1, store1)
+                assert await generate(session, eng0, prompt) == {}
                 wait_until(lambda: store0.stats().num_puts >= base0 + 12, "the prompt's pages")
                 # Written through to the shared store, and so in replica 1's index.
                 wait_until(lambda: store1.stats().num_remote_blocks
@@ -70,10 +61,10 @@ async def test_a_prefix_computed_on_one_replica_is_loaded_on_another(
                                      == store1.stats().num_remote_blocks,
                                      f"the gateway crediting {worker}'s remote tier")
                 # Replica 1 never saw the prompt: its engine loads 12 pages from storage.
-                assert await generate(session, eng1.url, prompt) == {
+                assert await generate(session, eng1, prompt) == {
                     "device": 0, "host": 0, "storage": 12 * PAGE_TOKENS}
                 assert store1.stats().num_remote_reads >= 12
-            async with session.get(f"{sc1.url}/metrics") as resp:
+            async with session.get(f"{sc1}/metrics") as resp:
                 text = await resp.text()
             assert 'kvsidecar_remote_tier_held{kind="connected"} 1.0' in text
             assert 'kvsidecar_remote_tier_blocks_total{op="read"}' in text

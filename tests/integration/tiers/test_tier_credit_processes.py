@@ -6,41 +6,32 @@ there, and the engine there loads it and answers as an engine that computed it d
 
 Replica A (``--remote-tier-write evict``: what it computes stays in its host memory) and a
 plain engine C serve behind the gateway; a writer replica W, which the gateway does not
-know, puts prompts in the remote store."""
+know, puts prompts in the remote store. The processes are the replicas ``conftest.py``
+shares with the kv-move test: W is its B."""
 
 from __future__ import annotations
 
-import uuid
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_redis import RedisServer
+from kvsidecar.local_stack import GatewaySpec, LocalStack
 from shm import BlockStoreClient
 from tests.support.gateway import routable
 from tests.support.polling import eventually, wait_until
-from tests.support.processes import ProcessGroup
-from tests.support.tier_stack import MODEL, PAGE_TOKENS, engine_argv, generate, hook_attached
+from tests.support.stacks import own_gateways
+from tests.support.tier_stack import PAGE_TOKENS, generate, hook_attached
 
 pytestmark = pytest.mark.slow
 
 PAGES = 12
-STORE_BYTES = str(64 * PAGE_TOKENS * 2048)  # 64 pages of the tiny model
 
 
 def prompt(seed: int) -> list[int]:
-    return [(i * seed + 11) % 1000 + 5 for i in range(PAGES * PAGE_TOKENS + 5)]
-
-
-def sidecar_argv(name: str, engine_url: str, sock: Path, redis_url: str,
-                 write: str) -> list[str]:
-    """A sidecar with a store and the remote tier, its block geometry left to the engine."""
-    return ["sidecar", "--engine-url", engine_url, "--worker-id", name, "--port", "0",
-            "--store-capacity-bytes", STORE_BYTES, "--store-socket", str(sock),
-            "--remote-tier-url", redis_url, "--remote-tier-write", write]
+    # Its first page is none of the kv-move test's (the replicas are shared): no page of it
+    # is cached anywhere before this test computes it, whichever module ran first.
+    return [(i * seed + 17) % 1000 + 5 for i in range(PAGES * PAGE_TOKENS + 5)]
 
 
 async def complete(session: aiohttp.ClientSession, url: str,
@@ -72,30 +63,16 @@ async def cached_at(session: aiohttp.ClientSession, gateway: str, worker: str) -
 
 
 async def test_prompts_held_only_below_the_gpu_are_credited_and_placed_there(
-        tmp_path: Path, procs: ProcessGroup[ManagedProcess],
-        session: aiohttp.ClientSession) -> None:
+        replicas: LocalStack, session: aiohttp.ClientSession) -> None:
     """Only in A's host memory (its GPU copy flushed), then only in the remote store (W put
     it there): the gateway predicts all 12 blocks on A, places the prompt on A over an empty
     engine, and A loads the 12 pages and answers as the engine that computed them."""
-    with RedisServer(tmp_path) as redis:
-        socks = {n: tmp_path / f"{n}-{uuid.uuid4().hex[:6]}.sock" for n in ("A", "W")}
-        engines = {n: procs.add(ManagedProcess.start(
-            f"engine-{n}", engine_argv(socks[n], compute="torch"), workdir=tmp_path))
-            for n in ("A", "W")}
-        engines["C"] = procs.add(ManagedProcess.start("engine-C", [
-            "refengine", "--model-path", str(MODEL), "--port", "0"], workdir=tmp_path))
-        for eng in engines.values():
-            eng.wait_ready(60)
-        sidecars = {n: procs.add(ManagedProcess.start(f"sidecar-{n}", sidecar_argv(
-            n, engines[n].url, socks[n], redis.url, write), workdir=tmp_path))
-            for n, write in (("A", "evict"), ("W", "through"))}
-        for sc in sidecars.values():
-            sc.wait_ready(60)
-        gateway = procs.add(ManagedProcess.start("gateway", [
-            "routing", "--port", "0", "--model-path", str(MODEL), "--sidecar",
-            sidecars["A"].url, "--worker", engines["C"].url, "--health-check-interval-s",
-            "0.5"], workdir=tmp_path))
-        gateway.wait_ready(60)
+    socks = {"A": replicas.store_sockets["A"], "W": replicas.store_sockets["B"]}
+    engines = {n: replicas.process(w) for n, w in (("A", "A"), ("W", "B"), ("C", "C"))}
+    with own_gateways(replicas):
+        gateway = replicas.add_gateway(GatewaySpec(
+            only=("A",), health_check_interval_s=0.5, wait_routable=False,
+            args=("--worker", engines["C"].url)))[0]
         await routable(session, gateway.url, 2)
         with BlockStoreClient(str(socks["A"])) as store_a, \
                 BlockStoreClient(str(socks["W"])) as store_w:

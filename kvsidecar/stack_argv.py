@@ -1,0 +1,94 @@
+"""The command lines ``LocalStack`` gives its children: a sidecar's, a gateway's, a reference
+engine's, and the flags that wire a P/D role's KV handoff (the engine's HiCache hook, its
+sidecar's block store)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvsidecar.stack_spec import EngineSpec, GatewaySpec, StackSpec
+
+__all__ = ["STORE_FLAGS", "gateway_argv", "part_name", "refengine_argv", "role_flags",
+           "sidecar_argv", "store_flags"]
+
+
+def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
+                 extra: list[str] | None = None) -> list[str]:
+    """A sidecar's arguments: the stack's own, then ``extra`` (a later flag wins)."""
+    return ["--engine-url", url, "--worker-id", worker_id, "--role", role, "--port", "0",
+            "--sim-handoff-ms-per-1k-tokens", str(handoff_ms), *(extra or [])]
+
+
+def gateway_argv(spec: GatewaySpec, model_path: str, sidecars: list[str], *,
+                 port: int | None = None, more: list[str] | None = None) -> list[str]:
+    """A gateway's arguments: the stack's own, ``--sidecar`` per sidecar URL, ``more`` (the
+    stack's wiring: workers, seed, NATS), then the spec's ``args`` (a later flag wins)."""
+    return [
+        "--host", spec.host, "--port", str(spec.port if port is None else port),
+        "--router-mode", spec.router_mode, "--model-path", model_path,
+        "--health-check-interval-s", f"{spec.health_check_interval_s:g}",
+        "--pd-mode", spec.pd_mode, "--kv-load-failure-policy", spec.kv_load_failure_policy,
+        *[flag for url in sidecars for flag in ("--sidecar", url)],
+        *(more or []),
+        *spec.args,
+    ]
+
+
+def refengine_argv(spec: StackSpec, engine: EngineSpec, workdir: Path, socket: Path | None,
+                   ours: list[str]) -> list[str]:
+    """A reference engine's arguments: the stack's model, pool and KV events, the flags of
+    its P/D role, ``ours`` (every child's), then the spec's ``args`` (a later flag wins)."""
+    argv = ["refengine", "--compute", engine.compute]
+    if engine.compute == "sim":
+        argv += ["--replicas", str(engine.replicas)]
+        if spec.speedup is not None:
+            argv += ["--speedup", str(spec.speedup)]
+    argv += ["--model-path", spec.model_path]
+    if spec.max_total_tokens is not None:
+        argv += ["--max-total-tokens", str(spec.max_total_tokens)]
+    return [*argv, "--kv-events-config", spec.events_config, "--port", "0",
+            *role_flags(engine, workdir, socket), *ours, *engine.args]
+
+
+# handoff="sidecar": a sidecar's block store of raw one-page blocks (the tiny model's KV is
+# 2 KiB per token in fp32, 16 tokens a page), and the pull of a decode sidecar.
+STORE_FLAGS = ("--store-block-bytes", str(16 * 2048), "--store-capacity-bytes", "32MiB",
+               "--kv-handoff", "transfer")
+# store="sidecar"/"hook": a block store the sidecar sizes from the engine's KV layout.
+_AGG_STORE_FLAGS = ("--store-capacity-bytes", "32MiB")
+
+
+def role_flags(engine: EngineSpec, workdir: Path, socket: Path | None) -> list[str]:
+    """Engine flags of a P/D role (its mode) and of the HiCache hook its KV goes through: the
+    page store directory of ``handoff="file"``, or its sidecar's block store at ``socket``."""
+    pd = engine.role != "agg" and engine.handoff != "none"
+    mode = ["--disaggregation-mode", engine.role] if pd else []
+    if socket is not None:
+        backend = "dynamic"
+        config: dict[str, Any] = {
+            "backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
+            "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1,
+            "socket": str(socket), "model_id": "tiny"}
+    elif pd:
+        backend = "file"
+        config = {"file_path": str(workdir / engine.page_store)}
+    else:
+        return []
+    return [*mode, "--hicache-storage-backend", backend,
+            "--hicache-storage-backend-extra-config", json.dumps(config)]
+
+
+def store_flags(engine: EngineSpec, socket: Path) -> list[str]:
+    """A sidecar's flags for the block store at ``socket``: a P/D role's handoff store, or
+    the store of ``EngineSpec.store``."""
+    pd = engine.role != "agg" and engine.handoff == "sidecar"
+    return [*(STORE_FLAGS if pd else _AGG_STORE_FLAGS), "--store-socket", str(socket)]
+
+
+def part_name(kind: str, role: str, i: int | None = None) -> str:
+    """``engines``, ``engine-0``, ``sidecar-prefill-1``: the role named unless aggregated."""
+    base = kind if role == "agg" else f"{kind}-{role}"
+    return base if i is None else f"{base}-{i}"
+
