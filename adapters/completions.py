@@ -19,6 +19,7 @@ __all__ = ["CompletionsResponseTranslator", "completions_body"]
 
 _PASS = (
     "max_tokens",
+    "min_tokens",
     "temperature",
     "top_p",
     "top_k",

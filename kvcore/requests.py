@@ -116,6 +116,7 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool = False
     include_usage: bool = False
     max_tokens: int | None = None
+    min_tokens: int | None = None  # generated before EOS or a stop token may end it
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -148,6 +149,8 @@ class TokenizedRequest(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"n={self.n} is not supported; send n separate requests")
         if self.max_tokens is not None and self.max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.continuation is not None:
             self._check_continuation(self.continuation)
 

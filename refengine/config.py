@@ -20,7 +20,7 @@ from kvcore.logs import LOG_LEVELS
 from kvcore.options import OptionParser, member, option
 from refengine.kv_events import KVEventsConfig
 from refengine.presets import PRESETS
-from refengine.timing import SIM_GROUP, SimTiming, TimingModel
+from refengine.timing import SIM_GROUP, SimModel, SimTiming, TimingModel
 from refengine.tokenizer import DEFAULT_MODEL_PATH
 
 __all__ = ["DEFAULT_POOL_BYTES", "Compute", "DisaggMode", "EngineConfig", "build_parser"]
@@ -92,6 +92,17 @@ class EngineConfig:
     chunked_prefill_size: int = option(
         512, group=_CACHE, help="prompt tokens computed per prefill step")
     max_running_requests: int = option(64, group=_CACHE, help="requests admitted at once")
+    enable_mixed_chunk: bool = option(
+        False, group=_CACHE,
+        help="as SGLang's: mix prompt chunks into decode steps; a step then runs every "
+        "decoding request and prompt chunks up to --chunked-prefill-size tokens in all "
+        "(vLLM's and Dynamo's mocker's batched-token budget); without it prefill and "
+        "decode steps alternate")
+    share_in_flight_prefill: bool = option(
+        False, group=_CACHE,
+        help="a request whose next prompt pages another request is computing waits a step "
+        "and reuses them from the cache, instead of computing them again (SGLang's "
+        "in-batch prefix caching; vLLM and Dynamo's mocker share blocks in flight)")
     kv_events_config: str | None = option(  # SGLang's JSON, as given (kv_events: parsed)
         None, group=_CACHE, metavar="JSON",
         help='SGLang\'s JSON, e.g. {"publisher":"zmq","endpoint":"tcp://*:5557",'
@@ -118,6 +129,11 @@ class EngineConfig:
         "decode: import the prompt's pages from the page store")
 
     speedup: float = option(1.0, group=SIM_GROUP, help="divide every simulated duration")
+    sim_model: SimModel = option(
+        SimModel.LINEAR, group=SIM_GROUP,
+        help="linear: the --sim-* terms; mocker: Dynamo 1.6.1's mocker's polynomial (prefill "
+        "by prompt tokens in the step, decode by the KV pool's occupancy; the --sim-* "
+        "terms unused)")
     # --sim-prefill-base-ms and the other --sim-* flags (shared with replay: SimTiming's)
     sim: SimTiming = field(default_factory=SimTiming)
 
@@ -126,6 +142,7 @@ class EngineConfig:
         object.__setattr__(self, "compute", member("--compute", self.compute, Compute))
         object.__setattr__(self, "disaggregation_mode", member(
             "--disaggregation-mode", self.disaggregation_mode, DisaggMode))
+        object.__setattr__(self, "sim_model", member("--sim-model", self.sim_model, SimModel))
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in 0..65535, got {self.port}")
         if self.page_size < 1:
@@ -162,8 +179,9 @@ class EngineConfig:
 
     @property
     def timing(self) -> TimingModel:
-        """The simulated compute's durations, from ``--speedup`` and the ``--sim-*`` flags."""
-        return self.sim.model(self.speedup)
+        """The simulated compute's durations, from ``--speedup``, ``--sim-model`` and the
+        ``--sim-*`` flags."""
+        return replace(self.sim.model(self.speedup), shape=self.sim_model)
 
     @property
     def page_store(self) -> PageStoreBackend | None:

@@ -27,7 +27,7 @@ from refengine.prefix_cache import PrefixCache
 from refengine.presets import ModelConfig
 from refengine.publisher import KVEventPublisher
 from refengine.request import FinishReason, Phase, Request
-from refengine.scheduler import Scheduler, StepKind
+from refengine.scheduler import Scheduler, Step
 from refengine.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
@@ -82,7 +82,9 @@ class Engine:
         self.recorder = EventRecorder(cfg.kv_events.enabled)
         self.cache = PrefixCache(cfg.page_size, PageAllocator(cfg.num_pages), self.recorder)
         self.scheduler = Scheduler(
-            self.cache, cfg.chunked_prefill_size, cfg.max_running_requests, tokenizer.eos_token_id
+            self.cache, cfg.chunked_prefill_size, cfg.max_running_requests,
+            tokenizer.eos_token_id, mixed_chunk=cfg.enable_mixed_chunk,
+            share_in_flight=cfg.share_in_flight_prefill,
         )
         # torch loads here, for a torch engine or a host tier only: a simulated engine
         # without one never imports it (seconds at every start)
@@ -283,31 +285,29 @@ class Engine:
             self.heartbeat.beat()
             await asyncio.sleep(0)
 
-    async def _run(self, step: Any) -> list[Request]:
-        now = time.monotonic
-        if step.kind is StepKind.PREFILL:
-            self.stats.prefill_steps += 1
-            t0 = time.perf_counter()
-            tokens = await self.executor.prefill(step.prefill)
-            took = time.perf_counter() - t0
-            self.stats.busy_s += took
-            self.stats.prefill_busy_s += took
-            for chunk, token in zip(step.prefill, tokens, strict=True):
-                if chunk.req.phase is not Phase.PREFILL:
-                    continue  # aborted while the step ran
-                if token is not None:
-                    chunk.req.first_token_time = now()
-                self.scheduler.complete_prefill(chunk, token)
-                self._check_stop_strings(chunk.req)
-            return [c.req for c in step.prefill]
-        self.stats.decode_steps += 1
+    async def _run(self, step: Step) -> list[Request]:
+        """One step, prompt chunks and decode batch alike (a mixed step has both); the
+        requests it advanced."""
+        self.stats.prefill_steps += bool(step.prefill)
+        self.stats.decode_steps += bool(step.decode)
         t0 = time.perf_counter()
-        decoded = await self.executor.decode(step.decode)
-        self.stats.busy_s += time.perf_counter() - t0
+        first, decoded = await self.executor.run(step)
+        took = time.perf_counter() - t0
+        self.stats.busy_s += took
+        if step.prefill:  # a mixed step's whole time: the prefill is what made it longer
+            self.stats.prefill_busy_s += took
+        done = time.monotonic()
+        for chunk, token in zip(step.prefill, first, strict=True):
+            if chunk.req.phase is not Phase.PREFILL:
+                continue  # aborted while the step ran
+            if token is not None:
+                chunk.req.first_token_time = done
+            self.scheduler.complete_prefill(chunk, token)
+            self._check_stop_strings(chunk.req)
         self.scheduler.complete_decode(step.decode, decoded)
         for req in step.decode:
             self._check_stop_strings(req)
-        return list(step.decode)
+        return [*(c.req for c in step.prefill), *step.decode]
 
     def _check_stop_strings(self, req: Request) -> None:
         if req.finish is not None or not req.params.stop or not req.output_ids:

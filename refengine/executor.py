@@ -1,8 +1,10 @@
 """Compute backends: run a scheduler step and return the next token of each request.
 
-:class:`Executor` is what the engine asks of one. ``SimExecutor`` does no math: it sleeps for
-the :class:`TimingModel`'s duration and emits deterministic pseudo-tokens (a function of the
-sequence so far), so two replicas given the same prompt still agree. It needs no torch: a
+:class:`Executor` is what the engine asks of one: :meth:`run` computes a step's prompt chunks,
+then its decode batch (a mixed step has both). ``SimExecutor`` does no math: it sleeps once
+for the :class:`TimingModel`'s duration of the whole step and emits deterministic
+pseudo-tokens (a function of the sequence so far), so two replicas given the same prompt
+still agree. It needs no torch: a
 simulated engine loads none (``TorchExecutor``, which runs the real model, lives in
 :mod:`refengine.torch_compute`).
 """
@@ -13,16 +15,18 @@ import asyncio
 from typing import Protocol
 
 from refengine.request import Request
-from refengine.scheduler import PrefillChunk
+from refengine.scheduler import Step
 from refengine.timing import TimingModel
 
-__all__ = ["Executor", "SimExecutor"]
+__all__ = ["Executor", "SimExecutor", "StepTokens"]
+
+# A step's tokens: one per prompt chunk (None where the prompt is not complete yet), then
+# one per request of the decode batch.
+StepTokens = tuple[list[int | None], list[int]]
 
 
 class Executor(Protocol):
-    async def prefill(self, chunks: tuple[PrefillChunk, ...]) -> list[int | None]: ...
-
-    async def decode(self, reqs: tuple[Request, ...]) -> list[int]: ...
+    async def run(self, step: Step) -> StepTokens: ...
 
     async def load_delay(self, pages: int) -> None: ...
 
@@ -50,13 +54,13 @@ class SimExecutor:
         self.busy_s += seconds
         await asyncio.sleep(seconds)
 
-    async def prefill(self, chunks: tuple[PrefillChunk, ...]) -> list[int | None]:
-        await self._sleep(self.timing.prefill([(c.end - c.start, c.end) for c in chunks]))
-        return [self._token(c.req, True) if c.completes_prompt else None for c in chunks]
-
-    async def decode(self, reqs: tuple[Request, ...]) -> list[int]:
-        await self._sleep(self.timing.decode([r.num_tokens for r in reqs]))
-        return [self._token(r) for r in reqs]
+    async def run(self, step: Step) -> StepTokens:
+        await self._sleep(self.timing.step(
+            [(c.end - c.start, c.end) for c in step.prefill],
+            [r.num_tokens for r in step.decode],
+            yields=step.yields_tokens, kv_used=step.kv_used))
+        first = [self._token(c.req, True) if c.completes_prompt else None for c in step.prefill]
+        return first, [self._token(r) for r in step.decode]
 
     async def load_delay(self, pages: int) -> None:
         await self._sleep(self.timing.load(pages))

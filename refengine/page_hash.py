@@ -37,10 +37,9 @@ __all__ = [
 _U32_MAX = 0xFFFFFFFF
 
 
-def _page_bytes(tokens: Sequence[int]) -> bytes:
-    if any(t < 0 for t in tokens):
-        raise ValueError("token ids must be non-negative")
-    if any(t > _U32_MAX for t in tokens):
+def _page_bytes(tokens: Sequence[int], wide: bool) -> bytes:
+    """``wide``: some id of the page is beyond 32 bits (64-bit ids, marked)."""
+    if wide and max(tokens) > _U32_MAX:
         return b"\xff" + struct.pack(f"<{len(tokens)}Q", *tokens)
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
@@ -54,11 +53,17 @@ def page_digests(
     if prior is not None and len(prior) != 32:
         raise ValueError("prior digest must be exactly 32 bytes")
     out: list[bytes] = []
+    full = token_ids[: len(token_ids) // page_size * page_size]
+    if not full:
+        return out
+    if min(full) < 0:  # checked once, not per page
+        raise ValueError("token ids must be non-negative")
+    wide = max(full) > _U32_MAX
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         h = hashlib.sha256()
         if prior is not None:
             h.update(prior)
-        h.update(_page_bytes(token_ids[start : start + page_size]))
+        h.update(_page_bytes(token_ids[start : start + page_size], wide))
         prior = h.digest()
         out.append(prior)
     return out

@@ -11,9 +11,17 @@ back. Policy, in SGLang's spirit but without preemption:
   admitted requests in order.
 * **Decode** batches every running request into one step (continuous batching: requests join
   after their prefill and leave when done). When both kinds of work are pending, steps
-  alternate prefill / decode so a long prompt does not stall running requests.
+  alternate prefill / decode so a long prompt does not stall running requests (SGLang's
+  default) or, with ``mixed_chunk`` (SGLang's ``--enable-mixed-chunk``; vLLM's and Dynamo's
+  mocker's only way), every step is one batch: each decoding request's next token plus
+  prompt chunks up to ``chunk_size`` tokens in all (the decode tokens count against it).
 * **Caching**: full pages are inserted into the prefix cache as soon as their KV is computed
   (prompt pages after each chunk, output pages when the request finishes).
+* **Prefill in flight** (``share_in_flight``): a request whose next prompt page an earlier
+  request's chunk computes in this step skips the step, and takes the page from the cache
+  afterwards instead of computing it again (SGLang's in-batch prefix caching; vLLM and
+  Dynamo's mocker reach the same by caching blocks as they are scheduled). Without it, hot
+  requests that arrive together on a cold replica each compute the whole shared prefix.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class CapacityError(ValueError):
 class StepKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    MIXED = "mixed"  # prompt chunks and a decode batch in one step (mixed_chunk)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +63,12 @@ class Step:
     kind: StepKind
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Request, ...] = ()
+    kv_used: float = 0.0  # the pool's fraction held by running requests, once planned
+
+    @property
+    def yields_tokens(self) -> bool:
+        """The step produces a token: a decode batch, or a chunk that completes its prompt."""
+        return bool(self.decode) or any(c.completes_prompt for c in self.prefill)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -67,6 +82,8 @@ class Scheduler:
         chunk_size: int,
         max_running: int,
         eos_token_id: int | None,
+        mixed_chunk: bool = False,
+        share_in_flight: bool = False,
     ) -> None:
         if chunk_size < 1:
             raise ValueError(f"chunked prefill size must be >= 1, got {chunk_size}")
@@ -75,6 +92,8 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.max_running = max_running
         self.eos_token_id = eos_token_id
+        self.mixed_chunk = mixed_chunk
+        self.share_in_flight = share_in_flight
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
@@ -168,24 +187,43 @@ class Scheduler:
     def next_step(self) -> Step | None:
         want_prefill = bool(self.prefilling)
         want_decode = bool(self.decoding)
+        if self.mixed_chunk and want_decode:
+            decode = self._plan_decode()
+            budget = self.chunk_size - len(decode)
+            prefill = self._plan_prefill(budget) if want_prefill and budget > 0 else ()
+            kind = StepKind.MIXED if prefill else StepKind.DECODE
+            return Step(kind, prefill=prefill, decode=decode, kv_used=self._kv_used())
         if want_prefill and (not want_decode or self._last is StepKind.DECODE):
             self._last = StepKind.PREFILL
-            return Step(StepKind.PREFILL, prefill=self._plan_prefill())
+            prefill = self._plan_prefill(self.chunk_size)
+            return Step(StepKind.PREFILL, prefill=prefill, kv_used=self._kv_used())
         if want_decode:
             self._last = StepKind.DECODE
-            for req in self.decoding:
-                pos = req.num_tokens - 1
-                if pos // self.page_size >= len(req.pages):
-                    self.alloc_pages(req, 1)
-            return Step(StepKind.DECODE, decode=tuple(self.decoding))
+            decode = self._plan_decode()
+            return Step(StepKind.DECODE, decode=decode, kv_used=self._kv_used())
         return None
 
-    def _plan_prefill(self) -> tuple[PrefillChunk, ...]:
-        budget = self.chunk_size
+    def _kv_used(self) -> float:
+        return self.used_tokens() / (self.cache.allocator.num_pages * self.page_size)
+
+    def _plan_decode(self) -> tuple[Request, ...]:
+        for req in self.decoding:
+            pos = req.num_tokens - 1
+            if pos // self.page_size >= len(req.pages):
+                self.alloc_pages(req, 1)
+        return tuple(self.decoding)
+
+    def _plan_prefill(self, budget: int) -> tuple[PrefillChunk, ...]:
         chunks = []
+        computing: set[bytes] = set()  # prompt pages this step's chunks compute
         for req in self.prefilling:
             if budget <= 0:
                 break
+            if self.share_in_flight:
+                self._catch_up(req)
+                nxt = req.num_computed // self.page_size
+                if nxt < len(req.digests) and req.digests[nxt] in computing:
+                    continue  # an earlier request computes it now: wait, then reuse it
             start = req.num_computed
             end = min(len(req.prompt), start + budget)
             missing = _ceil_div(end, self.page_size) - len(req.pages)
@@ -193,7 +231,33 @@ class Scheduler:
                 self.alloc_pages(req, missing)
             chunks.append(PrefillChunk(req, start, end))
             budget -= end - start
+            if self.share_in_flight:
+                touched = range(start // self.page_size, _ceil_div(end, self.page_size))
+                computing.update(req.digests[touched.start : touched.stop])
         return tuple(chunks)
+
+    def _catch_up(self, req: Request) -> None:
+        """Take the cached pages that extend the request's prefix since it was admitted or
+        last computed (another request computed them meanwhile), while it holds no page of
+        its own yet to switch from; its reservation shrinks by as many pages."""
+        held = len(req.pages)
+        if req.inserted_pages != held or req.num_computed != held * self.page_size:
+            return
+        matched = self.cache.match(req.digests)
+        if len(matched) * self.page_size >= len(req.prompt):
+            matched = matched[:-1]  # keep a token to compute, as admit() does
+        extra = matched[held:]
+        if not extra:
+            return
+        extra = extra[: req.reserved_pages]
+        self.cache.acquire(extra)
+        req.pages.extend(extra)
+        req.cache_refs.extend(extra)
+        req.inserted_pages += len(extra)
+        req.num_computed += len(extra) * self.page_size
+        req.cached_tokens_device += len(extra) * self.page_size
+        req.reserved_pages -= len(extra)
+        self.reserved -= len(extra)
 
     def complete_prefill(self, chunk: PrefillChunk, token: int | None) -> None:
         req = chunk.req

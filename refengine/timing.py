@@ -1,25 +1,48 @@
 """The simulated-compute timing model (``--compute sim``): how long a step would take on a
-GPU, with no math done. All costs are divided by ``--speedup``.
+GPU, with no math done. All costs are divided by ``--speedup``. Two shapes (``--sim-model``):
+
+``linear`` (the default, its terms the ``--sim-*`` flags):
 
 * prefill step: ``prefill_base + Σ_chunks (per_token × new_tokens
   + attn_per_token_ctx × new_tokens × context_after_chunk)`` — linear in uncached tokens plus
   the attention term that grows with context;
 * decode step: ``decode_base + per_seq × batch + per_ctx_token × Σ context lengths`` — a fixed
   kernel-launch floor, per-sequence work, and KV reads that grow with context;
-* host-tier load: ``load_per_page × pages``.
+* host-tier load: ``load_per_page × pages``;
+* a mixed step (``--enable-mixed-chunk``): its prefill part plus its decode part.
 
-Steps run one at a time on a replica, so a prefill step delays every running decode: the
-interference disaggregation removes. Defaults are the order of magnitude of an 8B model on
-one datacenter GPU (about 20k prefill tokens/s, ~10 ms decode steps).
+``mocker``: the polynomial of Dynamo 1.6.1's mocker (``PerfModel::Polynomial`` in
+``lib/mocker/src/common/perf_model.rs``, timed per pass as its vLLM scheduler does), so a
+simulated fleet and a mocker fleet of the same size serve at the same speed:
+
+* a step's prefill part, over ``T`` prompt tokens computed in it:
+  ``4.209989e-7 T² + 1.518344e-2 T + 16.50142`` ms (none when ``T`` is 0);
+* its decode part, when the step yields any token (a decoding request, or a chunk that
+  completes its prompt): ``max(1, -25.74 p² + 54.01 p + 5.74)`` ms, ``p`` the fraction of
+  the KV pool's pages held by running requests. Decode cost follows KV occupancy, not batch
+  size: the mocker's model, whatever one thinks of it.
+
+Steps run one at a time on a replica, so a step's prefill delays every running decode: the
+interference disaggregation removes. The linear defaults are the order of magnitude of an 8B
+model on one datacenter GPU (about 20k prefill tokens/s, ~10 ms decode steps).
 """
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvcore.options import option
 
-__all__ = ["SIM_GROUP", "SimTiming", "TimingModel"]
+__all__ = ["SIM_GROUP", "SimModel", "SimTiming", "TimingModel"]
+
+
+class SimModel(enum.Enum):
+    """The shape of the simulated step durations (``--sim-model``)."""
+
+    LINEAR = "linear"
+    MOCKER = "mocker"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,19 +55,20 @@ class TimingModel:
     decode_per_ctx_token_s: float = 2e-8
     load_per_page_s: float = 20e-6
     speedup: float = 1.0
+    shape: SimModel = SimModel.LINEAR
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError(f"--speedup must be > 0, got {self.speedup}")
 
-    def prefill(self, chunks: list[tuple[int, int]]) -> float:
+    def prefill(self, chunks: Sequence[tuple[int, int]]) -> float:
         """``chunks``: (new tokens, context length after the chunk) per request."""
         t = self.prefill_base_s
         for new, ctx in chunks:
             t += self.prefill_per_token_s * new + self.prefill_attn_per_token_ctx_s * new * ctx
         return t / self.speedup
 
-    def decode(self, context_lens: list[int]) -> float:
+    def decode(self, context_lens: Sequence[int]) -> float:
         t = (
             self.decode_base_s
             + self.decode_per_seq_s * len(context_lens)
@@ -52,8 +76,33 @@ class TimingModel:
         )
         return t / self.speedup
 
+    def step(
+        self, prefill: Sequence[tuple[int, int]], decode: Sequence[int], *, yields: bool,
+        kv_used: float,
+    ) -> float:
+        """One scheduler step: ``prefill`` its chunks (new tokens, context after), ``decode``
+        its decode batch's context lengths; ``yields``: the step produces a token (a decode
+        batch, or a chunk completing its prompt); ``kv_used``: the fraction of the KV pool
+        held by running requests."""
+        if self.shape is SimModel.MOCKER:
+            return _mocker_step(sum(new for new, _ in prefill), yields, kv_used) / self.speedup
+        took = self.prefill(prefill) if prefill else 0.0
+        return took + (self.decode(decode) if decode else 0.0)
+
     def load(self, pages: int) -> float:
         return self.load_per_page_s * pages / self.speedup
+
+
+def _mocker_step(new_tokens: int, yields: bool, kv_used: float) -> float:
+    """Dynamo 1.6.1's mocker: one pass's duration in seconds at speedup 1 (see the module's
+    docstring for the source)."""
+    ms = 0.0
+    if new_tokens > 0:
+        t = float(new_tokens)
+        ms += 4.209989e-07 * t * t + 1.518344e-02 * t + 1.650142e01
+    if yields:
+        ms += max(1.0, -25.74 * kv_used * kv_used + 54.01 * kv_used + 5.74)
+    return ms / 1e3
 
 
 _DEFAULT = TimingModel()

@@ -14,11 +14,12 @@ import hashlib
 
 import torch
 
+from refengine.executor import StepTokens
 from refengine.kv_pool import torch_dtype
 from refengine.model import LlamaModel
 from refengine.presets import ModelConfig
 from refengine.request import Request, SamplingParams
-from refengine.scheduler import PrefillChunk
+from refengine.scheduler import PrefillChunk, Step
 
 __all__ = ["TorchExecutor", "TorchKVStore", "penalize", "sample"]
 
@@ -158,11 +159,12 @@ class TorchExecutor:
         )
         return [self._pick(logits[i], r) for i, r in enumerate(reqs)]
 
-    async def prefill(self, chunks: tuple[PrefillChunk, ...]) -> list[int | None]:
-        return await asyncio.to_thread(self._prefill, chunks)
+    def _run(self, step: Step) -> StepTokens:
+        first = self._prefill(step.prefill) if step.prefill else []
+        return first, self._decode(step.decode) if step.decode else []
 
-    async def decode(self, reqs: tuple[Request, ...]) -> list[int]:
-        return await asyncio.to_thread(self._decode, reqs)
+    async def run(self, step: Step) -> StepTokens:
+        return await asyncio.to_thread(self._run, step)
 
     async def load_delay(self, pages: int) -> None:
         return None  # real copies already took their time

@@ -8,10 +8,11 @@ tenant's share when one floods (issue #32).
 flight. Each turn adds 64 user tokens and streams exactly 64 (``scripts/_chat_load.py``).
 Each runs, on a fresh stack each time, through:
 
-* ``ours``: sim reference engines (``refengine --compute sim``, timing matched to Dynamo's
-  mocker: 20 ms + 20 us per uncached prompt token a prefill step, 4 ms + 1.9 ms per sequence
-  a decode step, 8,192-token prefill chunks), a sidecar each, one gateway in kv mode with
-  every mechanism on;
+* ``ours``: sim reference engines (``refengine --compute sim``) with the mocker's step model
+  and timing (``--sim-model mocker --enable-mixed-chunk --share-in-flight-prefill``: each
+  step runs every decoding request plus prompt chunks up to 8,192 batched tokens and lasts
+  the mocker's polynomial for that batch; a prefix being computed is reused, not computed
+  again), a sidecar each, one gateway in kv mode with every mechanism on;
 * ``prefill_only``: the same with ``--decode-interference-weight 0`` (the cost before #32:
   prefill and held blocks only), to show what the decode-interference term buys;
 * on the capacity load, ``capped``: ``ours`` behind a gateway admission cap
@@ -199,9 +200,9 @@ OURS = {
     "capacity": (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0")),
                  ("capped", _CAP), ("capped_fifo", (*_CAP, "--queue-lookahead", "0"))),
 }
-# Our sim engine's timing, matched to the mocker's (../shared/bench/dynamo/kvsidecar_stack.sh).
-MOCKER_TIMING = ("--sim-prefill-base-ms", "20", "--sim-prefill-us-per-token", "20",
-                 "--sim-decode-base-ms", "4", "--sim-decode-us-per-seq", "1900",
+# Our sim engine as the mocker: its step model (one mixed batch a step under a budget of
+# 8,192 batched tokens), its timing polynomial, its batch limit.
+MOCKER_TIMING = ("--sim-model", "mocker", "--enable-mixed-chunk", "--share-in-flight-prefill",
                  "--chunked-prefill-size", "8192", "--max-running-requests", "256")
 
 

@@ -21,6 +21,7 @@ __all__ = ["SGLangResponseTranslator", "to_generate_request"]
 
 _SAMPLING_FIELDS = {
     "max_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",

@@ -35,7 +35,7 @@ __all__ = ["takes_token_path", "tokenized_body"]
 _encoder = msgspec.json.Encoder()
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
            "repetition_penalty")
-_INTS = ("top_k", "seed", "priority")
+_INTS = ("top_k", "seed", "priority", "min_tokens")
 
 
 def _number(v: Any) -> bool:

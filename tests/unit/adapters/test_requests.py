@@ -45,11 +45,13 @@ def meta(finish: Any = None, cached: int | None = 2, completion: int = 1) -> dic
 
 
 def test_tokenized_request_validates() -> None:
-    """Empty prompts and n > 1 are refused with a clear message."""
+    """Empty prompts, n > 1 and a negative min_tokens are refused with a clear message."""
     with pytest.raises(ValueError, match="prompt_token_ids"):
         request(prompt_token_ids=[])
     with pytest.raises(ValueError, match="n=2"):
         request(n=2)
+    with pytest.raises(ValueError, match="min_tokens"):
+        request(min_tokens=-1)
 
 
 def test_generate_body_carries_ids_sampling_and_routing() -> None:
@@ -57,6 +59,7 @@ def test_generate_body_carries_ids_sampling_and_routing() -> None:
     req = request(
         stream=True,
         max_tokens=8,
+        min_tokens=4,
         temperature=0.5,
         seed=3,
         stop=["x"],
@@ -72,6 +75,7 @@ def test_generate_body_carries_ids_sampling_and_routing() -> None:
         "input_ids": [1, 2, 3],
         "sampling_params": {
             "max_new_tokens": 8,
+            "min_new_tokens": 4,
             "temperature": 0.5,
             "sampling_seed": 3,
             "stop": ["x"],
@@ -177,7 +181,7 @@ def test_streamed_error_and_abort_raise_openai_errors() -> None:
 def test_completions_body_for_trtllm() -> None:
     """trtllm-serve gets a token-id prompt with OpenAI sampling names and stream options."""
     native = to_completions_request(
-        request(stream=True, include_usage=True, max_tokens=4, top_k=5)
+        request(stream=True, include_usage=True, max_tokens=4, min_tokens=2, top_k=5)
     )
     assert native.path == "/v1/completions"
     assert native.body == {
@@ -185,6 +189,7 @@ def test_completions_body_for_trtllm() -> None:
         "prompt": [1, 2, 3],
         "stream": True,
         "max_tokens": 4,
+        "min_tokens": 2,
         "top_k": 5,
         "stream_options": {"include_usage": True, "continuous_usage_stats": False},
     }

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from refengine.config import Compute, DisaggMode, EngineConfig, build_parser
-from refengine.timing import SimTiming, TimingModel
+from refengine.timing import SimModel, SimTiming, TimingModel
 from refengine.tokenizer import DEFAULT_MODEL_PATH
 from tests.support.options import as_flag_default, config_toml, refusal
 
@@ -23,20 +23,23 @@ EVERY = ["--host", "0.0.0.0", "--port", "0", "--replicas", "2", "--ready-file", 
          "--model-preset", "kv-heavy", "--served-model-name", "m", "--compute", "sim",
          "--torch-threads", "2", "--random-seed", "7", "--page-size", "32",
          "--max-total-tokens", "4096", "--chunked-prefill-size", "256",
-         "--max-running-requests", "8", "--kv-events-config", EVENTS,
+         "--max-running-requests", "8", "--enable-mixed-chunk",
+         "--share-in-flight-prefill", "--kv-events-config", EVENTS,
          "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
          "--hicache-storage-backend-extra-config", EXTRA, "--hicache-host-pages", "64",
          "--hicache-write-policy", "write_through", "--disaggregation-mode", "prefill",
-         "--speedup", "10", "--sim-prefill-base-ms", "1", "--sim-prefill-us-per-token", "20",
+         "--speedup", "10", "--sim-model", "mocker", "--sim-prefill-base-ms", "1",
+         "--sim-prefill-us-per-token", "20",
          "--sim-decode-base-ms", "4", "--sim-decode-us-per-seq", "100"]
 FULL = EngineConfig(
     host="0.0.0.0", port=0, replicas=2, ready_file=Path("/tmp/ready"), log_level="debug",
     api_key="sk-1", model_preset="kv-heavy", served_model_name="m", compute=Compute.SIM,
     torch_threads=2, random_seed=7, page_size=32, max_total_tokens=4096,
-    chunked_prefill_size=256, max_running_requests=8, kv_events_config=EVENTS,
+    chunked_prefill_size=256, max_running_requests=8, enable_mixed_chunk=True,
+    share_in_flight_prefill=True, kv_events_config=EVENTS,
     enable_hierarchical_cache=True, hicache_storage_backend="file",
     hicache_storage_backend_extra_config=EXTRA, hicache_host_pages=64,
-    disaggregation_mode=DisaggMode.PREFILL, speedup=10.0,
+    disaggregation_mode=DisaggMode.PREFILL, speedup=10.0, sim_model=SimModel.MOCKER,
     sim=SimTiming(sim_prefill_base_ms=1.0, sim_prefill_us_per_token=20.0,
                   sim_decode_base_ms=4.0, sim_decode_us_per_seq=100.0))
 # The options: EngineConfig's fields but sim, whose own fields are the --sim-* flags.
@@ -72,6 +75,7 @@ def test_every_flag_sets_its_field_and_the_derived_values() -> None:
     assert cfg.hicache_extra_config == json.loads(EXTRA) and cfg.page_store == "file"
     assert (cfg.timing.prefill_base_s, cfg.timing.decode_per_seq_s, cfg.timing.speedup) == (
         0.001, 0.0001, 10.0)
+    assert cfg.timing.shape is SimModel.MOCKER
     assert "sk-1" not in repr(cfg)
 
 

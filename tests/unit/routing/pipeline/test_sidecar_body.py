@@ -22,7 +22,8 @@ def chat(**fields: object) -> bytes:
         {},
         {"temperature": 0.5, "top_p": 0.9, "seed": 7, "max_tokens": 8, "stream": True,
          "stream_options": {"include_usage": True}, "stop": ["\n"], "stop_token_ids": [2],
-         "ignore_eos": True, "n": 1, "presence_penalty": 0.1, "cache_salt": "t"},
+         "ignore_eos": True, "min_tokens": 8, "n": 1, "presence_penalty": 0.1,
+         "cache_salt": "t"},
         {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": True},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
     ],
@@ -44,6 +45,7 @@ def test_plain_sampling_takes_the_token_path(fields: dict[str, object]) -> None:
         {"user": "someone"},
         {"stop": 5},
         {"ignore_eos": "yes"},
+        {"min_tokens": 2.5},
         {"messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
@@ -66,3 +68,12 @@ def test_the_token_path_carries_no_body() -> None:
     req = parse_request(Endpoint.COMPLETIONS, b'{"model":"m","prompt":"hi","max_tokens":3}')
     sent = msgspec.json.decode(tokenized_body(req, [1, 2], "rid", 0), type=TokenizedRequest)
     assert sent.openai is None and sent.max_tokens == 3 and sent.dp_rank == 0
+
+
+def test_min_tokens_rides_the_token_path() -> None:
+    """min_tokens is a sampling parameter the token path carries: no client body, and the
+    value reaches the sidecar."""
+    req = parse_request(Endpoint.CHAT, chat(max_tokens=8, min_tokens=8, ignore_eos=True))
+    assert takes_token_path(req)
+    sent = msgspec.json.decode(tokenized_body(req, [1, 2], "rid", None), type=TokenizedRequest)
+    assert sent.openai is None and sent.min_tokens == 8 and sent.ignore_eos
