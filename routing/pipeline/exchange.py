@@ -122,6 +122,7 @@ class Exchange(ErrorRelay):
         "cost",
         "ctx",
         "done",
+        "follow",
         "last_activity",
         "leg",
         "may_hold",
@@ -173,6 +174,7 @@ class Exchange(ErrorRelay):
         self.cost = max(1, prompt.prompt_tokens + (request.max_tokens or 0))
         self.session: bytes | None = None  # x-session-id, with --session-affinity
         self.may_hold = ctx.prompt_hold is not None  # a new prompt waits once for its owner
+        self.follow: str | None = None  # released by the owner: the worker it chose
         if (ctx.migration_limit and request.stream and target.token_path
                 and target.token_ids is not None):
             self.relay.tokens = StreamTokens()
@@ -197,7 +199,7 @@ class Exchange(ErrorRelay):
             hold = self.ctx.prompt_hold
             assert hold is not None
             ids = self.ctx.workers.routable_ids(Role.AGG)
-            if hold.offer(self, self.prompt.block_hashes, ids):
+            if hold.offer(self, self.prompt.block_hashes, self.prompt.prompt_tokens, ids):
                 return  # ``hold_released`` places it
         queue = self.ctx.admission
         if queue is not None and len(queue) and not self.tried:
@@ -207,7 +209,7 @@ class Exchange(ErrorRelay):
             self._wait(queue, None)
             return
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session)
+                                  self.session, self.follow)
         self.observe_placement()
         if isinstance(placed, Refusal) and placed.busy:
             if queue is None:
@@ -241,8 +243,9 @@ class Exchange(ErrorRelay):
 
     # --- the new-prompt hold's ``HeldPrompt`` ---------------------------------------------
 
-    def hold_released(self) -> None:
+    def hold_released(self, follow: str | None) -> None:
         self.last_activity = time.monotonic()
+        self.follow = follow
         self.place_unpaired()
 
     # --- the admission queue's ``Waiter`` -------------------------------------------------
@@ -252,7 +255,7 @@ class Exchange(ErrorRelay):
         if self.done:
             return True
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session)
+                                  self.session, self.follow)
         if isinstance(placed, Refusal) and placed.busy:
             return False
         self.last_activity = time.monotonic()

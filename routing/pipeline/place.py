@@ -29,10 +29,13 @@ def place_aggregated(
     tried: set[str],
     only: Callable[[Worker], bool] | None = None,
     session: bytes | None = None,
+    follow: str | None = None,
 ) -> tuple[Worker, Placement] | Refusal:
     """A worker of the aggregated pool by ``--router-mode``, never one in ``tried``, none
     busy (``ctx.busy``); with ``only``, among the workers it accepts (the endpoint picker's
-    subset hint); with ``session``, the session's worker while it is eligible."""
+    subset hint); with ``session``, the session's worker while it is eligible; else with
+    ``follow``, that worker while it is eligible (where the owner of a new prompt put it:
+    routing/replicas/prompt_hold.py)."""
     if only is None:
         ids = ctx.workers.routable_ids(Role.AGG)
     else:
@@ -54,6 +57,9 @@ def place_aggregated(
     placement = None
     if sessions is not None:
         placement = _pinned(ctx, sessions, session, prompt, ids, tried)  # type: ignore[arg-type]
+    if placement is None and follow is not None and follow in ids and follow not in tried:
+        placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, [follow],
+                                      tried, ())
     if placement is None:
         placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried,
                                       full)
