@@ -195,13 +195,18 @@ class PromptHold:
             proposed = router.place(held.block_hashes, held.prompt_tokens, held.worker_ids)
             if proposed is not None:
                 held.asked = True
-                # Its load counts there until it is placed: the windows of a burst's held
-                # prompts end together, and proposals weighed without each other all named
-                # the same worker (docs/bench/replicas.md).
+                # Weighed from now on as if placed: its load there until it is placed, and
+                # in this replica's recent placements (so in the load presumed on the
+                # peers' shares: counted again when it is placed, for the rest of the
+                # shares' window). The windows of a burst's held prompts end together, and
+                # proposals weighed without each other all named the same worker; with the
+                # load alone, the shares looked uneven and they left this one
+                # (docs/bench/replicas.md).
                 self._next_reservation += 1
                 held.reserved = f"{RESERVED_MARK}held-{self._next_reservation}"
                 router.load.reserve(held.reserved, proposed.worker_id, held.block_hashes,
                                     held.prompt_tokens)
+                share.placed(held.prompt_tokens, len(held.block_hashes))
                 self.ask_owner(share.replicas[owner], AskedPrompt(
                     held.block_hashes, held.worker_ids, proposed.worker_id))
         held.timer = asyncio.get_running_loop().call_later(

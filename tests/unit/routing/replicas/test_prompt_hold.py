@@ -195,9 +195,10 @@ async def test_prompts_held_together_are_proposed_as_if_placed_one_by_one() -> N
         await asyncio.wait_for(r.was_asked.wait(), 5)
         r.was_asked.clear()
     proposed = [p.proposed for _, p in r.asked]
-    assert sorted(proposed) == WORKERS  # one each: as the scorer spreads four placements
+    assert sorted(proposed) == ["w1", "w1", "w3", "w3"]  # spread over b's share
     assert r.load.snapshot() == [] and r.load.outbox == []  # nothing told to the peers
     assert r.load.in_flight() == 4
+    assert [r.load.load(w).active_prefill_tokens for w in WORKERS] == [0, 2048, 0, 2048]
     r.hold.release_all()
     assert r.load.in_flight() == 0  # placed now: the reservations are gone
 
