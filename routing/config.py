@@ -246,10 +246,9 @@ class RouterConfig:
     # (routing/replicas/prompt_hold.py)
     nats_new_prompt_window_ms: float = option(
         50.0, group=_REPLICAS, metavar="MS",
-        help="a prompt no worker holds yet, which another replica owns, waits until that "
-        "replica's placements up to MS after its arrival are heard (6 x MS at most), so two "
-        "sessions of it arriving that close through both replicas share one worker "
-        "(0: never wait)")
+        help="a prompt no worker holds yet, which another replica owns, waits MS for that "
+        "replica's placement of it, then asks it where to go (20 x MS at most), so sessions "
+        "of a new prompt through several replicas share one worker (0: never wait)")
     # Durable events (routing/replicas/durable.py): KV events read from JetStream, the index
     # snapshotted to its object store every interval (0: never) and loaded at start.
     events_via: EventsVia = option(

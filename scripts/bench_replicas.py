@@ -21,8 +21,11 @@ replies the engine gave:
   prompt a worker holds evicts another.
 
 Each configuration runs ``--repeats`` times on fresh stacks (the gateways' seeds differ per
-run), interleaved, and the runs are pooled: one run's hit rate moves by a few percent with
-the placements' timing.
+run, the same for every configuration of one run; the workload is the same in every run),
+interleaved, and the runs are pooled: one run's hit rate moves by a few percent with the
+placements' timing, one gateway's too, so the script prints the single runs' spread and the
+hit-rate ratio's standard error (figures ``<prefix><configuration>_hit_rate_run_sd``,
+``<prefix>hit_rate_two_synced_vs_one_se``).
 
 Cache hit rate: the engines' own ``cached_tokens`` over prompt tokens, summed over every
 request. TTFT: time to the first streamed chunk, at the client. Workers per prompt: how many
@@ -45,7 +48,9 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -120,6 +125,7 @@ class Result:
     held: dict[str, float] = field(default_factory=dict)
     # each gateway's scorer weights at the end of each run (learned unless given)
     weights: list[tuple[float, float]] = field(default_factory=list)
+    run_hit_rates: list[float] = field(default_factory=list)  # each run's own
 
     def merge(self, other: Result) -> None:
         self.prompt_tokens += other.prompt_tokens
@@ -132,6 +138,7 @@ class Result:
         for name, value in other.held.items():
             self.held[name] = self.held.get(name, 0) + value
         self.weights += other.weights
+        self.run_hit_rates.append(other.hit_rate)
 
     @property
     def hit_rate(self) -> float:
@@ -141,6 +148,13 @@ class Result:
     def workers_per_prompt(self) -> float:
         n = self.prompt_workers
         return sum(n) / len(n) if n else 0.0
+
+    @property
+    def run_spread(self) -> float:
+        """The standard deviation of single runs' hit rates, relative to the pooled one (0
+        with fewer than two runs)."""
+        xs = self.run_hit_rates
+        return statistics.stdev(xs) / self.hit_rate if len(xs) > 1 and self.hit_rate else 0.0
 
     def ttft(self, q: float) -> float:
         xs = sorted(self.ttft_s)
@@ -265,7 +279,7 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
-_HOLDS = ("held", "held_followed", "held_passed", "held_timed_out")
+_HOLDS = ("held", "held_followed", "held_claimed", "held_timed_out")
 
 
 async def holds(urls: list[str]) -> dict[str, float]:
@@ -363,6 +377,19 @@ def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
         mine.figure(f"{p}{name}_failed", r.failed)
         mine.figure(f"{p}{name}_prompt_tokens", r.prompt_tokens)
     one, pair, unsynced = results["one"], results["two_synced"], results["two_unsynced"]
+    # How far one figure moves between runs of the same configuration (timing alone: the
+    # workload and the gateways' seeds are the same in every configuration of a repeat), and
+    # so the standard error of the pooled hit-rate ratio: one gateway against itself spreads
+    # by a few percent a run (docs/bench/replicas.md).
+    print("\nhit rate of single runs (min-max, sd relative to the pooled):")
+    for name, r in results.items():
+        xs = r.run_hit_rates
+        print(f"  {name.replace('_', ' ')}: {min(xs):.3f}-{max(xs):.3f}, sd {r.run_spread:.3f}")
+        mine.figure(f"{p}{name}_hit_rate_run_sd", r.run_spread)
+    se = (pair.hit_rate / one.hit_rate * math.hypot(pair.run_spread, one.run_spread)
+          / math.sqrt(args.repeats)) if one.hit_rate else 0.0
+    print(f"  hit_rate_two_synced_vs_one: standard error {se:.3f} ({args.repeats} runs)")
+    mine.figure(f"{p}hit_rate_two_synced_vs_one_se", se)
     print("\nscorer weights at the end of each run (overlap weight / prefill load scale):")
     for name, r in results.items():
         print(f"  {name.replace('_', ' ')}: "
@@ -370,8 +397,8 @@ def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
     held = pair.held
     if held:
         print(f"\ntwo synced: {held['held']:.0f} new prompts held for their owner replica: "
-              f"{held['held_followed']:.0f} followed its placement, {held['held_passed']:.0f} "
-              f"placed here once its batches passed the window, {held['held_timed_out']:.0f} "
+              f"{held['held_followed']:.0f} followed its placement, {held['held_claimed']:.0f} "
+              f"placed where it said once asked, {held['held_timed_out']:.0f} "
               "at the hold's limit")
         mine.figure(f"{p}two_synced_prompts_held", held["held"])
         mine.figure(f"{p}two_synced_prompts_held_timed_out", held["held_timed_out"])

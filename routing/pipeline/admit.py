@@ -91,12 +91,8 @@ def admit(
         prepared = ctx.prompts.prepare(parsed, DEFER_CHARS)
     except TokenizeLater as later:
         ctx.metrics.tokenized_off_loop += 1
-        # Told to the new-prompt hold: until placed, held or answered, this replica has
-        # settled only up to its arrival (routing/replicas/prompt_hold.py).
-        hold = ctx.prompt_hold
-        preparing = 0 if hold is None else hold.preparing()
         ctx.spawn(_tokenize_off_loop(ctx, conn, request, record, parsed, priority, tenant,
-                                     later, preparing))
+                                     later))
         return
     except OpenAIError as exc:
         _refuse(ctx, conn, record, exc, endpoint.dialect)
@@ -106,43 +102,37 @@ def admit(
 
 async def _tokenize_off_loop(ctx: PipelineContext, conn: ServerConnection, request: HttpRequest,
                              record: RequestRecord, parsed: OpenAIRequest, priority: int,
-                             tenant: TenantAdmission | None, later: TokenizeLater,
-                             preparing: int) -> None:
+                             tenant: TenantAdmission | None, later: TokenizeLater) -> None:
     """Tokenize ``later``'s text in a thread, then prepare again (its ids offered to the
-    tokenizer, taken by that pass, with no await in between) and start the exchange; then
-    tell the new-prompt hold it is ``prepared``."""
-    try:
-        tok = ctx.prompts.tokenizer
-        assert tok is not None  # only a tokenizer defers
-        for attempt in range(_DEFER_ATTEMPTS):
-            try:
-                ids = await asyncio.to_thread(tok.encode_off_loop, later.text,
-                                              later.add_special_tokens)
-            except Exception as exc:  # the library's error: this request's, nobody else's
-                log.exception("tokenize_off_loop_failed", request_id=record.request_id.decode())
-                _refuse(ctx, conn, record, OpenAIError(500, f"tokenizing failed: {exc}",
-                                                       code="internal_error"))
-                return
-            if conn.closed:  # the client went away meanwhile
-                record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
-                return
-            tok.offer(later.text, later.add_special_tokens, ids)
-            try:
-                last = attempt == _DEFER_ATTEMPTS - 1
-                prepared = ctx.prompts.prepare(parsed, None if last else DEFER_CHARS)
-            except TokenizeLater as again:  # another long text (the cache changed meanwhile)
-                later = again
-                continue
-            except OpenAIError as exc:
-                _refuse(ctx, conn, record, exc)
-                return
-            finally:
-                tok.withdraw()
-            _start(ctx, conn, request, record, parsed, prepared, priority, tenant)
+    tokenizer, taken by that pass, with no await in between) and start the exchange."""
+    tok = ctx.prompts.tokenizer
+    assert tok is not None  # only a tokenizer defers
+    for attempt in range(_DEFER_ATTEMPTS):
+        try:
+            ids = await asyncio.to_thread(tok.encode_off_loop, later.text,
+                                          later.add_special_tokens)
+        except Exception as exc:  # the library's error: this request's, nobody else's
+            log.exception("tokenize_off_loop_failed", request_id=record.request_id.decode())
+            _refuse(ctx, conn, record, OpenAIError(500, f"tokenizing failed: {exc}",
+                                                   code="internal_error"))
             return
-    finally:
-        if ctx.prompt_hold is not None:
-            ctx.prompt_hold.prepared(preparing)
+        if conn.closed:  # the client went away meanwhile
+            record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
+            return
+        tok.offer(later.text, later.add_special_tokens, ids)
+        try:
+            last = attempt == _DEFER_ATTEMPTS - 1
+            prepared = ctx.prompts.prepare(parsed, None if last else DEFER_CHARS)
+        except TokenizeLater as again:  # another long text (the cache changed meanwhile)
+            later = again
+            continue
+        except OpenAIError as exc:
+            _refuse(ctx, conn, record, exc)
+            return
+        finally:
+            tok.withdraw()
+        _start(ctx, conn, request, record, parsed, prepared, priority, tenant)
+        return
 
 
 def _refuse(ctx: PipelineContext, conn: ServerConnection, record: RequestRecord,

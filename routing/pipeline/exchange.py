@@ -117,6 +117,7 @@ class Exchange(Migration):
         "cost",
         "ctx",
         "done",
+        "follow",
         "last_activity",
         "leg",
         "may_hold",
@@ -167,6 +168,7 @@ class Exchange(Migration):
         self.cost = max(1, prompt.prompt_tokens + (request.max_tokens or 0))
         self.session: bytes | None = None  # x-session-id, with --session-affinity
         self.may_hold = ctx.prompt_hold is not None  # a new prompt waits once for its owner
+        self.follow: str | None = None  # released by the owner: the worker it chose
         if (ctx.migration_limit and request.stream and target.token_path
                 and target.token_ids is not None):
             self.relay.tokens = StreamTokens()
@@ -191,7 +193,7 @@ class Exchange(Migration):
             hold = self.ctx.prompt_hold
             assert hold is not None
             ids = self.ctx.workers.routable_ids(Role.AGG)
-            if hold.offer(self, self.prompt.block_hashes, ids):
+            if hold.offer(self, self.prompt.block_hashes, self.prompt.prompt_tokens, ids):
                 return  # ``hold_released`` places it
         queue = self.ctx.admission
         if queue is not None and len(queue) and not self.tried:
@@ -201,7 +203,8 @@ class Exchange(Migration):
             self._wait(queue, None)
             return
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session, itl_target_s=self._itl_target_s())
+                                  self.session, itl_target_s=self._itl_target_s(),
+                                  follow=self.follow)
         self.observe_placement()
         if isinstance(placed, Refusal) and placed.busy:
             if queue is None:
@@ -240,8 +243,9 @@ class Exchange(Migration):
 
     # --- the new-prompt hold's ``HeldPrompt`` ---------------------------------------------
 
-    def hold_released(self) -> None:
+    def hold_released(self, follow: str | None) -> None:
         self.last_activity = time.monotonic()
+        self.follow = follow
         self.place_unpaired()
 
     # --- the admission queue's ``Waiter`` -------------------------------------------------
@@ -252,7 +256,8 @@ class Exchange(Migration):
         if self.done:
             return Admit.PLACED
         placed = place_aggregated(self.ctx, self.prompt, self.tried, self._serves(),
-                                  self.session, keep_prefix, self._itl_target_s())
+                                  self.session, keep_prefix, self._itl_target_s(),
+                                  self.follow)
         if placed is HOLDER_BUSY:
             return Admit.ELSEWHERE
         if isinstance(placed, Refusal) and placed.busy:

@@ -37,13 +37,16 @@ def place_aggregated(
     session: bytes | None = None,
     keep_prefix: bool = False,
     itl_target_s: float | None = None,
+    follow: str | None = None,
 ) -> tuple[Worker, Placement] | Refusal:
     """A worker of the aggregated pool by ``--router-mode``, never one in ``tried``, none
     busy (``ctx.busy``); with ``only``, among the workers it accepts (the endpoint picker's
-    subset hint); with ``session``, the session's worker while it is eligible. With
-    ``keep_prefix``, ``HOLDER_BUSY`` rather than a worker holding markedly less of the
-    prefix than a busy one (``KEEP_PREFIX_SHARE`` of the prompt's blocks). ``itl_target_s``:
-    the request's own ITL target, which the scorer prices (None: the gateway's)."""
+    subset hint); with ``session``, the session's worker while it is eligible; else with
+    ``follow``, that worker while it is eligible (where the owner of a new prompt put it:
+    routing/replicas/prompt_hold.py). With ``keep_prefix``, ``HOLDER_BUSY`` rather than a
+    worker holding markedly less of the prefix than a busy one (``KEEP_PREFIX_SHARE`` of the
+    prompt's blocks). ``itl_target_s``: the request's own ITL target, which the scorer prices
+    (None: the gateway's)."""
     if only is None:
         ids = ctx.workers.routable_ids(Role.AGG)
     else:
@@ -65,6 +68,9 @@ def place_aggregated(
     placement = None
     if sessions is not None:
         placement = _pinned(ctx, sessions, session, prompt, ids, tried)  # type: ignore[arg-type]
+    if placement is None and follow is not None and follow in ids and follow not in tried:
+        placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, [follow],
+                                      tried, (), itl_target_s)
     if placement is None:
         placement = ctx.policy.choose(prompt.block_hashes, prompt.prompt_tokens, ids, tried,
                                       full, itl_target_s)

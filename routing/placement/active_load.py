@@ -38,7 +38,9 @@ from typing import Protocol
 from kvcore.stream import EngineLoad
 from routing.placement.scorer import WorkerLoad
 
-__all__ = ["ActiveLoad", "TokenObserver", "UnknownRequestError"]
+__all__ = ["RESERVED_MARK", "ActiveLoad", "TokenObserver", "UnknownRequestError"]
+
+RESERVED_MARK = "~"  # leads the key of a reservation (``ActiveLoad.reserve``)
 
 
 class TokenObserver(Protocol):
@@ -160,6 +162,19 @@ class ActiveLoad:
                 refs[block] = count
             else:
                 del refs[block]
+
+    def reserve(self, key: str, worker_id: str, block_hashes: Sequence[int],
+                prompt_tokens: int) -> None:
+        """Count a request that is not dispatched yet as if it were, on ``worker_id``, until
+        ``unreserve``: a held new prompt proposed there (routing/replicas/prompt_hold.py), so
+        that the next proposals weigh it. ``key`` starts with ``RESERVED_MARK``; a subclass
+        that shares its load does not share this (the class's own ``add``)."""
+        ActiveLoad.add(self, key, worker_id, block_hashes, prompt_tokens)
+
+    def unreserve(self, key: str) -> None:
+        """The reservation ``reserve`` made (if still there: its worker may have left)."""
+        if key in self._requests:
+            ActiveLoad.finish(self, key)
 
     def finish_if_known(self, request_id: str) -> None:
         """``finish``, for a request whose worker may have left meanwhile (its accounting

@@ -266,6 +266,11 @@ class KvRouter:
             self.peer_share.placed(prompt_tokens - cached_tokens, len(block_hashes))
         self.pending.record(placement.worker_id, block_hashes, self._clock())
 
+    def predict(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """Speculate a prefix onto a worker that no request of this router loads (yet): a new
+        prompt claimed there for another replica's session (routing/replicas/prompt_hold.py)."""
+        self.pending.record(worker_id, block_hashes, self._clock())
+
     def _first_token(self, request_id: str) -> None:
         if self.tuner is not None:
             self.tuner.first_token(request_id, self._clock())

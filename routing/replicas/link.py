@@ -6,7 +6,8 @@ default ``kvsidecar.<model>``)::
 
     <prefix>.load.<replica_id>   each replica's batches (it subscribes to <prefix>.load.*)
     <prefix>.resync              "replica X, publish a snapshot"
-    <prefix>.settle              "replica X, publish a batch now" (a held new prompt's owner)
+    <prefix>.claim               "replica X, place these new prompts" (X owns them; the
+                                 asker holds a session of each: prompt_hold.py)
 
 One publisher task sends each event-loop tick's events (``SharedLoad.outbox``) as one batch,
 so the request path only appends to a list; with nothing to say for a heartbeat interval
@@ -21,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
@@ -33,13 +33,15 @@ from routing.config import RouterConfig
 from routing.placement.kv_router import KvRouter
 from routing.placement.peer_share import PeerShare
 from routing.replicas.messages import (
+    AskedPrompt,
+    Claimed,
+    ClaimRequest,
     ReplicaBatch,
     ReplicaEvent,
     ResyncRequest,
-    SettleRequest,
     decode_batch,
+    decode_claim,
     decode_resync,
-    decode_settle,
     encode,
 )
 from routing.replicas.metrics import ReplicaMetrics
@@ -50,6 +52,8 @@ from routing.replicas.shared_load import SharedLoad
 __all__ = ["ReplicaLink", "default_subject_prefix"]
 
 log = structlog.get_logger("routing.replicas", component="gateway")
+
+R = TypeVar("R", ResyncRequest, ClaimRequest)
 
 
 
@@ -82,18 +86,18 @@ class ReplicaLink:
         self.peers.on_change = self._peers_changed
         self._share = router.peer_share = PeerShare(self.replica_id)
         self.hold = PromptHold(router, self._share, new_prompt_window_s)
-        self.hold.ask_owner = self._ask_to_settle
-        self._settles_due: set[str] = set()  # replicas to ask for a batch (``SettleRequest``)
+        self.hold.ask_owner = self._ask_to_claim
+        # the prompts to ask each owner to place (``ClaimRequest``), by its replica id
+        self._claims_due: dict[str, list[AskedPrompt]] = {}
         self.heartbeat_s = peer_timeout_s / 3
         self.subject = f"{subject_prefix}.load.{self.replica_id}"
         self._all_subjects = f"{subject_prefix}.load.*"
         self._resync_subject = f"{subject_prefix}.resync"
-        self._settle_subject = f"{subject_prefix}.settle"
+        self._claim_subject = f"{subject_prefix}.claim"
         self._wake = asyncio.Event()
         load.on_outbox = self._wake.set
         self._seq = 0
         self._snapshot_due = True
-        self._settled_sent = 0.0  # the last batch's ``settled_at``
         self._nc: Any = None
         self.metrics = m = ReplicaMetrics()
         m.peers = self.peers.__len__
@@ -103,8 +107,9 @@ class ReplicaLink:
         m.spread = lambda: self._share.num_spread
         m.held = lambda: self.hold.num_held
         m.held_followed = lambda: self.hold.num_followed
-        m.held_passed = lambda: self.hold.num_passed
+        m.held_claimed = lambda: self.hold.num_claimed
         m.held_timed_out = lambda: self.hold.num_timed_out
+        m.claims = lambda: self.hold.num_claims
 
     @classmethod
     def for_gateway(cls, cfg: RouterConfig, router: KvRouter, load: SharedLoad) -> ReplicaLink:
@@ -136,7 +141,7 @@ class ReplicaLink:
         )
         await nc.subscribe(self._all_subjects, cb=self._on_batch)
         await nc.subscribe(self._resync_subject, cb=self._on_resync)
-        await nc.subscribe(self._settle_subject, cb=self._on_settle)
+        await nc.subscribe(self._claim_subject, cb=self._on_claim)
         await self._on_connected()
 
     async def _on_connected(self) -> None:
@@ -177,14 +182,6 @@ class ReplicaLink:
             except TimeoutError:
                 pass  # nothing to say: a heartbeat
             wake.clear()
-            # What the batch may say it has settled: every request that reached this replica
-            # by now. Two turns of the event loop read them (its next poll of the sockets comes
-            # after this task's first turn) and admit them; on a busy loop, tens of requests
-            # are queued in the sockets, and a batch sent without them would tell the peers
-            # holding their prompts that this replica has none (routing/replicas/prompt_hold.py).
-            read_at = time.time()
-            await asyncio.sleep(0)
-            await asyncio.sleep(0)
             self.peers.expire()
             events = load.outbox
             if events:
@@ -192,39 +189,38 @@ class ReplicaLink:
             if not nc.is_connected:
                 self.metrics.events_dropped += len(events)
                 continue
-            settled_at = self.hold.settled_at(read_at)  # with the events: no await between
             if self._snapshot_due:
                 self._snapshot_due = False
                 self.metrics.snapshots_published += 1
-                await self._send(nc, load.snapshot(), True, settled_at)
+                # every request in flight, and this tick's claims (no requests: not in it)
+                claims = [event for event in events if type(event) is Claimed]
+                await self._send(nc, [*load.snapshot(), *claims], True)
             else:
-                await self._send(nc, events, False, settled_at)
-            if self._settles_due:
-                await self._ask_settles(nc)
+                await self._send(nc, events, False)
+            if self._claims_due:
+                await self._ask_claims(nc)
 
-    def _ask_to_settle(self, replica_id: str) -> None:
-        self._settles_due.add(replica_id)
+    def _ask_to_claim(self, replica_id: str, prompt: AskedPrompt) -> None:
+        self._claims_due.setdefault(replica_id, []).append(prompt)
         self._wake.set()
 
-    async def _ask_settles(self, nc: Any) -> None:
-        asks, self._settles_due = self._settles_due, set()
-        for replica_id in asks:
+    async def _ask_claims(self, nc: Any) -> None:
+        asks, self._claims_due = self._claims_due, {}
+        for replica_id, prompts in asks.items():
             try:
-                await nc.publish(self._settle_subject, encode(SettleRequest(replica_id)))
-            except self._nats.errors.Error as exc:  # the hold ends at its limit instead
-                log.warning("replica_settle_not_asked", replica_id=replica_id, error=repr(exc))
+                await nc.publish(self._claim_subject, encode(ClaimRequest(replica_id, prompts)))
+            except self._nats.errors.Error as exc:  # the holds end at their limit instead
+                log.warning("replica_claim_not_asked", replica_id=replica_id,
+                            prompts=len(prompts), error=repr(exc))
 
-    async def _send(
-        self, nc: Any, events: list[ReplicaEvent], snapshot: bool, settled_at: float
-    ) -> None:
-        """Publish ``events`` as one batch (split in halves past the server's payload limit;
-        only the last half claims ``settled_at``, the others what the batch before did)."""
-        frame = encode(ReplicaBatch(self.replica_id, self._seq + 1, snapshot, events,
-                                    settled_at))
+    async def _send(self, nc: Any, events: list[ReplicaEvent], snapshot: bool) -> None:
+        """Publish ``events`` as one batch (split in halves past the server's payload
+        limit)."""
+        frame = encode(ReplicaBatch(self.replica_id, self._seq + 1, snapshot, events))
         if len(frame) > nc.max_payload and len(events) > 1:
             half = len(events) // 2
-            await self._send(nc, events[:half], snapshot, self._settled_sent)
-            await self._send(nc, events[half:], False, settled_at)
+            await self._send(nc, events[:half], snapshot)
+            await self._send(nc, events[half:], False)
             return
         try:
             await nc.publish(self.subject, frame)
@@ -234,7 +230,6 @@ class ReplicaLink:
             log.warning("replica_batch_dropped", events=len(events), error=repr(exc))
             return
         self._seq += 1
-        self._settled_sent = settled_at
         self.metrics.batches_published += 1
         self.metrics.events_published += len(events)
 
@@ -254,7 +249,7 @@ class ReplicaLink:
             return
         self.metrics.batches_received += 1
         ask = self.peers.apply(batch)
-        self.hold.heard(batch.replica_id, batch.settled_at)
+        self.hold.heard()
         if ask:
             self.metrics.resyncs_asked += 1
             try:
@@ -269,19 +264,26 @@ class ReplicaLink:
             self._snapshot_due = True
             self._wake.set()
 
-    async def _on_settle(self, msg: Any) -> None:
-        if self._asked_of_me(msg, decode_settle, "replica_settle_rejected"):
-            self._wake.set()  # the next batch answers: settled as of its reading
+    async def _on_claim(self, msg: Any) -> None:
+        """A peer holds sessions of new prompts this replica owns: place each (the next
+        batch carries the answers; routing/replicas/prompt_hold.py)."""
+        request = self._asked_of_me(msg, decode_claim, "replica_claim_rejected")
+        if request is None:
+            return
+        for prompt in request.prompts:
+            worker_id = self.hold.claim(prompt)
+            if worker_id is not None:
+                self._load.claimed(worker_id, prompt.block_hashes)
 
     def _asked_of_me(
-        self, msg: Any, decode: Callable[[bytes], ResyncRequest | SettleRequest], rejected: str
-    ) -> bool:
-        """Whether ``msg``, a peer's request to one replica, names this one (a bad frame is
+        self, msg: Any, decode: Callable[[bytes], R], rejected: str
+    ) -> R | None:
+        """``msg``, a peer's request to one replica, if it names this one (a bad frame is
         counted and logged as ``rejected``)."""
         try:
             request = decode(msg.data)
         except WireError as exc:
             self.metrics.batches_rejected += 1
             log.warning(rejected, raw_len=len(msg.data), error=str(exc))
-            return False
-        return request.replica_id == self.replica_id
+            return None
+        return request if request.replica_id == self.replica_id else None

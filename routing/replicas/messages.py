@@ -4,8 +4,12 @@ A frame is one version byte and one msgpack ``ReplicaBatch`` (msgspec, array-lik
 no field names on the wire), as ``kvcore.wire`` frames events. Every batch carries its
 replica's id and a per-replica ``seq`` so a receiver sees a gap and asks for a snapshot
 (``ResyncRequest``); a batch with ``snapshot`` set lists every request the replica has in
-flight and replaces what the receiver knew of it. An empty batch is a heartbeat, and the
-answer to a ``SettleRequest`` (a held new prompt's question to its owner).
+flight and replaces what the receiver knew of it. An empty batch is a heartbeat. A
+``ClaimRequest`` asks a new prompt's owner to place it; the owner answers with ``Claimed`` in
+its next batch (routing/replicas/prompt_hold.py).
+
+Version 2 (``Claimed``, ``ClaimRequest``): a replica of version 1 rejects these frames and
+logs ``replica_batch_rejected``; replicas of one fleet are upgraded together.
 """
 
 from __future__ import annotations
@@ -19,20 +23,22 @@ from kvcore.wire import WireError
 
 __all__ = [
     "REPLICA_WIRE_VERSION",
+    "AskedPrompt",
+    "ClaimRequest",
+    "Claimed",
     "Finished",
     "FirstToken",
     "Placed",
     "ReplicaBatch",
     "ReplicaEvent",
     "ResyncRequest",
-    "SettleRequest",
     "decode_batch",
+    "decode_claim",
     "decode_resync",
-    "decode_settle",
     "encode",
 ]
 
-REPLICA_WIRE_VERSION = 1
+REPLICA_WIRE_VERSION = 2
 
 T = TypeVar("T")
 _Count = Annotated[int, msgspec.Meta(ge=0)]
@@ -60,7 +66,15 @@ class Finished(msgspec.Struct, frozen=True, array_like=True, tag=2):
     key: str
 
 
-ReplicaEvent = Placed | FirstToken | Finished
+class Claimed(msgspec.Struct, frozen=True, array_like=True, tag=3):
+    """The owner of a new prompt chose ``worker_id`` for it, asked by a peer that holds a
+    session of it (``ClaimRequest``): the prompt is predicted there, with no load."""
+
+    worker_id: str
+    block_hashes: Sequence[int]
+
+
+ReplicaEvent = Placed | FirstToken | Finished | Claimed
 
 
 class ReplicaBatch(msgspec.Struct, frozen=True, array_like=True):
@@ -70,11 +84,6 @@ class ReplicaBatch(msgspec.Struct, frozen=True, array_like=True):
     seq: _Count
     snapshot: bool
     events: list[ReplicaEvent]
-    # the sender's wall clock (s since the epoch) as of which it had read and placed, held or
-    # answered every request that reached it (0: as of nothing): what a held new prompt's
-    # release reads (routing/replicas/prompt_hold.py). Replicas before it sent their time of
-    # sending here; read alike, that only releases a hold earlier, as they did.
-    settled_at: float = 0.0
 
 
 class ResyncRequest(msgspec.Struct, frozen=True, array_like=True):
@@ -83,20 +92,30 @@ class ResyncRequest(msgspec.Struct, frozen=True, array_like=True):
     replica_id: str
 
 
-class SettleRequest(msgspec.Struct, frozen=True, array_like=True):
-    """Asks ``replica_id`` to publish a batch now, settled as of when it reads this: a peer
-    holds a new prompt that ``replica_id`` owns (routing/replicas/prompt_hold.py)."""
+class AskedPrompt(msgspec.Struct, frozen=True, array_like=True):
+    """A new prompt held for its owner: its blocks, the workers it may go to, and the one
+    the asker would place it on."""
+
+    block_hashes: Sequence[int]
+    worker_ids: Sequence[str]
+    proposed: str
+
+
+class ClaimRequest(msgspec.Struct, frozen=True, array_like=True):
+    """Asks ``replica_id``, the owner of each of ``prompts``, to place them (``Claimed``):
+    the asker holds a session of each (routing/replicas/prompt_hold.py)."""
 
     replica_id: str
+    prompts: list[AskedPrompt]
 
 
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(ReplicaBatch)
 _resync_decoder = msgspec.msgpack.Decoder(ResyncRequest)
-_settle_decoder = msgspec.msgpack.Decoder(SettleRequest)
+_claim_decoder = msgspec.msgpack.Decoder(ClaimRequest)
 
 
-def encode(message: ReplicaBatch | ResyncRequest | SettleRequest) -> bytes:
+def encode(message: ReplicaBatch | ResyncRequest | ClaimRequest) -> bytes:
     """One frame: the version byte, then the message as msgpack."""
     buf = bytearray(b"\x00")
     buf[0] = REPLICA_WIRE_VERSION
@@ -114,9 +133,9 @@ def decode_resync(frame: bytes) -> ResyncRequest:
     return _decode(frame, _resync_decoder)
 
 
-def decode_settle(frame: bytes) -> SettleRequest:
-    """The settle request in ``frame``; ``WireError`` on anything else."""
-    return _decode(frame, _settle_decoder)
+def decode_claim(frame: bytes) -> ClaimRequest:
+    """The claim request in ``frame``; ``WireError`` on anything else."""
+    return _decode(frame, _claim_decoder)
 
 
 def _decode(frame: bytes, decoder: msgspec.msgpack.Decoder[T]) -> T:

@@ -34,8 +34,9 @@ class ReplicaMetrics:
         self.spread: Callable[[], int] = _zero
         self.held: Callable[[], int] = _zero
         self.held_followed: Callable[[], int] = _zero
-        self.held_passed: Callable[[], int] = _zero
+        self.held_claimed: Callable[[], int] = _zero
         self.held_timed_out: Callable[[], int] = _zero
+        self.claims: Callable[[], int] = _zero
 
     def collect(self) -> Iterator[Metric]:
         p = "kvsidecar_gateway_replica_"
@@ -61,10 +62,12 @@ class ReplicaMetrics:
              "(routing/replicas/prompt_hold.py)", self.held()),
             ("new_prompts_held_followed", "Held prompts released when the owner's placement "
              "of them (or a change of peers) was heard", self.held_followed()),
-            ("new_prompts_held_passed", "Held prompts placed here: the owner's batches passed "
-             "--nats-new-prompt-window-ms without them", self.held_passed()),
-            ("new_prompts_held_timed_out", "Held prompts placed here at 6 windows, nothing "
+            ("new_prompts_held_claimed", "Held prompts released when the owner, asked past "
+             "--nats-new-prompt-window-ms, named their worker", self.held_claimed()),
+            ("new_prompts_held_timed_out", "Held prompts placed here at 20 windows, nothing "
              "heard from the owner", self.held_timed_out()),
+            ("new_prompts_claimed", "New prompts this replica placed as their owner, asked by "
+             "a peer holding a session of them", self.claims()),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)
         yield GaugeMetricFamily(p + "nats_connected", "1 while connected to NATS",

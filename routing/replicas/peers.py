@@ -3,8 +3,9 @@
 Pure and synchronous, with an injected clock: ``apply`` takes one decoded batch of a peer,
 ``expire`` drops the peers gone silent. A peer's placements become its load here (through
 ``SharedLoad``'s ``*_remote`` calls) and its placed prefixes speculative prefixes on their
-worker (``PendingPrefixes``, with this router's TTL), so a request with the same prefix
-arriving here next goes where the peer's went. A peer silent past the timeout (a dead
+worker (``PendingPrefixes``, with this router's TTL), as do the new prompts it claims for
+this replica (``Claimed``), so a request with the same prefix arriving here next goes where
+the peer's went. A peer silent past the timeout (a dead
 gateway, or one cut from NATS) has all its load dropped: nothing phantom stays behind.
 """
 
@@ -18,7 +19,7 @@ from typing import assert_never
 import structlog
 
 from routing.placement.kv_router import KvRouter
-from routing.replicas.messages import Finished, FirstToken, Placed, ReplicaBatch
+from routing.replicas.messages import Claimed, Finished, FirstToken, Placed, ReplicaBatch
 from routing.replicas.shared_load import REMOTE_MARK, SharedLoad
 
 __all__ = ["RemotePeers"]
@@ -135,6 +136,8 @@ class RemotePeers:
                     key = prefix + event.key
                     load.finish_remote(key)
                     keys.discard(key)
+                case Claimed():  # the peer's answer to a held new prompt: where it goes
+                    self._router.pending.record(event.worker_id, event.block_hashes, now)
                 case _:
                     assert_never(event)
 

@@ -13,41 +13,45 @@ So every new prompt has an owner, which both compute alike: the replica of rank
 ranks are the live replicas sorted by id (``PeerShare``). A prompt is *new* while the cache
 prefers no worker for it: every candidate's overlap, stored or predicted, is the same, give
 or take a head many prompts share (``new_prompt_depth``), and ``key`` is the block just past
-the deepest. The owner places a new prompt at
-once. Any other replica holds it until one of:
+the deepest. Only the owner decides where a new prompt goes first: it places its own
+sessions of it at once, and any other replica holds its sessions until one of:
 
 * the owner's placement of it is heard (a peer's batch makes the prompt predicted on the
   owner's worker: no longer new, so the request follows it);
-* a batch of the owner's *settled* ``window_s`` or more after the hold began is heard
-  without it: the owner had read and placed, held or answered every request that reached it
-  by then, so it had not seen the prompt, and this replica places it (the owner, hearing
-  that, follows it in turn). A batch carries its sender's wall clock as of which it has
-  settled (``settled_at``, see ``ReplicaLink``): not its sending, since a busy owner has
-  requests it has not read yet, nor those it is still tokenizing in a thread
-  (``preparing``). At the window's end this replica asks the owner for such a batch
-  (``ask_owner``): an idle owner answers at once, a busy one once it has caught up. In a
-  start-up burst that is tens of requests queued on each replica's event loop, half a
-  second on a busy host, and a hold that ended at a fixed time placed a second copy of the
-  prompt while the owner was still reading its session of it (docs/bench/replicas.md);
+* ``window_s`` passes: this replica asks the owner to place the prompt (``ask_owner``, a
+  ``ClaimRequest``) on the worker it proposes (its own scorer's choice, in its own share of
+  the workers), and the owner, reading the question on its event loop, *claims* it: a
+  prompt still new to it goes where proposed, and is predicted there; one it has placed
+  already is named where it is predicted deepest. Its answer (``Claimed``) makes the prompt
+  predicted on that worker here: followed as above. The owner's event loop orders its own
+  sessions of the prompt and the question, so whichever it reads first decides and the
+  other follows: no two replicas place a new prompt's first copies, however late either
+  reads its requests. (Before, a held prompt was placed here once the owner's batches said
+  it had read every request from before the window's end without it; but a request can
+  wait where no batch sees it, such as a new connection in the owner's listening socket,
+  and in a start-up burst 0 to 4 prompts a run got two copies: docs/bench/replicas.md.)
+  A new prompt goes to the share of the replica whose session of it came first, as before
+  claims, so a burst's new prompts stay spread as they arrive, half through each replica;
 * ``limit_s`` passes (``LIMIT_WINDOWS`` windows): the owner never answered;
 * the peers change, so the owner may be this replica now.
 
 The merge window is what one gateway gives for free: two sessions of a new prompt arriving
 within it, one through each replica, end on one worker. A request holds once, and occupies
-no worker while held. The cost is the window plus NATS' latency (the limit at most) on new
-prompts at the replicas that do not own them; nothing alone, or with ``window_s`` 0.
+no worker while held. The cost is the window plus the owner's answer (the limit at most) on
+new prompts at the replicas that do not own them; nothing alone, or with ``window_s`` 0.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from routing.placement.active_load import RESERVED_MARK
 from routing.placement.kv_router import KvRouter
 from routing.placement.peer_share import PeerShare, new_prompt_depth
+from routing.replicas.messages import AskedPrompt
 
 __all__ = ["LIMIT_WINDOWS", "HeldPrompt", "PromptHold"]
 
@@ -59,45 +63,42 @@ class HeldPrompt(Protocol):
 
     done: bool  # answered or abandoned meanwhile: nothing to release
 
-    def hold_released(self) -> None:
-        """Place it now (it will not be held again)."""
+    def hold_released(self, follow: str | None) -> None:
+        """Place it now (it will not be held again); on ``follow`` while that worker is
+        eligible, where the prompt's owner put it (None: wherever it scores best)."""
 
 
 @dataclass(slots=True)
 class _Held:
     waiter: HeldPrompt
     block_hashes: Sequence[int]
+    prompt_tokens: int
     worker_ids: Sequence[str]
-    until: float  # wall clock: an owner's batch settled from then on releases it
+    asked: bool = False  # its owner was asked to place it
+    reserved: str | None = None  # the key of its load, counted where it was proposed
     timer: asyncio.TimerHandle | None = None
 
 
 class PromptHold:
-    """The requests this replica holds for their prompts' owners."""
+    """The requests this replica holds for their prompts' owners; and, as an owner, the
+    prompts it claims when a peer asks."""
 
-    def __init__(
-        self,
-        router: KvRouter,
-        share: PeerShare,
-        window_s: float,
-        wall_clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, router: KvRouter, share: PeerShare, window_s: float) -> None:
         if window_s < 0:
             raise ValueError(f"the new-prompt window must be >= 0 s, got {window_s}")
         self._router = router
         self._share = share
         self.window_s = window_s
         self.limit_s = window_s * LIMIT_WINDOWS
-        # asks the replica of this id for a batch settled as of now (``ReplicaLink``)
-        self.ask_owner: Callable[[str], None] = _ask_nobody
-        self._wall_clock = wall_clock
+        # asks the replica of this id to place this prompt (``ReplicaLink``: a ClaimRequest)
+        self.ask_owner: Callable[[str, AskedPrompt], None] = _ask_nobody
         self._held: list[_Held] = []
-        self._preparing: dict[int, float] = {}  # request token → its arrival (wall clock)
-        self._next_token = 0
+        self._next_reservation = 0
         self.num_held = 0  # requests held, ever
         self.num_followed = 0  # released: the owner's placement was heard (or peers changed)
-        self.num_passed = 0  # released: the owner's batches passed the window without it
+        self.num_claimed = 0  # released once the owner was asked: its answer was heard
         self.num_timed_out = 0  # released at limit_s: nothing heard from the owner
+        self.num_claims = 0  # prompts this replica placed as their owner, asked by a peer
 
     def __len__(self) -> int:
         return len(self._held)
@@ -113,7 +114,11 @@ class PromptHold:
         return block_hashes[depth] % self._share.count
 
     def offer(
-        self, waiter: HeldPrompt, block_hashes: Sequence[int], worker_ids: Sequence[str]
+        self,
+        waiter: HeldPrompt,
+        block_hashes: Sequence[int],
+        prompt_tokens: int,
+        worker_ids: Sequence[str],
     ) -> bool:
         """Hold ``waiter`` if its prompt is new and another replica owns it: True when held
         (``waiter.hold_released`` places it later), False to place it now."""
@@ -123,57 +128,56 @@ class PromptHold:
         owner = self.owner_of(block_hashes, worker_ids)
         if owner is None or owner == share.rank:
             return False
-        held = _Held(waiter, block_hashes, worker_ids, self._wall_clock() + self.window_s)
+        held = _Held(waiter, block_hashes, prompt_tokens, list(worker_ids))
         held.timer = asyncio.get_running_loop().call_later(self.window_s, self._window_ended,
                                                            held)
         self._held.append(held)
         self.num_held += 1
         return True
 
-    def preparing(self) -> int:
-        """A request arrived that is prepared off the event loop: until ``prepared`` (its
-        token), this replica has settled only up to its arrival."""
-        self._next_token += 1
-        self._preparing[self._next_token] = self._wall_clock()
-        return self._next_token
-
-    def prepared(self, token: int) -> None:
-        """The request ``preparing`` returned ``token`` for is placed, held or answered."""
-        self._preparing.pop(token, None)
-
-    def settled_at(self, read_at: float) -> float:
-        """The wall clock as of which every request this replica received is placed, held
-        or answered, given that it has read every request that reached it by ``read_at``:
-        the oldest arrival still being prepared off the loop, else ``read_at``."""
-        return min(self._preparing.values(), default=read_at)
-
-    def heard(self, peer_id: str | None = None, settled_at: float = 0.0) -> None:
-        """A batch of ``peer_id``'s, settled as of ``settled_at`` (its wall clock), was folded
-        in, or (no peer) the peers changed: release each held prompt that is no longer new
-        (the owner placed it), no longer another's, or that the owner has settled past."""
+    def heard(self) -> None:
+        """A peer's batch was folded in, or the peers changed: release each held prompt that
+        is no longer new (its owner placed or claimed it) or no longer another's."""
         if not self._held:
             return
         share = self._share
-        rank, replicas = share.rank, share.replicas
         keep: list[_Held] = []
-        followed: list[_Held] = []
-        passed: list[_Held] = []
+        released: list[_Held] = []
         for held in self._held:
             if held.waiter.done:
-                _cancel(held)
+                self._drop(held)
                 continue
             owner = self.owner_of(held.block_hashes, held.worker_ids)
-            if owner is None or owner == rank or share.count == 1:
-                followed.append(held)
-            elif peer_id == replicas[owner] and settled_at >= held.until:
-                passed.append(held)
+            if owner is None or owner == share.rank or share.count == 1:
+                released.append(held)
             else:
                 keep.append(held)
         self._held = keep
-        self.num_followed += len(followed)
-        self.num_passed += len(passed)
-        for held in (*followed, *passed):
-            self._release(held)
+        for held in released:
+            if held.asked:
+                self.num_claimed += 1
+            else:
+                self.num_followed += 1
+            self._release(held, self._placed_on(held.block_hashes, held.worker_ids))
+
+    def claim(self, prompt: AskedPrompt) -> str | None:
+        """A peer holds a session of ``prompt`` and asks this replica, its owner, to place it:
+        the worker it goes to, predicted there from now on. Still new here, where the peer
+        proposed (and this replica's own sessions of it follow there); placed already, here
+        or by another replica, where it is predicted deepest. None when this replica does
+        not own it (the two replicas' views of it differ: the asker's hold ends when they
+        agree, or at its limit) or the proposed worker is not one of the prompt's."""
+        hashes, worker_ids = prompt.block_hashes, prompt.worker_ids
+        if not hashes or prompt.proposed not in worker_ids:
+            return None
+        placed = self._placed_on(hashes, worker_ids)
+        if placed is not None:
+            return placed
+        if self.owner_of(hashes, worker_ids) != self._share.rank:
+            return None
+        self._router.predict(prompt.proposed, hashes)
+        self.num_claims += 1
+        return prompt.proposed
 
     def release_all(self) -> None:
         """Place every held request now (the gateway stops, or the peers changed)."""
@@ -182,11 +186,29 @@ class PromptHold:
             self._release(h)
 
     def _window_ended(self, held: _Held) -> None:
-        """Ask the owner for a batch settled as of now; wait for it up to the limit."""
+        """Ask the owner to place the prompt where this replica would; wait for its answer up
+        to the limit."""
         share = self._share
         owner = self.owner_of(held.block_hashes, held.worker_ids)
         if owner is not None and owner != share.rank:
-            self.ask_owner(share.replicas[owner])
+            router = self._router
+            proposed = router.place(held.block_hashes, held.prompt_tokens, held.worker_ids)
+            if proposed is not None:
+                held.asked = True
+                # Weighed from now on as if placed: its load there until it is placed, and
+                # in this replica's recent placements (so in the load presumed on the
+                # peers' shares: counted again when it is placed, for the rest of the
+                # shares' window). The windows of a burst's held prompts end together, and
+                # proposals weighed without each other all named the same worker; with the
+                # load alone, the shares looked uneven and they left this one
+                # (docs/bench/replicas.md).
+                self._next_reservation += 1
+                held.reserved = f"{RESERVED_MARK}held-{self._next_reservation}"
+                router.load.reserve(held.reserved, proposed.worker_id, held.block_hashes,
+                                    held.prompt_tokens)
+                share.placed(held.prompt_tokens, len(held.block_hashes))
+                self.ask_owner(share.replicas[owner], AskedPrompt(
+                    held.block_hashes, held.worker_ids, proposed.worker_id))
         held.timer = asyncio.get_running_loop().call_later(
             self.limit_s - self.window_s, self._timed_out, held)
 
@@ -199,17 +221,34 @@ class PromptHold:
         self.num_timed_out += 1
         self._release(held)
 
-    def _release(self, held: _Held) -> None:
-        _cancel(held)
+    def _placed_on(self, block_hashes: Sequence[int], worker_ids: Sequence[str]) -> str | None:
+        """The worker a prompt released from its hold follows: where it is predicted (or
+        held) deepest, once that is deeper than elsewhere (its owner's placement or claim);
+        None while the cache prefers no worker. The owner chose it as one gateway would have
+        chosen for the prompt's first session, and its scorer here would not: the prompt's
+        blocks are credited there although nothing computes them yet (a claim holds no
+        load), and this replica's view of the owner's burst lags. Scored again, 3 to 5
+        sessions a run went elsewhere in a start-up burst (docs/bench/replicas.md)."""
+        candidates = self._router.candidates(block_hashes, worker_ids)
+        depths = [c.overlap.longest for c in candidates]
+        if new_prompt_depth(depths, len(block_hashes)) is not None:
+            return None
+        return max(candidates, key=lambda c: c.overlap.longest).worker_id
+
+    def _release(self, held: _Held, follow: str | None = None) -> None:
+        self._drop(held)
         if not held.waiter.done:
-            held.waiter.hold_released()
+            held.waiter.hold_released(follow)
+
+    def _drop(self, held: _Held) -> None:
+        """Stop its timer and its reservation."""
+        if held.timer is not None:
+            held.timer.cancel()
+            held.timer = None
+        if held.reserved is not None:
+            self._router.load.unreserve(held.reserved)
+            held.reserved = None
 
 
-def _ask_nobody(replica_id: str) -> None:
+def _ask_nobody(replica_id: str, prompt: AskedPrompt) -> None:
     return None
-
-
-def _cancel(held: _Held) -> None:
-    if held.timer is not None:
-        held.timer.cancel()
-        held.timer = None

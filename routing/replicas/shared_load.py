@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from routing.placement.active_load import ActiveLoad
-from routing.replicas.messages import Finished, FirstToken, Placed, ReplicaEvent
+from routing.placement.active_load import RESERVED_MARK, ActiveLoad
+from routing.replicas.messages import Claimed, Finished, FirstToken, Placed, ReplicaEvent
 
 __all__ = ["REMOTE_MARK", "SharedLoad"]
 
@@ -66,11 +66,20 @@ class SharedLoad(ActiveLoad):
             self.on_outbox()
         outbox.append(Finished(request_id))
 
+    def claimed(self, worker_id: str, block_hashes: Sequence[int]) -> None:
+        """This replica, owner of a new prompt, chose ``worker_id`` for a peer's session of it
+        (routing/replicas/prompt_hold.py): a prediction for the peers, no load."""
+        outbox = self.outbox
+        if not outbox:
+            self.on_outbox()
+        outbox.append(Claimed(worker_id, block_hashes))
+
     def forget_worker(self, worker_id: str) -> list[str]:
         """A worker left: its requests end here, and for the peers too."""
         lost = super().forget_worker(worker_id)
         local = [key for key in lost if not key.startswith(REMOTE_MARK)]
         self.num_remote -= len(lost) - len(local)
+        local = [key for key in local if not key.startswith(RESERVED_MARK)]
         if local:
             if not self.outbox:
                 self.on_outbox()
@@ -82,7 +91,7 @@ class SharedLoad(ActiveLoad):
         return [
             Placed(key, r.worker_id, r.block_hashes, r.prompt_tokens, r.prefill_tokens)
             for key, r in self._requests.items()
-            if not key.startswith(REMOTE_MARK)
+            if not key.startswith((REMOTE_MARK, RESERVED_MARK))
         ]
 
     # --- the peers' requests, folded in (never published) --------------------------------

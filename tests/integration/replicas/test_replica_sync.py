@@ -111,12 +111,14 @@ async def test_peer_placement_shows_up_and_draws_the_same_prefix(
         through_a = asyncio.create_task(chat(session, a.url, system))
         await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 1)
         worker_b, predicted_b = await chat(session, b.url, system)
-        worker_a, predicted_a = await through_a
-        assert (worker_b, predicted_a) == (worker_a, 0)
+        worker_a, _ = await through_a  # (placed at once, or where B claimed it for A)
+        assert worker_b == worker_a
         assert predicted_b > 0  # only A's message could have told B
         await reaches(session, b.url, "kvsidecar_gateway_replica_remote_requests", 0)
-    # each new prefix through A was placed with B's share of the workers weighed
-    assert await metric(session, a.url, "kvsidecar_gateway_replica_new_prefix_spread_total") >= 3
+    # each new prefix through A was placed with the other's share of the workers weighed, by
+    # A or (A holding it for its owner) by B
+    spread = "kvsidecar_gateway_replica_new_prefix_spread_total"
+    assert await metric(session, a.url, spread) + await metric(session, b.url, spread) >= 3
 
 
 async def test_a_new_prompt_through_both_replicas_at_once_takes_one_worker(
@@ -161,6 +163,33 @@ async def test_a_new_prompt_through_both_replicas_at_once_takes_one_worker(
         if merged == 2:
             break
     assert merged == 2, "20 new prompts and fewer than 2 owned by B: the owners are skewed"
+
+
+async def test_a_held_prompt_whose_owner_has_no_session_of_it_is_placed_by_the_owner(
+    gateways: list[ManagedProcess], session: aiohttp.ClientSession
+) -> None:
+    """A new prompt that only the replica not owning it receives waits its window, then
+    that replica asks the owner, which chooses the worker (a claim); the request goes
+    there, and the owner's own session of the prompt, later, follows its claim."""
+    a, b = gateways
+    for gw, other in ((a, b), (b, a)):
+        await routable(session, gw.url, 2)
+        await reaches(session, other.url, "kvsidecar_gateway_replica_peers", 1)
+    prefix = "kvsidecar_gateway_replica_new_prompts"
+    for seed in range(60, 80):
+        system = text(seed, 300)
+        held = await metric(session, a.url, f"{prefix}_held_total")
+        claimed = await metric(session, a.url, f"{prefix}_held_claimed_total")
+        claims = await metric(session, b.url, f"{prefix}_claimed_total")
+        worker_a, _ = await chat(session, a.url, system)
+        if await metric(session, a.url, f"{prefix}_held_total") == held:
+            continue  # A owns this prompt: placed at once
+        assert await metric(session, a.url, f"{prefix}_held_claimed_total") == claimed + 1
+        assert await metric(session, b.url, f"{prefix}_claimed_total") == claims + 1
+        worker_b, predicted_b = await chat(session, b.url, system)
+        assert (worker_b, predicted_b > 0) == (worker_a, True)
+        return
+    raise AssertionError("20 new prompts and none owned by B: the owners are skewed")
 
 
 async def test_killed_gateway_leaves_no_load(

@@ -183,6 +183,21 @@ class TestPlace:
         placed = place_aggregated(ctx, self.prompt(ctx), {"a"})
         assert not isinstance(placed, Refusal) and placed[0] is b
 
+    def test_a_followed_owner_placement_goes_there_while_eligible(self) -> None:
+        """Released from its hold by its owner's placement, a new prompt goes to that worker,
+        however the scorer here ranks it; not when it was tried or is at its cap."""
+        a, b = plain("a"), plain("b", 9001)
+        ctx = context(a, b)
+        ctx.router.dispatch("r1", Placement("b", 0.0, TierOverlap()), [], 4000)  # b: loaded
+        placed = place_aggregated(ctx, self.prompt(ctx), set(), follow="b")
+        assert not isinstance(placed, Refusal) and placed[0] is b
+        placed = place_aggregated(ctx, self.prompt(ctx), {"b"}, follow="b")
+        assert not isinstance(placed, Refusal) and placed[0] is a
+        ctx = context(a, b, cap=1)
+        ctx.router.dispatch("r1", Placement("b", 0.0, TierOverlap()), [], 10)
+        placed = place_aggregated(ctx, self.prompt(ctx), set(), follow="b")
+        assert not isinstance(placed, Refusal) and placed[0] is a
+
     def test_refusals_say_why(self) -> None:
         """No worker: 503; every one tried: 502; every one at the cap: 429."""
         ctx = context()

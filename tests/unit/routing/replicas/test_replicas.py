@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -11,15 +12,17 @@ from kvcore import BlockHasher, Namespace
 from kvcore.wire import WireError
 from routing.placement.kv_router import KvRouter
 from routing.replicas.messages import (
+    AskedPrompt,
+    Claimed,
+    ClaimRequest,
     Finished,
     FirstToken,
     Placed,
     ReplicaBatch,
     ResyncRequest,
-    SettleRequest,
     decode_batch,
+    decode_claim,
     decode_resync,
-    decode_settle,
     encode,
 )
 from routing.replicas.peers import RemotePeers
@@ -75,17 +78,26 @@ class TestWire:
     def test_round_trip(self) -> None:
         """A batch decodes to what was encoded, every event kind in order."""
         batch = ReplicaBatch("r1", 7, False, [Placed("k", "w0", [1, 2**64 - 1], 40, 8),
-                                              FirstToken("k"), Finished("k")])
+                                              FirstToken("k"), Finished("k"),
+                                              Claimed("w1", [3, 4])])
         assert decode_batch(encode(batch)) == batch
         assert decode_resync(encode(ResyncRequest("r2"))) == ResyncRequest("r2")
-        assert decode_settle(encode(SettleRequest("r3"))) == SettleRequest("r3")
+        claim = ClaimRequest("r3", [AskedPrompt([5, 6], ["w0", "w1"], "w1")])
+        assert decode_claim(encode(claim)) == claim
+
+    def test_a_version_1_batch_is_refused(self) -> None:
+        """A replica from before claims (wire version 1) is told apart, not misread."""
+        frame = bytearray(encode(ReplicaBatch("r1", 1, False, [])))
+        frame[0] = 1
+        with pytest.raises(WireError, match="version 1"):
+            decode_batch(bytes(frame))
 
     def test_compact(self) -> None:
         """A placement costs little more than its block hashes (no field names on the wire)."""
         hashes = [2**63 + i for i in range(100)]
         frame = encode(ReplicaBatch("a1b2c3d4e5f6", 1, False,
                                     [Placed("abcd1234-1/a", "replica-0", hashes, 1600, 1600)]))
-        assert len(frame) < 9 * len(hashes) + 70  # + ids, counts and the send time
+        assert len(frame) < 9 * len(hashes) + 70  # + ids and counts
 
     def test_rejects_negative_counts(self) -> None:
         """Counts out of range are a WireError, not a negative load."""
