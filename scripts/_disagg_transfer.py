@@ -22,6 +22,7 @@ import aiohttp
 import numpy as np
 from aiohttp import web
 
+from adapters.sglang.hicache_keys import HiCacheKeyMap, ShardCoordinates
 from shm import BlockStoreOwner, OwnerConfig
 from shm.owner.local import LocalSession
 from sidecar.pd_handoff import TransferServiceHandoff
@@ -79,8 +80,9 @@ async def _measure_layout(tmp: Path, bytes_per_token: int, transports: list[str]
         exporter = await _peer(tmp, session, block_bytes)
         importer = await _peer(tmp, session, block_bytes)
         try:
-            handoff = TransferServiceHandoff(importer.service, "tiny")
-            keys = handoff._keys.store_keys(page_keys)
+            key_map = HiCacheKeyMap("tiny", ShardCoordinates())  # as the decode sidecar keys
+            handoff = TransferServiceHandoff(importer.service, key_map.store_keys)
+            keys = key_map.store_keys(page_keys)
             with LocalSession(exporter.owner) as s:
                 reply = s.reserve(keys)
                 slots = [x for x in reply.slots if x is not None]
