@@ -3,8 +3,6 @@ each refusal raises the class it documents, with a string ``code`` naming the re
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import openai
@@ -12,8 +10,8 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
-from tests.integration.clients.conftest import MODEL_NAME, ROOT, Stack
-from tests.support.processes import read_line
+from tests.integration.clients.conftest import MODEL_NAME, Stack
+from tests.support.fake_openai import FakeEngine
 
 pytestmark = pytest.mark.slow
 
@@ -163,18 +161,8 @@ def test_a_route_no_worker_serves_says_so(which: str, gateway_url: str, plain_ga
 @pytest.fixture
 def embedding_engine() -> Iterator[str]:
     """An OpenAI engine that serves the relayed routes (the gateway suite's fake engine)."""
-    fake = ROOT / "tests" / "integration" / "gateway" / "fake_openai.py"
-    popen = subprocess.Popen([sys.executable, str(fake), "--port", "0", "--model", MODEL_NAME],
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    try:
-        line = read_line(popen, 20, prefix="FAKE_ENGINE_PORT=")
-        assert line, "the fake engine exited before it listened"
-        yield f"http://127.0.0.1:{line.split('=', 1)[1]}"
-    finally:
-        popen.terminate()
-        popen.wait(10)
-        assert popen.stdout is not None
-        popen.stdout.close()
+    with FakeEngine(MODEL_NAME).start() as engine:
+        yield engine.url
 
 
 def test_a_route_one_worker_lacks_is_served_by_another(

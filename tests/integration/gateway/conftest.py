@@ -1,96 +1,123 @@
-"""Real processes for gateway tests: fake engines and ``python -m routing`` on port 0."""
+"""The gateway tests' fleet: fake engines served from threads of this process, and gateways
+in front of them, in process too unless a test needs the gateway to be a process (a signal,
+its exit code, its log): then ``python -m routing`` through the stack's launcher."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import uvloop
 
-from tests.support.polling import wait_until
-from tests.support.processes import log_event, read_line
+from kvsidecar.launch import ManagedProcess, Stoppable, stop_newest_first
+from routing.flags import gateway_config
+from routing.serve.gateway import Gateway
+from tests.support.fake_openai import FakeEngine
+from tests.support.loop_thread import LoopThread
 
-ROOT = Path(__file__).resolve().parents[3]
-FAKE = Path(__file__).with_name("fake_openai.py")
 STARTUP_S = 20.0
 
 
 @dataclass
-class Proc:
-    popen: subprocess.Popen[bytes]
-    port: int
-    log: Path | None = None
+class GatewayProcess:
+    """A gateway run as ``python -m routing`` (``ManagedProcess``)."""
+
+    managed: ManagedProcess
+
+    @property
+    def port(self) -> int:
+        return int(self.managed.ready[0]["port"])
+
+    @property
+    def url(self) -> str:
+        return self.managed.url
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        return self.managed.proc
+
+    @property
+    def log(self) -> Path:
+        return self.managed.log_path
+
+    def log_text(self) -> str:
+        return self.log.read_text()
+
+    def stop(self) -> None:
+        self.managed.stop(timeout_s=10)
+
+
+class InProcessGateway:
+    """The gateway ``python -m routing`` would run, on a uvloop in a thread of this process;
+    stopped as on SIGTERM (``Gateway.stop`` with its drain timeout)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self._cfg = gateway_config(argv)
+        self._thread = LoopThread("gateway", uvloop.new_event_loop).start()
+        self._gateway: Gateway | None = None
+        try:
+            self.port = self._thread.run(self._start(), STARTUP_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _start(self) -> int:
+        self._gateway = Gateway(self._cfg)
+        return await self._gateway.start()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def log_text(self) -> str:
-        return self.log.read_text() if self.log else ""
-
     def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        if self._gateway is not None:
+            gateway, self._gateway = self._gateway, None
+            drain = self._cfg.drain_timeout_s
+            self._thread.run(gateway.stop(drain), drain + STARTUP_S)
+        self._thread.close()
 
 
 class Spawner:
-    """Starts processes for one test (or module) and stops them all afterwards."""
+    """Starts engines and gateways for one test (or module) and stops them all afterwards,
+    newest first."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: list[Proc] = []
+        self.running: list[Stoppable] = []
 
-    def engine(self, model: str = "fake-model") -> Proc:
-        popen = subprocess.Popen(
-            [sys.executable, str(FAKE), "--port", "0", "--model", model],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            line = read_line(popen, STARTUP_S, prefix="FAKE_ENGINE_PORT=")
-            assert line, "the fake engine exited before it listened"
-        except AssertionError:
-            popen.kill()
-            raise
-        proc = Proc(popen, int(line.split("=", 1)[1]))
-        self.procs.append(proc)
-        return proc
+    def engine(self, model: str = "fake-model") -> FakeEngine:
+        engine = FakeEngine(model)
+        self.running.append(engine)  # stopped even when it failed to start
+        return engine.start()
 
-    def gateway(self, workers: list[Proc | str], *flags: str) -> Proc:
-        log = self.tmp / f"gateway-{len(self.procs)}.log"
-        args = [sys.executable, "-m", "routing", "--port", "0", "--host", "127.0.0.1"]
+    def gateway(self, workers: list[FakeEngine | str], *flags: str,
+                process: bool = False) -> InProcessGateway | GatewayProcess:
+        """A gateway in front of ``workers`` with ``flags``, serving; ``process``: run as
+        ``python -m routing``."""
+        args = ["--port", "0", "--host", "127.0.0.1"]
         for w in workers:
             args += ["--worker", w if isinstance(w, str) else w.url]
-        with log.open("wb") as out:
-            popen = subprocess.Popen([*args, *flags], cwd=ROOT, stdout=out, stderr=out)
-        try:
-            started = wait_until(lambda: log_event(log, "gateway_started", popen),
-                                 f"the gateway to start (log: {log})", STARTUP_S)
-        except AssertionError:
-            popen.kill()
-            raise
-        proc = Proc(popen, started["port"], log)
-        self.procs.append(proc)
+        if not process:
+            gateway = InProcessGateway([*args, *flags])
+            self.running.append(gateway)
+            return gateway
+        managed = ManagedProcess.start(f"gateway-{len(self.running)}",
+                                       ["routing", *args, *flags], workdir=self.tmp)
+        self.running.append(managed)
+        managed.wait_ready(STARTUP_S)
+        self.running[-1] = proc = GatewayProcess(managed)
         return proc
 
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
+        stop_newest_first(self.running)
 
 
 @pytest.fixture
 def spawn(tmp_path: Path) -> Iterator[Spawner]:
-    """Per-test processes, stopped at teardown."""
+    """Per-test engines and gateways, stopped at teardown."""
     spawner = Spawner(tmp_path)
     yield spawner
     spawner.stop_all()
@@ -98,7 +125,7 @@ def spawn(tmp_path: Path) -> Iterator[Spawner]:
 
 @pytest.fixture(scope="module")
 def module_spawn(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Spawner]:
-    """Processes shared by a module's tests."""
+    """Engines and gateways shared by a module's tests."""
     spawner = Spawner(tmp_path_factory.mktemp("gateway"))
     yield spawner
     spawner.stop_all()

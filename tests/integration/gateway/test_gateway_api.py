@@ -1,4 +1,4 @@
-"""The gateway's API end to end: real gateway process, fake engines at the engine boundary."""
+"""The gateway's API end to end: a real gateway (in process), fake engines behind it."""
 
 from __future__ import annotations
 

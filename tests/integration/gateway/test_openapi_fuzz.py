@@ -23,7 +23,8 @@ async def test_fuzzed_requests_get_clear_answers_and_lose_nothing_in_flight(
         spawn, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     engine = spawn.engine()
     gateway = spawn.gateway([engine], "--router-mode", "kv", "--model-path",
-                            str(tiny_model_dir), "--served-model-name", "fake-model")
+                            str(tiny_model_dir), "--served-model-name", "fake-model",
+                            process=True)
     status, _, body = await h.post(gateway.url, "/v1/chat/completions", h.chat())
     assert status == 200, body
     served = orjson.loads((await h.get(gateway.url, "/openapi.json"))[1])
