@@ -30,7 +30,8 @@ sidecar's ``TransferServiceHandoff`` (``sidecar/transfer``: shm, tcp, and nixl w
 for the shipped tiny model and a Llama-3-8B-class layout, against a plain memcpy of the same
 bytes (``transfer_<layout>_<transport>_vs_memcpy`` = memcpy / transport time).
 
-    scripts/bench_disagg.py [--duration-s 6] [--json FILE]
+    scripts/bench_disagg.py [--duration-s 6] [--scenarios early mixed]
+        [--gateway-arg=--decode-interference-weight=0] [--json FILE]
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from kvcore.logs import configure_logging
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
 VOCAB = (10, 1000)  # the tiny model has 1,024 token ids
+SCENARIOS = ("mixed", "short", "small", "slow", "early")
 
 
 @dataclass
@@ -163,7 +165,8 @@ def _spec(run: Run, args: argparse.Namespace) -> StackSpec:
         engines = (EngineSpec(replicas=half, role="prefill"),
                    EngineSpec(replicas=run.replicas - half, role="decode"))
     return StackSpec(engines=engines,
-                     gateways=(GatewaySpec(kv_load_failure_policy=run.policy),),
+                     gateways=(GatewaySpec(kv_load_failure_policy=run.policy,
+                                           args=tuple(args.gateway_arg)),),
                      max_total_tokens=65536, speedup=args.speedup,
                      handoff_ms_per_1k_tokens=0.0 if run.mode == "agg" else run.handoff_ms_per_1k)
 
@@ -176,7 +179,7 @@ async def _measure(run: Run, args: argparse.Namespace, workdir: Path) -> Samples
 
 def _runs(args: argparse.Namespace) -> list[Run]:
     li = args.long_interval_ms
-    return [
+    runs = [
         Run("mixed", "agg", 4, li, args.decoders),
         Run("mixed", "disagg", 4, li, args.decoders),
         Run("short", "agg", 4, None, args.decoders),
@@ -186,6 +189,11 @@ def _runs(args: argparse.Namespace) -> list[Run]:
         Run("slow", "disagg", 4, li, args.decoders, args.slow_ms_per_1k),
         Run("early", "disagg", 4, li, args.decoders, policy="fail"),
     ]
+    # slow and early are measured against mixed's aggregated run: it comes along with them
+    chosen = set(args.scenarios)
+    if chosen & {"slow", "early"}:
+        return [r for r in runs if r.scenario in chosen or (r.scenario, r.mode) == ("mixed", "agg")]
+    return [r for r in runs if r.scenario in chosen]
 
 
 def _transports() -> list[str]:
@@ -249,7 +257,7 @@ async def _bench(args: argparse.Namespace) -> Report:
               f"{row['ttft_short_p50_ms']:>12.1f}/{row['ttft_short_p99_ms']:<11.1f}"
               f"{row['ttft_long_p50_ms']:>11.1f}/{row['ttft_long_p99_ms']:<11.1f}"
               f"{row['itl_p50_ms']:>8.1f}/{row['itl_p99_ms']:<9.1f}")
-    for scenario in ("mixed", "short", "small", "slow", "early"):
+    for scenario in SCENARIOS:
         base = "mixed" if scenario in ("slow", "early") else scenario
         for name in ("itl_p50_ms", "itl_p99_ms", "ttft_short_p50_ms", "ttft_short_p99_ms",
                      "ttft_long_p50_ms", "ttft_long_p99_ms"):
@@ -263,7 +271,7 @@ async def _bench(args: argparse.Namespace) -> Report:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration-s", type=float, default=6.0, help="measured seconds per run")
     p.add_argument("--warmup-s", type=float, default=1.0, help="unmeasured seconds first")
@@ -278,8 +286,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="the slow scenario's handoff cost per 1,000 prompt tokens")
     p.add_argument("--speedup", type=float, default=1.0, help="sim engines' speedup")
     p.add_argument("--transfer-rounds", type=int, default=5, help="measured pulls per transport")
+    p.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
+                   metavar="NAME", help=f"run only these, of {', '.join(SCENARIOS)} (slow and "
+                   "early bring mixed's aggregated run, their baseline)")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every gateway, e.g. "
+                   "--gateway-arg=--decode-interference-weight=0 (repeatable)")
     add_json_flag(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     configure_logging("warning")
     report = asyncio.run(_bench(args))
     if args.json:
