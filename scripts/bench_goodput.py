@@ -363,31 +363,23 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         report.add_figures(row, prefix=f"{name}.{system}.")
     for system, values in learned.items():
         report.add_figures(values, prefix=f"{name}.{system}.")
-    ours = rows.get("ours")
     capped, fifo = rows.get("capped"), rows.get("capped_fifo")
     if capped is not None and fifo is not None and fifo["hit_rate"] > 0:
         report.ratio("queue_lookahead_hit_rate", f"capped_fifo_{name}", capped["hit_rate"],
                      fifo["hit_rate"], better="higher", ndigits=3)
-    per_worker = rows.get("engine_per_worker")
-    for baseline, label in (("dynamo", "dynamo"), ("ours", "one_engine_process")):
-        theirs = rows.get(baseline)
-        if per_worker is None or theirs is None:
+    # (stack, its ratios' prefix, baseline, the baseline's name in the ratio)
+    pairs = [("ours", "", baseline, baseline) for baseline in ("dynamo", "prefill_only", "capped")]
+    pairs += [("engine_per_worker", "engine_per_worker_", baseline, label)
+              for baseline, label in (("dynamo", "dynamo"), ("ours", "one_engine_process"))]
+    for system, prefix, baseline, label in pairs:
+        mine, theirs = rows.get(system), rows.get(baseline)
+        if mine is None or theirs is None:
             continue
         for figure, better in _RATIOS:
-            if per_worker[figure] > 0 and theirs[figure] > 0:
+            if mine[figure] > 0 and theirs[figure] > 0:
                 short = figure.removesuffix("_req_per_s").removesuffix("_ms")
-                report.ratio(f"engine_per_worker_{short}", f"{label}_{name}", per_worker[figure],
-                             theirs[figure], better=better, ndigits=3)
-    for baseline in ("dynamo", "prefill_only", "capped"):
-        theirs = rows.get(baseline)
-        if theirs is None or ours is None:
-            continue
-        for figure, better in _RATIOS:
-            if ours[figure] > 0 and theirs[figure] > 0:
-                short = figure.removesuffix("_req_per_s").removesuffix("_ms")
-                report.ratio(short, f"{baseline}_{name}", ours[figure], theirs[figure],
+                report.ratio(prefix + short, f"{label}_{name}", mine[figure], theirs[figure],
                              better=better, ndigits=3)
-
 
 def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
     results: dict[str, list[Tenant]] = {}
