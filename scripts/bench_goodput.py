@@ -13,9 +13,7 @@ Each runs, on a fresh stack each time, through:
   step runs every decoding request plus prompt chunks up to 8,192 batched tokens and lasts
   the mocker's polynomial for that batch; a prefix being computed is reused, not computed
   again), a sidecar each, one gateway in kv mode with every mechanism on;
-* on the hot load, ``engine_per_worker``: ``ours`` with each worker its own engine process
-  (as Dynamo runs a mocker process a worker) instead of the workers as replicas of one;
-* ``prefill_only``: ``ours`` with ``--decode-interference-weight 0`` (the cost before #32:
+* ``prefill_only``: the same with ``--decode-interference-weight 0`` (the cost before #32:
   prefill and held blocks only), to show what the decode-interference term buys;
 * on the capacity load, ``capped``: ``ours`` behind a gateway admission cap
   (``--max-in-flight-per-worker 12``, the rest queued), which this load needed while the
@@ -198,15 +196,10 @@ CHAT_LOADS = {
 # the queue placing its head on the first worker that frees (``capped_fifo``).
 _CAP = ("--max-in-flight-per-worker", "12", "--queue-timeout-s", "600")
 OURS = {
-    "hot": (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0")),
-            ("engine_per_worker", ())),
+    "hot": (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0"))),
     "capacity": (("ours", ()), ("prefill_only", ("--decode-interference-weight", "0")),
                  ("capped", _CAP), ("capped_fifo", (*_CAP, "--queue-lookahead", "0"))),
 }
-# Stacks of ours whose workers are one engine process each, as Dynamo's are one mocker
-# process each; the others run the workers as replicas of one engine process, whose event
-# loop then takes in a burst's requests for all of them one after another.
-PROCESS_PER_WORKER = frozenset({"engine_per_worker"})
 # Our sim engine as the mocker: its step model (one mixed batch a step under a budget of
 # 8,192 batched tokens), its timing polynomial, its batch limit.
 MOCKER_TIMING = ("--sim-model", "mocker", "--enable-mixed-chunk", "--share-in-flight-prefill",
@@ -239,12 +232,9 @@ def run_ours(name: str, extra: tuple[str, ...], load: ChatLoad, blocks: int,
              args: argparse.Namespace, tmp: Path) -> tuple[ChatResult, dict[str, float]]:
     """``load`` through our stack with ``extra`` gateway flags; the result and what the
     gateway learned."""
-    engine_args = ("--served-model-name", "tiny", "--page-size", "16", *MOCKER_TIMING)
-    engines = (tuple(EngineSpec(replicas=1, args=engine_args) for _ in range(args.workers))
-               if name in PROCESS_PER_WORKER else
-               (EngineSpec(replicas=args.workers, args=engine_args),))
     spec = StackSpec(
-        engines=engines,
+        engines=(EngineSpec(replicas=args.workers, args=(
+            "--served-model-name", "tiny", "--page-size", "16", *MOCKER_TIMING)),),
         gateways=(GatewaySpec(args=(
             "--served-model-name", "tiny", "--slo-ttft-ms", f"{targets(args)[0] * 1000:g}",
             "--slo-itl-ms", f"{targets(args)[1] * 1000:g}", *extra)),),
@@ -363,23 +353,21 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         report.add_figures(row, prefix=f"{name}.{system}.")
     for system, values in learned.items():
         report.add_figures(values, prefix=f"{name}.{system}.")
+    ours = rows.get("ours")
     capped, fifo = rows.get("capped"), rows.get("capped_fifo")
     if capped is not None and fifo is not None and fifo["hit_rate"] > 0:
         report.ratio("queue_lookahead_hit_rate", f"capped_fifo_{name}", capped["hit_rate"],
                      fifo["hit_rate"], better="higher", ndigits=3)
-    # (stack, its ratios' prefix, baseline, the baseline's name in the ratio)
-    pairs = [("ours", "", baseline, baseline) for baseline in ("dynamo", "prefill_only", "capped")]
-    pairs += [("engine_per_worker", "engine_per_worker_", baseline, label)
-              for baseline, label in (("dynamo", "dynamo"), ("ours", "one_engine_process"))]
-    for system, prefix, baseline, label in pairs:
-        mine, theirs = rows.get(system), rows.get(baseline)
-        if mine is None or theirs is None:
+    for baseline in ("dynamo", "prefill_only", "capped"):
+        theirs = rows.get(baseline)
+        if theirs is None or ours is None:
             continue
         for figure, better in _RATIOS:
-            if mine[figure] > 0 and theirs[figure] > 0:
+            if ours[figure] > 0 and theirs[figure] > 0:
                 short = figure.removesuffix("_req_per_s").removesuffix("_ms")
-                report.ratio(prefix + short, f"{label}_{name}", mine[figure], theirs[figure],
+                report.ratio(short, f"{baseline}_{name}", ours[figure], theirs[figure],
                              better=better, ndigits=3)
+
 
 def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
     results: dict[str, list[Tenant]] = {}
@@ -449,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--gateway-args", metavar="FLAGS",
                    help="more flags (one string) for every one of our gateways")
     g.add_argument("--stacks", nargs="+", metavar="NAME",
-                   help="only these of our stacks (ours, prefill_only; hot: engine_per_worker; "
-                   "capacity: capped, capped_fifo)")
+                   help="only these of our stacks (ours, prefill_only; capacity: capped, "
+                   "capped_fifo)")
     g.add_argument("--model-dir", type=Path,
                    help="the model both stacks serve (default: Dynamo's one-word-one-token "
                    "tinymodel under ~/.cache/kvsidecar-bench; with --peers none and no such "

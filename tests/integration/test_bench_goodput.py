@@ -1,9 +1,8 @@
 """The goodput benchmark runs end to end on tiny sizes: the flood load's fair queue serves
 the quiet tenants their share where first come, first served does not; the hot-prefix load
-runs through our stack with and without the decode-interference term, and with an engine
-process a worker (``--peers none``), and reports each figure and ratio; and, where the
-checkout sits beside the shared Dynamo scripts, the same load runs against Dynamo's frontend
-and mocker too."""
+runs through our stack with and without the decode-interference term (``--peers none``) and
+reports each figure and ratio; and, where the checkout sits beside the shared Dynamo scripts,
+the same load runs against Dynamo's frontend and mocker too."""
 
 from __future__ import annotations
 
@@ -64,12 +63,11 @@ def check_chat_figures(figures: dict[str, float], stack: str, sessions: int) -> 
 def test_the_hot_load_runs_our_stack_with_and_without_the_decode_term(tmp_path: Path) -> None:
     data, stdout = bench(tmp_path, *TINY_HOT, "--peers", "none")
     figures, ratios = data["figures"], data["ratios"]
-    for stack in ("ours", "prefill_only", "engine_per_worker"):
+    for stack in ("ours", "prefill_only"):
         check_chat_figures(figures, stack, 24)
     assert not any(k.startswith("hot.dynamo.") for k in figures)
     assert {"goodput_vs_prefill_only_hot", "ttft_p99_vs_prefill_only_hot",
-            "itl_p50_vs_prefill_only_hot", "hit_rate_vs_prefill_only_hot",
-            "engine_per_worker_ttft_p99_vs_one_engine_process_hot"} <= set(ratios)
+            "itl_p50_vs_prefill_only_hot", "hit_rate_vs_prefill_only_hot"} <= set(ratios)
     assert not any("dynamo" in k for k in ratios)
     # what the gateway learned is reported beside the figures
     assert figures["hot.ours.prefill_load_scale"] >= 1
