@@ -7,8 +7,10 @@ from collections import Counter
 
 from kvcore import BlockHasher, Namespace
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, Tier
+from routing.placement.decode_price import DecodePrice, ItlModel
 from routing.placement.kv_router import KvRouter
 from routing.placement.pending import PendingPrefixes
+from routing.placement.scorer import ScoringWeights
 
 HASHER = BlockHasher(16)
 SEED = Namespace("m").seed
@@ -54,7 +56,7 @@ class TestPlacement:
     def test_equal_overlap_spreads_by_load(self) -> None:
         """Distinct prompts with no cache anywhere spread over the workers."""
         router = KvRouter(rng=random.Random(0))
-        picks = Counter()
+        picks: Counter[str] = Counter()
         for i in range(40):
             tokens, hashes = prompt(8, 100 + i)
             placement = router.place(hashes, len(tokens), WORKERS)
@@ -119,6 +121,51 @@ class TestPlacement:
         router.apply(BlockStored("w0", 0, 1, Tier.GPU, hashes))
         router.apply(BlockStored("w1", 0, 1, Tier.GPU, hashes[:6]))
         assert router.place(hashes, len(tokens), WORKERS, exclude={"w0"}).worker_id == "w1"  # type: ignore[union-attr]
+
+
+def first_wave(seed: int, speculative_ttl_s: float) -> set[tuple[str, int]]:
+    """64 requests of one of two 4,000-token system prompts (+64 tokens each) placed 10 ms
+    apart on four cold workers, before any stored event: the hot load's first burst
+    (docs/bench/goodput.md), with the weights and decode price the gateway had learned by
+    the end of that run. Returns the (worker, prompt) pairs it placed: each a cold prefill
+    of that system prompt on that worker."""
+    clock = Clock()
+    scale, prefill_s_per_token = 5.0, 3.8e-5
+    router = KvRouter(weights=ScoringWeights(overlap_weight=19.0, prefill_load_scale=scale),
+                      rng=random.Random(seed), clock=clock, speculative_ttl_s=speculative_ttl_s)
+    router.scorer.decode = DecodePrice(ItlModel(0.042, 0.0018), 66.0, prefill_s_per_token,
+                                       scale / (16 * prefill_s_per_token), itl_target_s=0.2)
+    rng = random.Random(seed)
+    systems = [[p * 100_000 + i for i in range(4000)] for p in range(2)]
+    cold: set[tuple[str, int]] = set()
+    for i in range(64):
+        system = rng.randrange(2)
+        tokens = systems[system] + [900_000 + i * 100 + j for j in range(64)]
+        hashes = HASHER.hash_tokens(tokens, SEED)
+        placement = router.place(hashes, len(tokens), WORKERS)
+        assert placement is not None
+        router.dispatch(f"r{i}", placement, hashes, len(tokens))
+        cold.add((placement.worker_id, system))
+        clock.now += 0.01
+    return cold
+
+
+class TestFirstWave:
+    def test_a_prefix_being_prefilled_draws_its_followers(self) -> None:
+        """A burst for two hot prompts on cold workers computes one prompt a worker: a
+        prompt placed but not yet stored counts as held where it went (speculation), so its
+        followers go there rather than start a second cold prefill elsewhere."""
+        for seed in range(8):
+            cold = first_wave(seed, speculative_ttl_s=2.0)
+            assert sorted(Counter(w for w, _ in cold).values()) == [1, 1, 1, 1], cold
+
+    def test_without_speculation_the_wave_computes_both_prompts_nearly_everywhere(
+        self,
+    ) -> None:
+        """The control: were the placements forgotten before the next one (speculation
+        expiring within the 10 ms between requests), load would spread each prompt over
+        most workers."""
+        assert min(len(first_wave(seed, speculative_ttl_s=0.005)) for seed in range(8)) >= 7
 
 
 class TestPending:
