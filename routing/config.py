@@ -123,10 +123,10 @@ class RouterConfig:
         default_text="learned from time to first token; a number fixes it")
     decode_interference_weight: float = option(
         1.0, group=_PLACEMENT,
-        help="weight of the learned decode-interference term: the decode time a worker's "
-        "streams lose to one more request (its inter-token latency against requests in "
-        "flight, learned from the relayed streams), with streams pushed past --slo-itl-ms "
-        "charged for the overshoot; 0 turns it off (prefill and held blocks only)")
+        help="weight of the learned decode-interference term: the time a worker's streams "
+        "run past --slo-itl-ms with one more request (its inter-token latency against "
+        "requests in flight, learned from the relayed streams; nothing while the target "
+        "holds); 0 turns it off (prefill and held blocks only)")
     router_temperature: float = option(
         0.0, group=_PLACEMENT, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
     # Each tier's credit below the GPU (``tier_weights``), defaults as the scorer's

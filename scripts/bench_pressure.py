@@ -170,12 +170,28 @@ def ours_predicted(url: str) -> float:
     return found.get("predicted_cached_tokens", 0.0) / prompt if prompt else 0.0
 
 
+_REASON = re.compile(rb'^kvsidecar_gateway_placement_reason_total\{reason="(\w+)"\} (\S+)$',
+                     re.MULTILINE)
+_DECODE_FIT = ("output_tokens", "prefill_s_per_token", "fleet_itl_base_s",
+               "fleet_itl_per_stream_s")
+
+
 def ours_weights(url: str) -> dict[str, float]:
-    """The scorer's weights at the end of the run (learned ones included), if reported."""
+    """The scorer's weights at the end of the run (learned ones included), the learned
+    decode-interference fit (``final_decode_*``) and the share of placements per reason
+    (``reason_*``), if reported."""
     with urllib.request.urlopen(url + "/v1/workers", timeout=10) as resp:
         scorer = json.loads(resp.read()).get("scorer") or {}
-    return {f"final_{k}": float(scorer[k]) for k in ("overlap_weight", "prefill_load_scale")
-            if isinstance(scorer.get(k), (int, float))}
+    out = {f"final_{k}": float(scorer[k]) for k in ("overlap_weight", "prefill_load_scale")
+           if isinstance(scorer.get(k), (int, float))}
+    decode = scorer.get("decode_interference") or {}
+    out.update({f"final_decode_{k}": float(decode[k]) for k in _DECODE_FIT
+                if isinstance(decode.get(k), (int, float))})
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        reasons = {m.group(1).decode(): float(m.group(2)) for m in _REASON.finditer(resp.read())}
+    total = sum(reasons.values())
+    out.update({f"reason_{k}": v / total for k, v in reasons.items() if total})
+    return out
 
 
 def dynamo_predicted(res: dict[str, object], fig: dict[str, float]) -> float:
@@ -207,12 +223,13 @@ def configs(args: argparse.Namespace) -> list[tuple[str, str, dict[str, str]]]:
     out: list[tuple[str, str, dict[str, str]]] = []
     if args.dynamo:
         out.append(("dynamo", "dynamo", {"ROUTER_MODE": "kv"}))
-    out.append(("ours", "kvsidecar", {"ROUTER_MODE": "kv"}))
+    mine = " ".join(args.gateway_arg)
+    out.append(("ours", "kvsidecar", {"ROUTER_MODE": "kv", "EXTRA_GATEWAY_ARGS": mine}))
     out.append(("ours_least_loaded", "kvsidecar", {"ROUTER_MODE": "least-loaded"}))
     if not args.quick:
         out.extend((f"sweep_ow{ow:g}_ps{ps:g}", "kvsidecar",
                     {"ROUTER_MODE": "kv", "EXTRA_GATEWAY_ARGS":
-                     f"--overlap-weight {ow:g} --prefill-load-scale {ps:g}"})
+                     f"{mine} --overlap-weight {ow:g} --prefill-load-scale {ps:g}"})
                    for ow in args.sweep_overlap for ps in args.sweep_scale)
     return out
 
@@ -228,6 +245,11 @@ def table(results: dict[int, dict[str, dict[str, float]]]) -> None:
             print(f"{cap:>8}  {label:<22}{f['hit_rate']:>9.1%}{pred}"
                   f"{f['ttft_p50_ms']:>8.0f}ms{f['ttft_p99_ms']:>8.0f}ms{f['wall_s']:>8.1f}"
                   f"{weights}")
+            if "final_decode_fleet_itl_per_stream_s" in f:
+                print(f"{'':>10}  decode fit: ITL {f['final_decode_fleet_itl_base_s'] * 1e3:.1f}"
+                      f" ms + {f['final_decode_fleet_itl_per_stream_s'] * 1e3:.2f} ms/stream, "
+                      f"prefill {f['final_decode_prefill_s_per_token'] * 1e6:.0f} µs/token; "
+                      f"placements for interference {f.get('reason_interference', 0.0):.1%}")
 
 
 def add_ratios(report: Report, cap: int, runs: dict[str, dict[str, float]]) -> None:
@@ -272,13 +294,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--main", type=Path, default=ROOT,
                    help="the checkout our stack runs from (default: this one); a copy of the "
                    "tree keeps a run apart from edits made meanwhile (it needs .venv/)")
+    p.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="a flag for our kv-routed gateways (repeat; e.g. "
+                   "--gateway-arg=--decode-interference-weight=0)")
+    p.add_argument("--no-dynamo", action="store_true",
+                   help="leave Dynamo's run out even if its venv is set up")
     add_json_flag(p)
     args = p.parse_args(argv)
     args.main = args.main.resolve()
     if not KIT.is_dir():
         p.error(f"the Dynamo kit is not at {KIT}")
-    args.dynamo = (args.bench_home / "dynamo-venv" / ".ready").exists()
-    if not args.dynamo:
+    args.dynamo = (args.bench_home / "dynamo-venv" / ".ready").exists() and not args.no_dynamo
+    if not args.dynamo and not args.no_dynamo:
         progress(f"no Dynamo venv at {args.bench_home}/dynamo-venv (run the kit's "
                  "setup_dynamo.sh): Dynamo's rows and ratios are left out")
     elif not (args.bench_home / "tinymodel" / "tokenizer.json").exists():

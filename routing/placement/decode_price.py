@@ -9,16 +9,25 @@ seconds converted to the cost's units, from what the gateway has learned
 
 * ``ItlModel``: the worker's inter-token latency with ``n`` requests in flight,
   ``base + per_stream·n``;
-* placing the request there adds, over the ``output_tokens`` a request streams on average,
-  its own stream (``itl(n+1)`` per token) and the slowdown of the ``n`` streams already there
-  (``per_stream`` per token each): ``output_tokens · (itl(n+1) + per_stream·n)`` seconds;
-* its uncached prompt stalls those ``n`` streams while it is prefilled (a prefill step runs
-  between decode steps): ``n · prefill_s_per_token · uncached_tokens`` seconds;
-* goodput: when ``itl(n+1)`` exceeds the ITL target, the ``n+1`` streams each run that much
-  over it for every token: ``output_tokens · (n+1) · (itl(n+1) − target)`` more seconds, so
-  the penalty grows in proportion to how far, and how many, placement pushes past the target.
-  The target is the request's own (``x-kvsidecar-slo-itl-ms``) where it names one, else the
-  gateway's.
+* placing the request there gives the worker's streams a mean ITL of ``itl(n+1)`` plus the
+  stall of its uncached prompt (a prefill step runs between decode steps, so every stream
+  there waits ``prefill_s_per_token · uncached_tokens`` once), spread over the
+  ``output_tokens`` a request streams on average;
+* only the part of that ITL past the target is priced (goodput: a stream within its ITL
+  target loses nothing users are promised): ``over = mean ITL − target``, charged for every
+  token still to come on the worker, the request's own ``output_tokens`` and, for each of
+  the ``n`` streams already there, half of theirs (a stream in flight is on average halfway
+  through): ``over · output_tokens · (1 + n/2)`` seconds. The price is 0 while the target
+  holds, and grows with how far, and how many, placement pushes past it. The target is the
+  request's own (``x-kvsidecar-slo-itl-ms``) where it names one, else the gateway's.
+
+Why not the whole slowdown: the first cut charged every stream's slowdown below the target
+too (``output_tokens · (itl(n+1) + per_stream·n)``, plus the stall for all ``n`` streams at
+the TTFT fit's per-token rate, which includes queueing: 17× the engine's prefill rate on
+the pressure load). Those seconds of decode nobody misses outweighed a cached system prompt,
+so under memory pressure (``scripts/bench_pressure.py``, 1,024 blocks a worker) requests
+went where their prefix was not and evicted other prefixes there: 14 points of hit rate and
+twice the TTFT p99 (docs/bench/pressure.md, "The decode-interference term").
 
 Seconds become cost units at the rate the prefill term already uses: a block of prefill
 costs ``prefill_load_scale`` units and takes ``block_size · prefill_s_per_token`` seconds.
@@ -60,18 +69,19 @@ class DecodePrice:
 
     def seconds(self, worker_id: str, in_flight: int, uncached_tokens: float,
                 itl_target_s: float | None = None) -> float:
-        """Decode seconds the fleet's streams lose if the request goes to ``worker_id``;
+        """Seconds past the ITL target the worker's streams run if the request goes to
+        ``worker_id`` (0 while its target holds);
         ``itl_target_s``: the request's ITL target (None: the gateway's)."""
         m = self.workers.get(worker_id, self.fleet)
         n = in_flight
+        tokens = max(self.output_tokens, 1.0)
         itl = m.base_s + m.per_stream_s * (n + 1)
-        lost = self.output_tokens * (itl + m.per_stream_s * n)
         if uncached_tokens > 0:
-            lost += n * self.prefill_s_per_token * uncached_tokens
+            itl += self.prefill_s_per_token * uncached_tokens / tokens
         over = itl - (self.itl_target_s if itl_target_s is None else itl_target_s)
-        if over > 0:
-            lost += self.output_tokens * (n + 1) * over
-        return lost
+        if over <= 0:
+            return 0.0
+        return over * tokens * (1.0 + n / 2)
 
     def cost(self, worker_id: str, in_flight: int, uncached_tokens: float,
              itl_target_s: float | None = None) -> float:

@@ -34,8 +34,9 @@ back-to-back identical prompts stay together), then uniformly at random. At temp
 costs are min-max normalized to [0, 1] and a worker is drawn with probability ∝ exp(−cost/T).
 
 A learned decode-interference term (``decode_price.py``) adds, for an aggregated worker, the
-decode time its streams would lose to one more request, in the same units; without it (none
-learned yet, or ``--decode-interference-weight 0``) the cost is the formula above.
+time its streams would run past their ITL target with one more request, in the same units;
+without it (none learned yet, or ``--decode-interference-weight 0``) the cost is the formula
+above.
 
 Disaggregated pools score differently: the prefill pool by overlap and prefill load only,
 the decode pool by how full each worker would be (decode blocks over capacity).

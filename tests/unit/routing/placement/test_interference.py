@@ -12,7 +12,14 @@ from kvcore.events import BlockStored, Tier
 from routing.placement.decode_price import DecodePrice, ItlModel
 from routing.placement.interference import DecodeInterference
 from routing.placement.kv_router import KvRouter
-from routing.placement.scorer import Reason, Scorer, ScoringWeights
+from routing.placement.scorer import (
+    Candidate,
+    Reason,
+    Scorer,
+    ScoringWeights,
+    TierOverlap,
+    WorkerLoad,
+)
 from routing.placement.tuning import WeightTuner
 
 BS = 16
@@ -106,22 +113,55 @@ class TestFit:
 
 
 class TestPrice:
-    def test_overshooting_the_target_costs_in_proportion(self) -> None:
-        """Below the ITL target the price grows linearly with streams; past it every stream
-        over the target adds its overshoot, so the price climbs faster."""
-        price = DecodePrice(fleet=ItlModel(0.004, 0.002), output_tokens=64,
-                            prefill_s_per_token=20e-6, units_per_s=1.0, itl_target_s=0.05)
-        below = [price.seconds("w", n, 0) for n in (10, 11, 12)]
-        above = [price.seconds("w", n, 0) for n in (30, 31, 32)]
-        assert below[2] - below[1] == pytest.approx(below[1] - below[0])
-        assert above[2] - above[1] > 2 * (below[2] - below[1])
+    """The price is the time past the ITL target; 0 while the target holds."""
 
-    def test_an_uncached_prompt_stalls_the_streams_there(self) -> None:
-        """Prefilling 4,000 tokens on a worker with 16 streams stalls each of them."""
-        price = DecodePrice(fleet=ItlModel(0.004, 0.002), output_tokens=64,
-                            prefill_s_per_token=20e-6, units_per_s=1.0, itl_target_s=0.05)
-        stall = price.seconds("w", 16, 4000) - price.seconds("w", 16, 0)
-        assert stall == pytest.approx(16 * 20e-6 * 4000)
+    @staticmethod
+    def price(per_token: float = 20e-6) -> DecodePrice:
+        return DecodePrice(fleet=ItlModel(0.004, 0.002), output_tokens=64,
+                           prefill_s_per_token=per_token, units_per_s=1.0, itl_target_s=0.05)
+
+    def test_nothing_while_the_itl_target_holds(self) -> None:
+        """16 streams at 4 + 2·17 = 38 ms, under the 50 ms target: one more stream there
+        costs no one a target, whatever it slows (the cut that charged this herded the
+        pressure load's misses onto cold workers)."""
+        price = self.price()
+        assert price.model("w").itl(17) < 0.05
+        assert [price.seconds("w", n, 64) for n in (0, 8, 16)] == [0.0, 0.0, 0.0]
+
+    def test_overshooting_the_target_costs_in_proportion(self) -> None:
+        """Past the target the price is the overshoot times the tokens still to come: the
+        request's own 64 and half of each stream's already there."""
+        price = self.price()
+        n = 30  # ITL 4 + 2·31 = 66 ms: 16 ms over
+        assert price.seconds("w", n, 0) == pytest.approx(0.016 * 64 * (1 + n / 2))
+        costs = [price.seconds("w", n, 0) for n in (30, 31, 32)]
+        assert costs[2] - costs[1] > costs[1] - costs[0] > 0  # how far and how many
+
+    def test_an_uncached_prompt_counts_only_if_it_pushes_past_the_target(self) -> None:
+        """Prefilling 4,000 tokens stalls each stream 80 ms once, 1.25 ms a token over 64:
+        at 22 streams (ITL 50 ms) that crosses the target, at 16 (38 ms) it does not."""
+        price = self.price()
+        assert price.seconds("w", 16, 4000) == 0.0
+        assert price.seconds("w", 22, 0) == 0.0
+        assert price.seconds("w", 22, 4000) == pytest.approx(
+            (0.050 + 20e-6 * 4000 / 64 - 0.05) * 64 * (1 + 22 / 2))
+
+    def test_a_cached_prefix_outweighs_balance_under_the_target(self) -> None:
+        """The pressure load's shape (bench_pressure at 1,024 blocks: the fit read off a
+        run's /v1/workers, 12 ms + 1.5 ms a stream, a TTFT fit of 345 µs a token that counts
+        queueing): a worker holding the 2,000-token system prompt with 20 streams wins over
+        an idle worker that would compute it, since neither misses the 100 ms target."""
+        scorer = Scorer(ScoringWeights(overlap_weight=19.5, prefill_load_scale=1.33), BS)
+        per_token = 345e-6
+        scorer.decode = DecodePrice(
+            fleet=ItlModel(0.012, 0.0015), output_tokens=66, prefill_s_per_token=per_token,
+            units_per_s=1.33 / (BS * per_token), itl_target_s=0.1)
+        prompt = 2064
+        holder = Candidate("w0", TierOverlap(125), WorkerLoad(0, 20 * 130, 20))
+        idle = Candidate("w1", TierOverlap(0), WorkerLoad(0, 0, 0))
+        placement = scorer.place([holder, idle], prompt)
+        assert placement is not None
+        assert placement.worker_id == "w0" and placement.reason == Reason.BEST
 
 
 def hot_fleet(weight: float, itl: ItlModel, clock: Clock) -> tuple[KvRouter, list[int], int]:
