@@ -152,12 +152,16 @@ def first_wave(seed: int, speculative_ttl_s: float) -> set[tuple[str, int]]:
 
 class TestFirstWave:
     def test_a_prefix_being_prefilled_draws_its_followers(self) -> None:
-        """A burst for two hot prompts on cold workers computes one prompt a worker: a
-        prompt placed but not yet stored counts as held where it went (speculation), so its
-        followers go there rather than start a second cold prefill elsewhere."""
+        """A burst for two hot prompts on cold workers computes at most one prompt a worker:
+        a prompt placed but not yet stored counts as held where it went (speculation), so its
+        followers go there rather than start a second cold prefill elsewhere. (How many
+        workers take each prompt is the load price's call: with the ITL target far off, as
+        here, it may keep each prompt on one worker.)"""
         for seed in range(8):
             cold = first_wave(seed, speculative_ttl_s=2.0)
-            assert sorted(Counter(w for w, _ in cold).values()) == [1, 1, 1, 1], cold
+            per_worker = Counter(w for w, _ in cold)
+            assert max(per_worker.values()) == 1 and len(cold) <= len(WORKERS), cold
+            assert {system for _, system in cold} == {0, 1}, cold
 
     def test_without_speculation_the_wave_computes_both_prompts_nearly_everywhere(
         self,
