@@ -95,7 +95,6 @@ class Sidecar(SidecarViews):
         self._silence = SilenceDetector(cfg.silent_after_s)
         self._tasks: list[asyncio.Task[None]] = []
         self._capacity_blocks: int | None = None  # the engine's KV per worker, once it says
-        self._engine_events = 0  # KV events received from the engine
         self._zmq: ZmqRepublisher | None = None  # --publish-zmq
 
     # --- lifecycle ------------------------------------------------------------------------
@@ -375,12 +374,11 @@ class Sidecar(SidecarViews):
     def _publish(self, stream: EventStream, event: KVEvent) -> None:
         stream.publish(event)
         self._silence.on_event()
-        self._engine_events += 1
 
     def _engine_progress(self) -> int:
         """The engine's output so far: tokens relayed and KV events received (``EngineWatch``
         keeps a busy engine whose probe is slow healthy while this grows)."""
-        return self._engine_events + (0 if self.load is None else self.load.generated)
+        return self._silence.num_events + (0 if self.load is None else self.load.generated)
 
     async def _report_status(self) -> None:
         """Every worker's status on its stream, every interval; asks the engine its KV

@@ -78,6 +78,7 @@ class SilenceDetector:
         self._seen: OrderedDict[int, None] = OrderedDict()
         self.num_canaries = 0
         self.num_silent_verdicts = 0
+        self.num_events = 0  # KV events heard (the engine's progress, for ``EngineWatch``)
 
     def now(self) -> float:
         return self._clock()
@@ -91,6 +92,7 @@ class SilenceDetector:
 
     def on_event(self) -> None:
         """The engine published a KV event (of any kind): its stream is alive."""
+        self.num_events += 1
         self._last_event_s = self._clock()
         self._unseen_since_s = None
         self._canary = None
