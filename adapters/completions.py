@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from adapters.normalize_openai import OpenAIBuilder, Usage, error_from_engine
+from adapters.normalize_openai import ReplyTranslator, Usage, error_from_engine
 from kvcore.errors import OpenAIError
 from kvcore.requests import TokenizedRequest
 
@@ -52,16 +52,13 @@ def completions_body(request: TokenizedRequest) -> dict[str, Any]:
     return body
 
 
-class CompletionsResponseTranslator:
+class CompletionsResponseTranslator(ReplyTranslator):
     """Rebuilds one request's completions answers as the client's OpenAI objects."""
 
     def __init__(
         self, request: TokenizedRequest, engine: str, *, created: int | None = None
     ) -> None:
-        self.builder = OpenAIBuilder(request, created)
-        self._engine = engine
-        self._usage: Usage | None = None
-        self._ids: list[int] | None = []  # taken, not yet handed out (None: not reported)
+        super().__init__(request, engine, created)
 
     def response(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if body.get("object") == "error" or "error" in body:
@@ -96,25 +93,6 @@ class CompletionsResponseTranslator:
             self._ids += ids
         else:
             self._ids = None  # this engine does not say which tokens it streamed
-
-    def token_ids(self) -> list[int] | None:
-        ids = self._ids
-        if ids is None:
-            return None
-        self._ids = []
-        return ids
-
-    def finish(self) -> list[dict[str, Any]]:
-        if self.builder.request.include_usage and self._usage is not None:
-            return [self.builder.usage_chunk(self._usage)]
-        return []
-
-    def cached_tokens(self) -> int | None:
-        """None too when a stream carried no usage (the client did not ask for it)."""
-        return None if self._usage is None else self._usage.cached_tokens
-
-    def error(self, status: int, body: bytes) -> OpenAIError:
-        return error_from_engine(self._engine, status, body)
 
     def _first_choice(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         choices = body.get("choices")

@@ -15,7 +15,7 @@ from typing import Any
 from kvcore.errors import OpenAIError, error_from_reply
 from kvcore.requests import RequestKind, TokenizedRequest
 
-__all__ = ["OpenAIBuilder", "Usage", "error_from_engine"]
+__all__ = ["OpenAIBuilder", "ReplyTranslator", "Usage", "error_from_engine"]
 
 
 
@@ -121,3 +121,36 @@ def error_from_engine(engine: str, status: int, body: bytes | str | dict[str, An
     """An engine's error reply (any of its known shapes, or plain text) in our vocabulary
     (``kvcore.errors.error_from_reply``); a server error's message names the engine."""
     return error_from_reply(status, body, f"{engine} engine")
+
+
+class ReplyTranslator:
+    """What every engine's reply translator shares (``adapters.base.ResponseTranslator``):
+    the builder of the client's objects, the last usage the engine reported, and the
+    generated token ids taken from its answers and not yet handed out. A subclass reads its
+    engine's shapes (``response``, ``chunk``) and takes ids as they come (``_ids``: None once
+    the engine leaves them out, since a partial list would mislead)."""
+
+    def __init__(self, request: TokenizedRequest, engine: str, created: int | None) -> None:
+        self.builder = OpenAIBuilder(request, created)
+        self._engine = engine
+        self._usage: Usage | None = None
+        self._ids: list[int] | None = []  # taken, not yet handed out (None: not reported)
+
+    def token_ids(self) -> list[int] | None:
+        ids = self._ids
+        if ids is None:
+            return None
+        self._ids = []
+        return ids
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self.builder.request.include_usage and self._usage is not None:
+            return [self.builder.usage_chunk(self._usage)]
+        return []
+
+    def cached_tokens(self) -> int | None:
+        """None too when a stream carried no usage (the client did not ask for it)."""
+        return None if self._usage is None else self._usage.cached_tokens
+
+    def error(self, status: int, body: bytes) -> OpenAIError:
+        return error_from_engine(self._engine, status, body)

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from adapters.base import EngineRequest, engine_openai_request
-from adapters.normalize_openai import OpenAIBuilder, Usage, error_from_engine
+from adapters.normalize_openai import ReplyTranslator, Usage, error_from_engine
 from kvcore.errors import OpenAIError
 from kvcore.requests import TokenizedRequest
 
@@ -75,23 +75,21 @@ def to_generate_request(request: TokenizedRequest) -> EngineRequest:
 _FINISH = {"stop": "stop", "length": "length"}
 
 
-class SGLangResponseTranslator:
+class SGLangResponseTranslator(ReplyTranslator):
     """Translates one request's ``/generate`` answers into OpenAI objects."""
 
     def __init__(
         self, request: TokenizedRequest, *, incremental: bool = False, created: int | None = None
     ) -> None:
-        self.builder = OpenAIBuilder(request, created)
+        super().__init__(request, "sglang", created)
         self._incremental = incremental
         self._sent = 0  # characters of cumulative text already sent
-        self._usage: Usage | None = None
         self._finished = False
         self._ids_seen = 0  # cumulative output_ids already taken
-        self._ids: list[int] | None = []  # taken, not yet handed out (None: not reported)
 
     def response(self, body: Mapping[str, Any]) -> dict[str, Any]:
         if "error" in body:
-            raise error_from_engine("sglang", _status_of(body), dict(body))
+            raise error_from_engine(self._engine, _status_of(body), dict(body))
         meta = _meta(body)
         finish = self._finish_reason(meta)
         self._usage = _usage(meta)
@@ -99,7 +97,7 @@ class SGLangResponseTranslator:
 
     def chunk(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
         if "error" in data:
-            raise error_from_engine("sglang", _status_of(data), dict(data))
+            raise error_from_engine(self._engine, _status_of(data), dict(data))
         if self._finished:
             return []
         meta = _meta(data)
@@ -128,24 +126,6 @@ class SGLangResponseTranslator:
         else:
             self._ids += ids[self._ids_seen:]
             self._ids_seen = max(self._ids_seen, len(ids))
-
-    def token_ids(self) -> list[int] | None:
-        ids = self._ids
-        if ids is None:
-            return None
-        self._ids = []
-        return ids
-
-    def finish(self) -> list[dict[str, Any]]:
-        if self.builder.request.include_usage and self._usage is not None:
-            return [self.builder.usage_chunk(self._usage)]
-        return []
-
-    def cached_tokens(self) -> int | None:
-        return None if self._usage is None else self._usage.cached_tokens
-
-    def error(self, status: int, body: bytes) -> OpenAIError:
-        return error_from_engine("sglang", status, body)
 
     @staticmethod
     def _finish_reason(meta: Mapping[str, Any]) -> str | None:
