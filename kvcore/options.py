@@ -7,7 +7,8 @@ flags, so a default, a choice list or a conversion is written in one place, and
 says how (``Path``, an ``Enum`` by value, a ``Literal`` of strings as its choices,
 ``tuple[X, ...]`` from a repeated flag, ``X | None`` for a flag that may be absent, ``bool``
 from a switch). An option without a default is required: on the command line or in the config
-file.
+file. ``ge=``/``gt=``/``le=``/``lt=`` bound a number (``kvcore.option_bounds``): checked on the
+flag, in the config file and, through ``check_bounds`` in ``__post_init__``, in code.
 
 ``--config FILE`` reads the same options from TOML. Its keys are field names or flag names,
 with dashes or underscores; its values, checked as the flags' are, become the flags' defaults,
@@ -26,7 +27,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-__all__ = ["OptionParser", "member", "option", "option_of"]
+from kvcore.option_bounds import Bounds
+
+__all__ = ["Bounds", "OptionParser", "check_bounds", "member", "option", "option_bounds",
+           "option_of"]
 
 _KEY = "kvcore.option"
 _T = TypeVar("_T")
@@ -46,6 +50,7 @@ class _Meta:
     aliases: tuple[str, ...]
     choices: tuple[object, ...] | None
     required: bool
+    bounds: Bounds | None
 
 
 @overload
@@ -61,6 +66,10 @@ def option(
     choices: Iterable[object] | None = None,
     default_text: str | None = None,
     secret: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> _T: ...
 @overload
 def option(
@@ -74,6 +83,10 @@ def option(
     parse: Callable[[str], object] | None = None,
     choices: Iterable[object] | None = None,
     secret: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> Any: ...
 
 
@@ -90,6 +103,10 @@ def option(
     default_text: str | None = None,
     required: bool = False,
     secret: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> Any:
     """A dataclass field that is also a flag, ``--<name-with-dashes>`` unless ``flag`` says;
     ``aliases`` are more spellings of it (a flag renamed, its old name kept working).
@@ -103,11 +120,19 @@ def option(
 
     ``required=True``, given instead of a default, makes a field without one: code that builds
     the dataclass must give it, and so must the command line or a ``--config`` file.
-    ``secret=True`` keeps the value out of the dataclass's repr (a URL with a password)."""
+    ``secret=True`` keeps the value out of the dataclass's repr (a URL with a password).
+
+    ``ge``/``gt`` (at least, more than) and ``le``/``lt`` (at most, less than) bound a number,
+    and each item of a repeated one; None, an optional option's absence, is always allowed.
+    The flag and the config file refuse a value outside them, naming themselves and the
+    range; code that builds the dataclass is refused by ``check_bounds`` in its
+    ``__post_init__``."""
     if required == (default is not dataclasses.MISSING):
         raise TypeError("an option has a default or is required=True, one of the two")
+    given = (ge, gt, le, lt)
     meta = _Meta(help, group, flag, metavar, parse, default_text, tuple(aliases),
-                 None if choices is None else tuple(choices), required)
+                 None if choices is None else tuple(choices), required,
+                 None if given == (None,) * 4 else Bounds(*given))
     if required:
         return dataclasses.field(repr=not secret, metadata={_KEY: meta})
     return dataclasses.field(default=default, repr=not secret, metadata={_KEY: meta})
@@ -151,6 +176,26 @@ def member(what: str, value: object, vocabulary: type[_E]) -> _E:
     return vocabulary(value)
 
 
+def check_bounds(config: object) -> None:
+    """Refuse, with a ``ValueError`` naming the field and its flag, an option of ``config``
+    outside its ``ge=``/``gt=``/``le=``/``lt=``: the first line of every options dataclass's
+    ``__post_init__``, so that code is held to the bounds a flag is."""
+    for spec in _specs(type(config)):
+        if spec.meta.bounds is None:
+            continue
+        value = getattr(config, spec.name)
+        for item in value if spec.repeat else (value,):
+            try:
+                spec.bounded(item)
+            except ValueError as exc:
+                raise ValueError(f"{spec.name} {exc} ({spec.flag})") from None
+
+
+def option_bounds(cls: type) -> dict[str, Bounds]:
+    """The bounds of ``cls``'s bounded options, by field name."""
+    return {s.name: s.meta.bounds for s in _specs(cls) if s.meta.bounds is not None}
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Spec:
     """One option, resolved: its flag and the shape of its values."""
@@ -182,10 +227,18 @@ class _Spec:
     def convert(self, raw: object) -> object:
         """argparse's (or the config file's) value as the field's; ``ValueError`` says why not."""
         if self.repeat:
-            return tuple(self._one(v) for v in typing.cast(Iterable[object], raw or ()))
+            return tuple(self.bounded(self._one(v))
+                         for v in typing.cast(Iterable[object], raw or ()))
         if raw is None or (raw == "" and self.optional and self.kind is Path):
             return None
-        return self._one(raw)
+        return self.bounded(self._one(raw))
+
+    def bounded(self, value: object) -> object:
+        """``value`` (one item of a repeated option), unless outside the option's bounds:
+        ``ValueError`` "must be <range>, got <value>"; None, an absence, is never outside."""
+        if self.meta.bounds is not None and value is not None:
+            self.meta.bounds.check(value, real=self.kind is float)
+        return value
 
     def _one(self, value: object) -> object:
         if self.meta.parse is not None:
@@ -223,11 +276,9 @@ class _Spec:
                 expected += " or a string"  # "4GiB" as well as 4294967296
             raise ValueError(f"expected {expected}, got {value!r}")
         choices = self.choices
-        if choices is not None and self.meta.parse is None:
-            if value not in choices:
-                raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {value!r}")
-        else:
-            self._one(value)  # a parse error is the file's error
+        if choices is not None and self.meta.parse is None and value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        self.bounded(self._one(value))  # a parse error or a bound is the file's error
         return value
 
     @property
@@ -267,8 +318,19 @@ def _show(value: object) -> str:
     return str(value)
 
 
+_READ: dict[type, tuple[_Spec, ...]] = {}  # each class's options, read once (~3 ms a class)
+
+
 def _specs(cls: type) -> tuple[_Spec, ...]:
-    """The options among ``cls``'s fields, in declaration order."""
+    """The options among ``cls``'s fields, in declaration order (``check_bounds`` asks each
+    time a config is made)."""
+    specs = _READ.get(cls)
+    if specs is None:
+        specs = _READ[cls] = _read_specs(cls)
+    return specs
+
+
+def _read_specs(cls: type) -> tuple[_Spec, ...]:
     hints = typing.get_type_hints(cls)
     specs = []
     for f in dataclasses.fields(cls):
@@ -319,6 +381,14 @@ def _check(cls: type, spec: _Spec) -> None:
         raise TypeError(f"{where}: an Enum's or a switch's choices are its own")
     if spec.repeat and spec.default != () and not spec.meta.required:
         raise TypeError(f"{where}: a repeated option's default is ()")
+    bounds = spec.meta.bounds
+    if bounds is not None:
+        if spec.kind not in (int, float):
+            raise TypeError(f"{where}: bounds are for an int or a float option")
+        default = spec.default
+        if default not in (None, (), dataclasses.MISSING) and not bounds.admits(default):
+            raise TypeError(f"{where}: the default {default!r} is not "
+                            f"{bounds.allowed(real=spec.kind is float)}")
 
 
 class _Repeat(argparse.Action):
