@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvcore import nats_extra
 from kvcore.events import Tier
 from kvcore.options import check_bounds, member, option
 from routing.vocabulary import (
@@ -372,11 +373,7 @@ class RouterConfig:
 
     def _check_nats(self) -> None:
         if self.nats_url is not None:
-            for url in self.nats_url.split(","):
-                parts = urlsplit(url.strip())
-                if parts.scheme not in ("nats", "tls") or not parts.hostname:
-                    raise ValueError(f"--nats must be nats://HOST:PORT (or tls://, comma-"
-                                     f"separated for a cluster), got {self.nats_url!r}")
+            nats_extra.check_url(self.nats_url)
         prefix = self.nats_subject_prefix
         if prefix is not None and not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", prefix):
             raise ValueError("--nats-subject-prefix must be dot-separated tokens of letters, "

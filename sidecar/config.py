@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from adapters.base import EngineKind, EventEndpoint, LoraAdapter
 from adapters.zmq_events.endpoints import is_zmq_address, rank_endpoints
+from kvcore import nats_extra
 from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.jetstream import EventsVia
 from kvcore.layout import LayoutKind
@@ -283,9 +284,8 @@ class SidecarConfig:
     def _check_events_via(self) -> None:
         if (self.events_via is EventsVia.NATS) != (self.nats_url is not None):
             raise ValueError("--events-via nats and --nats URL go together")
-        if self.nats_url is not None and urlsplit(self.nats_url.split(",")[0]).scheme not in (
-                "nats", "tls"):
-            raise ValueError(f"--nats must be nats://HOST:PORT (or tls://), got {self.nats_url!r}")
+        if self.nats_url is not None:
+            nats_extra.check_url(self.nats_url)
 
     @classmethod
     def parser(cls) -> OptionParser:

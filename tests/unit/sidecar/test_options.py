@@ -187,6 +187,8 @@ def test_the_engine_url_is_required_from_the_flags_or_the_file(
         (["--store-capacity-bytes", "2TB"], "argument --store-capacity-bytes: '2TB' is not a"),
         (["--silent-after-s", "0"],
          "argument --silent-after-s: must be a finite number > 0, got 0.0"),
+        (["--events-via", "nats", "--nats", "nats://h:4222,http://h:4223"],
+         "--nats must be nats://HOST:PORT (or tls://, comma-separated for a cluster)"),
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], message: str,
