@@ -8,10 +8,11 @@ import importlib
 from collections.abc import Awaitable, Callable
 from functools import cache
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvcore.extras import MissingExtraError
 
-__all__ = ["close_quietly", "connect", "load"]
+__all__ = ["check_url", "close_quietly", "connect", "load"]
 
 
 @cache
@@ -25,6 +26,17 @@ def load(command: str) -> Any:
         return _module()
     except ImportError as exc:
         raise MissingExtraError(command, "nats", "nats-py", exc) from exc
+
+
+def check_url(url: str) -> None:
+    """``ValueError`` unless ``url`` (a gateway's or a sidecar's ``--nats``) names NATS
+    servers as ``connect`` takes them: nats:// or tls://HOST:PORT, comma-separated for a
+    cluster."""
+    for server in url.split(","):
+        parts = urlsplit(server.strip())
+        if parts.scheme not in ("nats", "tls") or not parts.hostname:
+            raise ValueError("--nats must be nats://HOST:PORT (or tls://, comma-separated for a "
+                             f"cluster), got {url!r}")
 
 
 _RECONNECT_WAIT_S = 0.5

@@ -7,7 +7,8 @@ flags, so a default, a choice list or a conversion is written in one place, and
 says how (``Path``, an ``Enum`` by value, a ``Literal`` of strings as its choices,
 ``tuple[X, ...]`` from a repeated flag, ``X | None`` for a flag that may be absent, ``bool``
 from a switch). An option without a default is required: on the command line or in the config
-file.
+file. ``ge=``/``gt=``/``le=``/``lt=`` bound a number (``kvcore.option_bounds``): checked on the
+flag, in the config file and, through ``check_bounds`` in ``__post_init__``, in code.
 
 ``--config FILE`` reads the same options from TOML. Its keys are field names or flag names,
 with dashes or underscores; its values, checked as the flags' are, become the flags' defaults,
@@ -20,32 +21,19 @@ import argparse
 import dataclasses
 import enum
 import tomllib
-import types
 import typing
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-__all__ = ["OptionParser", "member", "option", "option_of"]
+from kvcore.option_bounds import Bounds
+from kvcore.option_specs import OPTION_KEY, OptionMeta, OptionSpec, option_specs
 
-_KEY = "kvcore.option"
+__all__ = ["Bounds", "OptionParser", "check_bounds", "member", "option", "option_bounds",
+           "option_of"]
+
 _T = TypeVar("_T")
 _E = TypeVar("_E", bound=enum.Enum)
 _N = TypeVar("_N")
-_SCALARS = (bool, int, float, str, Path)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Meta:
-    help: str
-    group: str
-    flag: str | None
-    metavar: str | None
-    parse: Callable[[str], object] | None
-    default_text: str | None
-    aliases: tuple[str, ...]
-    choices: tuple[object, ...] | None
-    required: bool
 
 
 @overload
@@ -61,6 +49,10 @@ def option(
     choices: Iterable[object] | None = None,
     default_text: str | None = None,
     secret: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> _T: ...
 @overload
 def option(
@@ -74,6 +66,10 @@ def option(
     parse: Callable[[str], object] | None = None,
     choices: Iterable[object] | None = None,
     secret: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> Any: ...
 
 
@@ -90,6 +86,10 @@ def option(
     default_text: str | None = None,
     required: bool = False,
     secret: bool = False,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
 ) -> Any:
     """A dataclass field that is also a flag, ``--<name-with-dashes>`` unless ``flag`` says;
     ``aliases`` are more spellings of it (a flag renamed, its old name kept working).
@@ -103,14 +103,22 @@ def option(
 
     ``required=True``, given instead of a default, makes a field without one: code that builds
     the dataclass must give it, and so must the command line or a ``--config`` file.
-    ``secret=True`` keeps the value out of the dataclass's repr (a URL with a password)."""
+    ``secret=True`` keeps the value out of the dataclass's repr (a URL with a password).
+
+    ``ge``/``gt`` (at least, more than) and ``le``/``lt`` (at most, less than) bound a number,
+    and each item of a repeated one; None, an optional option's absence, is always allowed.
+    The flag and the config file refuse a value outside them, naming themselves and the
+    range; code that builds the dataclass is refused by ``check_bounds`` in its
+    ``__post_init__``."""
     if required == (default is not dataclasses.MISSING):
         raise TypeError("an option has a default or is required=True, one of the two")
-    meta = _Meta(help, group, flag, metavar, parse, default_text, tuple(aliases),
-                 None if choices is None else tuple(choices), required)
+    given = (ge, gt, le, lt)
+    meta = OptionMeta(help, group, flag, metavar, parse, default_text, tuple(aliases),
+                      None if choices is None else tuple(choices), required,
+                      None if given == (None,) * 4 else Bounds(*given))
     if required:
-        return dataclasses.field(repr=not secret, metadata={_KEY: meta})
-    return dataclasses.field(default=default, repr=not secret, metadata={_KEY: meta})
+        return dataclasses.field(repr=not secret, metadata={OPTION_KEY: meta})
+    return dataclasses.field(default=default, repr=not secret, metadata={OPTION_KEY: meta})
 
 
 def option_of(
@@ -126,16 +134,16 @@ def option_of(
     default, unless ``default`` gives this command's own. ``group``, and ``help`` where the
     words differ, are this command's."""
     source = next((f for f in dataclasses.fields(cls) if f.name == name), None)
-    if source is None or _KEY not in source.metadata:
+    if source is None or OPTION_KEY not in source.metadata:
         raise TypeError(f"{cls.__name__} has no option {name!r}")
-    meta: _Meta = source.metadata[_KEY]
+    meta: OptionMeta = source.metadata[OPTION_KEY]
     meta = dataclasses.replace(meta, group=group, help=meta.help if help is None else help)
     if default is not dataclasses.MISSING:  # this command's default, in its own words
         meta = dataclasses.replace(meta, default_text=None, required=False)
-        return dataclasses.field(default=default, repr=source.repr, metadata={_KEY: meta})
+        return dataclasses.field(default=default, repr=source.repr, metadata={OPTION_KEY: meta})
     if meta.required:
-        return dataclasses.field(repr=source.repr, metadata={_KEY: meta})
-    return dataclasses.field(default=source.default, repr=source.repr, metadata={_KEY: meta})
+        return dataclasses.field(repr=source.repr, metadata={OPTION_KEY: meta})
+    return dataclasses.field(default=source.default, repr=source.repr, metadata={OPTION_KEY: meta})
 
 
 def member(what: str, value: object, vocabulary: type[_E]) -> _E:
@@ -151,174 +159,24 @@ def member(what: str, value: object, vocabulary: type[_E]) -> _E:
     return vocabulary(value)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Spec:
-    """One option, resolved: its flag and the shape of its values."""
-
-    name: str
-    flag: str
-    kind: Any  # bool, int, float, str, Path, an Enum, or what ``parse`` returns
-    optional: bool  # X | None
-    repeat: bool  # tuple[X, ...]: the flag may be given many times
-    default: object
-    meta: _Meta
-
-    @property
-    def flags(self) -> tuple[str, ...]:
-        """Its option strings: the flag, then its aliases."""
-        return (self.flag, *self.meta.aliases)
-
-    @property
-    def raw_default(self) -> object:
-        """The default as argparse holds it (the command line's form: enum values, strings)."""
-        if self.repeat or self.meta.required:
-            return None
-        if isinstance(self.default, enum.Enum):
-            return self.default.value
-        if isinstance(self.default, Path):
-            return str(self.default)
-        return self.default
-
-    def convert(self, raw: object) -> object:
-        """argparse's (or the config file's) value as the field's; ``ValueError`` says why not."""
-        if self.repeat:
-            return tuple(self._one(v) for v in typing.cast(Iterable[object], raw or ()))
-        if raw is None or (raw == "" and self.optional and self.kind is Path):
-            return None
-        return self._one(raw)
-
-    def _one(self, value: object) -> object:
-        if self.meta.parse is not None:
-            return self.meta.parse(value) if isinstance(value, str) else value
-        if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
-            return self.kind(value)
-        if self.kind is Path:
-            return Path(typing.cast(str, value))
-        return value
-
-    def from_file(self, value: object) -> object:
-        """A TOML value as the flag's raw value, checked as the flag's would be."""
-        if self.repeat:
-            items = value if isinstance(value, list) else [value]
-            return [self._file_scalar(v) for v in items]
-        return self._file_scalar(value)
-
-    def _file_scalar(self, value: object) -> object:
-        kind = self.kind
-        if self.meta.parse is not None and isinstance(value, str):
-            ok = True  # what a flag would get; parse checks it below
-        elif kind is bool:
-            ok = isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif kind is float:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-            if isinstance(value, int | float):
-                value = float(value)  # TOML's 2 is an int; the flag's would be 2.0
-        else:
-            ok = isinstance(value, str)
-        if not ok:
-            expected = _kind_name(kind)
-            if self.meta.parse is not None and expected != "a string":
-                expected += " or a string"  # "4GiB" as well as 4294967296
-            raise ValueError(f"expected {expected}, got {value!r}")
-        choices = self.choices
-        if choices is not None and self.meta.parse is None:
-            if value not in choices:
-                raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {value!r}")
-        else:
-            self._one(value)  # a parse error is the file's error
-        return value
-
-    @property
-    def choices(self) -> tuple[object, ...] | None:
-        """The raw values allowed: ``choices=``'s, or an ``Enum``'s members' values."""
-        if self.meta.choices is not None:
-            return self.meta.choices
-        if isinstance(self.kind, type) and issubclass(self.kind, enum.Enum):
-            return tuple(m.value for m in self.kind)
-        return None
-
-    @property
-    def help(self) -> str:
-        text = self.meta.help.replace("%", "%%")  # argparse %-formats help strings
-        if self.meta.required:
-            return text  # argparse's usage line shows it without brackets
-        if self.meta.default_text is not None:
-            return f"{text} (default: {self.meta.default_text})".lstrip()
-        if self.default is None or self.default is False or self.default == ():
-            return text  # absent, off or empty: the help says what that means
-        return f"{text} (default {_show(self.default)})".lstrip()
-
-
-def _kind_name(kind: Any) -> str:
-    if kind in _SCALARS:
-        return "a string" if kind is Path else f"{'an' if kind is int else 'a'} {kind.__name__}"
-    return "a string"
-
-
-def _show(value: object) -> str:
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
-        return f"{value:,}"
-    return str(value)
-
-
-def _specs(cls: type) -> tuple[_Spec, ...]:
-    """The options among ``cls``'s fields, in declaration order."""
-    hints = typing.get_type_hints(cls)
-    specs = []
-    for f in dataclasses.fields(cls):
-        meta = f.metadata.get(_KEY)
-        if meta is None:
+def check_bounds(config: object) -> None:
+    """Refuse, with a ``ValueError`` naming the field and its flag, an option of ``config``
+    outside its ``ge=``/``gt=``/``le=``/``lt=``: the first line of every options dataclass's
+    ``__post_init__``, so that code is held to the bounds a flag is."""
+    for spec in option_specs(type(config)):
+        if spec.meta.bounds is None:
             continue
-        if f.default is dataclasses.MISSING and not meta.required:
-            raise TypeError(f"{cls.__name__}.{f.name}: an option needs a default")
-        kind, optional, repeat = _shape(hints[f.name])
-        if typing.get_origin(kind) is Literal:  # a vocabulary the wire types already name
-            values = typing.get_args(kind)
-            if meta.choices is not None or not all(isinstance(v, str) for v in values):
-                raise TypeError(f"{cls.__name__}.{f.name}: a Literal option is of strings, "
-                                "its choices its own")
-            kind, meta = str, dataclasses.replace(meta, choices=values)
-        spec = _Spec(f.name, meta.flag or "--" + f.name.replace("_", "-"), kind, optional,
-                     repeat, f.default, meta)
-        _check(cls, spec)
-        specs.append(spec)
-    return tuple(specs)
+        value = getattr(config, spec.name)
+        for item in value if spec.repeat else (value,):
+            try:
+                spec.bounded(item)
+            except ValueError as exc:
+                raise ValueError(f"{spec.name} {exc} ({spec.flag})") from None
 
 
-def _shape(hint: Any) -> tuple[Any, bool, bool]:
-    """``X``, ``X | None`` or ``tuple[X, ...]`` → (X, optional, repeat)."""
-    optional = False
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (types.UnionType, typing.Union) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) != 1:
-            raise TypeError(f"an option is one type, or that type | None: {hint!r}")
-        hint, optional = rest[0], True
-    if typing.get_origin(hint) is tuple:
-        args = typing.get_args(hint)
-        if len(args) != 2 or args[1] is not Ellipsis:
-            raise TypeError(f"a repeated option is tuple[X, ...]: {hint!r}")
-        return args[0], optional, True
-    return hint, optional, False
-
-
-def _check(cls: type, spec: _Spec) -> None:
-    where = f"{cls.__name__}.{spec.name}"
-    is_enum = isinstance(spec.kind, type) and issubclass(spec.kind, enum.Enum)
-    if spec.meta.parse is None and spec.kind not in _SCALARS and not is_enum:
-        raise TypeError(f"{where}: give parse= to read a {spec.kind!r} from the command line")
-    if spec.kind is bool and (spec.default is not False or spec.repeat):
-        raise TypeError(f"{where}: a bool option is a switch, off by default")
-    if spec.meta.choices is not None and (is_enum or spec.kind is bool):
-        raise TypeError(f"{where}: an Enum's or a switch's choices are its own")
-    if spec.repeat and spec.default != () and not spec.meta.required:
-        raise TypeError(f"{where}: a repeated option's default is ()")
+def option_bounds(cls: type) -> dict[str, Bounds]:
+    """The bounds of ``cls``'s bounded options, by field name."""
+    return {s.name: s.meta.bounds for s in option_specs(cls) if s.meta.bounds is not None}
 
 
 class _Repeat(argparse.Action):
@@ -344,7 +202,7 @@ class OptionParser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._specs: dict[str, _Spec] = {}  # by dest, which is the field's name
+        self._specs: dict[str, OptionSpec] = {}  # by dest, which is the field's name
         self._keys: dict[str, str] = {}  # a config file's key, with underscores → dest
         self._groups: dict[str, argparse._ArgumentGroup] = {}
         self.add_argument(
@@ -357,7 +215,7 @@ class OptionParser(argparse.ArgumentParser):
 
     def add_options(self, cls: type) -> None:
         """A flag for each option of ``cls``, in the options' groups, in field order."""
-        for spec in _specs(cls):
+        for spec in option_specs(cls):
             if spec.name in self._specs:
                 raise ValueError(f"two options named {spec.name}")
             group = self._groups.get(spec.meta.group)
@@ -385,7 +243,7 @@ class OptionParser(argparse.ArgumentParser):
         """``cls`` from parsed flags (and ``given``, its fields that are not options); a bad
         value or a ``ValueError`` of ``cls`` itself is an argparse error (exit 2)."""
         values = dict(given)
-        for spec in _specs(cls):
+        for spec in option_specs(cls):
             try:
                 values[spec.name] = spec.convert(getattr(args, spec.name))
             except ValueError as exc:

@@ -35,7 +35,7 @@ from prometheus_client import generate_latest
 
 from kvcore.errors import METHOD_NOT_ALLOWED, MODEL_NOT_FOUND, UNKNOWN_ENDPOINT, OpenAIError
 from kvcore.logs import configure_logging
-from kvcore.options import OptionParser, option
+from kvcore.options import OptionParser, check_bounds, option
 from kvsidecar.indexer_registry import Registrations
 from routing.indexer.answer import answer
 from routing.indexer.requests import (
@@ -61,29 +61,25 @@ class IndexerConfig:
     """``kvsidecar indexer``'s options."""
 
     host: str = option("0.0.0.0", group=_SERVER, help="address the HTTP API listens on")
-    port: int = option(8090, group=_SERVER, help="port of the HTTP API (0: any free port, "
-                       "printed in indexer_started)")
+    port: int = option(8090, group=_SERVER, ge=0, le=65535,
+                       help="port of the HTTP API (0: any free port, printed in indexer_started)")
     log_level: str = option("info", group=_SERVER, choices=("debug", "info", "warning",
                                                               "error"), help="log level")
     ready_file: Path | None = option(None, group=_SERVER, metavar="FILE",
                                      help="write one JSON ready line here once serving")
-    replay_timeout_s: float = option(2.0, group=_EVENTS,
+    replay_timeout_s: float = option(2.0, group=_EVENTS, gt=0,
                                      help="how long a publisher's replay socket may take to "
                                      "answer before the gap is left to a resync")
-    idle_probe_s: float = option(1.0, group=_EVENTS,
+    idle_probe_s: float = option(1.0, group=_EVENTS, gt=0,
                                  help="while a publisher is quiet, ask its replay socket this "
                                  "often for batches the live socket dropped")
-    xxh3_seed: int = option(DEFAULT_XXH3_SEED, group=_EVENTS, metavar="SEED",
+    xxh3_seed: int = option(DEFAULT_XXH3_SEED, group=_EVENTS, ge=0, le=(1 << 64) - 1,
+                            metavar="SEED",
                             help="the seed S of the RFC's XXH3-64 rolling hashes, which "
                             "/query_by_hash takes (Dynamo's is 1337)")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.replay_timeout_s <= 0 or self.idle_probe_s <= 0:
-            raise ValueError("replay_timeout_s and idle_probe_s must be > 0")
-        if not 0 <= self.xxh3_seed < 1 << 64:
-            raise ValueError(f"xxh3_seed must be a u64, got {self.xxh3_seed}")
+        check_bounds(self)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None) -> IndexerConfig:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvcore.logs import LOG_LEVELS
-from kvcore.options import OptionParser, member, option
+from kvcore.options import OptionParser, check_bounds, member, option
 from refengine.kv_events import KVEventsConfig
 from refengine.presets import PRESETS
 from refengine.timing import SIM_GROUP, SimModel, SimTiming, TimingModel
@@ -56,10 +56,10 @@ class EngineConfig:
     ``--`` and its name with dashes; ``sim`` holds the ``--sim-*`` flags (``SimTiming``'s)."""
 
     host: str = option("127.0.0.1", group=_SERVER, help="HTTP bind address")
-    port: int = option(30000, group=_SERVER, default_text="30000",
+    port: int = option(30000, group=_SERVER, ge=0, le=65535, default_text="30000",
                        help="HTTP port; 0 picks a free one")
     replicas: int = option(
-        1, group=_SERVER,
+        1, group=_SERVER, ge=1,
         help="serve N independent engines in this process (sim compute only), on "
         "ports port..port+N-1 (all ephemeral with --port 0)")
     ready_file: Path | None = option(
@@ -82,16 +82,16 @@ class EngineConfig:
         default_text="the model directory's name")
     compute: Compute = option(
         Compute.TORCH, group=_MODEL, help="torch: run the model; sim: timing model only, no math")
-    torch_threads: int | None = option(None, group=_MODEL, help="torch intra-op threads")
+    torch_threads: int | None = option(None, group=_MODEL, ge=1, help="torch intra-op threads")
     random_seed: int = option(0, group=_MODEL, help="seed for sampled decoding")
 
-    page_size: int = option(16, group=_CACHE, help="tokens per KV page")
+    page_size: int = option(16, group=_CACHE, ge=1, help="tokens per KV page")
     max_total_tokens: int | None = option(  # None: derived from the model (see with_model)
         None, group=_CACHE, help="KV pool size in tokens",
         default_text="32768, capped at 1 GiB of KV")
     chunked_prefill_size: int = option(
-        512, group=_CACHE, help="prompt tokens computed per prefill step")
-    max_running_requests: int = option(64, group=_CACHE, help="requests admitted at once")
+        512, group=_CACHE, ge=1, help="prompt tokens computed per prefill step")
+    max_running_requests: int = option(64, group=_CACHE, ge=1, help="requests admitted at once")
     enable_mixed_chunk: bool = option(
         False, group=_CACHE,
         help="as SGLang's: mix prompt chunks into decode steps; a step then runs every "
@@ -118,7 +118,7 @@ class EngineConfig:
         "extra config (module_path, class_name, backend_name)")
     hicache_storage_backend_extra_config: str | None = option(
         None, group=_HOST, metavar="JSON", help="JSON passed to the backend")
-    hicache_host_pages: int = option(256, group=_HOST, help="pages in the host staging pool")
+    hicache_host_pages: int = option(256, group=_HOST, ge=1, help="pages in the host staging pool")
     hicache_write_policy: Literal["write_through"] = option(
         "write_through", group=_HOST, help="when pages reach the store (SGLang's flag; the "
         "one policy served)")
@@ -128,7 +128,7 @@ class EngineConfig:
         help="prefill: stop after the first token and export the prompt's pages; "
         "decode: import the prompt's pages from the page store")
 
-    speedup: float = option(1.0, group=SIM_GROUP, help="divide every simulated duration")
+    speedup: float = option(1.0, group=SIM_GROUP, gt=0, help="divide every simulated duration")
     sim_model: SimModel = option(
         SimModel.LINEAR, group=SIM_GROUP,
         help="linear: the --sim-* terms; mocker: Dynamo 1.6.1's mocker's polynomial (prefill "
@@ -138,30 +138,19 @@ class EngineConfig:
     sim: SimTiming = field(default_factory=SimTiming)
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # each option's range, declared with it; relations follow
         # frozen, but not yet shared: a plain string from code becomes its member
         object.__setattr__(self, "compute", member("--compute", self.compute, Compute))
         object.__setattr__(self, "disaggregation_mode", member(
             "--disaggregation-mode", self.disaggregation_mode, DisaggMode))
         object.__setattr__(self, "sim_model", member("--sim-model", self.sim_model, SimModel))
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in 0..65535, got {self.port}")
-        if self.page_size < 1:
-            raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(
                 f"--max-total-tokens ({self.max_total_tokens}) must hold at least one page "
                 f"(--page-size {self.page_size})"
             )
-        if self.chunked_prefill_size < 1:
-            raise ValueError("--chunked-prefill-size must be >= 1")
-        if self.max_running_requests < 1:
-            raise ValueError("--max-running-requests must be >= 1")
-        if self.replicas < 1:
-            raise ValueError("--replicas must be >= 1")
         if self.replicas > 1 and self.compute is Compute.TORCH:
             raise ValueError("--replicas > 1 needs --compute sim (one torch model per process)")
-        if self.hicache_host_pages < 1:
-            raise ValueError("--hicache-host-pages must be >= 1")
         if self.disaggregation_mode is not DisaggMode.NULL and not self.page_store:
             raise ValueError(
                 "--disaggregation-mode prefill/decode moves pages through the page store: "

@@ -33,7 +33,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvcore.options import option
+from kvcore.options import check_bounds, option
 
 __all__ = ["SIM_GROUP", "SimModel", "SimTiming", "TimingModel"]
 
@@ -116,13 +116,17 @@ class SimTiming:
     defaults."""
 
     sim_prefill_base_ms: float = option(
-        _DEFAULT.prefill_base_s * 1e3, group=SIM_GROUP, help="per prefill step")
+        _DEFAULT.prefill_base_s * 1e3, group=SIM_GROUP, ge=0, help="per prefill step")
     sim_prefill_us_per_token: float = option(
-        _DEFAULT.prefill_per_token_s * 1e6, group=SIM_GROUP, help="per uncached prompt token")
+        _DEFAULT.prefill_per_token_s * 1e6, group=SIM_GROUP, ge=0, help="per uncached prompt token")
     sim_decode_base_ms: float = option(
-        _DEFAULT.decode_base_s * 1e3, group=SIM_GROUP, help="per decode step")
+        _DEFAULT.decode_base_s * 1e3, group=SIM_GROUP, ge=0, help="per decode step")
     sim_decode_us_per_seq: float = option(
-        _DEFAULT.decode_per_seq_s * 1e6, group=SIM_GROUP, help="per sequence in a decode step")
+        _DEFAULT.decode_per_seq_s * 1e6, group=SIM_GROUP, ge=0,
+        help="per sequence in a decode step")
+
+    def __post_init__(self) -> None:
+        check_bounds(self)
 
     def model(self, speedup: float = 1.0) -> TimingModel:
         """The timing model these flags give, every duration divided by ``speedup``."""

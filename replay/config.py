@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcore.options import OptionParser, option, option_of
+from kvcore.options import OptionParser, check_bounds, option, option_of
 from refengine.config import EngineConfig
 from refengine.timing import SimTiming
 from replay.offline import FleetConfig
@@ -37,10 +37,10 @@ class ReplayConfig:
         None, group=_MODE, help="the gateway's base URL, e.g. http://127.0.0.1:8000")
 
     limit: int | None = option(
-        None, group=_COMMON, help="replay only the first N requests of each trace")
-    speedup: float = option(1.0, group=_COMMON, help="compress arrival times by this factor")
+        None, group=_COMMON, ge=1, help="replay only the first N requests of each trace")
+    speedup: float = option(1.0, group=_COMMON, gt=0, help="compress arrival times by this factor")
     prefix_share: float = option(
-        0.0, group=_COMMON,
+        0.0, group=_COMMON, ge=0, le=1,
         help="for traces without prefix ids (Azure): share of each prompt taken "
         "from one of a few shared prefixes")
     seed: int = option(0, group=_COMMON, help="seed for random choices")
@@ -48,12 +48,12 @@ class ReplayConfig:
         None, group=_COMMON, metavar="DIR", help="write report.md and PNG plots here")
     quiet: bool = option(False, group=_COMMON, help="no progress line on stderr")
 
-    replicas: int = option(8, group=_OFFLINE, help="simulated engine replicas")
+    replicas: int = option(8, group=_OFFLINE, ge=1, help="simulated engine replicas")
     capacity_tokens: int | None = option(
-        None, group=_OFFLINE,
+        None, group=_OFFLINE, ge=1,
         help="KV cache per replica, in tokens (the engines' --max-total-tokens)")
     capacity_share: float | None = option(
-        None, group=_OFFLINE,
+        None, group=_OFFLINE, gt=0, le=1,
         help="instead of --capacity-tokens: all replicas together hold this share "
         "of the trace's distinct blocks")
     policies: tuple[str, ...] = option(
@@ -77,7 +77,7 @@ class ReplayConfig:
         RouterConfig, "approx_ttl_s", group=_OFFLINE,
         help="how long a routed prefix counts as cached without an event, in every policy")
     event_delay_ms: float = option(
-        0.0, group=_OFFLINE, help="KV event latency from replica to router")
+        0.0, group=_OFFLINE, ge=0, help="KV event latency from replica to router")
     # --sim-prefill-base-ms and the other --sim-* flags (the engine's: SimTiming's)
     sim: SimTiming = field(default_factory=SimTiming)
 
@@ -85,27 +85,26 @@ class ReplayConfig:
         None, group=_LIVE, help="JSONL file, one record per request",
         default_text="replay-<trace>.jsonl")
     max_concurrency: int = option(
-        64, group=_LIVE, help="requests in flight at most (later ones wait)")
+        64, group=_LIVE, ge=1, help="requests in flight at most (later ones wait)")
     model: str | None = option(
         None, group=_LIVE, help="the model field of each request",
         default_text="the first model the gateway lists at /v1/models")
     model_path: str | None = option(
         None, group=_LIVE, help="model directory whose config.json gives vocab_size")
     vocab_size: int = option(
-        1024, group=_LIVE, help="token ids are synthesized below this (unless --model-path)")
+        1024, group=_LIVE, ge=1, help="token ids are synthesized below this (unless --model-path)")
     block_size: int = option_of(
         RouterConfig, "block_size", group=_LIVE,
         help="the gateway's block size: converts x-kvsidecar-cached-blocks")
     request_timeout_s: float = option(
-        600.0, group=_LIVE, help="longest silence on a request's stream before it is failed")
+        600.0, group=_LIVE, gt=0, help="longest silence on a request's stream before it is failed")
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # each option's range, declared with it; relations follow
         if self.offline == (self.url is not None):
             raise ValueError("argument --url: not allowed with argument --offline"
                              if self.offline else
                              "one of the arguments --offline --url is required")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be >= 1, got {self.limit}")
 
     @property
     def chosen_policies(self) -> tuple[list[RouterMode], bool]:
@@ -142,8 +141,6 @@ class ReplayConfig:
             return self.capacity_tokens
         if self.capacity_share is None:
             raise ValueError("--offline needs --capacity-tokens or --capacity-share")
-        if not 0 < self.capacity_share <= 1:
-            raise ValueError(f"--capacity-share must be in (0, 1], got {self.capacity_share}")
         per_replica = self.capacity_share * distinct_blocks * block_tokens / self.replicas
         return max(block_tokens, int(per_replica) // block_tokens * block_tokens)
 

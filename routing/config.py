@@ -6,14 +6,14 @@ passes them on (``kvsidecar up``, replay) uses too."""
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kvcore import nats_extra
 from kvcore.events import Tier
-from kvcore.options import member, option
+from kvcore.options import check_bounds, member, option
 from routing.vocabulary import (
     EventsVia,
     FailurePolicy,
@@ -54,7 +54,7 @@ class RouterConfig:
         None, group=_WORKERS, metavar="PATH",
         help="a file of sidecar URLs, one per line (# comments), re-read when it changes")
     dead_after_s: float = option(
-        5.0, group=_WORKERS,
+        5.0, group=_WORKERS, gt=0,
         help="a sidecar unreachable this long leaves placement and its blocks leave the "
         "index until it returns")
     workers: tuple[WorkerAddress, ...] = option(
@@ -71,10 +71,10 @@ class RouterConfig:
         help="model name clients use; repeatable",
         default_text="the model directory's name, or what the workers list at /v1/models")
     max_model_len: int | None = option(
-        None, group=_WORKERS, metavar="TOKENS", help="context limit",
+        None, group=_WORKERS, ge=1, metavar="TOKENS", help="context limit",
         default_text="max_position_embeddings of config.json")
     tokenizer_cache_tokens: int = option(
-        4_000_000, group=_WORKERS, metavar="TOKENS",
+        4_000_000, group=_WORKERS, ge=0, metavar="TOKENS",
         help="token ids of recent prompt segments kept for reuse (about 36 bytes a token: "
         "~145 MiB for the default, when full; 0: no cache)")
 
@@ -112,31 +112,31 @@ class RouterConfig:
         "(in-flight requests)")
     # None: learned from the fleet's feedback (routing/placement/tuning.py); a number fixes it.
     overlap_weight: float | None = option(
-        None, group=_PLACEMENT,
+        None, group=_PLACEMENT, ge=0,
         help="credit per GPU-cached prefix block in the cost, in blocks of prefill work",
         default_text="learned, from 1 while the engines evict nothing up to 21 when every "
         "store evicts; a number fixes it; docs/bench/pressure.md")
     prefill_load_scale: float | None = option(
-        None, group=_PLACEMENT,
+        None, group=_PLACEMENT, ge=0,
         help="weight of a block of prefill work against a block held by decoding requests "
         "(Dynamo's prefill_load_scale)",
         default_text="learned from time to first token; a number fixes it")
     decode_interference_weight: float = option(
-        1.0, group=_PLACEMENT,
+        1.0, group=_PLACEMENT, ge=0,
         help="weight of the learned decode-interference term: the time a worker's streams "
         "run past --slo-itl-ms with one more request (its inter-token latency against "
         "requests in flight, learned from the relayed streams; nothing while the target "
         "holds); 0 turns it off (prefill and held blocks only)")
     router_temperature: float = option(
-        0.0, group=_PLACEMENT, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
+        0.0, group=_PLACEMENT, ge=0, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
     # Each tier's credit below the GPU (``tier_weights``), defaults as the scorer's
     # (``DEFAULT_TIER_WEIGHTS``, below this module: a test checks they agree).
     host_weight: float = option(
-        0.75, group=_PLACEMENT, help="credit per prefix block cached in host memory")
+        0.75, group=_PLACEMENT, ge=0, help="credit per prefix block cached in host memory")
     disk_weight: float = option(
-        0.25, group=_PLACEMENT, help="credit per prefix block cached on disk")
+        0.25, group=_PLACEMENT, ge=0, help="credit per prefix block cached on disk")
     remote_weight: float = option(
-        0.1, group=_PLACEMENT,
+        0.1, group=_PLACEMENT, ge=0,
         help="credit per prefix block in the remote tier (a store shared by every replica of "
         "the model: credited on each of them)")
     kv_move: KvMove = option(
@@ -147,13 +147,14 @@ class RouterConfig:
         "prefill's (placement reason 'moved'; a failed pull recomputes); off: never (the "
         "default: on the hot-prefix bench it did not beat herding, docs/bench/kv-move.md)")
     block_size: int = option(
-        16, group=_PLACEMENT, help="tokens per KV block; must match the engines' page size")
+        16, group=_PLACEMENT, ge=1, le=4096,
+        help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(
-        120.0, group=_PLACEMENT,
+        120.0, group=_PLACEMENT, gt=0,
         help="how long a routed prefix counts as cached in approx mode (and kv without sidecars)")
     seed: int | None = option(None, group=_PLACEMENT, help="seed of the random choices (tests)")
     xxh3_seed: int | None = option(
-        None, group=_PLACEMENT, metavar="SEED", default_text="off",
+        None, group=_PLACEMENT, ge=0, le=(1 << 64) - 1, metavar="SEED", default_text="off",
         help="also keep each indexed block's XXH3-64 rolling hash with this seed (1337 is "
         "Dynamo's), computed at ingest from its events' token ids, so the KV indexer API's "
         "/query_by_hash answers in the Mooncake RFC's scheme (docs/indexer-api.md)")
@@ -161,23 +162,23 @@ class RouterConfig:
     # Admission control (routing/pipeline/admission.py): busy thresholds, the waiting queue,
     # and x-session-id affinity.
     max_in_flight_per_worker: int | None = option(
-        None, group=_ADMISSION, metavar="N",
+        None, group=_ADMISSION, ge=1, metavar="N",
         help="a worker with N requests in flight (from this gateway) is busy",
         default_text="unlimited")
     busy_kv_fraction: float | None = option(
-        None, group=_ADMISSION, metavar="F",
+        None, group=_ADMISSION, gt=0, le=1, metavar="F",
         help="a worker whose active requests hold F of its KV capacity (0 < F <= 1; from its "
         "engine's load report where it publishes one) is busy", default_text="off")
     busy_prefill_tokens: int | None = option(
-        None, group=_ADMISSION, metavar="N",
+        None, group=_ADMISSION, ge=1, metavar="N",
         help="a worker with N prompt tokens waiting for prefill is busy", default_text="off")
     queue_timeout_s: float = option(
-        0.0, group=_ADMISSION, metavar="S",
+        0.0, group=_ADMISSION, ge=0, metavar="S",
         help="when every worker is busy, a request waits up to S seconds for one (higher "
         "x-kvsidecar-priority first, then by --queue-order), then gets 503 with retry-after; "
         "0: 429 with retry-after at once")
     queue_max: int = option(
-        1024, group=_ADMISSION, metavar="N",
+        1024, group=_ADMISSION, ge=1, metavar="N",
         help="requests that may wait at once; past it, the one ranking last gets 429 with "
         "retry-after")
     queue_order: QueueOrder = option(
@@ -186,7 +187,7 @@ class RouterConfig:
         "shares of tokens (fair; the API key file's weight= column) or first come, first "
         "served (fcfs)")
     queue_lookahead: int = option(
-        16, group=_ADMISSION, metavar="N",
+        16, group=_ADMISSION, ge=0, metavar="N",
         help="with a prefix policy (kv, approx): a freed worker takes a waiting request whose "
         "prefix it holds, among the N behind the queue's head in its priority band, before "
         "the head when a busy worker holds the head's; the head is passed over at most N "
@@ -196,15 +197,15 @@ class RouterConfig:
         help="keep a client's x-session-id on the worker that served it last, while that "
         "worker is routable and not busy (placement reason 'affinity')")
     session_ttl_s: float = option(
-        600.0, group=_ADMISSION, metavar="S",
+        600.0, group=_ADMISSION, gt=0, metavar="S",
         help="how long a session stays pinned after its last request")
     # What counts as served well (routing/pipeline/slo.py), counted on /metrics as goodput.
     slo_ttft_ms: float = option(
-        2000.0, group=_ADMISSION, metavar="MS",
+        2000.0, group=_ADMISSION, gt=0, le=3_600_000, metavar="MS",
         help="a request's time-to-first-token target, unless it names its own in "
         "x-kvsidecar-slo-ttft-ms")
     slo_itl_ms: float = option(
-        100.0, group=_ADMISSION, metavar="MS",
+        100.0, group=_ADMISSION, gt=0, le=3_600_000, metavar="MS",
         help="a stream's mean inter-token latency target, unless it names its own in "
         "x-kvsidecar-slo-itl-ms")
 
@@ -221,14 +222,14 @@ class RouterConfig:
         "an error event) or fallback (re-run on an aggregated worker; the first token waits "
         "for the handoff)")
     kv_transfer_timeout_s: float = option(
-        10.0, group=_PD,
+        10.0, group=_PD, ge=0,
         help="longest KV handoff (pull + import) before it counts as failed")
     kv_transport: KvTransport = option(
         KvTransport.AUTO, group=_PD,
         help="how decode sidecars pull blocks (--kv-handoff transfer): auto = shm when the "
         "two sidecars share a host, else nixl, falling back to tcp")
     pd_queue_timeout_s: float = option(
-        30.0, group=_PD,
+        30.0, group=_PD, ge=0,
         help="how long a request waits for room in a full decode pool before 503")
 
     # Replicas that agree over NATS (routing/replicas, docs/replicas.md); None: alone.
@@ -241,11 +242,11 @@ class RouterConfig:
         None, group=_REPLICAS, metavar="PREFIX", help="subjects of this fleet's replicas",
         default_text="kvsidecar.<model name>")
     nats_peer_timeout_s: float = option(
-        3.0, group=_REPLICAS,
+        3.0, group=_REPLICAS, gt=0,
         help="a replica not heard from this long has its load dropped here")
     # (routing/replicas/prompt_hold.py)
     nats_new_prompt_window_ms: float = option(
-        50.0, group=_REPLICAS, metavar="MS",
+        50.0, group=_REPLICAS, ge=0, le=10_000, metavar="MS",
         help="a prompt no worker holds yet, which another replica owns, waits MS for that "
         "replica's placement of it, then asks it where to go (20 x MS at most), so sessions "
         "of a new prompt through several replicas share one worker (0: never wait)")
@@ -257,41 +258,41 @@ class RouterConfig:
         "--events-via nats), start from the newest index snapshot; the sidecars' streams "
         "carry status, resyncs, and the events while NATS is away")
     snapshot_interval_s: float = option(
-        30.0, group=_REPLICAS,
+        30.0, group=_REPLICAS, ge=0,
         help="with --events-via nats: write the index to JetStream's object store this often, "
         "for gateways that start later (0: never)")
 
     host: str = option("127.0.0.1", group=_SERVER, help="address to listen on")
     port: int = option(
-        8000, group=_SERVER,
+        8000, group=_SERVER, ge=0, le=65535,
         help="port to listen on (0: any free port, printed in gateway_started)")
     log_level: LogLevel = option(
         LogLevel.INFO, group=_SERVER, help="debug adds one canonical log line per request")
     health_check_interval_s: float = option(
-        10.0, group=_SERVER, help="seconds between GET /health probes of each worker")
+        10.0, group=_SERVER, gt=0, help="seconds between GET /health probes of each worker")
     parity_interval_s: float = option(
-        300.0, group=_SERVER,
+        300.0, group=_SERVER, gt=0,
         help="seconds between checks that each sidecar worker's engine tokenizes and caches "
         "as the gateway hashes (a canary conversation, and the cached tokens engines report); "
         "also checked when a worker's stream comes up")
     connect_timeout_s: float = option(
-        5.0, group=_SERVER, help="longest wait for a connection to a worker")
+        5.0, group=_SERVER, gt=0, help="longest wait for a connection to a worker")
     upstream_timeout_s: float = option(
-        600.0, group=_SERVER,
+        600.0, group=_SERVER, gt=0,
         help="longest silence from a worker before the request is abandoned (or, a stream "
         "with --migration-limit, continued elsewhere)")
     migration_limit: int = option(
-        0, group=_SERVER, metavar="N",
+        0, group=_SERVER, ge=0, le=100, metavar="N",
         help="a stream whose worker dies mid-reply goes on on another worker, from the "
         "tokens the client already has, up to N times (0: it is cut)")
     drain_timeout_s: float = option(
-        30.0, group=_SERVER,
+        30.0, group=_SERVER, ge=0,
         help="on SIGTERM the gateway stops accepting, reports draining, and gives the "
         "requests in flight this long to finish before it cuts them")
     max_body_bytes: int = option(
-        32 << 20, group=_SERVER, help="largest request body accepted (larger: 413)")
+        32 << 20, group=_SERVER, ge=1024, help="largest request body accepted (larger: 413)")
     max_idle_connections_per_worker: int = option(
-        256, group=_SERVER, metavar="N",
+        256, group=_SERVER, ge=0, metavar="N",
         help="keep-alive connections to each worker kept open while idle")
     forward_authorization: bool = option(
         False, group=_SERVER,
@@ -309,15 +310,15 @@ class RouterConfig:
         "Bearer, or x-api-key) gets 401; each tenant's blocks live in its own cache "
         "namespace. Only /health and /metrics stay open")
     rate_limit_rps: float | None = option(
-        None, group=_SECURITY, metavar="N",
+        None, group=_SECURITY, gt=0, metavar="N",
         help="requests per second per tenant (the key file's rps= column overrides it); over "
         "it: 429 with retry-after", default_text="unlimited")
     rate_limit_tps: float | None = option(
-        None, group=_SECURITY, metavar="N",
+        None, group=_SECURITY, gt=0, metavar="N",
         help="tokens per second per tenant, counted at admission as prompt tokens + "
         "max_tokens (tps= in the key file overrides it)", default_text="unlimited")
     rate_limit_burst_s: float = option(
-        1.0, group=_SECURITY, metavar="S",
+        1.0, group=_SECURITY, gt=0, metavar="S",
         help="a full bucket holds this many seconds of each rate: what an idle tenant may "
         "send at once")
     tenant_salt_secret_file: Path | None = option(
@@ -334,6 +335,7 @@ class RouterConfig:
         "x-kvsidecar-token on every call")
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # each option's range, declared with it; relations follow
         if not (self.workers or self.sidecars or self.sidecar_file
                 or self.discover_k8s_selector):
             raise ValueError("give at least one --sidecar URL, --sidecar-file or --worker URL "
@@ -348,90 +350,14 @@ class RouterConfig:
                 "sidecar workers take token ids: give --model-path (the model's tokenizer and "
                 "chat template) so the gateway tokenizes exactly what the engine caches"
             )
-        if not math.isfinite(self.dead_after_s) or self.dead_after_s <= 0:
-            raise ValueError(f"dead_after_s must be > 0, got {self.dead_after_s!r}")
-        for name in (
-            "overlap_weight",
-            "prefill_load_scale",
-            "decode_interference_weight",
-            "router_temperature",
-            "host_weight",
-            "disk_weight",
-            "remote_weight",
-        ):
-            value = getattr(self, name)
-            if value is None and name in ("overlap_weight", "prefill_load_scale"):
-                continue  # learned
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not 1 <= self.block_size <= 4096:
-            raise ValueError(f"block_size must be in [1, 4096], got {self.block_size}")
-        if self.xxh3_seed is not None and not 0 <= self.xxh3_seed < 1 << 64:
-            raise ValueError(f"xxh3_seed must be a u64, got {self.xxh3_seed}")
-        for name in (
-            "approx_ttl_s",
-            "health_check_interval_s",
-            "parity_interval_s",
-            "connect_timeout_s",
-            "upstream_timeout_s",
-        ):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not math.isfinite(self.drain_timeout_s) or self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
-        if not 0 <= self.migration_limit <= 100:
-            raise ValueError(f"migration_limit must be in [0, 100], got {self.migration_limit}")
-        if self.tokenizer_cache_tokens < 0:
-            raise ValueError(
-                f"tokenizer_cache_tokens must be >= 0, got {self.tokenizer_cache_tokens}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_in_flight_per_worker is not None and self.max_in_flight_per_worker < 1:
-            raise ValueError(
-                f"max_in_flight_per_worker must be >= 1, got {self.max_in_flight_per_worker}"
-            )
-        if self.busy_kv_fraction is not None and not 0 < self.busy_kv_fraction <= 1:
-            raise ValueError(f"busy_kv_fraction must be in (0, 1], got {self.busy_kv_fraction}")
-        if self.busy_prefill_tokens is not None and self.busy_prefill_tokens < 1:
-            raise ValueError(f"busy_prefill_tokens must be >= 1, got {self.busy_prefill_tokens}")
-        if not math.isfinite(self.queue_timeout_s) or self.queue_timeout_s < 0:
-            raise ValueError(f"queue_timeout_s must be >= 0, got {self.queue_timeout_s!r}")
-        if self.queue_max < 1:
-            raise ValueError(f"queue_max must be >= 1, got {self.queue_max}")
-        if self.queue_lookahead < 0:
-            raise ValueError(f"queue_lookahead must be >= 0, got {self.queue_lookahead}")
-        for name in ("slo_ttft_ms", "slo_itl_ms"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or not 0 < value <= 3_600_000:
-                raise ValueError(f"{name} must be in (0, 3600000] ms, got {value!r}")
-        if not math.isfinite(self.session_ttl_s) or self.session_ttl_s <= 0:
-            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_idle_connections_per_worker < 0:
-            raise ValueError("max_idle_connections_per_worker must be >= 0, got "
-                             f"{self.max_idle_connections_per_worker}")
         for name, vocabulary in (("pd_mode", PdMode), ("kv_transport", KvTransport),
                                  ("kv_move", KvMove),
                                  ("kv_load_failure_policy", FailurePolicy),
                                  ("events_via", EventsVia)):
             # frozen, but not yet shared: a plain string from code becomes its member
             object.__setattr__(self, name, member(name, getattr(self, name), vocabulary))
-        for name in ("kv_transfer_timeout_s", "pd_queue_timeout_s"):
-            value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("give both --tls-cert and --tls-key, or neither")
-        for name in ("rate_limit_rps", "rate_limit_tps"):
-            value = getattr(self, name)
-            if value is not None and (not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if not math.isfinite(self.rate_limit_burst_s) or self.rate_limit_burst_s <= 0:
-            raise ValueError(f"rate_limit_burst_s must be > 0, got {self.rate_limit_burst_s!r}")
         if self.api_key_file is None and (
             self.rate_limit_rps is not None or self.rate_limit_tps is not None
         ):
@@ -447,27 +373,16 @@ class RouterConfig:
 
     def _check_nats(self) -> None:
         if self.nats_url is not None:
-            for url in self.nats_url.split(","):
-                parts = urlsplit(url.strip())
-                if parts.scheme not in ("nats", "tls") or not parts.hostname:
-                    raise ValueError(f"--nats must be nats://HOST:PORT (or tls://, comma-"
-                                     f"separated for a cluster), got {self.nats_url!r}")
+            nats_extra.check_url(self.nats_url)
         prefix = self.nats_subject_prefix
         if prefix is not None and not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", prefix):
             raise ValueError("--nats-subject-prefix must be dot-separated tokens of letters, "
                              f"digits, '_' and '-', got {prefix!r}")
-        if not math.isfinite(self.nats_peer_timeout_s) or self.nats_peer_timeout_s <= 0:
-            raise ValueError(f"nats_peer_timeout_s must be > 0, got {self.nats_peer_timeout_s!r}")
-        window = self.nats_new_prompt_window_ms
-        if not math.isfinite(window) or not 0 <= window <= 10_000:
-            raise ValueError(f"--nats-new-prompt-window-ms must be in [0, 10000], got {window!r}")
         if self.events_via is EventsVia.NATS and self.nats_url is None:
             raise ValueError("--events-via nats reads the events from NATS: give --nats URL")
         if self.events_via is EventsVia.NATS and not (self.sidecars or self.sidecar_file
                                               or self.discover_k8s_selector):
             raise ValueError("--events-via nats reads sidecars' events: give --sidecar URLs")
-        if not math.isfinite(self.snapshot_interval_s) or self.snapshot_interval_s < 0:
-            raise ValueError(f"snapshot_interval_s must be >= 0, got {self.snapshot_interval_s!r}")
 
     def _check_k8s(self) -> None:
         if self.discover_k8s_selector is None:

@@ -10,7 +10,6 @@ variables the sidecar reads."""
 from __future__ import annotations
 
 import enum
-import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -20,11 +19,12 @@ from urllib.parse import urlsplit
 
 from adapters.base import EngineKind, EventEndpoint, LoraAdapter
 from adapters.zmq_events.endpoints import is_zmq_address, rank_endpoints
+from kvcore import nats_extra
 from kvcore.control_token import CONTROL_TOKEN_ENV, CONTROL_TOKEN_HEADER, read_secret_file
 from kvcore.jetstream import EventsVia
 from kvcore.layout import LayoutKind
 from kvcore.logs import LOG_LEVELS
-from kvcore.options import OptionParser, member, option
+from kvcore.options import OptionParser, check_bounds, member, option
 from kvcore.stream import Role
 from shm.owner.config import REMOTE_WRITES, parse_bytes
 from sidecar.zmq_publisher import ZmqPublishConfig
@@ -64,7 +64,7 @@ class SidecarConfig:
     model_path: str | None = option(
         None, group=_ENGINE, help="model directory (config.json) for the KV layout")
     block_size: int | None = option(  # None: discovered from the engine
-        None, group=_ENGINE,
+        None, group=_ENGINE, ge=1, le=4096,
         help="tokens per KV block; checked against the engine's page size when both are known")
     kv_events_endpoint: str | None = option(
         None, group=_ENGINE,
@@ -77,7 +77,7 @@ class SidecarConfig:
     kv_events_replay_endpoint: str | None = option(
         None, group=_ENGINE, help="ZMQ ROUTER endpoint for replay (rank 0's)")
     kv_events_ranks: int = option(
-        1, group=_ENGINE,
+        1, group=_ENGINE, ge=1,
         help="DP ranks publishing KV events, each one canonical worker (<worker-id>/dp<r>); "
         "rank r's ZMQ endpoints are rank 0's with the TCP port plus r (ipc/inproc: "
         "suffix _dp<r>), as vLLM's and TensorRT-LLM's publishers bind them; a polled "
@@ -110,35 +110,36 @@ class SidecarConfig:
     role: Role = option("agg", group=_SIDECAR, help="the pool this worker serves")
     host: str = option("127.0.0.1", group=_SIDECAR, help="listen address")
     port: int = option(
-        0, group=_SIDECAR, help="listen port; 0 picks a free one, printed in the ready line")
+        0, group=_SIDECAR, ge=0, le=65535,
+        help="listen port; 0 picks a free one, printed in the ready line")
     replay_buffer_events: int = option(
-        65536, group=_SIDECAR, help="events kept for subscribers that reconnect")
+        65536, group=_SIDECAR, ge=1, help="events kept for subscribers that reconnect")
     subscriber_queue_frames: int = option(
-        8192, group=_SIDECAR, help="frames a subscriber may lag before it is told to resync")
+        8192, group=_SIDECAR, ge=1, help="frames a subscriber may lag before it is told to resync")
     load_report_interval_s: float = option(
-        0.5, group=_SIDECAR, help="seconds between load reports on the event stream")
+        0.5, group=_SIDECAR, gt=0, help="seconds between load reports on the event stream")
     silent_after_s: float = option(
-        30.0, group=_SIDECAR,
+        30.0, group=_SIDECAR, gt=0,
         help="how long the engine may take to publish the KV events of blocks it "
         "stored: past it, a canary prompt re-checks, and with no event for that either "
         "the worker is unroutable (re-checked this often, routable at the first event)")
     upstream_timeout_s: float = option(
-        600.0, group=_SIDECAR, help="longest wait for an engine reply between bytes")
+        600.0, group=_SIDECAR, gt=0, help="longest wait for an engine reply between bytes")
     shutdown_timeout_s: float = option(
-        20.0, group=_SIDECAR, help="how long SIGTERM waits for in-flight requests")
+        20.0, group=_SIDECAR, gt=0, help="how long SIGTERM waits for in-flight requests")
     log_level: str = option("info", group=_SIDECAR, choices=LOG_LEVELS,
                             help="the least severe log records written to stderr")
     ready_file: str | None = option(
         None, group=_SIDECAR, help="write {'url': ...} JSON here once serving")
 
     store_capacity_bytes: int = option(  # 0: no host-tier store
-        0, group=_STORE, parse=parse_bytes, metavar="SIZE",
+        0, group=_STORE, ge=0, parse=parse_bytes, metavar="SIZE",
         help="size of the shared-memory block store, e.g. 4GiB; 0: none")
     store_socket: str | None = option(
         None, group=_STORE, help="Unix socket engine hooks attach to",
         default_text="/tmp/kvsidecar-<worker-id>.sock")
     store_block_bytes: int | None = option(  # None: from the model's KV layout
-        None, group=_STORE, parse=parse_bytes, metavar="SIZE", help="bytes per stored block",
+        None, group=_STORE, ge=1, parse=parse_bytes, metavar="SIZE", help="bytes per stored block",
         default_text="from the model's KV layout")
     # The order of a block's bytes; None: the one the engine's storage hook writes (adapter).
     store_layout: LayoutKind | None = option(
@@ -154,7 +155,7 @@ class SidecarConfig:
         "engines' gets that miss in shared memory read them back, and the tier survives "
         "a restart, announced as 'disk' events")
     disk_tier_capacity_bytes: int = option(
-        0, group=_STORE, parse=parse_bytes, metavar="SIZE", default_text="none",
+        0, group=_STORE, ge=0, parse=parse_bytes, metavar="SIZE", default_text="none",
         help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)")
     # A Redis-protocol store shared by the model's replicas (shm.tiers.remote_tier), and when
     # blocks are written to it: "through" (each one committed) or "evict".
@@ -171,7 +172,7 @@ class SidecarConfig:
         help="write every block the store commits to the remote tier (through: a prefix "
         "computed once is shared at once) or only those it evicts")
     transfer_tcp_port: int = option(  # the TCP block stream to peers
-        0, group=_STORE,
+        0, group=_STORE, ge=0, le=65535,
         help="port of the TCP block stream peers pull from when NIXL is absent (0: any)")
     advertise_host: str | None = option(
         None, group=_STORE, help="the address peer sidecars reach this one at",
@@ -186,10 +187,10 @@ class SidecarConfig:
         "transfer = pull the blocks from the prefill sidecar's store into this one "
         "(shm on one host, NIXL or TCP across hosts; engines hooked to their sidecar)")
     disaggregation_bootstrap_port: int | None = option(
-        None, group=_PD,
+        None, group=_PD, ge=1, le=65535,
         help="the prefill engine's SGLang bootstrap port (gateway --pd-mode sglang)")
     sim_handoff_ms_per_1k_tokens: float = option(  # simulated engines: the transport's time
-        0.0, group=_PD, metavar="MS",
+        0.0, group=_PD, ge=0, metavar="MS",
         help="for simulated engines (pages without bytes): make each KV handoff take this "
         "long per 1,000 prompt tokens, as a transport of that speed would")
 
@@ -203,10 +204,10 @@ class SidecarConfig:
         None, group=_EVENTS, flag="--nats", metavar="URL", secret=True,
         help="nats://HOST:PORT (with --events-via nats)")
     events_max_age_s: float = option(
-        3600.0, group=_EVENTS,
+        3600.0, group=_EVENTS, gt=0,
         help="the stream keeps events this long, when this sidecar creates it")
     events_max_bytes: int = option(
-        1 << 30, group=_EVENTS, parse=parse_bytes, metavar="SIZE", default_text="1GiB",
+        1 << 30, group=_EVENTS, ge=1 << 20, parse=parse_bytes, metavar="SIZE", default_text="1GiB",
         help="and at most this much of them, oldest dropped first")
 
     # The events republished in vLLM's ZMQ wire format: its own options (sidecar/zmq_publisher.py).
@@ -218,6 +219,7 @@ class SidecarConfig:
     control_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # each option's range, declared with it; relations follow
         # frozen, but not yet shared: plain strings from code become their members, the URL
         # loses its trailing slash, and a worker id not given is derived from it
         for name, vocabulary in (("engine", EngineKind), ("kv_handoff", HandoffKind),
@@ -230,19 +232,8 @@ class SidecarConfig:
         object.__setattr__(self, "engine_url", self.engine_url.rstrip("/"))
         if not self.worker_id:
             object.__setattr__(self, "worker_id", _default_worker_id(self.engine_url))
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.role not in ("agg", "prefill", "decode"):
             raise ValueError(f"--role must be agg, prefill or decode, got {self.role!r}")
-        for name in ("replay_buffer_events", "subscriber_queue_frames"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        for name in ("load_report_interval_s", "silent_after_s", "upstream_timeout_s",
-                     "shutdown_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0")
-        if self.block_size is not None and not 1 <= self.block_size <= 4096:
-            raise ValueError(f"--block-size must be in [1, 4096], got {self.block_size}")
         self._check_event_ranks()
         if self.load_endpoint is not None and self.engine is not EngineKind.SGLANG:
             raise ValueError("--load-endpoint is SGLang's load socket; --engine is not sglang")
@@ -252,8 +243,6 @@ class SidecarConfig:
         self._check_events_via()
 
     def _check_event_ranks(self) -> None:
-        if self.kv_events_ranks < 1:
-            raise ValueError(f"--kv-events-ranks must be >= 1, got {self.kv_events_ranks}")
         if self.kv_events_ranks > 1 and not self.kv_events_endpoint:
             raise ValueError("--kv-events-ranks > 1 needs --kv-events-endpoint (rank 0's)")
         self.event_endpoints()  # every rank's address exists (a port past 65535 does not)
@@ -270,10 +259,6 @@ class SidecarConfig:
                      for r in range(self.kv_events_ranks))
 
     def _check_tiers(self) -> None:
-        if self.store_capacity_bytes < 0:
-            raise ValueError("--store-capacity-bytes must be >= 0")
-        if self.store_block_bytes is not None and self.store_block_bytes < 1:
-            raise ValueError("--store-block-bytes must be >= 1")
         if self.disk_tier_dir is not None and not self.store_capacity_bytes:
             raise ValueError("--disk-tier-dir keeps blocks evicted from the host-tier store: "
                              "set --store-capacity-bytes too")
@@ -290,8 +275,6 @@ class SidecarConfig:
                              f"{self.remote_tier_write!r}")
 
     def _check_handoff(self) -> None:
-        if not 0 <= self.sim_handoff_ms_per_1k_tokens < math.inf:
-            raise ValueError("--sim-handoff-ms-per-1k-tokens must be a finite number >= 0")
         if self.kv_handoff is HandoffKind.TRANSFER and not self.store_capacity_bytes:
             raise ValueError(
                 "--kv-handoff transfer pulls blocks into this sidecar's block store: "
@@ -301,11 +284,8 @@ class SidecarConfig:
     def _check_events_via(self) -> None:
         if (self.events_via is EventsVia.NATS) != (self.nats_url is not None):
             raise ValueError("--events-via nats and --nats URL go together")
-        if self.nats_url is not None and urlsplit(self.nats_url.split(",")[0]).scheme not in (
-                "nats", "tls"):
-            raise ValueError(f"--nats must be nats://HOST:PORT (or tls://), got {self.nats_url!r}")
-        if not 0 < self.events_max_age_s < math.inf or self.events_max_bytes < 1 << 20:
-            raise ValueError("--events-max-age-s must be > 0 and --events-max-bytes >= 1MiB")
+        if self.nats_url is not None:
+            nats_extra.check_url(self.nats_url)
 
     @classmethod
     def parser(cls) -> OptionParser:

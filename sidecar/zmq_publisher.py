@@ -37,7 +37,7 @@ from adapters.vllm.wire import VlEvent, encode_batch
 from adapters.zmq_events.endpoints import rank_address
 from adapters.zmq_events.framing import END_SEQ, seq_frame
 from kvcore.events import KVEvent
-from kvcore.options import option
+from kvcore.options import check_bounds, option
 from sidecar.event_stream import EventStream
 
 __all__ = ["PUBLISH_HASHES", "ZmqPublishConfig", "ZmqRepublisher"]
@@ -79,10 +79,11 @@ class ZmqPublishConfig:
         "0", group=_GROUP, flag="--publish-zmq-hash-seed", metavar="SEED",
         help="the PYTHONHASHSEED a vLLM engine (and so the consumer) hashes with")
     buffer_steps: int = option(
-        10_000, group=_GROUP, flag="--publish-zmq-buffer-steps", metavar="N",
+        10_000, group=_GROUP, ge=1, flag="--publish-zmq-buffer-steps", metavar="N",
         help="batches kept for replay (vLLM's default)")
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # each option's range, declared with it; relations follow
         for flag, endpoint in (("--publish-zmq", self.endpoint),
                                ("--publish-zmq-replay", self.replay_endpoint)):
             if endpoint is not None and not endpoint.startswith(_ENDPOINT_SCHEMES):
@@ -94,8 +95,6 @@ class ZmqPublishConfig:
         if self.hash_algo not in PUBLISH_HASHES:
             raise ValueError(f"--publish-zmq-hash must be one of {', '.join(PUBLISH_HASHES)}, "
                              f"got {self.hash_algo!r}")
-        if self.buffer_steps < 1:
-            raise ValueError("--publish-zmq-buffer-steps must be >= 1")
 
 
 class _Rank:

@@ -8,7 +8,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvcore.options import OptionParser, option
+from kvcore.options import OptionParser, check_bounds, option
 from routing.config import RouterConfig
 from routing.flags import gateway_config, gateway_parser
 
@@ -58,7 +58,7 @@ class EppConfig:
         help="address the ext_proc and gRPC health services listen on (Envoy reaches the "
         "picker through its Service)")
     grpc_port: int = option(
-        DEFAULT_GRPC_PORT, group=_PICKER,
+        DEFAULT_GRPC_PORT, group=_PICKER, ge=0, le=65535,
         help="port of the ext_proc and grpc.health.v1 services (0: any free port, printed in "
         "epp_started)")
     body_mode: BodyMode = option(
@@ -68,8 +68,7 @@ class EppConfig:
         "buffered (BUFFERED)")
 
     def __post_init__(self) -> None:
-        if not 0 <= self.grpc_port <= 65535:
-            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
+        check_bounds(self)
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None) -> EppConfig:

@@ -187,7 +187,7 @@ class AdmissionQueue:
 
     ``order``: within a priority, by tenants' fair shares or first come, first served.
     ``lookahead``: how many requests behind the head a freed slot may go to, for their
-    prefix (module docstring; 0: always the head).
+    prefix (module docstring; 0: always the head; >= 0, ``--queue-lookahead``'s bound).
     ``clock``: what waits are timed by (seconds; default: the running loop's clock)."""
 
     def __init__(self, timeout_s: float, max_waiting: int,
@@ -195,8 +195,6 @@ class AdmissionQueue:
                  clock: Callable[[], float] | None = None, lookahead: int = 0) -> None:
         if timeout_s <= 0 or max_waiting < 1:
             raise ValueError("the admission queue needs timeout_s > 0 and max_waiting >= 1")
-        if lookahead < 0:
-            raise ValueError(f"--queue-lookahead must be >= 0, got {lookahead}")
         self.timeout_s = timeout_s
         self.max_waiting = max_waiting
         self.order = order

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcore.layout import DTYPE_BYTES, LayoutKind
 from kvcore.logs import LOG_LEVELS
-from kvcore.options import OptionParser, option
+from kvcore.options import OptionParser, check_bounds, option
 from shm.segment import check_owner_id
 from shm.tiers.disk_format import HEADER_BYTES as DISK_HEADER_BYTES
 
@@ -45,7 +45,7 @@ class OwnerConfig:
     capacity_bytes: int = option(required=True, group=_STORE, parse=parse_bytes,
                                  metavar="SIZE",
                                  help="byte budget for blocks, e.g. 256MiB (sets the slot count)")
-    block_bytes: int = option(required=True, group=_STORE, parse=parse_bytes, metavar="SIZE",
+    block_bytes: int = option(required=True, group=_STORE, ge=1, parse=parse_bytes, metavar="SIZE",
                               help="bytes per block, e.g. 256KiB")
     dtype: str = option("uint8", group=_STORE, choices=sorted(DTYPE_BYTES),
                         help="element type of a block")
@@ -54,7 +54,7 @@ class OwnerConfig:
     worker_id: str | None = option(None, group=_STORE, metavar="ID", default_text="the owner id",
                                    help="worker id in host-tier events")
     grant_fraction: float = option(
-        0.25, group=_STORE, metavar="F",
+        0.25, group=_STORE, ge=0, le=1, metavar="F",
         help="share of the slots the owner may grant writers ahead of their puts, so that a "
         "put copies while its slots are claimed instead of after a reserve round trip (0 turns "
         "write-ahead grants off; a granted slot holds no block)")
@@ -76,7 +76,7 @@ class OwnerConfig:
         "announced as tier 'disk')")
     disk_capacity_bytes: int = option(
         0, group=_TIERS, flag="--disk-tier-capacity-bytes", aliases=("--disk-capacity-bytes",),
-        parse=parse_bytes, metavar="SIZE", default_text="none",
+        ge=0, parse=parse_bytes, metavar="SIZE", default_text="none",
         help="byte budget of the disk tier, e.g. 64GiB (required with --disk-tier-dir)")
     # The remote tier (``shm.tiers.remote_tier``): a Redis-protocol store's URL, the scope its
     # keys live under (the model), and when blocks are written.
@@ -93,9 +93,8 @@ class OwnerConfig:
         help="write every block committed (through) or only those evicted (evict)")
 
     def __post_init__(self) -> None:
+        check_bounds(self)  # each option's range, declared with it; relations follow
         check_owner_id(self.owner_id)
-        if self.block_bytes < 1:
-            raise ValueError(f"block_bytes must be positive, got {self.block_bytes}")
         if self.capacity_bytes < self.block_bytes:
             raise ValueError(
                 f"capacity_bytes {self.capacity_bytes} holds no block of {self.block_bytes} bytes"
@@ -107,8 +106,6 @@ class OwnerConfig:
                              f"{self.dtype} elements")
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
-        if not 0 <= self.grant_fraction <= 1:
-            raise ValueError(f"grant_fraction must be within 0..1, got {self.grant_fraction}")
         if self.disk_dir is not None and self.disk_capacity_bytes < (
                 self.block_bytes + DISK_HEADER_BYTES):
             raise ValueError(f"a disk tier needs a capacity of at least one block file "

@@ -98,13 +98,13 @@ def test_a_config_file_round_trips(tmp_path: Path) -> None:
     ("argv", "message"),
     [
         (["--compute", "gpu"], "argument --compute: invalid choice: 'gpu'"),
-        (["--port", "70000"], "--port must be in 0..65535, got 70000"),
+        (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
         (["--replicas", "2"], "--replicas > 1 needs --compute sim"),
         (["--kv-events-config", "{"], "--kv-events-config is not valid JSON"),
         (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", "[1"],
          "--hicache-storage-backend-extra-config is not valid JSON"),
         (["--disaggregation-mode", "decode"], "moves pages through the page store"),
-        (["--speedup", "0"], "--speedup must be > 0"),
+        (["--speedup", "0"], "argument --speedup: must be a finite number > 0, got 0.0"),
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], message: str,

@@ -56,7 +56,7 @@ def test_a_config_file_sets_the_options(tmp_path: Path) -> None:
         (["t.jsonl"], "one of the arguments --offline --url is required"),
         (["t.jsonl", "--offline", "--url", "http://h:1"], "not allowed with argument --offline"),
         (["t.jsonl", "--offline", "--policy", "best"], "argument --policy: invalid choice"),
-        (["t.jsonl", "--offline", "--limit", "0"], "--limit must be >= 1, got 0"),
+        (["t.jsonl", "--offline", "--limit", "0"], "argument --limit: must be >= 1, got 0"),
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], message: str,

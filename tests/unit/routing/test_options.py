@@ -120,7 +120,7 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         ("block_size = \"big\"\n", "block_size: expected an int, got 'big'"),
         ("router-mode = \"magic\"\n", "router-mode: must be one of kv, approx"),
         ("sidecar = [\"https://x:1\"]\n", "sidecar: worker URL must start with http://"),
-        ("block_size = 0\n", "block_size must be in [1, 4096]"),
+        ("block_size = 0\n", "block_size: must be in [1, 4096], got 0"),
     ],
 )
 def test_a_bad_config_file_is_refused(

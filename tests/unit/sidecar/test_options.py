@@ -182,10 +182,13 @@ def test_the_engine_url_is_required_from_the_flags_or_the_file(
     [
         (["--engine", "tgi"], "argument --engine: invalid choice: 'tgi'"),
         (["--role", "both"], "argument --role: invalid choice: 'both'"),
-        (["--port", "70000"], "--port must be in [0, 65535], got 70000"),
+        (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
         (["--kv-handoff", "transfer"], "--kv-handoff transfer pulls blocks"),
         (["--store-capacity-bytes", "2TB"], "argument --store-capacity-bytes: '2TB' is not a"),
-        (["--silent-after-s", "0"], "--silent-after-s must be > 0"),
+        (["--silent-after-s", "0"],
+         "argument --silent-after-s: must be a finite number > 0, got 0.0"),
+        (["--events-via", "nats", "--nats", "nats://h:4222,http://h:4223"],
+         "--nats must be nats://HOST:PORT (or tls://, comma-separated for a cluster)"),
     ],
 )
 def test_bad_flags_exit_2(argv: list[str], message: str,

@@ -58,7 +58,8 @@ def test_events_via_flags_map_to_fields() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--events-via", "nats"], "give --nats URL"),
     (["--events-via", "nats", "--nats", "nats://h:4222"], "sidecars' events"),
-    (["--nats", "nats://h:4222", "--snapshot-interval-s", "-1"], "snapshot_interval_s"),
+    (["--nats", "nats://h:4222", "--snapshot-interval-s", "-1"],
+     "argument --snapshot-interval-s: must be a finite number >= 0, got -1.0"),
 ])
 def test_bad_events_via_is_refused(flags: list[str], message: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:
