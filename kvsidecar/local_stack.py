@@ -29,7 +29,7 @@ import time
 import urllib.request
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -41,18 +41,30 @@ from kvsidecar.local_redis import RedisServer
 from kvsidecar.local_vllm import VllmServer
 from kvsidecar.stack_argv import (
     gateway_argv,
+    k8s_flags,
     part_name,
+    publisher_flags,
     refengine_argv,
     sidecar_argv,
     store_flags,
 )
-from kvsidecar.stack_spec import DEFAULT_MODEL, EVENTS_CONFIG, EngineSpec, GatewaySpec, StackSpec
+from kvsidecar.stack_spec import (
+    DEFAULT_MODEL,
+    EVENTS_CONFIG,
+    EngineSpec,
+    ExternalPublisher,
+    GatewaySpec,
+    K8sDiscovery,
+    StackSpec,
+)
 
 __all__ = [
     "DEFAULT_MODEL",
     "EVENTS_CONFIG",
     "EngineSpec",
+    "ExternalPublisher",
     "GatewaySpec",
+    "K8sDiscovery",
     "LocalStack",
     "Part",
     "StackSpec",
@@ -76,6 +88,7 @@ class Part:
     role: str = "agg"
     worker_id: str = ""
     store_socket: Path | None = None  # its sidecar's block store (EngineSpec.store, handoff)
+    ready: dict[str, Any] = field(default_factory=dict)  # its ready line (endpoints bound)
 
 
 @dataclass(frozen=True)
@@ -230,7 +243,7 @@ class LocalStack:
                 continue
             for line in launched.wait_ready(wait, count=count)[:count]:
                 self.engines.append(Part(launched.name, str(line["url"]), launched, engine.role,
-                                         store_socket=socket))
+                                         store_socket=socket, ready=line))
 
     def _store_socket(self, engine: EngineSpec) -> Path | None:
         """A new block-store socket for an engine hooked to its sidecar's store; else None."""
@@ -284,7 +297,8 @@ class LocalStack:
                 store = store_flags(engine, part.store_socket)
             else:
                 store = []
-            extra = [*kind, *store, *self._ours(), *servers, *spec.sidecar_args,
+            outside = publisher_flags(engine.publisher) if engine.publisher else []
+            extra = [*kind, *store, *outside, *self._ours(), *servers, *spec.sidecar_args,
                      *engine.sidecar_args]
             proc = self._launch(part_name("sidecar", part.role, i), [
                 "sidecar",
@@ -293,9 +307,9 @@ class LocalStack:
             part.worker_id = worker_id
             started.append((part, proc))
         for part, proc in started:
-            url = str(proc.wait_ready(_READY_S["sidecar"])[0]["url"])
-            self.sidecars.append(Part(proc.name, url, proc, part.role, part.worker_id,
-                                      part.store_socket))
+            ready = proc.wait_ready(_READY_S["sidecar"])[0]
+            self.sidecars.append(Part(proc.name, str(ready["url"]), proc, part.role,
+                                      part.worker_id, part.store_socket, ready))
 
     def add_gateway(self, gateway: GatewaySpec) -> list[Part]:
         """Start ``gateway.count`` gateways (now, or beside a running stack); stopped first."""
@@ -311,6 +325,9 @@ class LocalStack:
                 sidecars = []
                 workers = [f for p in self.engines for f in ("--worker", p.url)]
                 count = len(self.engines)
+            case "k8s":  # the pods come and go: nothing to wait for
+                assert gateway.k8s is not None  # GatewaySpec checks
+                sidecars, workers, count = [], k8s_flags(gateway.k8s), 0
             case "none":
                 sidecars, workers, count = [], [], 0
         nats = ["--nats", self.nats.url] if self.nats is not None and gateway.nats else []
@@ -318,12 +335,15 @@ class LocalStack:
         for g in range(gateway.count):
             seed = [] if gateway.seed is None else ["--seed", str(gateway.seed + g)]
             name = gateway.name if g == 0 else f"{gateway.name}-{g}"
-            argv = gateway_argv(gateway, self.spec.model_path, sidecars,
+            argv = gateway_argv(gateway, gateway.model_path or self.spec.model_path, sidecars,
                                 port=gateway.port if g == 0 else 0,
                                 more=[*workers, *seed, *nats, *self._ours()])
-            started.append(self._launch(name, ["routing", *argv], _READY_S["gateway"]))
-        parts = [Part(p.name, str(p.wait_ready(_READY_S["gateway"])[0]["url"]), p)
-                 for p in started]
+            started.append(self._launch(name, ["routing", *argv], _READY_S["gateway"],
+                                        dict(gateway.env) or None))
+        parts = []
+        for proc in started:
+            ready = proc.wait_ready(_READY_S["gateway"])[0]
+            parts.append(Part(proc.name, str(ready["url"]), proc, ready=ready))
         self.gateways += parts
         if gateway.wait_routable and count:
             for part in parts:
@@ -360,23 +380,25 @@ class LocalStack:
                                    env=launch.env)
         self._launched[name] = launch
         self._procs[self._procs.index(proc)] = new
-        for part in (*self.engines, *self.sidecars, *self.gateways):
-            if part.proc is proc:
-                part.proc = new
-        new.wait_ready(launch.wait_s)
+        moved = [p for p in (*self.engines, *self.sidecars, *self.gateways) if p.proc is proc]
+        for part in moved:
+            part.proc = new
+        ready = new.wait_ready(launch.wait_s)[0]
+        for part in moved:
+            part.ready = ready
         return new
 
     # -- stopping
 
-    def stop_child(self, proc: ManagedProcess) -> None:
-        """Stop one child of ours now and forget it and its parts: a gateway one test added
-        to a stack that the next test shares."""
+    def stop_child(self, proc: ManagedProcess) -> int:
+        """Stop one child of ours now and forget it and its parts (a gateway one test added
+        to a stack that the next test shares); its exit code."""
         if proc not in self._procs:
             raise ValueError(f"{proc.name} is not a running child of this stack")
         self._procs.remove(proc)
         for parts in (self.engines, self.sidecars, self.gateways):
             parts[:] = [p for p in parts if p.proc is not proc]
-        proc.stop()
+        return proc.stop()
 
     def stop(self) -> None:
         """Stop every child, newest first (gateways, sidecars, engines), then Redis and NATS;

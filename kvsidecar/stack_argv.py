@@ -1,6 +1,8 @@
 """The command lines ``LocalStack`` gives its children: a sidecar's, a gateway's, a reference
 engine's, and the flags that wire a P/D role's KV handoff (the engine's HiCache hook, its
-sidecar's block store)."""
+sidecar's block store), a sidecar to publishers outside the stack, a gateway to Kubernetes.
+A lone process of ours (a sidecar against a test's publisher, ``kvsidecar indexer``) takes
+its command line from here too, run by ``ManagedProcess``."""
 
 from __future__ import annotations
 
@@ -8,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.stack_spec import EngineSpec, GatewaySpec, StackSpec
+from kvsidecar.stack_spec import EngineSpec, ExternalPublisher, GatewaySpec, K8sDiscovery, StackSpec
 
-__all__ = ["STORE_FLAGS", "gateway_argv", "part_name", "refengine_argv", "role_flags",
-           "sidecar_argv", "store_flags"]
+__all__ = ["STORE_FLAGS", "gateway_argv", "indexer_argv", "k8s_flags", "part_name",
+           "publisher_flags", "refengine_argv", "role_flags", "sidecar_argv", "store_flags"]
 
 
 def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
@@ -19,6 +21,30 @@ def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
     """A sidecar's arguments: the stack's own, then ``extra`` (a later flag wins)."""
     return ["--engine-url", url, "--worker-id", worker_id, "--role", role, "--port", "0",
             "--sim-handoff-ms-per-1k-tokens", str(handoff_ms), *(extra or [])]
+
+
+def publisher_flags(publisher: ExternalPublisher) -> list[str]:
+    """A sidecar's flags subscribing it to ``publisher``'s endpoints, those it names."""
+    return _given(("--kv-events-endpoint", publisher.events),
+                  ("--kv-events-replay-endpoint", publisher.replay),
+                  ("--load-endpoint", publisher.load))
+
+
+def k8s_flags(k8s: K8sDiscovery) -> list[str]:
+    """A gateway's flags finding its sidecars as the pods ``k8s`` names."""
+    return _given(("--discover-k8s-selector", k8s.selector),
+                  ("--discover-k8s-namespace", k8s.namespace), ("--k8s-api-url", k8s.api_url),
+                  ("--k8s-ca-file", k8s.ca_file), ("--k8s-token-file", k8s.token_file))
+
+
+def _given(*pairs: tuple[str, str | None]) -> list[str]:
+    """``flag value`` for each pair whose value is given."""
+    return [f for flag, value in pairs if value is not None for f in (flag, value)]
+
+
+def indexer_argv(*extra: str) -> list[str]:
+    """``kvsidecar indexer`` on loopback, any port, then ``extra`` (a later flag wins)."""
+    return ["kvsidecar", "indexer", "--host", "127.0.0.1", "--port", "0", *extra]
 
 
 def gateway_argv(spec: GatewaySpec, model_path: str, sidecars: list[str], *,

@@ -13,7 +13,15 @@ from kvcore.stream import Role
 from kvsidecar.local_vllm import VllmOptions
 from routing.config import FailurePolicy, PdMode, RouterMode
 
-__all__ = ["DEFAULT_MODEL", "EVENTS_CONFIG", "EngineSpec", "GatewaySpec", "StackSpec"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "EVENTS_CONFIG",
+    "EngineSpec",
+    "ExternalPublisher",
+    "GatewaySpec",
+    "K8sDiscovery",
+    "StackSpec",
+]
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "refengine" / "models" / "tiny"
 EVENTS_CONFIG = json.dumps(
@@ -24,6 +32,22 @@ EVENTS_CONFIG = json.dumps(
         "topic": "kv-events",
     }
 )
+
+
+@dataclass(frozen=True)
+class ExternalPublisher:
+    """An engine's publishers outside the stack, which its sidecar subscribes to instead of
+    what its engine announces: SGLang's own ``ZmqEventPublisher`` (``events``, ``replay``)
+    or ``SchedulerLoadPublisher`` (``load``) run by a test, TensorRT-LLM's ranks. The engine
+    still answers the sidecar's HTTP side (and publishes its own events, unheard)."""
+
+    events: str | None = None  # the sidecar's --kv-events-endpoint
+    replay: str | None = None  # --kv-events-replay-endpoint
+    load: str | None = None  # --load-endpoint (SGLang's load publisher)
+
+    def __post_init__(self) -> None:
+        if self.replay is not None and self.events is None:
+            raise ValueError("a replay endpoint replays an events endpoint: give both")
 
 
 @dataclass(frozen=True)
@@ -65,10 +89,15 @@ class EngineSpec:
     handoff: Literal["file", "sidecar", "none"] = "file"  # a P/D role's; see above
     page_store: str = "pd-pages"  # handoff="file": the shared directory's name
     store: Literal["none", "sidecar", "hook"] = "none"  # see above
+    publisher: ExternalPublisher | None = None  # what its sidecar hears instead; see there
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
             raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        if self.publisher is not None and (self.replicas != 1 or not self.sidecars):
+            raise ValueError("a publisher outside the stack feeds one sidecar: one replica "
+                             f"with its sidecar, got replicas={self.replicas}, "
+                             f"sidecars={self.sidecars}")
         if self.hooked and self.compute == "sim" and self.replicas > 1:
             raise ValueError("an engine hooked to its sidecar's store (store='hook', or "
                              "handoff='sidecar' in a P/D role) needs a store socket per engine "
@@ -89,10 +118,25 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
+class K8sDiscovery:
+    """A gateway's sidecars found as Kubernetes pods (``--discover-k8s-*``): those that
+    ``selector`` picks in ``namespace``. The API server is ``api_url``, or (None) found as
+    from inside a pod, through KUBERNETES_SERVICE_HOST/PORT (``GatewaySpec.env``); its
+    certificate checked against ``ca_file``, the bearer token read from ``token_file``."""
+
+    selector: str
+    namespace: str
+    api_url: str | None = None
+    ca_file: str | None = None
+    token_file: str | None = None
+
+
+@dataclass(frozen=True)
 class GatewaySpec:
     """``count`` gateways alike (named ``name``, then ``name-1``...), in front of every
-    sidecar (``workers="sidecars"``), every engine as a plain worker (``"engines"``), or
-    only what ``args`` names (``"none"``)."""
+    sidecar (``workers="sidecars"``), every engine as a plain worker (``"engines"``), the
+    sidecars Kubernetes lists (``"k8s"``, with ``k8s``), or only what ``args`` names
+    (``"none"``)."""
 
     name: str = "gateway"
     count: int = 1
@@ -103,11 +147,18 @@ class GatewaySpec:
     kv_load_failure_policy: str = FailurePolicy.FALLBACK.value
     health_check_interval_s: float = 1.0
     seed: int | None = None  # gateway i gets seed + i
-    workers: Literal["sidecars", "engines", "none"] = "sidecars"
+    workers: Literal["sidecars", "engines", "k8s", "none"] = "sidecars"
     only: tuple[str, ...] = ()  # workers="sidecars": these worker ids' alone; none: all
+    k8s: K8sDiscovery | None = None  # workers="k8s": where the pods are
+    model_path: str | None = None  # its tokenizer and template; None: the stack's
+    env: Mapping[str, str] = field(default_factory=dict)  # on top of the stack's
     nats: bool = True  # where the stack runs NATS: join it (--nats)
     args: tuple[str, ...] = ()  # after the stack's own, so they win
     wait_routable: bool = True  # start() returns once every worker is routable through it
+
+    def __post_init__(self) -> None:
+        if (self.workers == "k8s") != (self.k8s is not None):
+            raise ValueError("workers='k8s' and its k8s discovery go together")
 
 
 @dataclass(frozen=True)

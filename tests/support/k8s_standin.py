@@ -13,7 +13,7 @@ The test drives it: ``put`` (create or replace a pod: ADDED or MODIFIED), ``dele
 ``drop_watches`` (the connection cut, as a load balancer or an API server restart does),
 ``expire`` (history compacted: the next watch gets 410), ``fail_next`` (the API answering
 500 for a while); ``requests`` records every request (``list`` or ``watch``, with its
-resourceVersion and status).
+resourceVersion and status); ``version`` is the latest resourceVersion.
 
 Only equality selectors (``k=v``, ``k==v``, ``k!=v``) and existence (``k``) are understood.
 """
@@ -137,6 +137,11 @@ class K8sApiStandin:
     def fail_next(self, count: int) -> None:
         """Answer the next ``count`` requests with 500."""
         self._failures = count
+
+    @property
+    def version(self) -> str:
+        """The latest resourceVersion: where a client that has seen every change is."""
+        return str(self._version)
 
     def count(self, kind: str, status: int = 200) -> int:
         return sum(r.kind == kind and r.status == status for r in self.requests)

@@ -23,13 +23,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, ExternalPublisher, GatewaySpec, LocalStack, StackSpec
 from tests.support.polling import eventually
-from tests.support.processes import ProcessGroup
 from tests.support.sglang_shim import stub_vision_modules
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-MODEL = Path(__file__).resolve().parents[3] / "refengine" / "models" / "tiny"
 PAGE = 16
 
 
@@ -86,32 +84,18 @@ async def test_gateway_counts_equal_sglangs_radix_cache_through_inserts_eviction
     def insert(tokens: list[int]) -> None:
         cache.insert(insert_params(key=radix_key(array("q", tokens))))
 
-    with ProcessGroup[ManagedProcess]() as group:
-        engine = group.add(ManagedProcess.start(
-            "engine", ["refengine", "--compute", "sim", "--port", "0"], workdir=tmp_path))
-        engine.wait_ready(60)
-        sidecar = group.add(ManagedProcess.start(
-            "sidecar",
-            ["sidecar", "--engine-url", engine.url, "--worker-id", "sg", "--port", "0",
-             "--block-size", str(PAGE),
-             "--kv-events-endpoint", publisher._local_pub_endpoint,
-             "--kv-events-replay-endpoint", publisher._local_replay_endpoint],
-            workdir=tmp_path,
-        ))
-        sidecar.wait_ready(60)
-        gateway = group.add(ManagedProcess.start(
-            "gateway",
-            ["routing", "--port", "0", "--sidecar", sidecar.url, "--model-path", str(MODEL),
-             "--served-model-name", "tiny"],
-            workdir=tmp_path,
-        ))
-        gateway.wait_ready(60)
-
+    outside = ExternalPublisher(events=publisher._local_pub_endpoint,
+                        replay=publisher._local_replay_endpoint)
+    spec = StackSpec(
+        engines=(EngineSpec(worker_ids=("sg",), sidecar_args=("--block-size", str(PAGE)),
+                            publisher=outside),),
+        gateways=(GatewaySpec(args=("--served-model-name", "tiny"), wait_routable=False),))
+    async with LocalStack(spec, tmp_path) as stack:
         async def indexed_equals_cache(step: str) -> None:
             want = live_pages(cache)
 
             async def matches() -> bool:
-                async with session.get(f"{gateway.url}/v1/workers") as resp:
+                async with session.get(f"{stack.url}/v1/workers") as resp:
                     workers = (await resp.json())["workers"]
                 return len(workers) == 1 and workers[0]["cached_blocks"]["gpu"] == want
 

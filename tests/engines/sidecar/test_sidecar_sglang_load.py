@@ -24,13 +24,16 @@ load_publisher = pytest.importorskip("sglang.srt.managers.scheduler_components.l
 from sglang.srt.managers.load_snapshot import LoadSnapshot  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
-from kvsidecar.launch import ManagedProcess  # noqa: E402
+from kvsidecar.local_stack import (  # noqa: E402
+    EngineSpec,
+    ExternalPublisher,
+    GatewaySpec,
+    LocalStack,
+    StackSpec,
+)
 from tests.support.polling import eventually  # noqa: E402
-from tests.support.processes import ProcessGroup  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
-MODEL = Path(__file__).resolve().parents[3] / "refengine" / "models" / "tiny"
-EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}'
 SNAPSHOT = LoadSnapshot(
     num_running_reqs=3,
     num_waiting_reqs=2,
@@ -81,33 +84,16 @@ async def test_gateway_shows_and_places_by_the_engines_own_load(
     the worker's load, and a publisher that goes silent hands the load back to the gateway."""
     pub, endpoint = sglang_load_publisher(monkeypatch)
     try:
-        with ProcessGroup[ManagedProcess]() as group:
-            engine = group.add(ManagedProcess.start(
-                "engine",
-                ["refengine", "--compute", "sim", "--port", "0", "--kv-events-config", EVENTS],
-                workdir=tmp_path,
-            ))
-            engine.wait_ready(60)
-            sidecar = group.add(ManagedProcess.start(
-                "sidecar",
-                ["sidecar", "--engine-url", engine.url, "--worker-id", "sg", "--port", "0",
-                 "--load-endpoint", endpoint],
-                workdir=tmp_path,
-            ))
-            sidecar.wait_ready(60)
-            gateway = group.add(ManagedProcess.start(
-                "gateway",
-                ["routing", "--port", "0", "--sidecar", sidecar.url, "--model-path", str(MODEL),
-                 "--served-model-name", "tiny"],
-                workdir=tmp_path,
-            ))
-            gateway.wait_ready(60)
-
+        spec = StackSpec(
+            engines=(EngineSpec(worker_ids=("sg",), publisher=ExternalPublisher(load=endpoint)),),
+            gateways=(GatewaySpec(args=("--served-model-name", "tiny"), wait_routable=False),))
+        async with LocalStack(spec, tmp_path) as stack:
+            gateway, sidecar = stack.url, stack.sidecar_urls["sg"]
             async def engine_sourced() -> dict[str, Any] | None:
                 # SGLang's own publish path; it re-sends an unchanged reading once a second,
                 # so this also covers the subscriber joining after the first one.
                 pub.publish_load_stat(lambda: SNAPSHOT, force=True)
-                worker = await worker_view(session, gateway.url)
+                worker = await worker_view(session, gateway)
                 return worker if worker["load_source"] == "engine" else None
 
             worker = await eventually(
@@ -123,22 +109,22 @@ async def test_gateway_shows_and_places_by_the_engines_own_load(
             assert worker["active_prefill_tokens"] == 640
             assert worker["active_blocks"] == 1184 // 16
 
-            async with session.get(f"{gateway.url}/metrics") as resp:
+            async with session.get(f"{gateway}/metrics") as resp:
                 metrics = await resp.text()
             assert 'kvsidecar_gateway_worker_load_source{source="engine",worker="sg"} 1.0' in (
                 metrics
             )
             assert 'kvsidecar_gateway_worker_engine_running{worker="sg"} 3.0' in metrics
-            async with session.get(f"{sidecar.url}/v1/load") as resp:
+            async with session.get(f"{sidecar}/v1/load") as resp:
                 assert (await resp.json())["sg"]["load_source"] == "engine"
-            async with session.get(f"{sidecar.url}/metrics") as resp:
+            async with session.get(f"{sidecar}/metrics") as resp:
                 sample = "kvsidecar_adapter_engine_load_readings_total"
                 assert f'{sample}{{engine="sglang",worker="sg"}}' in await resp.text()
 
             pub.close()  # the scheduler is gone: its last reading goes stale
 
             async def gateway_sourced() -> dict[str, Any] | None:
-                worker = await worker_view(session, gateway.url)
+                worker = await worker_view(session, gateway)
                 return worker if worker["load_source"] == "gateway" else None
 
             worker = await eventually(gateway_sourced, "the gateway's own count again", 30, 0.1)

@@ -9,7 +9,7 @@ a swallowed batch filled by SGLang's replay, and a publisher restart clearing th
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ kv_events = pytest.importorskip("sglang.srt.disaggregation.kv_events")
 from kvcore import BlockHasher, Namespace  # noqa: E402
 from kvcore.events import Tier  # noqa: E402
 from kvsidecar.launch import ManagedProcess  # noqa: E402
+from kvsidecar.local_stack import EngineSpec, ExternalPublisher, LocalStack, StackSpec  # noqa: E402
 from routing.placement.kv_router import KvRouter  # noqa: E402
 from routing.workers.event_feed import SidecarFeed  # noqa: E402
 from tests.support.net import ports_free  # noqa: E402
@@ -29,14 +30,6 @@ from tests.support.publishers import DropOneSend  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 PAGE = 16
-EVENTS = json.dumps(
-    {
-        "publisher": "zmq",
-        "endpoint": "tcp://127.0.0.1:*",
-        "replay_endpoint": "tcp://127.0.0.1:*",
-        "topic": "kv",
-    }
-)
 
 
 def canonical(tokens: list[int]) -> list[int]:
@@ -68,38 +61,16 @@ async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None
         buffer_steps=1000,
     )
     live, replay = pub._local_pub_endpoint, pub._local_replay_endpoint
-    eng = ManagedProcess.start(
-        "engine",
-        ["refengine", "--compute", "sim", "--port", "0", "--kv-events-config", EVENTS],
-        workdir=tmp_path,
-    )
-    eng.wait_ready(60)
-    sc = ManagedProcess.start(
-        "sidecar",
-        [
-            "sidecar",
-            "--engine-url",
-            eng.url,
-            "--worker-id",
-            "sg",
-            "--port",
-            "0",
-            "--model-id",
-            "m",
-            "--block-size",
-            str(PAGE),
-            "--kv-events-endpoint",
-            live,
-            "--kv-events-replay-endpoint",
-            replay,
-        ],
-        workdir=tmp_path,
-    )
-    feed_task = None
-    try:
-        sc.wait_ready(60)
-        feed = SidecarFeed(sc.url, KvRouter(), session, model_id="m")
-        feed_task = asyncio.create_task(feed.run())
+    spec = StackSpec(engines=(EngineSpec(
+        worker_ids=("sg",), sidecar_args=("--model-id", "m", "--block-size", str(PAGE)),
+        publisher=ExternalPublisher(events=live, replay=replay)),), gateways=())
+    async with contextlib.AsyncExitStack() as cleanup:  # the feed, the stack, then SGLang's
+        cleanup.push_async_callback(lambda: asyncio.to_thread(pub.shutdown))  # the latest
+        stack = await cleanup.enter_async_context(LocalStack(spec, tmp_path))
+        sidecar = stack.sidecars[0].proc
+        assert isinstance(sidecar, ManagedProcess)
+        feed = SidecarFeed(sidecar.url, KvRouter(), session, model_id="m")
+        cleanup.callback(asyncio.create_task(feed.run()).cancel)
         await eventually(lambda: feed.connected, "the feed to connect")
         a, b, c = ([i] * PAGE for i in (1, 2, 3))
 
@@ -130,9 +101,4 @@ async def test_sidecar_relays_sglangs_publisher(tmp_path: Path, session) -> None
 
         await eventually(heard, "the restarted publisher to be heard", interval_s=0.2)
         assert gpu(a) == gpu(b) == gpu(c) == {}
-    finally:
-        if feed_task is not None:
-            feed_task.cancel()
-        assert sc.stop() == 0, sc.log_tail()
-        eng.stop()
-        await asyncio.to_thread(pub.shutdown)
+        assert stack.stop_child(sidecar) == 0, sidecar.log_tail()

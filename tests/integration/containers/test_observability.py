@@ -1,7 +1,7 @@
 """compose/observability: the shipped Prometheus config and Grafana dashboard match what our
 processes really export, so the dashboard cannot silently rot.
 
-A real gateway, two sidecars (one owning a host-tier store) and the reference engines serve a
+A real gateway, two sidecars (each owning a host-tier store) and the reference engines serve a
 few chats; every metric the dashboard's PromQL names must then be on their /metrics, with the
 labels the queries use. The scrape targets and the Grafana provisioning are checked against
 the stacks as docker-compose resolves them.
@@ -22,16 +22,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 from tests.support.gateway import routable
 
 ROOT = Path(__file__).resolve().parents[3]
 OBS = ROOT / "compose" / "observability"
 DASHBOARD = OBS / "grafana" / "dashboards" / "kvsidecar.json"
-MODEL = ROOT / "refengine" / "models" / "tiny"
 STACKS = ["cpu", "sglang", "trtllm"]
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 METRIC = re.compile(r"\b(kvsidecar_[a-z0-9_]+)\b")
 # PromQL label uses: {label="..."} selectors and by (...) groupings
 SELECTOR = re.compile(r"(kvsidecar_[a-z0-9_]+)\{([^}]*)\}")
@@ -67,35 +64,11 @@ def mounts(service: dict[str, Any]) -> dict[str, Path]:
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[tuple[str, list[str]]]:
-    """Engines, sidecars (sidecar-0 with a store) and a KV gateway: (gateway, sidecar URLs)."""
-    procs: list[ManagedProcess] = []
-    try:
-        engines = ManagedProcess.start(
-            "engines", ["refengine", "--compute", "sim", "--replicas", "2", "--speedup", "5",
-                        "--port", "0", "--kv-events-config", EVENTS], workdir=tmp_path)
-        procs.append(engines)
-        urls = [r["url"] for r in engines.wait_ready(60, count=2)]
-        sidecars = []
-        for i, url in enumerate(urls):
-            store = ["--store-capacity-bytes", "16MiB", "--store-socket",
-                     str(tmp_path / "store-0.sock")] if i == 0 else []
-            sc = ManagedProcess.start(
-                f"sidecar-{i}", ["sidecar", "--engine-url", url, "--worker-id", f"replica-{i}",
-                                 "--port", "0", *store], workdir=tmp_path)
-            procs.append(sc)
-            sidecars.append(sc)
-        for sc in sidecars:
-            sc.wait_ready(60)
-        gateway = ManagedProcess.start(
-            "gateway", ["routing", "--port", "0", "--model-path", str(MODEL), "--router-mode",
-                        "kv", *(f for sc in sidecars for f in ("--sidecar", sc.url))],
-            workdir=tmp_path)
-        procs.append(gateway)
-        gateway.wait_ready(60)
-        yield gateway.url, [sc.url for sc in sidecars]
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    """Engines, sidecars with a host-tier store and a KV gateway: (gateway, sidecar URLs)."""
+    spec = StackSpec(engines=(EngineSpec(replicas=2, store="sidecar", sidecar_args=(
+        "--store-capacity-bytes", "16MiB")),), speedup=5)
+    with LocalStack(spec, tmp_path) as stack:
+        yield stack.url, [part.url for part in stack.sidecars]
 
 
 async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, set[str]]:

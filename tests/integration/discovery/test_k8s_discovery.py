@@ -5,6 +5,7 @@ those sidecars. Workers are checked where a client sees them, at the gateway's /
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import ssl
@@ -20,15 +21,23 @@ import pytest
 from aiohttp import web
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import (
+    DEFAULT_MODEL,
+    EngineSpec,
+    GatewaySpec,
+    K8sDiscovery,
+    LocalStack,
+    StackSpec,
+)
 from tests.support.gateway import routable
 from tests.support.k8s_standin import K8sApiStandin, make_pod
 from tests.support.polling import eventually
+from tests.support.stacks import own_gateways
 from tests.support.tls import write_self_signed
 
 ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "refengine" / "models" / "tiny"
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
+MODEL = DEFAULT_MODEL
+PODS = ("llm-a", "llm-b")
 SELECTOR = "app=llm,kvsidecar.io/inject=enabled"
 LABELS = {"app": "llm", "kvsidecar.io/inject": "enabled", "pod-template-hash": "5d8f"}
 NAMESPACE = "serving"
@@ -39,32 +48,16 @@ TOKEN = "sa-token-1"
 class Replicas:
     """Reference engines (simulated compute), each with its sidecar: the pods' contents."""
 
-    procs: list[ManagedProcess]
+    stack: LocalStack
     ports: dict[str, int]  # worker id (= pod name) -> sidecar port
 
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Replicas]:
-    tmp = tmp_path_factory.mktemp("k8s-replicas")
-    procs: list[ManagedProcess] = []
-    try:
-        engines = ManagedProcess.start(
-            "engines", ["refengine", "--compute", "sim", "--replicas", "2", "--port", "0",
-                        "--kv-events-config", EVENTS], workdir=tmp)
-        procs.append(engines)
-        urls = [r["url"] for r in engines.wait_ready(60, count=2)]
-        ports = {}
-        for name, url in zip(("llm-a", "llm-b"), urls, strict=True):
-            sidecar = ManagedProcess.start(
-                f"sidecar-{name}", ["sidecar", "--engine-url", url, "--worker-id", name,
-                                    "--port", "0"], workdir=tmp)
-            procs.append(sidecar)
-            sidecar.wait_ready(60)
-            ports[name] = int(urlsplit(sidecar.url).port or 0)
-        yield Replicas(procs, ports)
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+    spec = StackSpec(engines=(EngineSpec(replicas=2, worker_ids=PODS),), gateways=())
+    with LocalStack(spec, tmp_path_factory.mktemp("k8s-replicas")) as stack:
+        yield Replicas(stack, {name: int(urlsplit(stack.sidecar_urls[name]).port or 0)
+                               for name in PODS})
 
 
 @dataclass
@@ -109,19 +102,17 @@ async def cluster(replicas: Replicas, tmp_path: Path) -> AsyncIterator[Cluster]:
     # a pod of the namespace without the opt-in label: never a worker
     await api.put(make_pod("other", "127.0.0.1", 1, labels={"app": "llm"},
                            namespace=NAMESPACE))
-    gateway = ManagedProcess.start(
-        "gateway",
-        ["routing", "--port", "0", "--model-path", str(MODEL), "--health-check-interval-s",
-         "0.5", "--discover-k8s-selector", SELECTOR, "--discover-k8s-namespace", NAMESPACE,
-         "--k8s-ca-file", str(cert), "--k8s-token-file", str(token_file)],
-        workdir=tmp_path,
-        env={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)},
-    )
+    discovery = K8sDiscovery(SELECTOR, NAMESPACE, ca_file=str(cert),
+                             token_file=str(token_file))
+    spec = GatewaySpec(workers="k8s", k8s=discovery, health_check_interval_s=0.5, env={
+        "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(port)})
     try:
-        gateway.wait_ready(60)
-        yield Cluster(api, port, gateway, replicas)
+        with own_gateways(replicas.stack) as stack:
+            # off the loop: the API server answers on it
+            (part,) = await asyncio.to_thread(stack.add_gateway, spec)
+            assert isinstance(part.proc, ManagedProcess)
+            yield Cluster(api, port, part.proc, replicas)
     finally:
-        gateway.stop()
         await runner.cleanup()
 
 
@@ -198,9 +189,10 @@ async def test_watch_dropped_expired_or_failing_loses_no_worker(
     def since(start: int) -> list[tuple[str, str | None, int]]:
         return [(r.kind, r.resource_version, r.status) for r in cluster.api.requests[start:]]
 
-    # the connection cut: the gateway watches again from where it was
+    # the connection cut: the gateway watches again from where it was (it has seen every
+    # change: both pods are workers; by its first list or by a watch, whichever came first)
     start = len(cluster.api.requests)
-    version = cluster.api.requests[-1].resource_version
+    version = cluster.api.version
     await cluster.api.drop_watches()
 
     async def watching_again() -> bool:

@@ -13,6 +13,8 @@ import pytest
 
 from kvcore import BlockHasher, namespace_seed
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
+from kvsidecar.stack_argv import indexer_argv, sidecar_argv
 from routing.indexer.rolling_hashes import rolling_hashes
 from tests.integration.sidecar.test_zmq_republish import (
     PUBLISH,
@@ -22,6 +24,7 @@ from tests.integration.sidecar.test_zmq_republish import (
 )
 from tests.integration.stack.test_stack import EVENTS
 from tests.support.polling import eventually
+from tests.support.processes import ProcessGroup
 from tests.unit.adapters.fake_engines import FakeVllmPublisher
 from tests.unit.routing.indexer.test_requests import (
     RFC_QUERY_BY_HASH,
@@ -38,26 +41,21 @@ PROMPT_C = [(13 * i + 5) % 900 + 10 for i in range(100)]  # 6 full blocks
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:
-    """Two reference engines (simulated compute) publishing SGLang-format KV events."""
-    proc = ManagedProcess.start(
-        "engines", ["refengine", "--compute", "sim", "--replicas", "2", "--port", "0",
-                    "--kv-events-config", EVENTS], workdir=tmp_path_factory.mktemp("engines"))
-    try:
-        yield proc.wait_ready(60, count=2)
-    finally:
-        proc.stop()
+    """Two reference engines (simulated compute) publishing SGLang-format KV events: what
+    each said once ready (its URL and KV event endpoints)."""
+    spec = StackSpec(engines=(EngineSpec(replicas=2, sidecars=False),), gateways=(),
+                     events_config=EVENTS)
+    with LocalStack(spec, tmp_path_factory.mktemp("engines")) as stack:
+        yield [part.ready for part in stack.engines]
 
 
 @pytest.fixture
 async def indexer(tmp_path: Path) -> AsyncIterator[str]:
-    proc = ManagedProcess.start("indexer", ["kvsidecar", "indexer", "--port", "0",
-                                            "--host", "127.0.0.1", "--idle-probe-s", "0.2"],
-                                workdir=tmp_path)
-    try:
+    with ProcessGroup[ManagedProcess]() as group:
+        proc = group.add(ManagedProcess.start("indexer", indexer_argv("--idle-probe-s", "0.2"),
+                                              workdir=tmp_path))
         proc.wait_ready(30)
         yield proc.url
-    finally:
-        proc.stop()
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
@@ -142,10 +140,10 @@ async def test_an_indexer_started_after_a_sidecar_holds_blocks(engines, tmp_path
     """An indexer started once a sidecar republishing in vLLM's format (--publish-zmq) holds
     a prompt's blocks rebuilds them from the republisher's replay buffer, token ids
     included: its /query_by_hash (XXH3) answers exactly as its /query."""
-    sidecar = ManagedProcess.start("sidecar", [
-        "sidecar", "--engine-url", engines[0]["url"], "--worker-id", "late-0", "--port", "0",
-        *PUBLISH], workdir=tmp_path)
-    try:
+    with ProcessGroup[ManagedProcess]() as group:
+        sidecar = group.add(ManagedProcess.start("sidecar", [
+            "sidecar", *sidecar_argv(engines[0]["url"], "late-0", "agg", 0.0, PUBLISH)],
+            workdir=tmp_path))
         published = sidecar.wait_ready(60)[0]["zmq_publish"]["late-0"]
         await generate(session, engines[0], PROMPT_C)
         hashes = set(vllm_hashes(PROMPT_C))
@@ -156,31 +154,25 @@ async def test_an_indexer_started_after_a_sidecar_holds_blocks(engines, tmp_path
             return True
 
         await eventually(republished, "the prompt republished", 15, 0.05)
-        proc = ManagedProcess.start("indexer", ["kvsidecar", "indexer", "--port", "0",
-                                                "--host", "127.0.0.1"], workdir=tmp_path)
-        try:
-            proc.wait_ready(30)
-            status, _ = await post(session, f"{proc.url}/register", {
-                "endpoint": published["endpoint"], "replay_endpoint": published["replay_endpoint"],
-                "type": "vLLM", "modelname": "tiny", "instance_id": "late", "block_size": BLOCK,
-                "dp_rank": 0})
-            assert status == 200
-            query = {"model": "tiny", "block_size": BLOCK, "token_ids": PROMPT_C}
+        proc = group.add(ManagedProcess.start("indexer", indexer_argv(), workdir=tmp_path))
+        proc.wait_ready(30)
+        status, _ = await post(session, f"{proc.url}/register", {
+            "endpoint": published["endpoint"], "replay_endpoint": published["replay_endpoint"],
+            "type": "vLLM", "modelname": "tiny", "instance_id": "late", "block_size": BLOCK,
+            "dp_rank": 0})
+        assert status == 200
+        query = {"model": "tiny", "block_size": BLOCK, "token_ids": PROMPT_C}
 
-            async def answered() -> dict[str, Any]:
-                status, body = await post(session, f"{proc.url}/query", query)
-                assert status == 200 and body["default"]["late"]["GPU"] == 96, body
-                return dict(body)
+        async def answered() -> dict[str, Any]:
+            status, body = await post(session, f"{proc.url}/query", query)
+            assert status == 200 and body["default"]["late"]["GPU"] == 96, body
+            return dict(body)
 
-            by_tokens = await eventually(answered, "the replayed blocks", 15, 0.05)
-            status, body = await post(session, f"{proc.url}/query_by_hash", {
-                "model": "tiny", "block_size": BLOCK,
-                "seq_hashes": rolling_hashes(PROMPT_C, BLOCK, 1337)})
-            assert (status, body) == (200, by_tokens)
-        finally:
-            proc.stop()
-    finally:
-        sidecar.stop()
+        by_tokens = await eventually(answered, "the replayed blocks", 15, 0.05)
+        status, body = await post(session, f"{proc.url}/query_by_hash", {
+            "model": "tiny", "block_size": BLOCK,
+            "seq_hashes": rolling_hashes(PROMPT_C, BLOCK, 1337)})
+        assert (status, body) == (200, by_tokens)
 
 
 async def test_tiers_and_registration_salt_from_a_vllm_publisher(indexer, session) -> None:  # type: ignore[no-untyped-def]

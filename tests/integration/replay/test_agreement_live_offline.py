@@ -8,14 +8,11 @@ and offline through ``replay.offline`` gives hit rates within a few points.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 
+from kvsidecar.launch import ManagedProcess
 from refengine.timing import TimingModel
 from replay.live import LiveConfig, replay_live
 from replay.offline import FleetConfig, outcomes, simulate
@@ -23,8 +20,6 @@ from replay.summary import summarize
 from replay.synthesis import TokenSynthesizer
 from replay.traces import load_trace
 from routing.config import RouterMode
-from tests.support.polling import eventually
-from tests.support.processes import ready_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
@@ -35,18 +30,15 @@ MAX_PROMPT = 8192  # prompt + answer within the default model's context
 STARTUP_S = 90.0
 
 
-async def _start_stack(tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
-    ready = tmp_path / "ready.json"
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvsidecar", "up",
-        "--compute", "sim", "--replicas", str(REPLICAS),
+def _start_stack(tmp_path: Path) -> ManagedProcess:
+    """``kvsidecar up`` itself (the command under test, not ``LocalStack`` in the test), once
+    its gateway serves; it stops its stack on SIGTERM."""
+    up = ManagedProcess.start("up", [
+        "kvsidecar", "up", "--compute", "sim", "--replicas", str(REPLICAS),
         "--max-total-tokens", str(CAPACITY_TOKENS), "--speedup", str(SPEEDUP),
-        "--router-mode", "kv", "--port", "0", "--ready-file", str(ready),
-        cwd=ROOT, start_new_session=True,
-    )  # fmt: skip
-    lines = await eventually(lambda: ready_lines(ready, proc), "kvsidecar up to become ready",
-                             STARTUP_S, interval_s=0.1)
-    return proc, json.loads(lines[0])["url"]
+        "--router-mode", "kv", "--port", "0"], workdir=tmp_path)
+    up.wait_ready(STARTUP_S)
+    return up
 
 
 @pytest.mark.slow
@@ -55,14 +47,13 @@ async def test_offline_hit_rate_agrees_with_the_live_stack(tmp_path: Path) -> No
     records = [
         r for r in load_trace(TRACE, limit=200) if r.input_tokens + r.output_tokens <= MAX_PROMPT
     ][:80]
-    proc, url = await _start_stack(tmp_path)
+    up = await asyncio.to_thread(_start_stack, tmp_path)
     try:
         live = await replay_live(
-            records, TokenSynthesizer(1024), LiveConfig(url=url, speedup=SPEEDUP)
+            records, TokenSynthesizer(1024), LiveConfig(url=up.url, speedup=SPEEDUP)
         )
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        await asyncio.wait_for(proc.wait(), 30)
+        await asyncio.to_thread(up.stop)
     assert [r.error for r in live] == [None] * len(records)
     live_hit = sum(r.cached_tokens or 0 for r in live) / sum(r.input_tokens for r in live)
     cfg = FleetConfig(

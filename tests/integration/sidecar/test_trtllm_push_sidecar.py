@@ -25,6 +25,8 @@ from kvcore.namespace import Namespace
 from kvcore.stream import StreamStart
 from kvcore.wire import FRAME_HEADER, decode
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.stack_argv import publisher_flags, sidecar_argv
+from kvsidecar.stack_spec import ExternalPublisher
 from tests.support.processes import ProcessGroup
 from tests.unit.adapters.fake_engines import FakeTrtllmPublisher
 from tests.unit.adapters.fixtures.trtllm_push import make_frames
@@ -133,13 +135,12 @@ async def test_sidecar_streams_each_ranks_pushed_blocks(
     await rank0.publish_raw(RANK0[0])  # before the sidecar: replayed to it at start
     await rank0.publish_raw(RANK0[1])
     await rank1.publish_raw(RANK1[0])
-    sc = procs.add(ManagedProcess.start("sidecar", [
-        "sidecar", "--engine", "trtllm", "--engine-url", standin, "--model-id", "m",
-        "--block-size", str(BS), "--worker-id", "w", "--port", "0",
-        "--kv-events-endpoint", rank0.endpoint, "--kv-events-replay-endpoint",
-        rank0.replay_endpoint, "--kv-events-ranks", "2", "--lora-adapter", "ad=3",
-    ], workdir=tmp_path, env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
-        "PYTHONPATH", "")])}))
+    rank0_at = publisher_flags(ExternalPublisher(rank0.endpoint, rank0.replay_endpoint))
+    argv = sidecar_argv(standin, "w", "agg", 0.0, [
+        "--engine", "trtllm", "--model-id", "m", "--block-size", str(BS), *rank0_at,
+        "--kv-events-ranks", "2", "--lora-adapter", "ad=3"])
+    sc = procs.add(ManagedProcess.start("sidecar", ["sidecar", *argv], workdir=tmp_path, env={
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}))
     await asyncio.to_thread(sc.wait_ready, 60)
     async with session.get(f"{sc.url}/v1/workers") as resp:
         assert (await resp.json())["workers"] == ["w/dp0", "w/dp1"]

@@ -4,8 +4,8 @@ real ZMQ subscriber and by vllm-router's ``kv_aware`` policy, beside reference e
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +16,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 from kvsidecar.local_vllm_router import VllmRouter
 from tests.support.polling import eventually
-from tests.support.processes import ProcessGroup
 
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 PUBLISH = ["--publish-zmq", "tcp://127.0.0.1:*", "--publish-zmq-replay", "tcp://127.0.0.1:*"]
 BS = 16
 END = b"\xff" * 8
@@ -30,26 +27,30 @@ END = b"\xff" * 8
 pytestmark = pytest.mark.slow
 
 
+Pair = tuple[str, dict[str, Any]]  # an engine's URL, its sidecar's published endpoints
+
+
+@asynccontextmanager
+async def republishing(tmp: Path, replicas: int) -> AsyncIterator[list[Pair]]:
+    """Engines (sim compute), each with its sidecar republishing (worker ``r<i>``)."""
+    spec = StackSpec(engines=(EngineSpec(
+        replicas=replicas, worker_ids=tuple(f"r{i}" for i in range(replicas)),
+        sidecar_args=tuple(PUBLISH)),), gateways=(), speedup=20)
+    async with LocalStack(spec, tmp) as stack:
+        yield [(stack.engine_urls[part.worker_id], part.ready["zmq_publish"][part.worker_id])
+               for part in stack.sidecars]
+
+
 @pytest.fixture
-def procs() -> Iterator[ProcessGroup[ManagedProcess]]:
-    with ProcessGroup[ManagedProcess]() as started:
-        yield started
+async def pair(tmp_path: Path) -> AsyncIterator[Pair]:
+    async with republishing(tmp_path, 1) as (one,):
+        yield one
 
 
-def start_pair(
-    tmp: Path, procs: ProcessGroup[ManagedProcess], i: int
-) -> tuple[str, dict[str, Any]]:
-    """An engine (sim compute) and its sidecar republishing; the engine's URL and the
-    sidecar's published endpoints."""
-    eng = procs.add(ManagedProcess.start(
-        f"engine{i}", ["refengine", "--compute", "sim", "--port", "0", "--speedup", "20",
-                       "--kv-events-config", EVENTS], workdir=tmp))
-    eng.wait_ready(60)
-    sc = procs.add(ManagedProcess.start(
-        f"sidecar{i}", ["sidecar", "--engine-url", eng.url, "--worker-id", f"r{i}", "--port", "0",
-                        *PUBLISH], workdir=tmp))
-    sc.wait_ready(60)
-    return eng.url, sc.ready[0]["zmq_publish"][f"r{i}"]
+@pytest.fixture
+async def pairs(tmp_path: Path) -> AsyncIterator[list[Pair]]:
+    async with republishing(tmp_path, 2) as two:
+        yield two
 
 
 def vllm_hashes(tokens: list[int], seed: str = "0") -> list[int]:
@@ -126,11 +127,11 @@ def stored_blocks(payloads: list[bytes]) -> dict[int, tuple[int | None, list[int
 
 
 async def test_subscriber_reads_vllm_format_with_vllm_hashes(
-    tmp_path: Path, procs: ProcessGroup[ManagedProcess], session: aiohttp.ClientSession
+    pair: Pair, session: aiohttp.ClientSession
 ) -> None:
     """A SUB socket gets [topic, seq, batch]; the hashes are vLLM's sha256_cbor of the tokens,
     chained; replay from a seq returns that seq on, then the end marker."""
-    engine, published = start_pair(tmp_path, procs, 0)
+    engine, published = pair
     assert published["topic"] == "" and published["hash"] == "sha256_cbor"
     ctx = zmq.asyncio.Context()
     sub = ctx.socket(zmq.SUB)
@@ -188,11 +189,10 @@ def _frames(frames: list[bytes]) -> tuple[int, bytes]:
 
 @pytest.mark.peers
 async def test_vllm_router_kv_aware_follows_the_republished_prefixes(
-    tmp_path: Path, procs: ProcessGroup[ManagedProcess], session: aiohttp.ClientSession
+    tmp_path: Path, pairs: list[Pair], session: aiohttp.ClientSession
 ) -> None:
     """vllm-router --policy kv_aware, fed only our sidecars' events, sends each shared
     prefix to the engine that stored it (warmed directly, behind the router's back)."""
-    pairs = [start_pair(tmp_path, procs, i) for i in range(2)]
     router = VllmRouter.start(
         tmp_path, "vllm-router",
         {url: (pub["endpoint"], pub["replay_endpoint"]) for url, pub in pairs},

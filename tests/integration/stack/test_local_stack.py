@@ -14,7 +14,14 @@ import pytest
 
 from kvsidecar.launch import LaunchError, ManagedProcess
 from kvsidecar.local_redis import redis_command
-from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
+from kvsidecar.local_stack import (
+    EngineSpec,
+    ExternalPublisher,
+    GatewaySpec,
+    K8sDiscovery,
+    LocalStack,
+    StackSpec,
+)
 from tests.support.polling import eventually, wait_until
 
 TINY = StackSpec(
@@ -162,7 +169,8 @@ async def test_a_restarted_engine_and_sidecar_come_back_where_they_were(
 def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
     """A sidecar handoff (or an engine hooked to its sidecar's store) shares no store socket
     across replicas of one simulated process, only the reference engine has the hook,
-    sidecars publish to no NATS the stack does not run, and a gateway in front of a worker
+    sidecars publish to no NATS the stack does not run, a publisher outside the stack feeds
+    one sidecar, a gateway finds pods only where told, and a gateway in front of a worker
     with no sidecar says which: each refused before anything starts."""
     with pytest.raises(ValueError, match="one replica per simulated engine spec"):
         EngineSpec(role="prefill", replicas=2, handoff="sidecar")
@@ -173,6 +181,16 @@ def test_spec_combinations_that_cannot_run_are_refused(tmp_path: Path) -> None:
         EngineSpec(kind="tests.support.sglang_standin", store="hook")
     with pytest.raises(ValueError, match="nats_events needs nats"):
         StackSpec(nats_events=True)
+    with pytest.raises(ValueError, match="feeds one sidecar"):
+        EngineSpec(replicas=2, publisher=ExternalPublisher(load="tcp://127.0.0.1:5560"))
+    with pytest.raises(ValueError, match="feeds one sidecar"):
+        EngineSpec(sidecars=False, publisher=ExternalPublisher(load="tcp://127.0.0.1:5560"))
+    with pytest.raises(ValueError, match="give both"):
+        ExternalPublisher(replay="tcp://127.0.0.1:5558")
+    with pytest.raises(ValueError, match="go together"):
+        GatewaySpec(workers="k8s")
+    with pytest.raises(ValueError, match="go together"):
+        GatewaySpec(k8s=K8sDiscovery("app=llm", "serving"))
     stack = LocalStack(StackSpec(gateways=()), tmp_path)
     with pytest.raises(ValueError, match="no sidecar for some of"):
         stack.add_gateway(GatewaySpec(only=("decode-9",)))

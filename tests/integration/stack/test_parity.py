@@ -13,38 +13,31 @@ import aiohttp
 import pytest
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import DEFAULT_MODEL, EngineSpec, LocalStack, StackSpec
 from tests.support.polling import eventually
-from tests.support.processes import ProcessGroup
+from tests.support.stacks import gateway_process, own_gateways
 
-ROOT = Path(__file__).resolve().parents[3]
-MODEL = ROOT / "refengine" / "models" / "tiny"
-EVENTS = '{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*"}'
+MODEL = DEFAULT_MODEL
 
 
 @pytest.fixture(scope="module")
-def sidecar(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """One reference engine (pages of 16 tokens) and its sidecar, shared by the tests."""
-    tmp = tmp_path_factory.mktemp("parity")
-    with ProcessGroup[ManagedProcess]() as group:
-        engine = group.add(ManagedProcess.start(
-            "engine", ["refengine", "--compute", "sim", "--port", "0", "--speedup", "20",
-                       "--kv-events-config", EVENTS], workdir=tmp))
-        engine.wait_ready(60)
-        sc = group.add(ManagedProcess.start(
-            "sidecar", ["sidecar", "--engine-url", engine.url, "--worker-id", "r0",
-                        "--port", "0"], workdir=tmp))
-        sc.wait_ready(60)
-        yield sc
+    spec = StackSpec(engines=(EngineSpec(worker_ids=("r0",)),), gateways=(), speedup=20)
+    with LocalStack(spec, tmp_path_factory.mktemp("parity")) as stack:
+        yield stack
 
 
-def _gateway(
-    tmp: Path, group: ProcessGroup[ManagedProcess], sidecar_url: str, model: Path, *flags: str
-) -> ManagedProcess:
-    gw = group.add(ManagedProcess.start(
-        "gateway", ["routing", "--port", "0", "--sidecar", sidecar_url, "--model-path",
-                    str(model), "--served-model-name", "tiny", *flags], workdir=tmp))
-    gw.wait_ready(60)
-    return gw
+@pytest.fixture
+def stack(engine: LocalStack) -> Iterator[LocalStack]:
+    """The module's engine and sidecar; the gateways a test starts are stopped after it."""
+    with own_gateways(engine) as stack:
+        yield stack
+
+
+def _gateway(stack: LocalStack, model: Path, *flags: str) -> ManagedProcess:
+    return gateway_process(stack, "gateway", "--served-model-name", "tiny", *flags,
+                           model_path=model)
 
 
 async def _verdict(session: aiohttp.ClientSession, url: str, parity: str) -> dict[str, object]:
@@ -61,21 +54,20 @@ async def _verdict(session: aiohttp.ClientSession, url: str, parity: str) -> dic
 
 @pytest.mark.slow
 async def test_a_gateway_that_hashes_as_the_engine_is_exact(
-    tmp_path: Path, sidecar: ManagedProcess, session: aiohttp.ClientSession
+    stack: LocalStack, session: aiohttp.ClientSession
 ) -> None:
     """Same template, tokenizer and page size: the canary agrees and the worker is exact."""
-    with ProcessGroup[ManagedProcess]() as group:
-        gw = _gateway(tmp_path, group, sidecar.url, MODEL)
-        worker = await _verdict(session, gw.url, "exact")
-        assert worker["parity_reason"] == ""
-        async with session.get(f"{gw.url}/metrics") as resp:
-            text = await resp.text()
-        assert 'kvsidecar_gateway_worker_hash_parity{parity="exact",worker="r0"} 1.0' in text
+    gw = _gateway(stack, MODEL)
+    worker = await _verdict(session, gw.url, "exact")
+    assert worker["parity_reason"] == ""
+    async with session.get(f"{gw.url}/metrics") as resp:
+        text = await resp.text()
+    assert 'kvsidecar_gateway_worker_hash_parity{parity="exact",worker="r0"} 1.0' in text
 
 
 @pytest.mark.slow
 async def test_another_chat_template_is_flagged_loudly(
-    tmp_path: Path, sidecar: ManagedProcess, session: aiohttp.ClientSession
+    tmp_path: Path, stack: LocalStack, session: aiohttp.ClientSession
 ) -> None:
     """A gateway whose template renders turns differently: degraded, with where it differs,
     and an error in its log."""
@@ -84,26 +76,24 @@ async def test_another_chat_template_is_flagged_loudly(
     config = json.loads((model / "tokenizer_config.json").read_text())
     config["chat_template"] = config["chat_template"].replace("| trim ", "")  # keeps spaces
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    with ProcessGroup[ManagedProcess]() as group:
-        gw = _gateway(tmp_path, group, sidecar.url, model)
-        worker = await _verdict(session, gw.url, "degraded")
-        reason = str(worker["parity_reason"])
-        assert reason.startswith("template mismatch") and "token " in reason
-        assert "hash_parity_lost" in gw.log_path.read_text()
+    gw = _gateway(stack, model)
+    worker = await _verdict(session, gw.url, "degraded")
+    reason = str(worker["parity_reason"])
+    assert reason.startswith("template mismatch") and "token " in reason
+    assert "hash_parity_lost" in gw.log_path.read_text()
 
 
 @pytest.mark.slow
 async def test_another_block_size_falls_back_and_says_why(
-    tmp_path: Path, sidecar: ManagedProcess, session: aiohttp.ClientSession
+    stack: LocalStack, session: aiohttp.ClientSession
 ) -> None:
     """A gateway hashing 32-token blocks against 16-token pages: its stream is refused and the
     worker falls back to load, with the page size named."""
-    with ProcessGroup[ManagedProcess]() as group:
-        gw = _gateway(tmp_path, group, sidecar.url, MODEL, "--block-size", "32")
-        worker = await _verdict(session, gw.url, "falling_back")
-        assert "page size mismatch" in str(worker["parity_reason"])
-        assert "hash_parity_lost" in gw.log_path.read_text()
-        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
-        async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
-            assert resp.status == 200  # still served, by load
-            assert resp.headers["x-kvsidecar-worker"] == "r0"
+    gw = _gateway(stack, MODEL, "--block-size", "32")
+    worker = await _verdict(session, gw.url, "falling_back")
+    assert "page size mismatch" in str(worker["parity_reason"])
+    assert "hash_parity_lost" in gw.log_path.read_text()
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    async with session.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200  # still served, by load
+        assert resp.headers["x-kvsidecar-worker"] == "r0"
