@@ -117,6 +117,7 @@ class GatewayMetrics:
         self.tokenizer_cache_hit_tokens = 0
         self.tokenized_tokens = 0
         self.tokenized_off_loop = 0  # requests whose long prompt was tokenized in a thread
+        self.tokenize_shared = 0  # of those, waits for another request's tokenizing instead
         self.engine_openai_requests = 0  # sent on with the client's body (see sidecar_body)
         self.media_requests = 0  # prompts with images: hashed in their media's namespace
         self.ttft = Histogram(_LATENCY_BUCKETS_S)
@@ -303,13 +304,20 @@ class _Collector:
             ),
             (
                 "tokenized_off_loop",
-                "Requests whose long uncached prompt was tokenized in a worker thread",
+                "Requests whose long uncached prompt was tokenized in a worker thread (their "
+                "own tokenizing, or another request's of the same text: tokenize_shared)",
                 m.tokenized_off_loop,
             ),
             (
                 "tokenizer_cache_hit_tokens",
                 "Of those, tokens reused from the segment cache",
                 m.tokenizer_cache_hit_tokens,
+            ),
+            (
+                "tokenize_shared",
+                "Waits of a request tokenized off the loop for another's tokenizing of the "
+                "same text, instead of tokenizing it again",
+                m.tokenize_shared,
             ),
         ):
             yield CounterMetricFamily(p + name, doc, value=value)

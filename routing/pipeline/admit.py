@@ -104,35 +104,58 @@ async def _tokenize_off_loop(ctx: PipelineContext, conn: ServerConnection, reque
                              record: RequestRecord, parsed: OpenAIRequest, priority: int,
                              tenant: TenantAdmission | None, later: TokenizeLater) -> None:
     """Tokenize ``later``'s text in a thread, then prepare again (its ids offered to the
-    tokenizer, taken by that pass, with no await in between) and start the exchange."""
+    tokenizer, taken by that pass, with no await in between) and start the exchange. When
+    another request is tokenizing the same text already, wait for it and prepare again
+    instead (``routing.prompt.flights``)."""
     tok = ctx.prompts.tokenizer
     assert tok is not None  # only a tokenizer defers
     for attempt in range(_DEFER_ATTEMPTS):
-        try:
-            ids = await asyncio.to_thread(tok.encode_off_loop, later.text,
-                                          later.add_special_tokens)
-        except Exception as exc:  # the library's error: this request's, nobody else's
-            log.exception("tokenize_off_loop_failed", request_id=record.request_id.decode())
-            _refuse(ctx, conn, record, OpenAIError(500, f"tokenizing failed: {exc}",
-                                                   code="internal_error"))
+        defer = None if attempt == _DEFER_ATTEMPTS - 1 else DEFER_CHARS
+        flight = ctx.tokenizing.pending(later.share_key)
+        if flight is not None:
+            ctx.metrics.tokenize_shared += 1
+            await asyncio.shield(flight)
+            prepared = _prepare_again(ctx, conn, record, parsed, defer)
+        else:
+            with ctx.tokenizing.lead(later.share_key):
+                try:
+                    ids = await asyncio.to_thread(tok.encode_off_loop, later.text,
+                                                  later.add_special_tokens)
+                except Exception as exc:  # the library's error: this request's, nobody else's
+                    log.exception("tokenize_off_loop_failed",
+                                  request_id=record.request_id.decode())
+                    _refuse(ctx, conn, record, OpenAIError(500, f"tokenizing failed: {exc}",
+                                                           code="internal_error"))
+                    return
+                tok.offer(later.text, later.add_special_tokens, ids)
+                try:  # in the flight: its followers wake to the pieces this pass caches
+                    prepared = _prepare_again(ctx, conn, record, parsed, defer)
+                finally:
+                    tok.withdraw()
+        if prepared is None:
             return
-        if conn.closed:  # the client went away meanwhile
-            record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
-            return
-        tok.offer(later.text, later.add_special_tokens, ids)
-        try:
-            last = attempt == _DEFER_ATTEMPTS - 1
-            prepared = ctx.prompts.prepare(parsed, None if last else DEFER_CHARS)
-        except TokenizeLater as again:  # another long text (the cache changed meanwhile)
-            later = again
+        if isinstance(prepared, TokenizeLater):  # another long text (the cache changed)
+            later = prepared
             continue
-        except OpenAIError as exc:
-            _refuse(ctx, conn, record, exc)
-            return
-        finally:
-            tok.withdraw()
         _start(ctx, conn, request, record, parsed, prepared, priority, tenant)
         return
+
+
+def _prepare_again(ctx: PipelineContext, conn: ServerConnection, record: RequestRecord,
+                   parsed: OpenAIRequest, defer_chars: int | None
+                   ) -> PreparedPrompt | TokenizeLater | None:
+    """Prepare a request that waited for its tokens; None: it was answered instead (its
+    client went away meanwhile, or the prompt was refused)."""
+    if conn.closed:
+        record.finish(499, ctx.metrics, ctx.router.block_size, ctx.log_requests)
+        return None
+    try:
+        return ctx.prompts.prepare(parsed, defer_chars)
+    except TokenizeLater as again:
+        return again
+    except OpenAIError as exc:
+        _refuse(ctx, conn, record, exc)
+        return None
 
 
 def _refuse(ctx: PipelineContext, conn: ServerConnection, record: RequestRecord,

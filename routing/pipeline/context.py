@@ -17,6 +17,7 @@ from routing.pipeline.slo import Slo
 from routing.placement.kv_router import KvRouter
 from routing.placement.policies import Policy
 from routing.placement.sessions import SessionAffinity
+from routing.prompt.flights import TokenizeFlights
 from routing.prompt.preparer import PromptPreparer
 from routing.replicas.prompt_hold import PromptHold
 from routing.workers.registry import WorkerRegistry
@@ -58,3 +59,5 @@ class PipelineContext:
     refusals: RouteRefusals = field(default_factory=RouteRefusals)
     slo: Slo = field(default_factory=Slo)  # each request's targets unless it names its own
     moves: PrefixMoves | None = None  # --kv-move on: prefixes pulled to a lighter worker
+    # long prompt texts being tokenized off the loop now (each tokenized once at a time)
+    tokenizing: TokenizeFlights = field(default_factory=TokenizeFlights)

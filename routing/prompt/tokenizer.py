@@ -42,12 +42,19 @@ def _prepends_to_first_piece_only(node: Any) -> bool:
 
 class TokenizeLater(Exception):
     """A text too long to tokenize on the event loop (the ``defer_chars`` of an encode): the
-    caller runs ``encode_off_loop`` in a thread, ``offer``s the ids and prepares again."""
+    caller runs ``encode_off_loop`` in a thread, ``offer``s the ids and prepares again.
 
-    def __init__(self, text: str, add_special_tokens: bool) -> None:
+    ``share_key``: what other prompts that need the same tokenizing have in common: the
+    longest uncached piece of a rendered chat (a new system prompt that a burst of requests
+    shares, each with its own user turn), else the whole text. Once one request's
+    tokenizing of it is cached, the others find it there (``routing.prompt.flights``)."""
+
+    def __init__(self, text: str, add_special_tokens: bool, share_key: str | None = None
+                 ) -> None:
         super().__init__(f"{len(text)} characters to tokenize off the event loop")
         self.text = text
         self.add_special_tokens = add_special_tokens
+        self.share_key = (text if share_key is None else share_key, add_special_tokens)
 
 
 class PromptTokenizer:
@@ -111,14 +118,14 @@ class PromptTokenizer:
         """Drop offered ids that the pass did not take."""
         self._ready.clear()
 
-    def _encode(self, text: str, add_special_tokens: bool, defer_chars: int | None = None
-                ) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, defer_chars: int | None = None,
+                share_key: str | None = None) -> list[int]:
         if self._ready:
             ready = self._ready.pop((text, add_special_tokens), None)
             if ready is not None:
                 return ready
         if defer_chars is not None and len(text) >= defer_chars:
-            raise TokenizeLater(text, add_special_tokens)
+            raise TokenizeLater(text, add_special_tokens, share_key)
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
@@ -194,7 +201,11 @@ class PromptTokenizer:
         """Tokenize pieces as one text (one library call, cheaper than a batch of small ones),
         then cut the ids after each special token to cache every piece. Returns the ids and
         (piece, end offset in the ids) for every piece that could be cut out."""
-        ids = self._encode("".join(pieces), False, defer_chars)
+        text, share = "".join(pieces), None
+        if defer_chars is not None and len(text) >= defer_chars:
+            # the piece that made it long (the first uncached one is often a role header)
+            share = max((p for p in pieces if p not in self._cache), key=len)
+        ids = self._encode(text, False, defer_chars, share)
         wanted = [self._id_of[content] for content in ends]
         # The cut tokens must appear exactly where the text has them, and nowhere else.
         if sum(ids.count(t) for t in set(wanted)) != len(wanted):

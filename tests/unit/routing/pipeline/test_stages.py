@@ -327,3 +327,55 @@ async def test_a_prompt_with_an_image_is_counted() -> None:
     assert ctx.metrics.media_requests == 1
     for exchange in list(ctx.in_flight.values()):
         exchange.on_client_lost()
+
+
+async def test_a_burst_sharing_a_new_system_prompt_tokenizes_it_once(tiny_model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Requests that all arrive before a new long system prompt is tokenized wait for the
+    first one's tokenizing instead of each tokenizing it again; every one still sends
+    exactly the ids of its own chat."""
+    from routing.prompt.chat_template import ChatTemplate
+    from routing.prompt.tokenizer import PromptTokenizer
+
+    tasks: list[asyncio.Task[None]] = []
+
+    def spawn(coro):  # type: ignore[no-untyped-def]
+        tasks.append(asyncio.ensure_future(coro))
+        return tasks[-1]
+
+    # a sidecar that takes the requests and never answers: the legs stay in flight
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    ctx = context(Worker("s", WorkerAddress.parse(f"http://127.0.0.1:{port}"),
+                         WorkerKind.SIDECAR))
+    ctx.workers.stream_up("s", "agg")
+    tokenizer = PromptTokenizer.from_model_dir(tiny_model_dir)
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None
+    ctx = replace(ctx, spawn=spawn, prompts=PromptPreparer(
+        tokenizer, template, BlockHasher(BS), hash_prompts=True, max_model_len=None))
+    system = {"role": "system", "content": "a long and new system prompt " * 400}
+    chats = [[system, {"role": "user", "content": f"question {i}"}] for i in range(5)]
+    for i, messages in enumerate(chats):  # no await in between: all arrive before any is done
+        body = orjson.dumps({"model": "m", "messages": messages})
+        admit(ctx, client()[0], HttpRequest(b"POST", b"/v1/chat/completions", {}, body, True),
+              Endpoint.CHAT, f"k-{i}", b"rid-%d" % i)
+    assert ctx.metrics.tokenized_off_loop == 5 and len(tasks) == 5 and not ctx.in_flight
+    await asyncio.gather(*tasks)
+    assert ctx.metrics.tokenize_shared == 4 and len(ctx.tokenizing) == 0
+    for i, messages in enumerate(chats):
+        exchange = ctx.in_flight[f"k-{i}"]
+        assert exchange.leg is not None
+        sent = orjson.loads(exchange.leg.request[1])
+        assert sent["prompt_token_ids"] == tokenizer.encode_full(template.render(messages), False)
+        exchange.on_client_lost()  # cancels its leg's connecting, or closes its connection
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for writer in accepted:
+        writer.close()
+        await writer.wait_closed()
+    silent.close()
+    await silent.wait_closed()

@@ -171,3 +171,46 @@ def test_a_cache_of_zero_tokens_keeps_nothing(tiny_model_dir: Path) -> None:
     ids = tok.encode_completion("hello world")
     assert tok.encode_completion("hello world") == ids
     assert tok._cached_tokens == 0 and tok.hit_tokens == 0
+
+
+def test_chats_sharing_a_new_system_prompt_defer_under_one_share_key(
+    tiny_model_dir: Path,
+) -> None:
+    """Two chats with the same uncached long system prompt and their own user turns defer
+    different texts under one share key (the system prompt's piece): once either's ids are
+    cached, the other finds the system prompt there and no longer defers."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    template = ChatTemplate.from_model_dir(tiny_model_dir)
+    assert template is not None and tok.segmented
+    rng = random.Random(5)
+    system = {"role": "system", "content": " ".join(rng.choices(WORDS, k=400))}
+    chats = [template.render([system, {"role": "user", "content": user}])
+             for user in ("hello world", "the quick brown fox")]
+    tok.encode_chat(template.render([{"role": "user", "content": "hi"}]))  # headers cached
+    deferred = []
+    for chat in chats:
+        try:
+            tok.encode_chat(chat, None, 1000)
+        except TokenizeLater as later:
+            deferred.append(later)
+        else:
+            raise AssertionError("a long uncached system prompt was not deferred")
+    first, second = deferred
+    assert first.text != second.text and first.share_key == second.share_key
+    assert system["content"].strip() in first.share_key[0] and first.share_key[1] is False
+    tok.offer(first.text, False, tok.encode_off_loop(first.text, False))
+    tok.encode_chat(chats[0], None, 1000)
+    tok.withdraw()
+    assert tok.encode_chat(chats[1], None, 1000) == tok.encode_full(chats[1], False)
+
+
+def test_a_whole_text_is_its_own_share_key(tiny_model_dir: Path) -> None:
+    """A completion prompt shares its tokenizing only with the same text."""
+    tok = PromptTokenizer.from_model_dir(tiny_model_dir)
+    text = " ".join(random.Random(6).choices(WORDS, k=400))
+    try:
+        tok.encode_completion(text, 100)
+    except TokenizeLater as later:
+        assert later.share_key == (text, True)
+    else:
+        raise AssertionError("a long uncached text was not deferred")
