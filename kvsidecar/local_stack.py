@@ -354,12 +354,14 @@ class LocalStack:
 
     # -- restarting
 
-    def restart(self, proc: ManagedProcess) -> ManagedProcess:
+    def restart(self, proc: ManagedProcess, *args: str) -> ManagedProcess:
         """Start a child again where it was, stopping it first if it still runs: the same
         arguments plus the HTTP port it had bound and, for an engine, the KV event endpoints
         it had bound, so its sidecar and the gateways find it unchanged (a restarted engine's
-        cache is empty and its event sequence starts over). The new process takes ``proc``'s
-        place among the parts and in the stopping order, named ``<name>-r<n>``."""
+        cache is empty and its event sequence starts over), then ``args`` (a later flag wins:
+        restarted as its operator would, with a flag changed; kept for its next restart).
+        The new process takes ``proc``'s place among the parts and in the stopping order,
+        named ``<name>-r<n>``."""
         launch = self._launched.get(proc.name)
         if launch is None or len(proc.ready) != 1:
             raise ValueError(f"{proc.name}: only a child of this stack serving one endpoint "
@@ -376,9 +378,10 @@ class LocalStack:
         while f"{launch.origin}-r{n}" in self._launched:
             n += 1
         name = f"{launch.origin}-r{n}"
-        new = ManagedProcess.start(name, [*launch.argv, *more], workdir=self.workdir,
+        new = ManagedProcess.start(name, [*launch.argv, *more, *args], workdir=self.workdir,
                                    env=launch.env)
-        self._launched[name] = launch
+        self._launched[name] = _Launch(launch.origin, [*launch.argv, *args], launch.env,
+                                       launch.wait_s)
         self._procs[self._procs.index(proc)] = new
         moved = [p for p in (*self.engines, *self.sidecars, *self.gateways) if p.proc is proc]
         for part in moved:

@@ -7,7 +7,8 @@ It is not a ``LocalStack`` part: a stack's sidecars own their stores themselves,
 starts a store with no engine, sidecar or gateway around it, for what measures or tests the
 store (or the transfer between two) on its own. It runs through ``ManagedProcess`` all the
 same: its own process group, its ready file polled against a deadline (the log's tail when
-it exits first), SIGTERM then SIGKILL to stop it::
+it exits first), SIGTERM then SIGKILL to stop it, its command line from
+``kvsidecar.stack_argv``::
 
     with StoreProcess.start(tmp, block_bytes=4096, capacity_bytes=1 << 20) as store:
         BlockStoreClient(store.socket)  # ... and store.segment, store.url (a peer's)
@@ -25,6 +26,7 @@ from types import TracebackType
 from typing import Self
 
 from kvsidecar.launch import ManagedProcess
+from kvsidecar.stack_argv import store_owner_argv
 from shm.segment import unlink_stale_segments
 
 __all__ = ["StoreProcess"]
@@ -51,10 +53,9 @@ class StoreProcess:
         unless given) with ``args`` after the geometry, and wait until it serves."""
         owner_id = owner_id or f"s{uuid.uuid4().hex[:10]}"
         socket = socket or workdir / f"{owner_id}.sock"
-        module = "sidecar.transfer" if peer else "shm"
-        argv = [module, "--owner-id", owner_id, "--socket", str(socket), "--capacity-bytes",
-                str(capacity_bytes), "--block-bytes", str(block_bytes), "--log-level",
-                log_level, *(["--port", "0"] if peer else []), *args]
+        argv = store_owner_argv(owner_id, socket, capacity_bytes=capacity_bytes,
+                                block_bytes=block_bytes, peer=peer, log_level=log_level,
+                                extra=args)
         process = ManagedProcess.start(f"store-{owner_id}", argv, workdir=workdir, env=env)
         ready = process.wait_ready(wait_s)[0]
         return cls(process, owner_id, Path(ready["socket"]), str(ready["segment"]),

@@ -197,18 +197,19 @@ class VllmServer:
             "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache and the other dev routes
         }
 
-    def start(self) -> Self:
-        """Start on free ports (others again if one was taken before vLLM bound it)."""
+    def start(self, port: int | None = None) -> Self:
+        """Start on free ports (others again if one was taken before vLLM bound it), or on
+        ``port`` (once: a restart where it was, after ``kill``)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for _ in range(_START_TRIES):
-            port = _free_port()
+        ports = (_free_port() for _ in range(_START_TRIES)) if port is None else iter([port])
+        for tried in ports:
             with self.log_path.open("ab") as log:
                 self.proc = subprocess.Popen(
-                    self.argv(port), stdout=log, stderr=subprocess.STDOUT,
+                    self.argv(tried), stdout=log, stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL, env=dict(self.env()), start_new_session=True,
                 )
-            if self._wait_ready(port):
-                self.port = port
+            if self._wait_ready(tried):
+                self.port = tried
                 return self
             if "Address already in use" not in self.log_tail():
                 break
@@ -232,6 +233,13 @@ class VllmServer:
             time.sleep(_POLL_S)
         self.stop()
         return False
+
+    def kill(self) -> None:
+        """SIGKILL vLLM's whole process group (its engine core too): the crash case."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to vLLM's process group (its engine core is a child), SIGKILL if it lingers."""

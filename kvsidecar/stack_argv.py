@@ -1,19 +1,22 @@
 """The command lines ``LocalStack`` gives its children: a sidecar's, a gateway's, a reference
 engine's, and the flags that wire a P/D role's KV handoff (the engine's HiCache hook, its
 sidecar's block store), a sidecar to publishers outside the stack, a gateway to Kubernetes.
-A lone process of ours (a sidecar against a test's publisher, ``kvsidecar indexer``) takes
-its command line from here too, run by ``ManagedProcess``."""
+A lone process of ours (a sidecar against a test's publisher, a reference engine alone, the
+endpoint picker, a block store owner, ``kvsidecar indexer``) takes its command line from here
+too, run by ``ManagedProcess``."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from kvsidecar.stack_spec import EngineSpec, ExternalPublisher, GatewaySpec, K8sDiscovery, StackSpec
 
-__all__ = ["STORE_FLAGS", "gateway_argv", "indexer_argv", "k8s_flags", "part_name",
-           "publisher_flags", "refengine_argv", "role_flags", "sidecar_argv", "store_flags"]
+__all__ = ["STORE_FLAGS", "epp_argv", "gateway_argv", "indexer_argv", "k8s_flags",
+           "lone_refengine_argv", "part_name", "publisher_flags", "refengine_argv", "role_flags",
+           "sidecar_argv", "store_flags", "store_owner_argv"]
 
 
 def sidecar_argv(url: str, worker_id: str, role: str, handoff_ms: float,
@@ -42,19 +45,46 @@ def _given(*pairs: tuple[str, str | None]) -> list[str]:
     return [f for flag, value in pairs if value is not None for f in (flag, value)]
 
 
+def lone_refengine_argv(*extra: str) -> list[str]:
+    """The reference engine alone (its defaults: loopback, the tiny model, no KV events), on
+    any port, then ``extra`` (a later flag wins); a stack's engines start from it."""
+    return ["refengine", "--port", "0", *extra]
+
+
+def epp_argv(*extra: str) -> list[str]:
+    """``python -m routing.epp`` on loopback, any HTTP and gRPC ports, then ``extra``."""
+    return ["routing.epp", "--host", "127.0.0.1", "--port", "0", "--grpc-host", "127.0.0.1",
+            "--grpc-port", "0", *extra]
+
+
+def store_owner_argv(owner_id: str, socket: Path, *, capacity_bytes: int, block_bytes: int,
+                     peer: bool = False, log_level: str = "warning",
+                     extra: Sequence[str] = ()) -> list[str]:
+    """A block store owner alone (``kvsidecar.local_store``): ``python -m shm``, or with
+    ``peer`` ``python -m sidecar.transfer`` (its transfer service on any port), then
+    ``extra`` (a later flag wins)."""
+    return ["sidecar.transfer" if peer else "shm", "--owner-id", owner_id, "--socket",
+            str(socket), "--capacity-bytes", str(capacity_bytes), "--block-bytes",
+            str(block_bytes), "--log-level", log_level, *(["--port", "0"] if peer else []),
+            *extra]
+
+
 def indexer_argv(*extra: str) -> list[str]:
     """``kvsidecar indexer`` on loopback, any port, then ``extra`` (a later flag wins)."""
     return ["kvsidecar", "indexer", "--host", "127.0.0.1", "--port", "0", *extra]
 
 
-def gateway_argv(spec: GatewaySpec, model_path: str, sidecars: list[str], *,
+def gateway_argv(spec: GatewaySpec, model_path: str | None, sidecars: list[str], *,
                  port: int | None = None, more: list[str] | None = None) -> list[str]:
     """A gateway's arguments: the stack's own, ``--sidecar`` per sidecar URL, ``more`` (the
-    stack's wiring: workers, seed, NATS), then the spec's ``args`` (a later flag wins)."""
+    stack's wiring: workers, seed, NATS), then the spec's ``args`` (a later flag wins).
+    Without ``model_path`` (a lone gateway of plain workers) it forwards bodies unchanged."""
+    interval = spec.health_check_interval_s
     return [
         "--host", spec.host, "--port", str(spec.port if port is None else port),
-        "--router-mode", spec.router_mode, "--model-path", model_path,
-        "--health-check-interval-s", f"{spec.health_check_interval_s:g}",
+        "--router-mode", spec.router_mode,
+        *_given(("--model-path", model_path),
+                ("--health-check-interval-s", None if interval is None else f"{interval:g}")),
         "--pd-mode", spec.pd_mode, "--kv-load-failure-policy", spec.kv_load_failure_policy,
         *[flag for url in sidecars for flag in ("--sidecar", url)],
         *(more or []),
@@ -66,7 +96,7 @@ def refengine_argv(spec: StackSpec, engine: EngineSpec, workdir: Path, socket: P
                    ours: list[str]) -> list[str]:
     """A reference engine's arguments: the stack's model, pool and KV events, the flags of
     its P/D role, ``ours`` (every child's), then the spec's ``args`` (a later flag wins)."""
-    argv = ["refengine", "--compute", engine.compute]
+    argv = lone_refengine_argv("--compute", engine.compute)
     if engine.compute == "sim":
         argv += ["--replicas", str(engine.replicas)]
         if spec.speedup is not None:
@@ -74,7 +104,7 @@ def refengine_argv(spec: StackSpec, engine: EngineSpec, workdir: Path, socket: P
     argv += ["--model-path", spec.model_path]
     if spec.max_total_tokens is not None:
         argv += ["--max-total-tokens", str(spec.max_total_tokens)]
-    return [*argv, "--kv-events-config", spec.events_config, "--port", "0",
+    return [*argv, "--kv-events-config", spec.events_config,
             *role_flags(engine, workdir, socket), *ours, *engine.args]
 
 

@@ -145,7 +145,7 @@ class GatewaySpec:
     router_mode: str = RouterMode.KV.value
     pd_mode: str = PdMode.AUTO.value
     kv_load_failure_policy: str = FailurePolicy.FALLBACK.value
-    health_check_interval_s: float = 1.0
+    health_check_interval_s: float | None = 1.0  # None: the gateway's own default
     seed: int | None = None  # gateway i gets seed + i
     workers: Literal["sidecars", "engines", "k8s", "none"] = "sidecars"
     only: tuple[str, ...] = ()  # workers="sidecars": these worker ids' alone; none: all

@@ -43,8 +43,8 @@ from routing.config import FailurePolicy, PdMode, RouterMode
 from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
 
-__all__ = ["check_passed_args", "gateway_argv", "main", "parse_args", "sidecar_argv",
-           "stack_spec", "vllm_options"]
+__all__ = ["check_passed_args", "gateway_argv", "main", "parse_args", "resolve_args",
+           "sidecar_argv", "stack_spec", "vllm_options"]
 
 
 def _parser() -> OptionParser:
@@ -318,7 +318,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def resolve_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """up's flags checked and completed as ``up`` runs them (the replicas, the KV pool, the
+    vLLM model with weights); a bad one exits with the parser's message."""
     args = parse_args(argv)
     if (args.prefill > 0) != (args.decode > 0) or args.prefill < 0 or args.decode < 0:
         _parser().error("--prefill N and --decode M go together, each >= 1")
@@ -344,6 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     refused = check_passed_args(args)
     if refused is not None:
         _parser().error(refused)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = resolve_args(argv)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvsidecar-up-"))
     try:
         return asyncio.run(_serve(args, workdir))

@@ -282,4 +282,4 @@ def test_sigterm_shuts_down_cleanly(h: Any) -> None:
     proc = h.start("--compute", "sim", "--speedup", "50")
     proc.proc.terminate()
     assert proc.proc.wait(timeout=30) == 0
-    assert "shutdown_finished" in proc.log.read_text()
+    assert "shutdown_finished" in proc.log_path.read_text()

@@ -1,6 +1,6 @@
 """Real processes for the endpoint picker's tests: simulated reference engines and their
-sidecars (a ``LocalStack``) and ``python -m routing.epp`` on ephemeral ports, each ready by
-its ready file."""
+sidecars (a ``LocalStack``) and ``python -m routing.epp`` on ephemeral ports (its command line
+from ``kvsidecar.stack_argv``), each ready by its ready file."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from kvsidecar.launch import ManagedProcess, Stoppable, stop_newest_first
 from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
+from kvsidecar.stack_argv import epp_argv
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "refengine" / "models" / "tiny"
@@ -38,11 +39,8 @@ class Fleet:
 def start_epp(procs: list[ManagedProcess], workdir: Path, name: str,
               args: list[str]) -> tuple[str, str]:
     """``python -m routing.epp`` with ``args``, on ephemeral HTTP and gRPC ports."""
-    epp = ManagedProcess.start(
-        name, ["routing.epp", "--host", "127.0.0.1", "--port", "0", "--grpc-host", "127.0.0.1",
-               "--grpc-port", "0", "--health-check-interval-s", "0.5", *args],
-        workdir=workdir,
-    )
+    epp = ManagedProcess.start(name, epp_argv("--health-check-interval-s", "0.5", *args),
+                               workdir=workdir)
     procs.append(epp)
     ready = epp.wait_ready(60)[0]
     return str(ready["url"]), f"127.0.0.1:{ready['grpc_port']}"

@@ -1,24 +1,30 @@
 """The gateway tests' fleet: fake engines served from threads of this process, and gateways
 in front of them, in process too unless a test needs the gateway to be a process (a signal,
-its exit code, its log): then ``python -m routing`` through the stack's launcher."""
+its exit code, its log): then ``python -m routing`` through the stack's launcher. Either way
+its command line is ``kvsidecar.stack_argv``'s."""
 
 from __future__ import annotations
 
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import uvloop
 
 from kvsidecar.launch import ManagedProcess, Stoppable, stop_newest_first
+from kvsidecar.stack_argv import gateway_argv
+from kvsidecar.stack_spec import GatewaySpec
 from routing.flags import gateway_config
 from routing.serve.gateway import Gateway
 from tests.support.fake_openai import FakeEngine
 from tests.support.loop_thread import LoopThread
 
 STARTUP_S = 20.0
+# The gateway's own defaults, on loopback and any port, no model (bodies forwarded unchanged):
+# each test adds its flags after these.
+GATEWAY = GatewaySpec(health_check_interval_s=None)
 
 
 @dataclass
@@ -97,15 +103,15 @@ class Spawner:
                 process: bool = False) -> InProcessGateway | GatewayProcess:
         """A gateway in front of ``workers`` with ``flags``, serving; ``process``: run as
         ``python -m routing``."""
-        args = ["--port", "0", "--host", "127.0.0.1"]
-        for w in workers:
-            args += ["--worker", w if isinstance(w, str) else w.url]
+        urls = [w if isinstance(w, str) else w.url for w in workers]
+        argv = gateway_argv(replace(GATEWAY, args=flags), None, [],
+                            more=[f for url in urls for f in ("--worker", url)])
         if not process:
-            gateway = InProcessGateway([*args, *flags])
+            gateway = InProcessGateway(argv)
             self.running.append(gateway)
             return gateway
-        managed = ManagedProcess.start(f"gateway-{len(self.running)}",
-                                       ["routing", *args, *flags], workdir=self.tmp)
+        managed = ManagedProcess.start(f"gateway-{len(self.running)}", ["routing", *argv],
+                                       workdir=self.tmp)
         self.running.append(managed)
         managed.wait_ready(STARTUP_S)
         self.running[-1] = proc = GatewayProcess(managed)

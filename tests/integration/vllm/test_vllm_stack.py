@@ -15,11 +15,13 @@ on replica-0 loads on replica-1 from the Redis tier they share, with the reply a
 gives. Last, the destructive ones: a vLLM killed mid-stream migrates its stream to the other,
 and a store that is down (replica-1's sidecar killed) only turns loads into misses.
 
-One stack for the module, started by ``kvsidecar up --engine vllm --replicas 2`` with the KV
-connector, a ``redis-server`` as every sidecar's remote tier, and a gateway that migrates
-streams (vLLM takes one to two minutes to start). The tests run in file order and share the
-engines' state: each sends prompts no other sends, and the ones that need one engine name it
-(its engine URL, or its worker in the gateway's answers). Without ``.venv-vllm/`` the tests
+One ``LocalStack`` for the module, the one ``kvsidecar up --engine vllm --replicas 2`` starts
+(its flags made a spec by ``up`` itself) with the KV connector, a ``redis-server`` as every
+sidecar's remote tier, and a gateway that migrates streams (vLLM takes one to two minutes to
+start); the processes a test adds (a sidecar, gateways, reference engines) go through the same
+launcher, and the engines a test kills are the stack's own. The tests run in file order and
+share the engines' state: each sends prompts no other sends, and the ones that need one engine
+name it (its engine URL, or its worker in the gateway's answers). Without ``.venv-vllm/`` the tests
 fail and say how to build it (``scripts/test`` does, through ``scripts/_vllm_venv.sh``).
 """
 
@@ -27,9 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -37,7 +37,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +49,24 @@ import zmq
 
 from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
+from kvsidecar import up
 from kvsidecar.launch import LaunchError, ManagedProcess
-from kvsidecar.local_redis import RedisServer
-from kvsidecar.local_stack import EVENTS_CONFIG, sidecar_argv
-from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, tiny_model_with_weights
+from kvsidecar.local_stack import (
+    EngineSpec,
+    ExternalPublisher,
+    GatewaySpec,
+    LocalStack,
+    StackSpec,
+    sidecar_argv,
+)
+from kvsidecar.local_vllm import VLLM_BLOCK_SIZE, VllmServer, tiny_model_with_weights
+from kvsidecar.stack_argv import publisher_flags
 from shm import BlockStoreClient, BlockStoreError
 from tests.integration.disagg.pd_stack import metric
 from tests.support.openai_shapes import check_error
 from tests.support.polling import eventually, wait_until
 from tests.support.processes import ProcessGroup
+from tests.support.stacks import own_gateways
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -70,55 +79,64 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 WORKERS = ["replica-0", "replica-1"]
 
 
+# ``kvsidecar up``'s flags for the module's stack
+UP = ["--engine", "vllm", "--replicas", "2", "--port", "0",
+      "--max-total-tokens", str(KV_BLOCKS * BLOCK),
+      "--kv-connector-store-bytes", str(STORE_BLOCKS * STORE_BLOCK_BYTES),
+      "--gateway-arg=--migration-limit", "--gateway-arg=2",
+      "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser",
+      "--engine-arg=hermes", "--engine-arg=--enable-scale-out",
+      "--engine-arg=--structured-outputs-config",
+      # the random tiny model would pad JSON with whitespace until max_tokens
+      '--engine-arg={"backend": "xgrammar", "disable_any_whitespace": true}']
+
+
 @dataclass(frozen=True)
 class Stack:
+    local: LocalStack
     gateway: str
     vllm: list[str]  # each replica's engine URL, replica-<i> at i
     sidecars: list[str]  # each replica's sidecar URL
-    workdir: Path  # up's: the processes' logs and ready files
-    restarted: list[subprocess.Popen[bytes]]  # engines a test started again: stopped at the end
+
+    def server(self, replica: int) -> VllmServer:
+        """The replica's vLLM server."""
+        [part] = [p for p in self.local.engines if p.worker_id == WORKERS[replica]]
+        assert isinstance(part.proc, VllmServer)
+        return part.proc
+
+    def sidecar(self, replica: int) -> ManagedProcess:
+        """The replica's sidecar process."""
+        [part] = [p for p in self.local.sidecars if p.worker_id == WORKERS[replica]]
+        assert isinstance(part.proc, ManagedProcess)
+        return part.proc
 
     def store_socket(self, replica: int) -> Path:
         """The replica's sidecar's block store, which its vLLM's KV connector attaches to."""
-        return self.workdir / f"vllm-{replica}-store.sock"
+        socket = self.server(replica).store_socket
+        assert socket is not None
+        return socket
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """``kvsidecar up --engine vllm --replicas 2``: two vLLMs (64 blocks of 32 tokens, hermes
-    tools, our KV connector, ``--enable-scale-out`` as vllm-router's ``kv_aware`` needs), a
-    sidecar each (a host store of 64 blocks over one shared Redis tier) and a gateway that
-    migrates streams, for the module."""
-    tmp = tmp_path_factory.mktemp("vllm")
-    restarted: list[subprocess.Popen[bytes]] = []
-    with RedisServer(tmp) as redis:
-        up = ManagedProcess.start("up", [
-            "kvsidecar", "up", "--engine", "vllm", "--replicas", "2", "--port", "0",
-            "--max-total-tokens", str(KV_BLOCKS * BLOCK), "--workdir", str(tmp),
-            "--kv-connector-store-bytes", str(STORE_BLOCKS * STORE_BLOCK_BYTES),
-            f"--sidecar-arg=--remote-tier-url={redis.url}",
-            "--gateway-arg=--migration-limit", "--gateway-arg=2",
-            "--engine-arg=--enable-auto-tool-choice", "--engine-arg=--tool-call-parser",
-            "--engine-arg=hermes", "--engine-arg=--enable-scale-out",
-            "--engine-arg=--structured-outputs-config",
-            # the random tiny model would pad JSON with whitespace until max_tokens
-            '--engine-arg={"backend": "xgrammar", "disable_any_whitespace": true}',
-        ], workdir=tmp)
-        try:
-            try:
-                gateway = str(up.wait_ready(480)[0]["url"])
-            except LaunchError as exc:
-                pytest.fail(str(exc), pytrace=False)
-            workers = {w["worker_id"]: w for w in _get(f"{gateway}/v1/workers")["workers"]}
-            assert sorted(workers) == WORKERS, workers
-            yield Stack(gateway, [workers[w]["engine_url"] for w in WORKERS],
-                        [workers[w]["url"] for w in WORKERS], tmp, restarted)
-        finally:
-            up.stop(timeout_s=90)
-            for proc in restarted:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    """The stack ``kvsidecar up --engine vllm --replicas 2`` starts (its flags made a
+    ``StackSpec`` by ``up`` itself): two vLLMs (64 blocks of 32 tokens, hermes tools, our KV
+    connector, ``--enable-scale-out`` as vllm-router's ``kv_aware`` needs), a sidecar each (a
+    host store of 64 blocks) and a gateway that migrates streams; and a ``redis-server`` as
+    every sidecar's remote tier, for the module."""
+    spec = replace(up.stack_spec(up.resolve_args(UP)), redis=True)
+    local = LocalStack(spec, tmp_path_factory.mktemp("vllm"))
+    try:
+        local.start()  # vLLM takes one to two minutes
+    except LaunchError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    try:
+        workers = {w["worker_id"]: w for w in _get(f"{local.url}/v1/workers")["workers"]}
+        assert sorted(workers) == WORKERS, workers
+        yield Stack(local, local.url, [workers[w]["engine_url"] for w in WORKERS],
+                    [workers[w]["url"] for w in WORKERS])
+    finally:
+        local.stop()
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -330,20 +348,19 @@ def test_a_publisher_on_another_endpoint_makes_the_worker_unroutable(
     """A sidecar told the wrong --kv-events-endpoint hears nothing: after a request that
     stored blocks and a silent canary, its worker is unroutable, the reason naming the flag
     and the endpoint."""
-    with socket.socket() as nobody, ProcessGroup[ManagedProcess]() as procs:
+    with socket.socket() as nobody, ProcessGroup[ManagedProcess]() as procs, \
+            own_gateways(stack.local):
         nobody.bind(("127.0.0.1", 0))  # held, never listening: nothing publishes there
         wrong = f"tcp://127.0.0.1:{nobody.getsockname()[1]}"
-        sidecar = procs.add(ManagedProcess.start("sidecar-wrong", [
-            "sidecar", "--engine", "vllm", "--engine-url", stack.vllm[0], "--worker-id", "wrong",
-            "--port", "0", "--kv-events-endpoint", wrong, "--silent-after-s", "1",
-        ], workdir=tmp_path))
+        sidecar = procs.add(ManagedProcess.start("sidecar-wrong", ["sidecar", *sidecar_argv(
+            stack.vllm[0], "wrong", "agg", 0.0, ["--engine", "vllm", "--silent-after-s", "1",
+                                                 *publisher_flags(ExternalPublisher(wrong))])],
+            workdir=tmp_path))
         sidecar_url = str(sidecar.wait_ready(60)[0]["url"])
-        gateway = procs.add(ManagedProcess.start("gateway-wrong", [
-            "routing", "--port", "0", "--model-path", str(tiny_model_with_weights()),
-            "--block-size", str(BLOCK), "--sidecar", sidecar_url,
-            "--health-check-interval-s", "0.2",
-        ], workdir=tmp_path))
-        url = str(gateway.wait_ready(60)[0]["url"])
+        [gateway] = stack.local.add_gateway(GatewaySpec(
+            name="gateway-wrong", health_check_interval_s=0.2, workers="none",
+            wait_routable=False, args=("--block-size", str(BLOCK), "--sidecar", sidecar_url)))
+        url = gateway.url
 
         def listed(routable: bool) -> dict[str, Any] | None:
             workers = _get(f"{url}/v1/workers")["workers"]
@@ -422,26 +439,17 @@ def test_a_mixed_fleet_of_sglang_and_vllm_workers(stack: Stack, tmp_path: Path) 
     gateway of blocks of 32: both routable with exact parity; a prompt computed on either is
     predicted there, and the next request with its prefix goes there. A third engine paging
     in 16 is told apart: its stream refused, the reason naming both sizes and --block-size."""
-    model = str(tiny_model_with_weights())
-    with ProcessGroup[ManagedProcess]() as procs:
-        engines = {
-            worker: procs.add(ManagedProcess.start(f"refengine-{worker}", [
-                "refengine", "--compute", "sim", "--model-path", model, "--page-size", pages,
-                "--kv-events-config", EVENTS_CONFIG, "--port", "0"], workdir=tmp_path))
-            for worker, pages in (("sglang-32", "32"), ("sglang-16", "16"))
-        }
-        engine_urls = {w: str(e.wait_ready(120)[0]["url"]) for w, e in engines.items()}
-        sidecars = {w: procs.add(ManagedProcess.start(f"sidecar-{w}", [
-            "sidecar", *sidecar_argv(url, w, "agg", 0.0)], workdir=tmp_path))
-            for w, url in engine_urls.items()}
-        sidecar_urls = [str(sc.wait_ready(120)[0]["url"]) for sc in sidecars.values()]
-        gateway = procs.add(ManagedProcess.start("gateway-mixed", [
-            "routing", "--port", "0", "--model-path", model, "--block-size", str(BLOCK),
-            "--health-check-interval-s", "0.2",
-            *[f for url in (*sidecar_urls, stack.sidecars[1]) for f in ("--sidecar", url)],
-        ], workdir=tmp_path))
-        url = str(gateway.wait_ready(60)[0]["url"])
-        engine_urls["replica-1"] = stack.vllm[1]
+    # SGLang-format engines (simulated), a sidecar each, and a gateway of blocks of 32 in
+    # front of them and of replica-1's sidecar
+    engines = tuple(EngineSpec(worker_ids=(worker,), args=("--page-size", pages))
+                    for worker, pages in (("sglang-32", "32"), ("sglang-16", "16")))
+    gateway = GatewaySpec(name="gateway-mixed", health_check_interval_s=0.2, args=(
+        "--block-size", str(BLOCK), "--sidecar", stack.sidecars[1]))
+    spec = StackSpec(engines=engines, gateways=(gateway,),
+                     model_path=str(tiny_model_with_weights()))
+    with LocalStack(spec, tmp_path) as mixed:
+        url = mixed.url
+        engine_urls = {**mixed.engine_urls, "replica-1": stack.vllm[1]}
 
         def judged() -> dict[str, Any] | None:
             workers = {w["worker_id"]: w for w in _get(f"{url}/v1/workers")["workers"]}
@@ -581,21 +589,10 @@ def test_the_index_is_vllms_live_blocks_after_an_engine_restart(stack: Stack) ->
     _fill(stack, 200, 1)
     before, _ = _index_matches_engine(stack)
     assert before > 0
-    port = stack.vllm[0].rsplit(":", 1)[1]
-    pid = _pid_of(b"vllm.entrypoints.openai.api_server", f"--port\0{port}\0".encode())
-    proc = Path(f"/proc/{pid}")
-    argv = [a.decode() for a in (proc / "cmdline").read_bytes().split(b"\0") if a]
-    env = dict(line.split(b"=", 1) for line in (proc / "environ").read_bytes().split(b"\0")
-               if b"=" in line)
-    cwd = os.readlink(proc / "cwd")
-    os.killpg(os.getpgid(pid), signal.SIGKILL)  # its engine core too
+    server = stack.server(0)
+    server.kill()  # its engine core too
     wait_until(lambda: not _answers(f"{stack.vllm[0]}/health"), "the old vLLM gone", 30, 0.2)
-    with (stack.workdir / "vllm-0-restarted.log").open("ab") as log:
-        restarted = subprocess.Popen(argv, env={k.decode(): v.decode() for k, v in env.items()},
-                                     cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-    stack.restarted.append(restarted)
-    wait_until(lambda: _answers(f"{stack.vllm[0]}/health"), "the vLLM started again", 240, 0.5)
+    server.start(port=server.port)  # until it answers /health again
     wait_until(lambda: _worker(stack)["routable"] or None, "replica-0 routable again", 60, 0.2)
     _fill(stack, 201, 1)
     live, _ = _index_matches_engine(stack)  # equal: none of the old engine's blocks kept
@@ -635,8 +632,6 @@ async def test_a_vllm_killed_mid_stream_migrates_its_stream(
         return bool(held["replica-0"]["longest_matched"] >= len(prompt) - BLOCK)
 
     await eventually(indexed, "the gateway to index the prompt on replica-0", 30)
-    vllm_pid = _pid_of(b"vllm.entrypoints.openai.api_server",
-                       f"--port\0{stack.vllm[0].rsplit(':', 1)[1]}\0".encode())
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
             "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
     chunks: list[dict[str, Any]] = []
@@ -651,7 +646,7 @@ async def test_a_vllm_killed_mid_stream_migrates_its_stream(
             if line.startswith(b"data:"):
                 chunks.append(json.loads(line[5:]))
                 if len(chunks) == KILL_AFTER:
-                    os.killpg(os.getpgid(vllm_pid), signal.SIGKILL)  # its engine core too
+                    stack.server(0).kill()  # its engine core too
 
     assert done, "the stream ended without [DONE]"
     text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
@@ -688,7 +683,7 @@ def test_a_store_that_is_down_turns_loads_into_misses(stack: Stack) -> None:
         wait_until(lambda: store.contains_many(_keys(prompt, 6)) == [True] * 6,
                    "the prompt's blocks in the host store", 30, 0.1)
         segment = store.welcome.segment
-    os.kill(_pid_of(f"--store-socket\0{socket_1}\0".encode()), signal.SIGKILL)
+    stack.sidecar(1).kill()
     try:
         wait_until(lambda: not _store_answers(socket_1), "the store gone", 30, 0.1)
         _reset_device_cache(stack, replica=1)
@@ -698,20 +693,6 @@ def test_a_store_that_is_down_turns_loads_into_misses(stack: Stack) -> None:
             posix_ipc.unlink_shared_memory(segment)
     assert again.cached_tokens == 0
     assert again.text == first.text
-
-
-def _pid_of(*words: bytes) -> int:
-    """The pid of a process whose command line holds each of ``words`` (NUL-joined
-    arguments): a sidecar by its store socket, a vLLM server (or a child forked from it, in
-    its process group) by its port."""
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and all(
-                    w in (entry / "cmdline").read_bytes() for w in words):
-                return int(entry.name)
-        except OSError:
-            continue  # gone meanwhile
-    raise AssertionError(f"no process runs with {words}")
 
 
 def _store_answers(socket: Path) -> bool:
