@@ -255,6 +255,7 @@ class Engine:
         assert self._wake is not None
         while True:
             if self._idle():
+                self.executor.idle()
                 self._wake.clear()
                 await self._wake.wait()
                 continue

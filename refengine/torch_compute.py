@@ -168,3 +168,6 @@ class TorchExecutor:
 
     async def load_delay(self, pages: int) -> None:
         return None  # real copies already took their time
+
+    def idle(self) -> None:
+        return None  # real steps take the time they take
