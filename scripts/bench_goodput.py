@@ -35,6 +35,19 @@ Ratios (>= 1 better): ``goodput_vs_dynamo_<load>``, ``ttft_p99_vs_dynamo_<load>`
 ``prefill_only_<load>`` and ``capped_<load>``; ``queue_lookahead_hit_rate_vs_capped_fifo_<load>``
 compares the two capped stacks. ``--stacks`` runs a subset of ours.
 
+Each request's mean ITL is also split at the mocker model's full-KV decode step (no step
+without prompt tokens is longer): the part up to it, the part beyond it (prompt chunks mixed
+into the step, and the stack's own delay), the share of gaps carrying a prompt chunk, and
+the prompt tokens computed per second (figures ``itl_mean_ms``, ``itl_to_floor_ms``,
+``itl_over_floor_ms``, ``gaps_with_prefill_share``, ``computed_prompt_tokens_per_s``).
+
+``--repeats N`` runs every stack N times on fresh stacks, interleaved (a drift of the machine
+hits each alike), and pools the requests for the figures. With N >= 2 it prints each stack's
+single-run range and sd (relative to the pooled figure) of the figures with targets, and each
+ratio's standard error with each run's own ratio (figures ``<load>.<stack>.<figure>_run_sd``
+and ``<ratio>_se``, computed as ``bench_replicas.py`` does, ``benchkit.ratio_se``): one run's
+figures move by several percent with timing alone.
+
 ``--load flood``: three tenants, each an API key of the gateway's ``--api-key-file`` with
 weight 1, drive closed loops of one-turn chats against ``--workers`` simulated reference
 engines behind one gateway that admits ``--slots`` requests per worker and queues the rest
