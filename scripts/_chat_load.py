@@ -68,6 +68,12 @@ class ChatResult:
     wall_s: float
     errors: list[str]
 
+    @classmethod
+    def pooled(cls, runs: list[ChatResult]) -> ChatResult:
+        """Several runs of one load as one: every request, the runs' time added up."""
+        return cls([o for r in runs for o in r.outcomes], sum(r.wall_s for r in runs),
+                   [e for r in runs for e in r.errors])
+
     def summary(self, ttft_target_s: float, itl_target_s: float) -> dict[str, float]:
         ok = [o for o in self.outcomes if o.ok]
         good = sum(o.good(ttft_target_s, itl_target_s) for o in self.outcomes)

@@ -35,6 +35,19 @@ Ratios (>= 1 better): ``goodput_vs_dynamo_<load>``, ``ttft_p99_vs_dynamo_<load>`
 ``prefill_only_<load>`` and ``capped_<load>``; ``queue_lookahead_hit_rate_vs_capped_fifo_<load>``
 compares the two capped stacks. ``--stacks`` runs a subset of ours.
 
+Each request's mean ITL is also split at the mocker model's full-KV decode step (no step
+without prompt tokens is longer): the part up to it, the part beyond it (prompt chunks mixed
+into the step, and the stack's own delay), the share of gaps carrying a prompt chunk, and
+the prompt tokens computed per second (figures ``itl_mean_ms``, ``itl_to_floor_ms``,
+``itl_over_floor_ms``, ``gaps_with_prefill_share``, ``computed_prompt_tokens_per_s``).
+
+``--repeats N`` runs every stack N times on fresh stacks, interleaved (a drift of the machine
+hits each alike), and pools the requests for the figures. With N >= 2 it prints each stack's
+single-run range and sd (relative to the pooled figure) of the figures with targets, and each
+ratio's standard error with each run's own ratio (figures ``<load>.<stack>.<figure>_run_sd``
+and ``<ratio>_se``, computed as ``bench_replicas.py`` does, ``benchkit.ratio_se``): one run's
+figures move by several percent with timing alone.
+
 ``--load flood``: three tenants, each an API key of the gateway's ``--api-key-file`` with
 weight 1, drive closed loops of one-turn chats against ``--workers`` simulated reference
 engines behind one gateway that admits ``--slots`` requests per worker and queues the rest
@@ -73,9 +86,22 @@ from typing import Any
 
 import aiohttp
 from _chat_load import ChatLoad, ChatResult, run_chat, warm_up
-from benchkit import ROOT, Better, Report, add_json_flag, print_table, progress, stream_reply
+from benchkit import (
+    ROOT,
+    Better,
+    Report,
+    add_json_flag,
+    format_value,
+    print_table,
+    print_values,
+    progress,
+    ratio_se,
+    run_spread,
+    stream_reply,
+)
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
+from refengine.timing import SimModel, TimingModel
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory",
@@ -305,9 +331,68 @@ def run_dynamo(load: ChatLoad, blocks: int, args: argparse.Namespace,
 _RATIOS: tuple[tuple[str, Better], ...] = (
     ("goodput_req_per_s", "higher"), ("ttft_p99_ms", "lower"), ("itl_p50_ms", "lower"),
     ("hit_rate", "higher"))
+_SPREAD = tuple(figure for figure, _ in _RATIOS)  # the figures with targets
 _COLUMNS = ("requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_share",
             "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "hit_rate",
             "busiest_worker_share")
+
+
+# What the gateway learned, per run: counts add up over runs, fitted values are averaged.
+_COUNTS = ("interference_placements", "capacity_placements", "queue_for_prefix")
+
+
+def pool_learned(runs: list[dict[str, float]]) -> dict[str, float]:
+    keys = dict.fromkeys(k for run in runs for k in run)
+    return {k: sum(run.get(k, 0.0) for run in runs) if k in _COUNTS
+            else round(statistics.fmean(run[k] for run in runs if k in run), 3) for k in keys}
+
+
+def decode_floor_s(speedup: float) -> float:
+    """The longest pure decode step of the mocker's model (every KV page in use): no step
+    without prompt tokens lasts longer, on our engine or Dynamo's mocker."""
+    model = TimingModel(speedup=speedup, shape=SimModel.MOCKER)
+    return model.step((), (), yields=True, kv_used=1.0)
+
+
+def itl_split(result: ChatResult, speedup: float) -> dict[str, float]:
+    """Each request's mean gap between streamed chunks (the ITL goodput judges), split at the
+    decode floor: the part of each gap up to it, and the part beyond it (prompt chunks
+    computed in the same step, and the stack's own delay); both averaged over requests.
+    With the share of gaps that carry a prompt chunk (longer than the floor by more than half
+    the smallest prefill part) and the prompt tokens computed per second (not cached)."""
+    floor_s = decode_floor_s(speedup)
+    least_prefill_s = TimingModel(speedup=speedup, shape=SimModel.MOCKER).step(
+        ((1, 1),), (), yields=False, kv_used=0.0)
+    ok = [o for o in result.outcomes if o.ok and o.gaps_s]
+    n = len(ok) or 1
+    to_floor = sum(sum(min(g, floor_s) for g in o.gaps_s) / len(o.gaps_s) for o in ok) / n
+    over = sum(sum(max(0.0, g - floor_s) for g in o.gaps_s) / len(o.gaps_s) for o in ok) / n
+    gaps = [g for o in ok for g in o.gaps_s]
+    with_prefill = sum(g > floor_s + least_prefill_s / 2 for g in gaps)
+    computed = sum(o.prompt_tokens - o.cached_tokens for o in result.outcomes if o.ok)
+    return {
+        "itl_mean_ms": round((to_floor + over) * 1e3, 2),
+        "itl_to_floor_ms": round(to_floor * 1e3, 2),
+        "itl_over_floor_ms": round(over * 1e3, 2),
+        "gaps_with_prefill_share": round(with_prefill / len(gaps), 4) if gaps else 0.0,
+        "computed_prompt_tokens_per_s": round(computed / (result.wall_s or 1e-9), 1),
+    }
+
+
+@dataclass
+class StackRuns:
+    """One stack's runs of one load: each run's result, and what its gateway learned."""
+
+    results: list[ChatResult] = field(default_factory=list)
+    learned: list[dict[str, float]] = field(default_factory=list)
+
+    def add(self, result: ChatResult, name: str, learned: dict[str, float] | None = None,
+            ) -> None:
+        self.results.append(result)
+        if learned is not None:
+            self.learned.append(learned)
+        if result.errors:
+            progress(f"{name}: {len(result.errors)} errors, e.g. {result.errors[:2]}")
 
 
 def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path) -> None:
@@ -317,30 +402,32 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         ("system_tokens", args.system_tokens), ("max_tokens", args.max_tokens)) if v})
     blocks = args.blocks or blocks
     ttft_s, itl_s = targets(args)
-    rows: dict[str, dict[str, float]] = {}
-    learned: dict[str, dict[str, float]] = {}
     gateway_args = tuple(shlex.split(args.gateway_args or ""))
     stacks = OURS[name] if args.stacks is None else [
         (system, extra) for system, extra in OURS[name] if system in args.stacks]
-    for system, extra in stacks:
-        progress(f"{name}: {system} ({load.sessions} sessions x {load.turns} turns)")
-        result, learned[system] = run_ours(system, (*gateway_args, *extra), load,
-                                           blocks, args, tmp / name)
-        rows[system] = result.summary(ttft_s, itl_s)
-        if result.errors:
-            progress(f"{name}: {system}: {len(result.errors)} errors, e.g. {result.errors[:2]}")
-    if args.peers == "dynamo":
-        progress(f"{name}: dynamo")
-        result = run_dynamo(load, blocks, args, tmp / name)
-        rows["dynamo"] = result.summary(ttft_s, itl_s)
-        if result.errors:
-            progress(f"{name}: dynamo: {len(result.errors)} errors, e.g. {result.errors[:2]}")
+    runs: dict[str, StackRuns] = {}
+    n = args.repeats
+    for repeat in range(n):  # interleaved: a drift of the machine hits every stack alike
+        of = f" ({repeat + 1}/{n})" if n > 1 else ""
+        for system, extra in stacks:
+            progress(f"{name}: {system}{of} ({load.sessions} sessions x {load.turns} turns)")
+            result, fitted = run_ours(system, (*gateway_args, *extra), load, blocks, args,
+                                      tmp / name / f"{repeat}")
+            runs.setdefault(system, StackRuns()).add(result, f"{name}: {system}", fitted)
+        if args.peers == "dynamo":
+            progress(f"{name}: dynamo{of}")
+            result = run_dynamo(load, blocks, args, tmp / name / f"{repeat}")
+            runs.setdefault("dynamo", StackRuns()).add(result, f"{name}: dynamo")
+    rows = {system: ChatResult.pooled(r.results).summary(ttft_s, itl_s)
+            for system, r in runs.items()}
+    learned = {system: pool_learned(r.learned) for system, r in runs.items() if r.learned}
     print(f"\n{name}: {load.system_prompts} system prompts x {load.system_tokens} tokens, "
           f"{load.sessions} sessions x {load.turns} turns, {load.concurrency} in flight, "
           f"{args.workers} workers x {blocks} blocks, speedup {args.speedup:g}; targets "
           f"TTFT {ttft_s * 1000:g} ms, ITL {itl_s * 1000:g} ms; our gateways: "
           f"{' '.join(gateway_args) or 'defaults'}, and per stack: " + "; ".join(
-              f"{system} {' '.join(extra) or '(none)'}" for system, extra in stacks))
+              f"{system} {' '.join(extra) or '(none)'}" for system, extra in stacks)
+          + (f"; {n} runs of each, pooled" if n > 1 else ""))
     print_table(["stack", *_COLUMNS], [[system, *(row.get(c) for c in _COLUMNS)]
                                        for system, row in rows.items()])
     for system, values in learned.items():
@@ -349,15 +436,38 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         if row["failed"]:
             print(f"  WARNING: {system}: {row['failed']:g} requests failed; its figures cover "
                   "the rest, its goodput counts them as missed")
+    floor_s = decode_floor_s(args.speedup)
+    split = {system: itl_split(ChatResult.pooled(r.results), args.speedup)
+             for system, r in runs.items()}
+    print(f"\n{name}: each request's mean ITL split at the decode floor ({floor_s * 1e3:.1f} ms, "
+          "every KV page in use): up to it, and beyond it (prompt chunks in the step, delay)")
+    columns = list(next(iter(split.values()), {}))
+    print_table(["stack", *columns], [[system, *row.values()] for system, row in split.items()])
     for system, row in rows.items():
         report.add_figures(row, prefix=f"{name}.{system}.")
+        report.add_figures(split[system], prefix=f"{name}.{system}.")
     for system, values in learned.items():
         report.add_figures(values, prefix=f"{name}.{system}.")
+    single = {system: [r.summary(ttft_s, itl_s) for r in stack.results]
+              for system, stack in runs.items()}
+    spread = {system: {figure: run_spread([run[figure] for run in single[system]],
+                                          rows[system][figure]) for figure in _SPREAD}
+              for system in runs}
+    if n > 1:
+        print(f"\n{name}: single runs, min-max (sd relative to the pooled figure):")
+        print_table(["stack", *_SPREAD], [[system, *(
+            f"{format_value(min(run[f] for run in single[system]))}-"
+            f"{format_value(max(run[f] for run in single[system]))} "
+            f"({spread[system][f]:.3f})" for f in _SPREAD)] for system in runs])
+        for system in runs:
+            report.add_figures({f"{f}_run_sd": round(v, 4) for f, v in spread[system].items()},
+                               prefix=f"{name}.{system}.")
     ours = rows.get("ours")
     capped, fifo = rows.get("capped"), rows.get("capped_fifo")
     if capped is not None and fifo is not None and fifo["hit_rate"] > 0:
         report.ratio("queue_lookahead_hit_rate", f"capped_fifo_{name}", capped["hit_rate"],
                      fifo["hit_rate"], better="higher", ndigits=3)
+    errors: dict[str, str] = {}
     for baseline in ("dynamo", "prefill_only", "capped"):
         theirs = rows.get(baseline)
         if theirs is None or ours is None:
@@ -365,8 +475,23 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         for figure, better in _RATIOS:
             if ours[figure] > 0 and theirs[figure] > 0:
                 short = figure.removesuffix("_req_per_s").removesuffix("_ms")
-                report.ratio(short, f"{baseline}_{name}", ours[figure], theirs[figure],
-                             better=better, ndigits=3)
+                ratio = report.ratio(short, f"{baseline}_{name}", ours[figure], theirs[figure],
+                                     better=better, ndigits=3)
+                if n > 1:
+                    ratio_name = f"{short}_vs_{baseline}_{name}"
+                    se = ratio_se(ratio, spread["ours"][figure], spread[baseline][figure], n)
+                    report.figure(f"{ratio_name}_se", round(se, 4))
+                    per_run = [Report().ratio(short, "run", a[figure], b[figure], better=better,
+                                              ndigits=3)
+                               for a, b in zip(single["ours"], single[baseline], strict=True)
+                               if a[figure] > 0 and b[figure] > 0]
+                    errors[ratio_name] = (f"+- {se:.3f}  (runs: "
+                                          f"{', '.join(f'{r:.3f}' for r in per_run)})")
+    if errors:
+        print(f"\n{name}: ratios of the pooled runs, their standard error over {n} runs and "
+              "each run's own:")
+        print_values("standard errors", {k: report.ratios[k] for k in errors}, digits=3,
+                     notes=errors)
 
 
 def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
@@ -439,6 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stacks", nargs="+", metavar="NAME",
                    help="only these of our stacks (ours, prefill_only; capacity: capped, "
                    "capped_fifo)")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="runs of each stack on fresh stacks, interleaved and pooled; with 2 or "
+                   "more, each stack's single-run spread and each ratio's standard error")
     g.add_argument("--model-dir", type=Path,
                    help="the model both stacks serve (default: Dynamo's one-word-one-token "
                    "tinymodel under ~/.cache/kvsidecar-bench; with --peers none and no such "
@@ -459,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--queue-timeout-s", type=float, default=120.0)
     add_json_flag(p)
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
     loads = ["hot", "capacity", "flood"] if args.load == "all" else [args.load]
     if args.model_dir is None:
         shared = BENCH_HOME / "tinymodel"

@@ -48,9 +48,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -59,7 +57,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import aiohttp
-from benchkit import ROOT, Report, add_json_flag, progress, stream_reply
+from benchkit import ROOT, Report, add_json_flag, progress, ratio_se, run_spread, stream_reply
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 
@@ -153,8 +151,7 @@ class Result:
     def run_spread(self) -> float:
         """The standard deviation of single runs' hit rates, relative to the pooled one (0
         with fewer than two runs)."""
-        xs = self.run_hit_rates
-        return statistics.stdev(xs) / self.hit_rate if len(xs) > 1 and self.hit_rate else 0.0
+        return run_spread(self.run_hit_rates, self.hit_rate)
 
     def ttft(self, q: float) -> float:
         xs = sorted(self.ttft_s)
@@ -386,8 +383,8 @@ def report(load: Load, args: argparse.Namespace, results: dict[str, Result],
         xs = r.run_hit_rates
         print(f"  {name.replace('_', ' ')}: {min(xs):.3f}-{max(xs):.3f}, sd {r.run_spread:.3f}")
         mine.figure(f"{p}{name}_hit_rate_run_sd", r.run_spread)
-    se = (pair.hit_rate / one.hit_rate * math.hypot(pair.run_spread, one.run_spread)
-          / math.sqrt(args.repeats)) if one.hit_rate else 0.0
+    se = ratio_se(pair.hit_rate / one.hit_rate, pair.run_spread, one.run_spread,
+                  args.repeats) if one.hit_rate else 0.0
     print(f"  hit_rate_two_synced_vs_one: standard error {se:.3f} ({args.repeats} runs)")
     mine.figure(f"{p}hit_rate_two_synced_vs_one_se", se)
     print("\nscorer weights at the end of each run (overlap weight / prefill load scale):")

@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -48,6 +49,8 @@ __all__ = [
     "print_table",
     "print_values",
     "progress",
+    "ratio_se",
+    "run_spread",
     "stream_reply",
 ]
 
@@ -174,6 +177,25 @@ class Report:
         text after a ratio's value (a target), by ratio name."""
         print_values(f"ratios (>= 1: {subject} as good as the baseline or better)",
                      self._ratios, digits=3, notes=notes)
+
+
+def run_spread(runs: Sequence[float], pooled: float) -> float:
+    """How far single runs of one configuration spread around their pooled figure: the
+    standard deviation of ``runs`` relative to ``pooled`` (0 with fewer than two runs or a
+    pooled 0). Timing alone moves a run's figures by a few percent (docs/bench/replicas.md),
+    so a difference between two configurations means something only beyond this."""
+    if len(runs) < 2 or not pooled:
+        return 0.0
+    return statistics.stdev(runs) / abs(pooled)
+
+
+def ratio_se(ratio: float, ours_spread: float, theirs_spread: float, runs: int) -> float:
+    """The standard error of ``ratio``, ours over theirs, each pooled over ``runs`` runs
+    whose relative spreads (:func:`run_spread`) are given: relative errors of a quotient add
+    in quadrature, and pooling ``runs`` runs divides each by sqrt(runs)."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    return abs(ratio) * math.hypot(ours_spread, theirs_spread) / math.sqrt(runs)
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

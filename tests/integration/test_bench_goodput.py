@@ -1,7 +1,8 @@
 """The goodput benchmark runs end to end on tiny sizes: the flood load's fair queue serves
 the quiet tenants their share where first come, first served does not; the hot-prefix load
-runs through our stack with and without the decode-interference term (``--peers none``) and
-reports each figure and ratio; and, where the checkout sits beside the shared Dynamo scripts,
+runs through our stack with and without the decode-interference term (``--peers none``), twice
+each (``--repeats``), and reports each figure and ratio pooled, with the runs' spread and the
+ratios' standard errors; and, where the checkout sits beside the shared Dynamo scripts,
 the same load runs against Dynamo's frontend and mocker too."""
 
 from __future__ import annotations
@@ -61,14 +62,23 @@ def check_chat_figures(figures: dict[str, float], stack: str, sessions: int) -> 
 
 
 def test_the_hot_load_runs_our_stack_with_and_without_the_decode_term(tmp_path: Path) -> None:
-    data, stdout = bench(tmp_path, *TINY_HOT, "--peers", "none")
+    data, stdout = bench(tmp_path, *TINY_HOT, "--peers", "none", "--repeats", "2")
     figures, ratios = data["figures"], data["ratios"]
     for stack in ("ours", "prefill_only"):
-        check_chat_figures(figures, stack, 24)
+        check_chat_figures(figures, stack, 2 * 24)  # both runs' requests, pooled
+        prefix = f"hot.{stack}."
+        for figure in ("goodput_req_per_s", "ttft_p99_ms", "itl_p50_ms", "hit_rate"):
+            assert figures[prefix + figure + "_run_sd"] >= 0
+        assert figures[prefix + "itl_mean_ms"] == pytest.approx(
+            figures[prefix + "itl_to_floor_ms"] + figures[prefix + "itl_over_floor_ms"],
+            abs=0.02)
     assert not any(k.startswith("hot.dynamo.") for k in figures)
-    assert {"goodput_vs_prefill_only_hot", "ttft_p99_vs_prefill_only_hot",
-            "itl_p50_vs_prefill_only_hot", "hit_rate_vs_prefill_only_hot"} <= set(ratios)
+    with_target = {"goodput_vs_prefill_only_hot", "ttft_p99_vs_prefill_only_hot",
+                   "itl_p50_vs_prefill_only_hot", "hit_rate_vs_prefill_only_hot"}
+    assert with_target <= set(ratios)
+    assert all(figures[f"{name}_se"] >= 0 for name in with_target)
     assert not any("dynamo" in k for k in ratios)
+    assert "single runs, min-max" in stdout and "standard error over 2 runs" in stdout
     # what the gateway learned is reported beside the figures
     assert figures["hot.ours.prefill_load_scale"] >= 1
     assert "ours learned:" in stdout
@@ -84,3 +94,5 @@ def test_the_hot_load_runs_against_dynamo(tmp_path: Path) -> None:
         check_chat_figures(figures, stack, 24)
     assert {"goodput_vs_dynamo_hot", "ttft_p99_vs_dynamo_hot", "itl_p50_vs_dynamo_hot",
             "hit_rate_vs_dynamo_hot"} <= set(ratios)
+    # one run: no spread to report, so none is (a 0 would read as "no noise")
+    assert not any(k.endswith(("_run_sd", "_se")) for k in figures)

@@ -179,6 +179,28 @@ class TestJson:
             report.include(one, prefix="pinned.")
 
 
+class TestRepeats:
+    """What several runs of one configuration say: their spread, and a ratio's error."""
+
+    def test_run_spread_is_the_sd_of_single_runs_relative_to_the_pooled(self) -> None:
+        assert benchkit.run_spread([0.5, 0.6, 0.7], 0.6) == pytest.approx(0.1 / 0.6)
+        assert benchkit.run_spread([3.0, 3.0], 3.0) == 0.0
+
+    @pytest.mark.parametrize(("runs", "pooled"), [([0.7], 0.7), ([], 0.0), ([0.0, 0.0], 0.0)])
+    def test_one_run_or_a_pooled_zero_has_no_spread(self, runs: list[float],
+                                                    pooled: float) -> None:
+        assert benchkit.run_spread(runs, pooled) == 0.0
+
+    def test_a_ratios_error_adds_both_sides_in_quadrature_over_sqrt_runs(self) -> None:
+        """3 % and 4 % a run on either side: 5 % of the ratio a run, half that over 4 runs."""
+        assert benchkit.ratio_se(2.0, 0.03, 0.04, 4) == pytest.approx(2.0 * 0.05 / 2)
+        assert benchkit.ratio_se(0.9, 0.0, 0.0, 3) == 0.0
+
+    def test_a_ratios_error_needs_a_run(self) -> None:
+        with pytest.raises(ValueError, match="runs must be >= 1"):
+            benchkit.ratio_se(1.0, 0.1, 0.1, 0)
+
+
 class TestCommandLine:
     def test_the_json_flag_takes_a_file(self, tmp_path: Path) -> None:
         """``--json FILE`` is a Path; absent, None."""

@@ -1,0 +1,60 @@
+"""bench_goodput's pooling of repeated runs and its split of each request's ITL at the decode
+floor (the mocker's pure decode step with every KV page in use), on made-up requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.scripts import load_script
+
+chat_load = load_script("_chat_load")
+bench_goodput = load_script("bench_goodput")
+Outcome, ChatResult = chat_load.Outcome, chat_load.ChatResult
+
+FLOOR_S = bench_goodput.decode_floor_s(0.25)
+
+
+def test_the_floor_is_the_mockers_full_kv_decode_step() -> None:
+    """-25.74 + 54.01 + 5.74 ms at speed 1, four times that at speedup 0.25."""
+    assert pytest.approx(4 * 34.01e-3) == FLOOR_S
+
+
+def test_each_requests_mean_gap_splits_at_the_floor() -> None:
+    """A gap at or under the floor is all decode; a longer one (a prompt chunk in its step)
+    puts its excess beyond the floor. The parts add up to the mean of per-request means."""
+    at_floor = Outcome(ok=True, gaps_s=[FLOOR_S, FLOOR_S - 0.002], prompt_tokens=100,
+                       cached_tokens=60)
+    mixed = Outcome(ok=True, gaps_s=[FLOOR_S, FLOOR_S + 0.2], prompt_tokens=100)
+    failed = Outcome(ok=False, gaps_s=[9.0], prompt_tokens=1000)
+    split = bench_goodput.itl_split(ChatResult([at_floor, mixed, failed], 2.0, []), 0.25)
+    to_floor = ((2 * FLOOR_S - 0.002) / 2 + FLOOR_S) / 2
+    assert split["itl_to_floor_ms"] == pytest.approx(to_floor * 1e3, abs=0.01)
+    assert split["itl_over_floor_ms"] == pytest.approx(0.2 / 2 / 2 * 1e3, abs=0.01)
+    assert split["itl_mean_ms"] == pytest.approx(
+        split["itl_to_floor_ms"] + split["itl_over_floor_ms"], abs=0.02)
+    assert split["gaps_with_prefill_share"] == 0.25  # one gap of four carries a prompt chunk
+    assert split["computed_prompt_tokens_per_s"] == (40 + 100) / 2.0  # the failed one not
+
+
+def test_a_gap_just_over_the_floor_carries_no_prompt_chunk() -> None:
+    """Prefill adds at least its 16.5 ms base (speed 1): a few ms over the floor is delay."""
+    late = Outcome(ok=True, gaps_s=[FLOOR_S + 0.010])
+    split = bench_goodput.itl_split(ChatResult([late], 1.0, []), 0.25)
+    assert split["gaps_with_prefill_share"] == 0.0
+    assert split["itl_over_floor_ms"] == pytest.approx(10.0, abs=0.01)
+
+
+def test_pooled_runs_keep_every_request_and_add_the_time() -> None:
+    one = ChatResult([Outcome(ok=True, ttft_s=0.1)], 10.0, [])
+    two = ChatResult([Outcome(ok=True, ttft_s=0.3), Outcome(ok=False)], 30.0, ["HTTP 503"])
+    pooled = ChatResult.pooled([one, two])
+    assert [o.ttft_s for o in pooled.outcomes] == [0.1, 0.3, 0.0]
+    assert pooled.wall_s == 40.0 and pooled.errors == ["HTTP 503"]
+    assert pooled.summary(1.0, 1.0)["req_per_s"] == 2 / 40
+
+
+def test_learned_counts_add_up_over_runs_and_fits_are_averaged() -> None:
+    runs = [{"interference_placements": 3.0, "overlap_weight": 18.0},
+            {"interference_placements": 5.0, "overlap_weight": 20.0, "itl_base_ms": 130.0}]
+    assert bench_goodput.pool_learned(runs) == {
+        "interference_placements": 8.0, "overlap_weight": 19.0, "itl_base_ms": 130.0}
