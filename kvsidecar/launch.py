@@ -71,15 +71,18 @@ class ManagedProcess:
         workdir: Path,
         env: Mapping[str, str] | None = None,
         python: str = sys.executable,
+        prefix: Sequence[str] = (),
     ) -> ManagedProcess:
-        """Run ``python -m <args...> --ready-file <workdir>/<name>.ready``."""
+        """Run ``python -m <args...> --ready-file <workdir>/<name>.ready``, under ``prefix``
+        if given: a tool and its flags that run the interpreter (``valgrind --tool=callgrind``;
+        its group still holds the interpreter, so stopping stops both)."""
         workdir.mkdir(parents=True, exist_ok=True)
         ready_file = workdir / f"{name}.ready"
         ready_file.unlink(missing_ok=True)
         log_path = workdir / f"{name}.log"
         log = log_path.open("wb")
         proc = subprocess.Popen(
-            [python, "-m", *args, "--ready-file", str(ready_file)],
+            [*prefix, python, "-m", *args, "--ready-file", str(ready_file)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

@@ -35,7 +35,14 @@ import aiohttp
 from benchkit import ROOT, Report, add_json_flag, print_table, progress, stream_reply
 
 from kvsidecar.launch import ManagedProcess
-from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
+from kvsidecar.local_stack import (
+    EngineSpec,
+    GatewaySpec,
+    LocalStack,
+    StackSpec,
+    gateway_argv,
+    routable_workers,
+)
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 _TOTALS = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
@@ -88,35 +95,23 @@ async def chats(url: str, n: int, seed: int, max_tokens: int, stream: bool) -> N
             await asyncio.gather(*(session(s) for s in sessions[start:start + 4]))
 
 
-async def wait_routable(url: str, workers: int) -> None:
-    async with aiohttp.ClientSession() as http:
-        for _ in range(3000):
-            async with http.get(f"{url}/v1/workers") as resp:
-                listed = (await resp.json())["workers"]
-            if sum(bool(w["routable"]) for w in listed) >= workers:
-                return
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url}: the workers never became routable")
-
-
 def measure(name: str, tree: Path, sidecars: list[str], args: argparse.Namespace,
             workdir: Path) -> dict[str, int]:
     """Instructions the gateway of ``tree`` spent on ``--requests`` requests of each kind
     (``KINDS``)."""
     out = workdir / f"{name}.callgrind"
-    wrapper = workdir / f"{name}-python"
-    wrapper.write_text(f"#!/bin/sh\nexec valgrind --tool=callgrind --callgrind-out-file={out} "
-                       f"{sys.executable} \"$@\"\n")
-    wrapper.chmod(0o755)
+    spec = GatewaySpec(router_mode=args.router_mode, health_check_interval_s=None,
+                       args=("--log-level", "warning"))
+    # PYTHONSAFEPATH: ``python -m`` would put the current directory first on sys.path, so a
+    # baseline's gateway run from this checkout would import this checkout's code.
     gateway = ManagedProcess.start(
-        f"gateway-{name}",
-        ["routing", "--port", "0", "--model-path", str(MODEL), "--log-level", "warning",
-         "--router-mode", args.router_mode, "--seed", "1",
-         *[f for url in sidecars for f in ("--sidecar", url)]],
-        workdir=workdir, env={"PYTHONPATH": str(tree)}, python=str(wrapper))
+        f"gateway-{name}", ["routing", *gateway_argv(spec, str(MODEL), sidecars,
+                                                     more=["--seed", "1"])],
+        workdir=workdir, env={"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"},
+        prefix=["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"])
     try:
         gateway.wait_ready(600)
-        asyncio.run(wait_routable(gateway.url, args.workers))
+        routable_workers(gateway.url, args.workers, timeout_s=300)
         for stream in KINDS.values():
             asyncio.run(chats(gateway.url, args.warmup, 0, args.max_tokens, stream))
         for seed, stream in enumerate(KINDS.values(), start=1):

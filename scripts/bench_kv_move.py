@@ -45,7 +45,6 @@ import logging
 import statistics
 import tempfile
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,13 +55,11 @@ import structlog
 from benchkit import ROOT, Report, add_json_flag, print_table, progress
 
 from kvcore import BlockHasher, Namespace
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from shm import BlockStoreClient
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 PAGE_TOKENS = 16
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 FIXED = ["--overlap-weight", "1", "--prefill-load-scale", "1"]  # Dynamo's default cost
 MODES = {
     "herd": ["--kv-move", "off", "--overlap-weight", "100", "--prefill-load-scale", "1"],
@@ -89,16 +86,6 @@ class ModeRun:
     busiest: list[float] = field(default_factory=list)  # per wave: the busiest worker's share
 
 
-def engine_argv(sock: Path, pages: int, speedup: float) -> list[str]:
-    hook = {"backend_name": "kvsidecar", "module_path": "adapters.sglang.hicache",
-            "class_name": "KvSidecarHiCacheStorage", "interface_v1": 1, "socket": str(sock),
-            "model_id": "tiny"}
-    return ["refengine", "--compute", "sim", "--model-path", str(MODEL), "--port", "0",
-            "--kv-events-config", EVENTS, "--hicache-storage-backend", "dynamic",
-            "--hicache-storage-backend-extra-config", json.dumps(hook),
-            "--hicache-host-pages", str(pages), "--speedup", f"{speedup:g}"]
-
-
 async def generate(session: aiohttp.ClientSession, url: str, ids: list[int]) -> None:
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
     async with session.post(url + "/generate", json=body) as resp:
@@ -106,8 +93,9 @@ async def generate(session: aiohttp.ClientSession, url: str, ids: list[int]) -> 
         await resp.read()
 
 
-async def hook_attached(session: aiohttp.ClientSession, url: str, sock: Path) -> None:
+async def hook_attached(session: aiohttp.ClientSession, url: str, sock: Path | None) -> None:
     """One-page prompts until one reaches the store (the hook retries its store each second)."""
+    assert sock is not None  # EngineSpec(store="hook")
     with BlockStoreClient(str(sock)) as store:
         for warmup in range(1000):
             await generate(session, url, [warmup + 1] * (PAGE_TOKENS + 1))
@@ -148,60 +136,39 @@ async def stream_one(session: aiohttp.ClientSession, gateway: str, ids: list[int
                   int(cached))
 
 
+def stack_spec(args: argparse.Namespace) -> StackSpec:
+    """The fleet: one simulated engine process per worker (``w<i>``), its HiCache hook on
+    its own sidecar's block store; the three modes' gateways over all of them."""
+    pages = args.system_tokens // PAGE_TOKENS + 64
+    store = str(args.store_pages * PAGE_TOKENS * 2048)  # the tiny model: 2 KiB per token
+    engines = tuple(EngineSpec(store="hook", worker_ids=(f"w{i}",),
+                               args=("--hicache-host-pages", str(pages)),
+                               sidecar_args=("--store-capacity-bytes", store))
+                    for i in range(args.workers))
+    gateways = tuple(GatewaySpec(name=f"gateway-{mode}", seed=1, args=tuple(flags),
+                                 health_check_interval_s=None)
+                     for mode, flags in MODES.items())
+    return StackSpec(engines=engines, gateways=gateways, model_path=str(MODEL),
+                     speedup=args.speedup)
+
+
 class Bench:
-    def __init__(self, args: argparse.Namespace, workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, stack: LocalStack) -> None:
         self.args = args
-        self.workdir = workdir
-        self.procs: list[ManagedProcess] = []
-        self.engines: list[str] = []
-        self.socks: list[Path] = []
-        self.gateways: dict[str, str] = {}
-        self.sidecars: dict[str, str] = {}  # worker id → sidecar URL
+        self.engines = [(part.url, part.store_socket) for part in stack.engines]
+        self.gateways = {mode: next(g.url for g in stack.gateways if g.name == f"gateway-{mode}")
+                         for mode in MODES}
+        self.sidecars = stack.sidecar_urls  # worker id → sidecar URL
         self.hasher = BlockHasher(PAGE_TOKENS)
         self.seed = Namespace("tiny").seed  # the model's canonical namespace
         self.move_metrics = ""  # the move gateway's /metrics at the end
-
-    def start(self) -> list[str]:
-        a = self.args
-        pages = a.system_tokens // PAGE_TOKENS + 64
-        for i in range(a.workers):
-            sock = self.workdir / f"s{i}-{uuid.uuid4().hex[:6]}.sock"
-            self.socks.append(sock)
-            argv = engine_argv(sock, pages, a.speedup)
-            self.procs.append(ManagedProcess.start(f"engine-{i}", argv, workdir=self.workdir))
-        for proc in self.procs:
-            proc.wait_ready(120)
-            self.engines.append(proc.url)
-        store = str(a.store_pages * PAGE_TOKENS * 2048)  # the tiny model: 2 KiB per token
-        sidecars = []
-        for i, (url, sock) in enumerate(zip(self.engines, self.socks, strict=True)):
-            sc = ManagedProcess.start(f"sidecar-{i}", [
-                "sidecar", "--engine-url", url, "--worker-id", f"w{i}", "--port", "0",
-                "--store-capacity-bytes", store, "--store-socket", str(sock)],
-                workdir=self.workdir)
-            self.procs.append(sc)
-            sidecars.append(sc)
-        urls = [sc.wait_ready(60)[0]["url"] for sc in sidecars]
-        self.sidecars = {f"w{i}": url for i, url in enumerate(urls)}
-        for mode, flags in MODES.items():
-            gw = ManagedProcess.start(f"gateway-{mode}", [
-                "routing", "--port", "0", "--model-path", str(MODEL), "--seed", "1",
-                *flags, *[f for u in urls for f in ("--sidecar", u)]], workdir=self.workdir)
-            self.procs.append(gw)
-            self.gateways[mode] = gw.wait_ready(60)[0]["url"]
-        return urls
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
 
     async def run(self) -> dict[str, ModeRun]:
         a = self.args
         runs = {mode: ModeRun() for mode in MODES}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
             await asyncio.gather(*(hook_attached(session, url, sock)
-                                   for url, sock in zip(self.engines, self.socks, strict=True)))
-            await self._routable(session)
+                                   for url, sock in self.engines))
             unmeasured = {mode: ModeRun() for mode in MODES}
             for wave in range(a.warmup_waves + a.waves):
                 measured = wave >= a.warmup_waves
@@ -213,17 +180,6 @@ class Bench:
             async with session.get(f"{self.gateways['move']}/metrics") as resp:
                 self.move_metrics = await resp.text()
         return runs
-
-    async def _routable(self, session: aiohttp.ClientSession) -> None:
-        for url in self.gateways.values():
-            for _ in range(600):
-                async with session.get(f"{url}/v1/workers") as resp:
-                    listed = (await resp.json())["workers"]
-                if sum(w["routable"] for w in listed) == self.args.workers:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise RuntimeError(f"the workers never became routable at {url}")
 
     async def _wave(self, session: aiohttp.ClientSession, mode: str, n: int,
                     run: ModeRun) -> None:
@@ -300,13 +256,10 @@ def main(argv: list[str] | None = None) -> int:
     add_json_flag(p)
     args = p.parse_args(argv)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    workdir = Path(tempfile.mkdtemp(prefix="bench-kv-move-"))
-    bench = Bench(args, workdir)
-    try:
-        bench.start()
+    with tempfile.TemporaryDirectory(prefix="bench-kv-move-") as tmp, \
+            LocalStack(stack_spec(args), Path(tmp)) as stack:
+        bench = Bench(args, stack)
         runs = asyncio.run(bench.run())
-    finally:
-        bench.stop()
     report = Report()
     figs = {mode: figures(run) for mode, run in runs.items()}
     for mode, values in figs.items():

@@ -66,8 +66,8 @@ import structlog
 from bench_engine import Engine, ttft, wait_healthy  # the engine benchmark's helpers
 from benchkit import Report, add_json_flag, progress
 
-from kvsidecar.launch import ManagedProcess
 from kvsidecar.local_redis import RedisServer
+from kvsidecar.local_store import StoreProcess
 from refengine.presets import ModelConfig
 from shm import BlockStoreClient
 from shm.tiers.disk_format import HEADER_BYTES as DISK_HEADER_BYTES  # a remote value's header too
@@ -208,18 +208,15 @@ class Bench:
     def fresh_prompt(self) -> list[int]:
         return [self.rng.randrange(5, 1000) for _ in range(self.tokens)]
 
-    def start_store(self, socket: Path, *tiers: str) -> ManagedProcess:
+    def start_store(self, socket: Path, *tiers: str) -> StoreProcess:
         """An owner holding one prompt and a little headroom, on the remote tier too."""
-        cap = self.slots * self.page_bytes
-        store = ManagedProcess.start("store", [
-            "shm", "--owner-id", f"bt{uuid.uuid4().hex[:8]}", "--socket", str(socket),
-            "--capacity-bytes", str(cap), "--block-bytes", str(self.page_bytes),
-            "--remote-tier-url", self.redis.url, "--remote-scope", SCOPE, *tiers,
-            "--log-level", "warning"], workdir=self.workdir)
-        store.wait_ready(60)
-        return store
+        return StoreProcess.start(
+            self.workdir, owner_id=f"bt{uuid.uuid4().hex[:8]}", socket=socket,
+            capacity_bytes=self.slots * self.page_bytes, block_bytes=self.page_bytes,
+            args=("--remote-tier-url", self.redis.url, "--remote-scope", SCOPE, *tiers),
+            wait_s=60)
 
-    def start_store_a(self) -> ManagedProcess:
+    def start_store_a(self) -> StoreProcess:
         """The first replica's store: disk and remote (written through) below it."""
         cap = self.slots * self.page_bytes
         return self.start_store(self.socket, "--disk-tier-dir", str(self.disk_dir),
@@ -322,7 +319,7 @@ class Bench:
 
     async def run(self) -> None:
         self.redis.start()
-        stores: list[ManagedProcess] = []
+        stores: list[StoreProcess] = []
         engines: list[Engine] = []
         try:
             stores += [self.start_store_a(), self.start_store(self.socket_b)]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -33,12 +32,9 @@ import aiohttp
 import zmq
 from benchkit import Report, add_json_flag, print_table, progress
 
-from kvsidecar.launch import ManagedProcess
+from kvsidecar.local_stack import EngineSpec, LocalStack, StackSpec
 from kvsidecar.local_vllm_router import VllmRouter, vllm_router_binary
-from tests.support.processes import ProcessGroup
 
-EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://127.0.0.1:*",
-                     "replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv"})
 TOPICS = ["astronomy", "baking", "chess", "databases", "ecology", "finance", "geology",
           "history", "immunology", "jazz", "knitting", "linguistics"]
 
@@ -56,22 +52,24 @@ def requests(groups: int, count: int, words: int, seed: int) -> list[tuple[str, 
             for i in range(count)]
 
 
-def start_fleet(
-    workdir: Path, procs: ProcessGroup[ManagedProcess], engines: int, kv_tokens: int
-) -> dict[str, tuple[str, str | None]]:
-    """Fresh engines and their republishing sidecars: engine URL → (events, replay)."""
-    eng = procs.add(ManagedProcess.start(
-        "engines", ["refengine", "--compute", "sim", "--port", "0", "--replicas", str(engines),
-                    "--speedup", "20", "--max-total-tokens", str(kv_tokens),
-                    "--kv-events-config", EVENTS], workdir=workdir))
+def fleet_spec(engines: int, kv_tokens: int) -> StackSpec:
+    """Simulated engines in one process, each with a sidecar (``r<i>``) republishing its
+    events in vLLM's format; no gateway: vllm-router is the router."""
+    republish = ("--publish-zmq", "tcp://127.0.0.1:*", "--publish-zmq-replay",
+                 "tcp://127.0.0.1:*")
+    return StackSpec(engines=(EngineSpec(replicas=engines,
+                                         worker_ids=tuple(f"r{i}" for i in range(engines)),
+                                         sidecar_args=republish),),
+                     gateways=(), speedup=20, max_total_tokens=kv_tokens)
+
+
+def republished(stack: LocalStack) -> dict[str, tuple[str, str | None]]:
+    """Each engine's URL → the (events, replay) endpoints its sidecar republishes on."""
+    engines = stack.engine_urls
     fleet = {}
-    for i, ready in enumerate(eng.wait_ready(60, count=engines)):
-        sc = procs.add(ManagedProcess.start(
-            f"sidecar{i}", ["sidecar", "--engine-url", ready["url"], "--worker-id", f"r{i}",
-                            "--port", "0", "--publish-zmq", "tcp://127.0.0.1:*",
-                            "--publish-zmq-replay", "tcp://127.0.0.1:*"], workdir=workdir))
-        published = sc.wait_ready(60)[0]["zmq_publish"][f"r{i}"]
-        fleet[ready["url"]] = (published["endpoint"], published["replay_endpoint"])
+    for sidecar in stack.sidecars:
+        published = sidecar.ready["zmq_publish"][sidecar.worker_id]
+        fleet[engines[sidecar.worker_id]] = (published["endpoint"], published["replay_endpoint"])
     return fleet
 
 
@@ -112,9 +110,9 @@ def run_pass(
     ctx = zmq.Context()
     silent = []
     with tempfile.TemporaryDirectory(prefix=f"bench-vllm-router-{name}-") as tmp, \
-            ProcessGroup[ManagedProcess]() as procs:
+            LocalStack(fleet_spec(args.engines, args.kv_tokens), Path(tmp)) as stack:
         workdir = Path(tmp)
-        fleet = start_fleet(workdir, procs, args.engines, args.kv_tokens)
+        fleet = republished(stack)
         if policy == "kv_aware" and not events:  # sources that never say anything
             for url in fleet:
                 sock = ctx.socket(zmq.PUB)

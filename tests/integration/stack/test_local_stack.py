@@ -22,6 +22,7 @@ from kvsidecar.local_stack import (
     LocalStack,
     StackSpec,
 )
+from kvsidecar.stack_argv import indexer_argv
 from tests.support.polling import eventually, wait_until
 
 TINY = StackSpec(
@@ -95,6 +96,22 @@ async def test_a_tiny_stack_serves_then_stops_gateways_first_leaving_no_process(
     assert stack.procs == [] and stack.nats is None
     assert nats is not None and nats.returncode is not None
     wait_until(lambda: _groups_gone(procs), "every child's process group to be gone", 10)
+
+
+@pytest.mark.slow  # a real process, a second or two
+def test_a_lone_child_runs_under_a_command_prefix_and_stops_with_it(tmp_path: Path) -> None:
+    """``prefix`` (a tool such as valgrind running the interpreter) gets the whole command
+    line, the interpreter first; the child serves through it, and stopping leaves no process
+    of its group."""
+    seen = tmp_path / "prefix-saw"
+    wrapper = ["sh", "-c", f'echo "$@" > {seen}; exec "$@"', "wrapper"]
+    proc = ManagedProcess.start("indexer", indexer_argv(), workdir=tmp_path, prefix=wrapper)
+    try:
+        proc.wait_ready(30)
+        assert seen.read_text().split()[1:4] == ["-m", "kvsidecar", "indexer"]
+    finally:
+        proc.stop()
+    wait_until(lambda: _groups_gone([proc]), "the child's process group to be gone", 10)
 
 
 def test_a_child_that_fails_to_start_is_named_with_its_log_tail(tmp_path: Path) -> None:
