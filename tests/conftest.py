@@ -18,6 +18,13 @@ from tests.support.polling import wait_until
 if TYPE_CHECKING:
     from tests.support.transfer_peers import PeerFactory
 
+# scripts/test runs pytest-xdist (-n 2 --dist loadgroup). Tests that start processes share
+# host-wide names: shared-memory owner ids taken from worker ids ("replica-0": a second live
+# owner with the same id is refused), podman images and containers, compose projects. They
+# run as one group, in file order, on one worker; the tests under these paths (in process,
+# ephemeral ports only) spread over the other workers meanwhile.
+_SPREAD = ("tests/unit/", "tests/test_structure.py", "tests/integration/gateway/")
+
 _SHM_DIR = Path("/dev/shm")
 _SHM_PREFIX = "kvsidecar-"
 _SHM_GRACE_S = 5.0
@@ -56,6 +63,14 @@ def _held_elsewhere(name: str) -> bool:
         if held and not _descends_from_us(int(proc.name)):
             return True
     return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if not item.nodeid.startswith(_SPREAD):
+            item.add_marker(pytest.mark.xdist_group("host"))
 
 
 @pytest.fixture(autouse=True)
