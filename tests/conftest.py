@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -18,11 +18,11 @@ from tests.support.polling import wait_until
 if TYPE_CHECKING:
     from tests.support.transfer_peers import PeerFactory
 
-# scripts/test runs pytest-xdist (-n 2 --dist loadgroup). Tests that start processes share
-# host-wide names: shared-memory owner ids taken from worker ids ("replica-0": a second live
-# owner with the same id is refused), podman images and containers, compose projects. They
-# run as one group, in file order, on one worker; the tests under these paths (in process,
-# ephemeral ports only) spread over the other workers meanwhile.
+# scripts/test runs pytest-xdist (-n 2). Tests that start processes share host-wide names:
+# shared-memory owner ids taken from worker ids ("replica-0": a second live owner with the
+# same id is refused), podman images and containers, compose projects. They run as one unit,
+# in file order, on one worker; the files under these paths (in process, ephemeral ports
+# only) go to the other worker meanwhile, a file at a time.
 _SPREAD = ("tests/unit/", "tests/test_structure.py", "tests/integration/gateway/")
 
 _SHM_DIR = Path("/dev/shm")
@@ -65,12 +65,16 @@ def _held_elsewhere(name: str) -> bool:
     return False
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        if not item.nodeid.startswith(_SPREAD):
-            item.add_marker(pytest.mark.xdist_group("host"))
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own --dist choice
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # A scheduler, not xdist_group marks: pytest 9 ignores the node-id suffix those work by.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HostGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.partition("::")[0] if nodeid.startswith(_SPREAD) else "host"
+
+    return HostGroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
