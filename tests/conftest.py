@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -17,6 +17,13 @@ from tests.support.polling import wait_until
 
 if TYPE_CHECKING:
     from tests.support.transfer_peers import PeerFactory
+
+# scripts/test runs pytest-xdist (-n 2). Tests that start processes share host-wide names:
+# shared-memory owner ids taken from worker ids ("replica-0": a second live owner with the
+# same id is refused), podman images and containers, compose projects. They run as one unit,
+# in file order, on one worker; the files under these paths (in process, ephemeral ports
+# only) go to the other worker meanwhile, a file at a time.
+_SPREAD = ("tests/unit/", "tests/test_structure.py", "tests/integration/gateway/")
 
 _SHM_DIR = Path("/dev/shm")
 _SHM_PREFIX = "kvsidecar-"
@@ -56,6 +63,18 @@ def _held_elsewhere(name: str) -> bool:
         if held and not _descends_from_us(int(proc.name)):
             return True
     return False
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own --dist choice
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # A scheduler, not xdist_group marks: pytest 9 ignores the node-id suffix those work by.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class HostGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.partition("::")[0] if nodeid.startswith(_SPREAD) else "host"
+
+    return HostGroupScheduling(config, log)
 
 
 @pytest.fixture(autouse=True)
