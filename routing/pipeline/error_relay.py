@@ -113,13 +113,6 @@ class ErrorRelay:
             return True
         return False
 
-    def _held(self, pieces: list[bytes]) -> bool:
-        """Keep ``pieces`` of a held reply (False: none is held)."""
-        if self._error_parts is None:
-            return False
-        self._error_parts += pieces
-        return True
-
     def _relay_held(self, leg: Leg) -> bool:
         """A held reply is whole: a retry elsewhere, the pair's to deal with, or relayed
         (False: none was held)."""

@@ -70,6 +70,13 @@ class Pairing(Protocol):
     """The prefill/decode variant of an exchange (``pair.PdPairing``): what the exchange asks
     at each step where a pair differs from one worker."""
 
+    @property
+    def pair(self) -> object | None:
+        """The pair it holds (None: one worker serves the request, and the relayed body and
+        its end are none of the pairing's business: ``relayed`` and ``completed`` are not
+        called, which spares each chunk a call)."""
+        ...
+
     def place(self, exchange: Exchange) -> bool:
         """Place a pair, or start waiting for one (False: no pair to be had for this
         request: the exchange places it on one worker)."""
@@ -85,11 +92,12 @@ class Pairing(Protocol):
         ...
 
     def relayed(self, exchange: Exchange, pieces: list[bytes], first: bool) -> None:
-        """Body pieces of the relayed leg went to the client (``first``: its first ones)."""
+        """Body pieces of the relayed leg went to the client (``first``: its first ones;
+        only while it holds a pair)."""
         ...
 
     def completed(self, exchange: Exchange) -> None:
-        """The relayed leg's reply went to the client whole."""
+        """The relayed leg's reply went to the client whole (only while it holds a pair)."""
         ...
 
     def side_failed(self, leg: Leg, why: str) -> None:
@@ -395,7 +403,9 @@ class Exchange(Migration):
 
     def upstream_body(self, pieces: list[bytes]) -> None:
         now = self.last_activity = time.monotonic()
-        if self._held(pieces):
+        held = self._error_parts
+        if held is not None:  # an error reply held whole (``ErrorRelay._hold_error``)
+            held += pieces
             return
         record, leg = self.record, self.leg
         assert leg is not None
@@ -409,8 +419,9 @@ class Exchange(Migration):
         if events:
             record.events += events
             self.ctx.router.load.tokens_generated(leg.key, events)
-        if self.pairing is not None:
-            self.pairing.relayed(self, pieces, first)
+        pairing = self.pairing
+        if pairing is not None and pairing.pair is not None:
+            pairing.relayed(self, pieces, first)
 
     def upstream_complete(self) -> None:
         leg = self.leg
@@ -423,8 +434,9 @@ class Exchange(Migration):
         if not record.t_first:  # a reply with no body
             record.t_first = time.monotonic()
             self.ctx.metrics.ttft.observe(record.t_first - record.t_start)
-        if self.pairing is not None:
-            self.pairing.completed(self)
+        pairing = self.pairing
+        if pairing is not None and pairing.pair is not None:
+            pairing.completed(self)
         self._finish(record.status)
         self.client.finish()
 

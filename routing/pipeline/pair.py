@@ -137,16 +137,12 @@ class PdPairing:
         return True
 
     def relayed(self, exchange: Exchange, pieces: list[bytes], first: bool) -> None:
-        if self.pair is None:
-            return
         if first and self.side is None:
             self._release_prefill(exchange)  # the prefill is done once the first token is out
         if not self._transfer_failed and exchange.relay.sse:
             self._transfer_failed = any(_TRANSFER_FAILED_BYTES in p for p in pieces)
 
     def completed(self, exchange: Exchange) -> None:
-        if self.pair is None:
-            return
         if self._transfer_failed:  # after the first token: the stream carried the error
             self.pd.metrics.transfer_failures[self.pd.policy.value] += 1
         elif exchange.record.status == 200:

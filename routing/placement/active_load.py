@@ -46,7 +46,9 @@ RESERVED_MARK = "~"  # leads the key of a reservation (``ActiveLoad.reserve``)
 class TokenObserver(Protocol):
     """What the gateway's token timings feed (``interference.DecodeInterference``)."""
 
-    def now(self) -> float: ...
+    # The clock the gaps are timed by: called on each chunk, so an attribute (the injected
+    # callable itself), not a method wrapping it.
+    clock: Callable[[], float]
 
     def token_gap(self, worker_id: str, in_flight: int, gap_s: float, tokens: int) -> None:
         """``tokens`` more tokens of a stream on ``worker_id``, ``gap_s`` apart on average,
@@ -137,7 +139,7 @@ class ActiveLoad:
         request.output_blocks = blocks
         observer = self.observer
         if observer is not None and count > 0:
-            now = observer.now()
+            now = observer.clock()
             last = request.last_token_at
             if last is not None:
                 observer.token_gap(request.worker_id, totals.in_flight + totals.engine_in_flight,

@@ -43,12 +43,16 @@ class _Fit:
     def __init__(self) -> None:
         self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
-    def add(self, x: float, y: float, weight: float, forget: float) -> None:
-        self.n = self.n * forget + weight
-        self.sx = self.sx * forget + weight * x
-        self.sy = self.sy * forget + weight * y
-        self.sxx = self.sxx * forget + weight * x * x
-        self.sxy = self.sxy * forget + weight * x * y
+    def add(self, w: float, wx: float, wy: float, wxx: float, wxy: float,
+            forget: float) -> None:
+        """Forget a little, then add one sample of weight ``w`` given as its weighted terms
+        (``w·x``, ``w·y``, ``w·x·x``, ``w·x·y``: computed once for the worker's fit and the
+        fleet's, on every chunk a stream relays)."""
+        self.n = self.n * forget + w
+        self.sx = self.sx * forget + wx
+        self.sy = self.sy * forget + wy
+        self.sxx = self.sxx * forget + wxx
+        self.sxy = self.sxy * forget + wxy
 
     def slope(self) -> float | None:
         """Seconds per request in flight; None if the samples do not spread enough."""
@@ -72,7 +76,6 @@ class DecodeInterference:
     """Learns each worker's ITL against its load and prices one more stream for the scorer."""
 
     __slots__ = (
-        "_clock",
         "_fleet",
         "_output_n",
         "_output_sum",
@@ -80,6 +83,7 @@ class DecodeInterference:
         "_scorer",
         "_tuner",
         "_workers",
+        "clock",
         "itl_target_s",
         "weight",
     )
@@ -97,7 +101,7 @@ class DecodeInterference:
             raise ValueError(f"decode interference weight must be >= 0, got {weight!r}")
         self._scorer = scorer
         self._tuner = tuner
-        self._clock = clock
+        self.clock = clock  # TokenObserver's
         self.itl_target_s = itl_target_s
         self.weight = weight
         self._fleet = _Fit()
@@ -108,18 +112,21 @@ class DecodeInterference:
 
     # --- TokenObserver (active_load.py) ---------------------------------------------------
 
-    def now(self) -> float:
-        return self._clock()
-
     def token_gap(self, worker_id: str, in_flight: int, gap_s: float, tokens: int) -> None:
         if not 0 <= gap_s <= _MAX_GAP_S:
             return
         fit = self._workers.get(worker_id)
         if fit is None:
             fit = self._workers[worker_id] = _Fit()
-        forget = _FORGET**tokens
-        fit.add(in_flight, gap_s, tokens, forget)
-        self._fleet.add(in_flight, gap_s, tokens, forget)
+        forget = _FORGET if tokens == 1 else _FORGET**tokens  # one token a chunk, mostly
+        # The sample's terms as floats: float arithmetic is cheaper than int or mixed, and
+        # exact here (small integers), so the sums are the same to the bit.
+        w = float(tokens)
+        wx = w * in_flight
+        wy = w * gap_s
+        wxx, wxy = wx * in_flight, wx * gap_s
+        fit.add(w, wx, wy, wxx, wxy, forget)
+        self._fleet.add(w, wx, wy, wxx, wxy, forget)
         self._samples += 1
         if self._samples % _REFIT_EVERY == 0:
             self.refit()
