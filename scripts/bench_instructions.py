@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import aiohttp
@@ -96,12 +97,12 @@ async def chats(url: str, n: int, seed: int, max_tokens: int, stream: bool) -> N
 
 
 def measure(name: str, tree: Path, sidecars: list[str], args: argparse.Namespace,
-            workdir: Path) -> dict[str, int]:
-    """Instructions the gateway of ``tree`` spent on ``--requests`` requests of each kind
-    (``KINDS``)."""
+            workdir: Path, flags: Sequence[str] = ()) -> dict[str, int]:
+    """Instructions the gateway of ``tree`` (with ``flags``) spent on ``--requests``
+    requests of each kind (``KINDS``)."""
     out = workdir / f"{name}.callgrind"
     spec = GatewaySpec(router_mode=args.router_mode, health_check_interval_s=None,
-                       args=("--log-level", "warning"))
+                       args=("--log-level", "warning", *flags))
     # PYTHONSAFEPATH: ``python -m`` would put the current directory first on sys.path, so a
     # baseline's gateway run from this checkout would import this checkout's code.
     gateway = ManagedProcess.start(
@@ -145,8 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=150, help="requests of each kind, counted")
     p.add_argument("--max-tokens", type=int, default=8,
                    help="output tokens per request (a streamed reply's chunks)")
+    p.add_argument("--variant", action="append", metavar="NAME=FLAGS", default=[],
+                   help="also this checkout's gateway with FLAGS (one string), as NAME: e.g. "
+                        "no_learner='--decode-interference-weight 0' leaves out a feature the "
+                        "baselines lack, to tell its cost from the rest's")
     add_json_flag(p)
     args = p.parse_args(argv)
+    variants: dict[str, list[str]] = {}
+    for spec_text in args.variant:
+        name, sep, flags = spec_text.partition("=")
+        if not sep or not name.isidentifier() or not flags.split():
+            p.error(f"--variant {spec_text!r}: expected NAME=FLAGS, NAME a word")
+        variants[name] = flags.split()
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             p.error(f"{tool} is missing (Debian: apt-get install valgrind)")
@@ -156,17 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-instructions-") as tmp:
         work = Path(tmp)
         trees = {"ours": ROOT}
+        arms = {"ours": ("ours", [])} | {f"ours_{v}": ("ours", f) for v, f in variants.items()}
         try:
             for name in baselines:
                 trees[name] = checkout(name, work)
+                arms[name] = (name, [])
             spec = StackSpec(engines=(EngineSpec(replicas=args.workers),), gateways=(),
                              max_total_tokens=65536)
-            for name, tree in trees.items():
+            for name, (tree_name, flags) in arms.items():
                 progress(f"{name}: a gateway under callgrind, {args.warmup} requests of each "
                          f"kind to warm up, then {args.requests} counted of each (minutes)")
                 with LocalStack(spec, work / f"stack-{name}") as stack:
                     sidecars = [part.url for part in stack.sidecars]
-                    counts[name] = measure(name, tree, sidecars, args, work)
+                    counts[name] = measure(name, trees[tree_name], sidecars, args, work,
+                                           flags)
         finally:
             for name, tree in trees.items():
                 if name != "ours":
@@ -177,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngateway instructions per request, --router-mode {args.router_mode}, "
           f"{args.requests} requests of each kind after {args.warmup} to warm up, "
           f"{args.max_tokens} output tokens each; baselines "
-          + ", ".join(f"{name} ({rev})" for name, rev in baselines.items()))
+          + ", ".join(f"{name} ({rev})" for name, rev in baselines.items())
+          + "".join(f"; ours_{v}: {' '.join(f)}" for v, f in variants.items()))
     print_table(["gateway", "non-streamed", "streamed"],
                 [[name, round(by_kind[""]), round(by_kind["streamed_"])]
                  for name, by_kind in per_request.items()])
@@ -185,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     for name, by_kind in per_request.items():
         for kind, value in by_kind.items():
             report.figure(f"{name}.{kind}instructions_per_request", round(value))
-            if name != "ours":
-                report.ratio(f"{kind}instructions_per_request", name,
-                             per_request["ours"][kind], value, better="lower", ndigits=4)
-                notes[f"{kind}instructions_per_request_vs_{name}"] = "(target >= 0.97)"
+    for name in baselines:
+        for ours in (n for n in per_request if n.startswith("ours")):
+            for kind, value in per_request[name].items():
+                figure = f"{kind}instructions_per_request{ours[len('ours'):]}"
+                report.ratio(figure, name, per_request[ours][kind], value, better="lower",
+                             ndigits=4)
+                notes[f"{figure}_vs_{name}"] = "(target >= 0.97)"
     report.print_ratios("this checkout", notes)
     if args.json:
         report.write_json(args.json)
