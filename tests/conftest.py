@@ -24,6 +24,11 @@ if TYPE_CHECKING:
 # in file order, on one worker; the files under these paths (in process, ephemeral ports
 # only) go to the other worker meanwhile, a file at a time.
 _SPREAD = ("tests/unit/", "tests/test_structure.py", "tests/integration/gateway/")
+# The podman tests build and run our images (minutes on a fresh machine) in IPC namespaces
+# of their own, so they share no owner id with the host's stacks: one unit of their own,
+# which a worker takes beside the host's.
+_CONTAINERS = ("tests/integration/containers/test_cpu_stack.py",
+               "tests/integration/containers/test_plugin_images.py")
 
 _SHM_DIR = Path("/dev/shm")
 _SHM_PREFIX = "kvsidecar-"
@@ -72,7 +77,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class HostGroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid.partition("::")[0] if nodeid.startswith(_SPREAD) else "host"
+            if nodeid.startswith(_SPREAD):
+                return nodeid.partition("::")[0]
+            return "containers" if nodeid.startswith(_CONTAINERS) else "host"
 
     return HostGroupScheduling(config, log)
 
