@@ -23,13 +23,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchkit import ROOT, Report, add_json_flag
+from benchkit import Report, add_json_flag
+
+from kvsidecar.local_store import StoreProcess
 
 SIZES = {"256KiB": 256 << 10, "2MiB": 2 << 20}
 BATCH = 64
@@ -43,23 +44,6 @@ def _torch():  # type: ignore[no-untyped-def]
     if not torch.cuda.is_available():
         sys.exit("bench_shm_cuda needs a CUDA GPU; torch sees none here")
     return torch
-
-
-def _start_owner(tmp: Path, name: str, block_bytes: int, slots: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "shm", "--owner-id", f"cuda{os.getpid()}-{name}",
-         "--socket", str(tmp / f"{name}.sock"), "--capacity-bytes", str(block_bytes * slots),
-         "--block-bytes", str(block_bytes), "--log-level", "warning"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), os.environ.get("PYTHONPATH", "")])},
-        stdout=subprocess.PIPE, text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if "shm_owner_ready" not in line:
-        proc.kill()
-        raise RuntimeError(f"owner did not start: {line!r}")
-    return proc
 
 
 def _median_s(torch, fn, reps: int) -> float:  # type: ignore[no-untyped-def]
@@ -91,8 +75,9 @@ def bench_size(torch, tmp: Path, label: str, block_bytes: int, reps: int) -> dic
     from shm import BlockStoreClient
 
     fig: dict[str, float] = {}
-    owner = _start_owner(tmp, label, block_bytes, BATCH)
-    try:
+    with StoreProcess.start(tmp, owner_id=f"cuda{os.getpid()}-{label}",
+                            socket=tmp / f"{label}.sock", block_bytes=block_bytes,
+                            capacity_bytes=block_bytes * BATCH):
         gen = torch.Generator(device="cuda").manual_seed(0)
         src = [torch.randint(0, 256, (block_bytes,), dtype=torch.uint8, device="cuda",
                              generator=gen) for _ in range(BATCH)]
@@ -131,9 +116,6 @@ def bench_size(torch, tmp: Path, label: str, block_bytes: int, reps: int) -> dic
                     assert leasing.get_many(keys, dst) == [True] * BATCH
                     if not all(torch.equal(s, d) for s, d in zip(src, dst, strict=True)):
                         raise RuntimeError(f"a leased get returned other bytes ({mapping})")
-    finally:
-        owner.terminate()
-        owner.wait(timeout=30)
     return fig
 
 
