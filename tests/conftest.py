@@ -29,6 +29,19 @@ _SPREAD = ("tests/unit/", "tests/test_structure.py", "tests/integration/gateway/
 # which a worker takes beside the host's.
 _CONTAINERS = ("tests/integration/containers/test_cpu_stack.py",
                "tests/integration/containers/test_plugin_images.py")
+# Process tests whose stacks hold no block store (so no owner id), on ephemeral ports, with
+# no podman, compose, Redis, NATS or shared cache: one more unit beside the host's.
+_NO_STORE = ("tests/engines/refengine/test_http_api.py",
+             "tests/engines/sidecar/test_sidecar_sglang_load.py",
+             "tests/integration/clients/test_anthropic_sdk.py",
+             "tests/integration/clients/test_openai_sdk.py",
+             "tests/integration/discovery/test_k8s_discovery.py",
+             "tests/integration/epp/test_epp.py",
+             "tests/integration/epp/test_epp_cli.py",
+             "tests/integration/replay/test_live_replay.py",
+             "tests/integration/sidecar/test_engine_credentials.py",
+             "tests/integration/stack/test_field_matrix.py",
+             "tests/integration/stack/test_parity.py")
 
 _SHM_DIR = Path("/dev/shm")
 _SHM_PREFIX = "kvsidecar-"
@@ -79,7 +92,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith(_SPREAD):
                 return nodeid.partition("::")[0]
-            return "containers" if nodeid.startswith(_CONTAINERS) else "host"
+            if nodeid.startswith(_CONTAINERS):
+                return "containers"
+            return "no-store" if nodeid.startswith(_NO_STORE) else "host"
 
     return HostGroupScheduling(config, log)
 
