@@ -5,9 +5,10 @@ unless a new upstream connection must be opened::
 
     place (the policy: ``place.py``) → leg → relay (``relay.py``) → finish (the record)
 
-A request that a prefill/decode pair may serve has a ``Pairing`` (``pair.PdPairing``): one
-object the exchange asks at each step where a pair differs from one worker (placing,
-holding and reading an error reply, the relayed body and its end, abandoning, finishing).
+A request that a prefill/decode pair may serve has a ``Pairing`` (``pairing.py``, done by
+``pair.PdPairing``): one object the exchange asks at each step where a pair differs from
+one worker (placing, holding and reading an error reply, the relayed body and its end,
+abandoning, finishing).
 Without one (a gateway with no sidecars) the request goes to one worker. What the exchange
 answers when it relays no success (a worker's error, held until whole; a refused route; its
 own error) is its base's base's, ``error_relay.ErrorRelay``.
@@ -27,7 +28,6 @@ A stream whose worker dies after its first byte (or goes silent) *migrates*: its
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 import structlog
 
@@ -50,6 +50,7 @@ from routing.pipeline.admission import (
 from routing.pipeline.context import PipelineContext
 from routing.pipeline.legs import Drain, Leg, LegTarget
 from routing.pipeline.migration import Migration
+from routing.pipeline.pairing import Pairing
 from routing.pipeline.place import HOLDER_BUSY, place_aggregated
 from routing.pipeline.record import RequestRecord
 from routing.pipeline.relay import Relay
@@ -61,60 +62,9 @@ from routing.prompt.openai_api import OpenAIRequest
 from routing.prompt.preparer import PreparedPrompt
 from routing.workers.registry import Role, Worker, WorkerKind
 
-__all__ = ["Exchange", "Pairing"]
+__all__ = ["Exchange"]
 
 log = structlog.get_logger("routing.pipeline", component="gateway")
-
-
-class Pairing(Protocol):
-    """The prefill/decode variant of an exchange (``pair.PdPairing``): what the exchange asks
-    at each step where a pair differs from one worker."""
-
-    @property
-    def pair(self) -> object | None:
-        """The pair it holds (None: one worker serves the request, and the relayed body and
-        its end are none of the pairing's business: ``relayed`` and ``completed`` are not
-        called, which spares each chunk a call)."""
-        ...
-
-    def place(self, exchange: Exchange) -> bool:
-        """Place a pair, or start waiting for one (False: no pair to be had for this
-        request: the exchange places it on one worker)."""
-        ...
-
-    def holds_errors(self) -> bool:
-        """Hold the relayed leg's error reply for ``held_error``, whatever its status?"""
-        ...
-
-    def held_error(self, exchange: Exchange, raw: bytes) -> bool:
-        """A held error reply: True when the pairing dealt with it (a failed handoff re-run),
-        False for the exchange to relay it."""
-        ...
-
-    def relayed(self, exchange: Exchange, pieces: list[bytes], first: bool) -> None:
-        """Body pieces of the relayed leg went to the client (``first``: its first ones;
-        only while it holds a pair)."""
-        ...
-
-    def completed(self, exchange: Exchange) -> None:
-        """The relayed leg's reply went to the client whole (only while it holds a pair)."""
-        ...
-
-    def side_failed(self, leg: Leg, why: str) -> None:
-        """A drained leg (a prefill the pair sent besides the relayed one) failed."""
-        ...
-
-    def abandon(self) -> None:
-        """Drop what the pair has on its way (a wait for room, a drained leg)."""
-        ...
-
-    def end(self, exchange: Exchange) -> None:
-        """The pair is done with (finished, or placed again): free its load and room."""
-        ...
-
-    def who(self) -> str:
-        """Who did not answer in time."""
-        ...
 
 
 class Exchange(Migration):
