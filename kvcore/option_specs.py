@@ -132,14 +132,19 @@ class OptionSpec:
 
     @property
     def help(self) -> str:
+        """The declared help, then in parentheses the default and the range:
+        "listen here (default 8000; must be in [0, 65535])"."""
         text = self.meta.help.replace("%", "%%")  # argparse %-formats help strings
+        notes = []
         if self.meta.required:
-            return text  # argparse's usage line shows it without brackets
-        if self.meta.default_text is not None:
-            return f"{text} (default: {self.meta.default_text})".lstrip()
-        if self.default is None or self.default is False or self.default == ():
-            return text  # absent, off or empty: the help says what that means
-        return f"{text} (default {_show(self.default)})".lstrip()
+            pass  # argparse's usage line shows it without brackets
+        elif self.meta.default_text is not None:
+            notes.append(f"default: {self.meta.default_text}")
+        elif not (self.default is None or self.default is False or self.default == ()):
+            notes.append(f"default {_show(self.default)}")  # else the help says what absent means
+        if self.meta.bounds is not None:
+            notes.append(f"must be {self.meta.bounds.allowed(real=False)}")
+        return f"{text} ({'; '.join(notes)})".lstrip() if notes else text
 
 
 def _kind_name(kind: Any) -> str:

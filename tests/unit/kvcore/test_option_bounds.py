@@ -47,6 +47,15 @@ def test_values_on_an_inclusive_bound_and_inside_an_exclusive_one_pass() -> None
     assert _build(["--port", "0"]).share is None
 
 
+def test_help_shows_each_range_after_the_default() -> None:
+    """--help says the range a flag takes, in the words its refusal uses."""
+    text = " ".join(_parser().format_help().split())  # argparse wraps lines at will
+    assert "listen here (default 0; must be in [0, 65535])" in text
+    assert "wait this long (default 1; must be > 0)" in text
+    assert "of all (must be in (0, 1])" in text
+    assert "each one (must be >= 1)" in text
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
