@@ -141,7 +141,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     f = req.finish
     if f is not None and f.kind == "abort":
         return anthropic_error(f.message or "aborted", f.status_code or 500)
-    return json_response(_message(req, model, output_text(engine, req)))
+    return json_response(_message(req, model, output_text(engine.tokenizer, req)))
 
 
 async def _keep_going(ready: list[int]) -> bool:
@@ -176,9 +176,7 @@ async def _stream(request: web.Request, engine: Engine, streams: list[Any], req:
             error = _error_body(f.message or "aborted", f.status_code or 500)
             await resp.write(_event("error", error))
             return False
-        text = output_text(engine, req)
-        if f is None and text.endswith("\ufffd"):
-            text = text[:-1]  # an incomplete UTF-8 sequence: wait for its next token
+        text = output_text(engine.tokenizer, req)  # whole characters only (output_text)
         delta = text[len(sent):]
         if delta and text.startswith(sent):
             sent = text

@@ -14,6 +14,7 @@ from refengine.engine import Engine
 from refengine.protocol import BadRequest
 from refengine.request import Request
 from refengine.scheduler import CapacityError
+from refengine.tokenizer import ChatTokenizer
 
 __all__ = [
     "ENGINE",
@@ -48,8 +49,19 @@ async def read_json(request: web.Request) -> Any:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
-def output_text(engine: Engine, req: Request) -> str:
-    text = engine.tokenizer.decode(req.output_ids)
+def output_text(tokenizer: ChatTokenizer, req: Request) -> str:
+    """The text of ``req``'s output so far. Mid-stream, without the last tokens whose bytes
+    do not yet make whole characters (their text ends in U+FFFD), which SGLang's and vLLM's
+    detokenizers hold back too: the client never has half a character, and the ids of the
+    tokens whose text it has decode to exactly that text, which is what a stream migrated to
+    another engine resumes from (``routing.pipeline.stream_tokens``)."""
+    ids = req.output_ids
+    text = tokenizer.decode(ids)
+    if req.finish is None:
+        held = len(ids)
+        while held and text.endswith("\ufffd"):
+            held -= 1
+            text = tokenizer.decode(ids[:held])
     matched = req.finish.matched if req.finish else None
     if isinstance(matched, str) and matched in text:
         text = text[: text.index(matched)]

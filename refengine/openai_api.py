@@ -199,7 +199,7 @@ def _batch_usage(reqs: list[Request], n: int) -> dict[str, Any]:
 
 def _choice(engine: Engine, req: Request, index: int, chat: bool) -> dict[str, Any]:
     f = req.finish
-    text = output_text(engine, req)
+    text = output_text(engine.tokenizer, req)
     base: dict[str, Any] = {"index": index}
     if chat:
         base["message"] = {"role": "assistant", "content": text, "reasoning_content": None,
@@ -291,9 +291,7 @@ async def _stream(
                                  "code": f.status_code}}
                 await resp.write(b"data: " + dumps(err) + b"\n\n")
                 return False
-            text = output_text(engine, current)
-            if f is None and text.endswith("\ufffd"):
-                text = text[:-1]  # an incomplete UTF-8 sequence: wait for its next token
+            text = output_text(engine.tokenizer, current)  # whole characters only (output_text)
             delta = text[len(sent[k]):]
             sent[k] = text if text.startswith(sent[k]) else sent[k]
             reason = f.openai if f else None

@@ -68,7 +68,7 @@ def _render(engine: Engine, req: Request, started: float, with_text: bool) -> di
     meta = meta_info(req, started)
     if req.export_pages and req.finish is not None:
         meta["kv_transfer"] = _kv_transfer(engine, req)
-    out: dict[str, Any] = {"text": output_text(engine, req)} if with_text else {}
+    out: dict[str, Any] = {"text": output_text(engine.tokenizer, req)} if with_text else {}
     out["output_ids"] = list(req.output_ids)
     out["meta_info"] = meta
     return out
