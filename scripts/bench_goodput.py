@@ -482,7 +482,8 @@ def compare(report: Report, load: str, rows: dict[str, dict[str, float]],
         for figure, better in ratios:
             short = figure.removesuffix("_req_per_s").removesuffix("_ms")
             value = theirs[figure]
-            if figure == "goodput_req_per_s" and value == 0 < ours[figure]:
+            lower_bound = figure == "goodput_req_per_s" and value == 0 < ours[figure]
+            if lower_bound:
                 # the baseline met no target: against one request over its runs, a lower bound
                 value = 1 / theirs["wall_s"]
                 report.figure(f"{short}_vs_{baseline}_{load}_is_lower_bound", 1)
@@ -494,7 +495,7 @@ def compare(report: Report, load: str, rows: dict[str, dict[str, float]],
                 continue
             ratio = report.ratio(short, f"{baseline}_{load}", ours[figure], value,
                                  better=better, ndigits=3)
-            if n > 1:
+            if n > 1 and not lower_bound:  # a bound has no spread
                 ratio_name = f"{short}_vs_{baseline}_{load}"
                 se = ratio_se(ratio, *(run_spread([run[figure] for run in single[stack]],
                                                   rows[stack][figure])
