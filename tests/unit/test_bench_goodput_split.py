@@ -1,5 +1,7 @@
-"""bench_goodput's pooling of repeated runs and its split of each request's ITL at the decode
-floor (the mocker's pure decode step with every KV page in use), on made-up requests."""
+"""bench_goodput's pooling of repeated runs, its split of each request's ITL at the decode
+floor (the mocker's pure decode step with every KV page in use), the flood's figures over
+tenants served side by side, and the goodput ratio against a baseline that met no target,
+on made-up requests."""
 
 from __future__ import annotations
 
