@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-__all__ = ["ChatLoad", "ChatResult", "Outcome", "run_chat", "warm_up"]
+__all__ = ["ChatLoad", "ChatResult", "Outcome", "chat_request", "run_chat", "warm_up", "words"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,7 @@ class Outcome:
     ttft_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+    completion_tokens: int = 0
     cached_tokens: int = 0
     worker: str = ""
 
@@ -111,13 +112,16 @@ def _pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
-def _words(rng: random.Random, n: int, vocab: int) -> str:
+def words(rng: random.Random, n: int, vocab: int) -> str:
+    """``n`` random words of the shared model's vocabulary (``w0`` ... ``w<vocab-1>``)."""
     return " ".join(f"w{rng.randrange(vocab)}" for _ in range(n))
 
 
-async def _request(session: aiohttp.ClientSession, url: str, model: str,
-                   messages: list[dict[str, str]], max_tokens: int,
-                   errors: list[str]) -> tuple[Outcome, str]:
+async def chat_request(session: aiohttp.ClientSession, url: str, model: str,
+                       messages: list[dict[str, str]], max_tokens: int,
+                       errors: list[str]) -> tuple[Outcome, str]:
+    """One streamed chat of exactly ``max_tokens``, as the client saw it, and the reply's
+    text; what went wrong, if anything, is appended to ``errors``."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, "temperature": 0,
             "ignore_eos": True, "min_tokens": max_tokens}
@@ -139,6 +143,7 @@ async def _request(session: aiohttp.ClientSession, url: str, model: str,
                 usage = event.get("usage")
                 if usage:
                     out.prompt_tokens = usage.get("prompt_tokens") or 0
+                    out.completion_tokens = usage.get("completion_tokens") or 0
                     details = usage.get("prompt_tokens_details") or {}
                     out.cached_tokens = details.get("cached_tokens") or 0
                 for choice in event.get("choices") or []:
@@ -162,7 +167,7 @@ async def _request(session: aiohttp.ClientSession, url: str, model: str,
 
 async def _drive(url: str, model: str, load: ChatLoad) -> ChatResult:
     rng = random.Random(load.seed)
-    systems = [_words(rng, load.system_tokens, load.vocab) for _ in range(load.system_prompts)]
+    systems = [words(rng, load.system_tokens, load.vocab) for _ in range(load.system_prompts)]
     outcomes: list[Outcome] = []
     errors: list[str] = []
     queue = list(range(load.sessions))
@@ -175,9 +180,9 @@ async def _drive(url: str, model: str, load: ChatLoad) -> ChatResult:
             messages = [{"role": "system", "content": systems[srng.randrange(len(systems))]}]
             for _ in range(load.turns):
                 messages.append({"role": "user",
-                                 "content": _words(srng, load.user_tokens, load.vocab)})
-                outcome, reply = await _request(session, url, model, messages, load.max_tokens,
-                                                errors)
+                                 "content": words(srng, load.user_tokens, load.vocab)})
+                outcome, reply = await chat_request(session, url, model, messages,
+                                                    load.max_tokens, errors)
                 outcomes.append(outcome)
                 if not outcome.ok:
                     break
@@ -204,7 +209,7 @@ def warm_up(url: str, model: str, requests: int, concurrency: int, seed: int = 9
     if requests <= 0:
         return
     rng = random.Random(seed)
-    prompts = [_words(rng, rng.randrange(64, 2048), 32000) for _ in range(requests)]
+    prompts = [words(rng, rng.randrange(64, 2048), 32000) for _ in range(requests)]
     errors: list[str] = []
 
     async def drive() -> None:
@@ -212,8 +217,8 @@ def warm_up(url: str, model: str, requests: int, concurrency: int, seed: int = 9
             async def one(i: int) -> None:
                 await asyncio.sleep(0.05 * i)  # a ramp: the batch grows one stream at a time
                 for prompt in prompts[i::concurrency]:
-                    await _request(session, url, model, [{"role": "user", "content": prompt}],
-                                   64, errors)
+                    await chat_request(session, url, model,
+                                       [{"role": "user", "content": prompt}], 64, errors)
             await asyncio.gather(*(one(i) for i in range(min(concurrency, requests))))
 
     asyncio.run(drive())

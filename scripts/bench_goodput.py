@@ -48,19 +48,42 @@ ratio's standard error with each run's own ratio (figures ``<load>.<stack>.<figu
 and ``<ratio>_se``, computed as ``bench_replicas.py`` does, ``benchkit.ratio_se``): one run's
 figures move by several percent with timing alone.
 
-``--load flood``: three tenants, each an API key of the gateway's ``--api-key-file`` with
-weight 1, drive closed loops of one-turn chats against ``--workers`` simulated reference
-engines behind one gateway that admits ``--slots`` requests per worker and queues the rest
-(``--queue-timeout-s``). The flooding tenant keeps ``--flood-clients`` requests in flight,
-each quiet tenant ``--quiet-clients``: together far more than the fleet's slots, so every
-tenant is backlogged and the queue decides who is served. The same load runs twice on fresh
-stacks, with the queue ordered by the tenants' fair shares (``--queue-order fair``, ours) and
-first come, first served (``fcfs``, the baseline: what a least-loaded router with a queue
-gives), for ``--warmup-s`` and then ``--duration-s`` each. Per tenant, over the requests sent
-after the warm-up and finished within the run: requests, tokens served (prompt + completion),
-TTFT p50 and p99. Jain's fairness index over the tenants' tokens: 1 when every tenant got
-the same share, 1/n when one got all. Ratios: ``fairness_vs_least_loaded`` and
-``quiet_ttft_p50_vs_least_loaded``.
+``--load flood``: three tenants drive closed loops of one-turn chats (``--prompt-words``
+random words, exactly ``--flood-max-tokens`` out; ``scripts/_flood_load.py``): the flooding
+tenant keeps ``--flood-clients`` requests in flight, each quiet tenant ``--quiet-clients``,
+together far more than the fleet's ``--flood-workers`` x ``--slots``, so every tenant is
+backlogged and whoever orders the waiting requests decides who is served. Three stacks, on
+fresh stacks each, for ``--warmup-s`` and then ``--duration-s`` (counted: the requests that
+finished in that window):
+
+* ``ours``: our gateway (least-loaded; the tenants are API keys of its ``--api-key-file``,
+  weight 1 each) admitting ``--slots`` requests a worker and queueing the rest by the
+  tenants' fair shares (``--queue-order fair``, ``--queue-timeout-s``), in front of sim
+  engines stepping as the mocker (the same engine flags as the other loads, and at most
+  ``--slots`` running requests), ``--blocks`` KV blocks each (default 1,024);
+* ``least_loaded``: the same queue first come, first served (``fcfs``: what a least-loaded
+  router with a queue gives);
+* ``dynamo`` (unless ``--peers none``): Dynamo 1.6.1's frontend (kv router) and as many
+  mockers, each running at most ``--slots`` requests (``--max-num-seqs``; the rest wait in the
+  mocker's own queue, first come first served), the same blocks, token budget and speed. It
+  has no tenants: the clients send the same Authorization header, which it ignores, so the
+  tenants are just separate client pools.
+
+Goodput uses the same targets as the other loads, fixed before the run (``--slo-ttft-ms``
+500 and ``--slo-itl-ms`` 50 at speedup 1, divided by ``--speedup``). Per stack, every
+tenant's requests pooled, as on the other loads: requests, goodput, TTFT p50/p99, ITL
+p50/p99; and the quiet tenants' TTFT p99 apart (``quiet_ttft_p99_ms``): a fair queue moves
+the wait onto the tenant that floods, so the pooled TTFT p99 (the flooder's, about a third
+of the requests) rises while the quiet tenants' falls. Per tenant: requests, tokens served
+(prompt + completion), goodput, TTFT p50/p99. Jain's fairness index over the tenants'
+tokens: 1 when every tenant got the same share, 1/n when one got all. No hit rate ratio:
+prompts of random words share no prefix (the table shows the hit rate, 0). Ratios:
+``fairness_vs_least_loaded``, ``quiet_ttft_p50_vs_least_loaded``, and against each of
+``dynamo`` and ``least_loaded``: ``goodput_vs_<stack>_flood``, ``ttft_p99_vs_<stack>_flood``,
+``itl_p50_vs_<stack>_flood``, ``quiet_ttft_p99_vs_<stack>_flood``; ``fairness_vs_dynamo_flood``.
+A baseline with no good request at all gets a goodput ratio against one request in its
+window (a lower bound, marked by the figure ``goodput_vs_<stack>_flood_is_lower_bound``).
+``--repeats`` applies as on the other loads.
 
 ``--load all`` runs all three. ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``.
 """
@@ -71,7 +94,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shlex
 import socket
 import statistics
@@ -80,12 +102,15 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from _chat_load import ChatLoad, ChatResult, run_chat, warm_up
+from _flood_load import FloodLoad, Tenant, jain, run_flood_load
 from benchkit import (
     ROOT,
     Better,
@@ -97,75 +122,15 @@ from benchkit import (
     progress,
     ratio_se,
     run_spread,
-    stream_reply,
 )
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
 from refengine.timing import SimModel, TimingModel
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
-WORDS = ["cache", "token", "prefix", "block", "engine", "gateway", "replica", "memory",
-         "placement", "request", "session", "worker", "stream", "answer", "context", "model"]
 TENANTS = ("flood", "quiet-a", "quiet-b")
-ORDERS = (("fair", "ours"), ("fcfs", "least_loaded"))
-
-
-@dataclass
-class Tenant:
-    name: str
-    clients: int
-    requests: int = 0
-    failed: int = 0
-    tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-
-    def ttft(self, q: float) -> float:
-        if not self.ttft_s:
-            return 0.0
-        ttft = sorted(self.ttft_s)
-        return ttft[min(len(ttft) - 1, int(q * len(ttft)))]
-
-
-def jain(values: list[float]) -> float:
-    """Jain's fairness index: (sum x)^2 / (n * sum x^2)."""
-    total, squares = sum(values), sum(v * v for v in values)
-    return total * total / (len(values) * squares) if squares else 0.0
-
-
-async def client(session: aiohttp.ClientSession, url: str, tenant: Tenant, seed: int,
-                 counted_from: float, until: float, args: argparse.Namespace) -> None:
-    rng = random.Random(seed)
-    headers = {"authorization": f"Bearer {tenant.name}-key"}
-    while time.perf_counter() < until:
-        words = " ".join(rng.choice(WORDS) for _ in range(args.prompt_words))
-        body = {"model": "tiny", "messages": [{"role": "user", "content": words}],
-                "max_tokens": args.flood_max_tokens, "stream": True,
-                "stream_options": {"include_usage": True}}
-        t0 = time.perf_counter()
-        reply = await stream_reply(session, f"{url}/v1/chat/completions", body, headers=headers)
-        if reply.status != 200:
-            tenant.failed += 1
-            continue
-        first, usage = reply.ttft_s, reply.usage
-        if time.perf_counter() > until:
-            break  # finished after the window: not counted, for either ordering
-        if t0 < counted_from:
-            continue  # sent during the warm-up
-        tenant.requests += 1
-        if first is not None:
-            tenant.ttft_s.append(first)
-        if usage:
-            tenant.tokens += usage["prompt_tokens"] + usage["completion_tokens"]
-
-
-async def drive(url: str, tenants: list[Tenant], args: argparse.Namespace) -> None:
-    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-    connector = aiohttp.TCPConnector(limit=0)
-    counted_from = time.perf_counter() + args.warmup_s
-    until = counted_from + args.duration_s
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(client(session, url, t, i * 1000 + c, counted_from, until, args)
-                               for i, t in enumerate(tenants) for c in range(t.clients)))
+# Our gateway's two queue orders on the flood: each tenant's fair share, first come first served
+FLOOD_STACKS = (("ours", "fair"), ("least_loaded", "fcfs"))
 
 
 async def wait_routable(url: str, workers: int) -> None:
@@ -182,28 +147,6 @@ async def wait_routable(url: str, workers: int) -> None:
             await asyncio.sleep(0.1)
 
 
-def run(order: str, args: argparse.Namespace, tmp: Path) -> list[Tenant]:
-    workdir = tmp / order
-    workdir.mkdir(parents=True)
-    keys = workdir / "keys.txt"
-    keys.write_text("".join(f"{t}-key {t} weight=1\n" for t in TENANTS))
-    spec = StackSpec(
-        # plain workers without KV events, no sidecars: the gateway's queue is measured
-        engines=(EngineSpec(replicas=args.flood_workers, sidecars=False),),
-        gateways=(GatewaySpec(
-            router_mode="least-loaded", workers="engines", health_check_interval_s=10.0,
-            wait_routable=False,  # below, with an API key
-            args=("--api-key-file", str(keys), "--max-in-flight-per-worker", str(args.slots),
-                  "--queue-timeout-s", str(args.queue_timeout_s), "--queue-order", order)),),
-        model_path=str(MODEL), events_config='{"publisher": "null"}', log_level="warning")
-    with LocalStack(spec, workdir) as stack:
-        asyncio.run(wait_routable(stack.url, args.flood_workers))
-        tenants = [Tenant(TENANTS[0], args.flood_clients),
-                   *(Tenant(name, args.quiet_clients) for name in TENANTS[1:])]
-        asyncio.run(drive(stack.url, tenants, args))
-        return tenants
-
-
 # --- the goodput loads, against Dynamo --------------------------------------------------
 
 BENCH_HOME = Path(os.environ.get("BENCH_HOME") or Path(
@@ -215,6 +158,7 @@ CHAT_LOADS = {
     "capacity": (ChatLoad(system_prompts=40, system_tokens=2000, sessions=384, turns=2,
                           concurrency=64), 1024),
 }
+FLOOD_BLOCKS = 1024  # KV blocks a worker on the flood: its prompts share nothing, and fit
 # Our stacks per load: each a name and its gateway's flags. ``ours`` has every mechanism on,
 # ``prefill_only`` the decode-interference term off. On the capacity load, also the gateway
 # admission cap the load needed before the engines' health answered from their progress
@@ -306,26 +250,79 @@ def ensure_dynamo(args: argparse.Namespace) -> Path:
     return python
 
 
-def run_dynamo(load: ChatLoad, blocks: int, args: argparse.Namespace,
-               tmp: Path) -> ChatResult:
-    """``load`` through Dynamo's frontend (kv router) and mockers."""
+@contextmanager
+def dynamo_stack(workers: int, blocks: int, max_seqs: int, args: argparse.Namespace,
+                 tmp: Path) -> Iterator[str]:
+    """Dynamo's frontend (kv router) and ``workers`` mockers of ``blocks`` KV blocks each,
+    at most ``max_seqs`` requests in a mocker's batch (the rest wait in its queue), at the
+    run's speed; its URL while it runs."""
     state = tmp / "dynamo"
     env = {**os.environ, "BENCH_HOME": str(BENCH_HOME), "STATE_DIR": str(state),
-           "PORT": str(free_port()), "ROUTER_MODE": "kv", "NUM_WORKERS": str(args.workers),
+           "PORT": str(free_port()), "ROUTER_MODE": "kv", "NUM_WORKERS": str(workers),
            "NUM_GPU_BLOCKS": str(blocks), "SPEEDUP": f"{args.speedup:g}",
-           "MAX_NUM_SEQS": "256", "MAX_BATCHED_TOKENS": "8192",
+           "MAX_NUM_SEQS": str(max_seqs), "MAX_BATCHED_TOKENS": "8192",
            "MODEL_DIR": str(args.model_dir)}
     try:
         started = subprocess.run([str(args.dynamo_dir / "dynamo_stack.sh")], env=env,
                                  capture_output=True, text=True, timeout=300)
         if started.returncode != 0:
             raise RuntimeError(f"Dynamo's stack did not start: {started.stderr[-2000:]}")
-        url = started.stdout.strip().splitlines()[-1]
-        warm_up(url, "tiny", args.warmup_requests, 16)
-        return run_chat(url, "tiny", load)
+        yield started.stdout.strip().splitlines()[-1]
     finally:
         subprocess.run([str(args.dynamo_dir / "stop_dynamo_stack.sh")], env=env,
                        capture_output=True, timeout=120)
+
+
+def run_dynamo(load: ChatLoad, blocks: int, args: argparse.Namespace,
+               tmp: Path) -> ChatResult:
+    """``load`` through Dynamo's frontend (kv router) and mockers."""
+    with dynamo_stack(args.workers, blocks, 256, args, tmp) as url:
+        warm_up(url, "tiny", args.warmup_requests, 16)
+        return run_chat(url, "tiny", load)
+
+
+def flood_load(args: argparse.Namespace) -> FloodLoad:
+    return FloodLoad(
+        tenants=((TENANTS[0], args.flood_clients),
+                 *((name, args.quiet_clients) for name in TENANTS[1:])),
+        prompt_words=args.prompt_words, max_tokens=args.flood_max_tokens,
+        warmup_s=args.warmup_s, duration_s=args.duration_s)
+
+
+def run_flood_ours(order: str, args: argparse.Namespace, tmp: Path) -> list[Tenant]:
+    """The flood through our gateway with its queue in ``order``, in front of sim engines
+    with the mocker's timing, each running at most ``--slots`` requests as the gateway
+    admits; each tenant's requests."""
+    workdir = tmp / order
+    workdir.mkdir(parents=True)
+    keys = workdir / "keys.txt"
+    keys.write_text("".join(f"{t}-key {t} weight=1\n" for t in TENANTS))
+    spec = StackSpec(
+        # plain workers without KV events, no sidecars: the gateway's queue is measured
+        engines=(EngineSpec(replicas=args.flood_workers, sidecars=False, args=(
+            "--served-model-name", "tiny", "--page-size", "16", *MOCKER_TIMING,
+            "--max-running-requests", str(args.slots))),),
+        gateways=(GatewaySpec(
+            router_mode="least-loaded", workers="engines", health_check_interval_s=10.0,
+            wait_routable=False,  # below, with an API key
+            args=("--served-model-name", "tiny", "--api-key-file", str(keys),
+                  "--max-in-flight-per-worker", str(args.slots),
+                  "--queue-timeout-s", str(args.queue_timeout_s), "--queue-order", order)),),
+        model_path=str(args.model_dir), max_total_tokens=flood_blocks(args) * 16,
+        speedup=args.speedup, events_config='{"publisher": "null"}', log_level="warning")
+    with LocalStack(spec, workdir) as stack:
+        asyncio.run(wait_routable(stack.url, args.flood_workers))
+        return run_flood_load(stack.url, flood_load(args))
+
+
+def run_flood_dynamo(args: argparse.Namespace, tmp: Path) -> list[Tenant]:
+    """The flood through Dynamo's frontend and mockers of ``--slots`` requests a batch."""
+    with dynamo_stack(args.flood_workers, flood_blocks(args), args.slots, args, tmp) as url:
+        return run_flood_load(url, flood_load(args))
+
+
+def flood_blocks(args: argparse.Namespace) -> int:
+    return int(args.blocks or FLOOD_BLOCKS)
 
 
 _RATIOS: tuple[tuple[str, Better], ...] = (
@@ -462,76 +459,149 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
         for system in runs:
             report.add_figures({f"{f}_run_sd": round(v, 4) for f, v in spread[system].items()},
                                prefix=f"{name}.{system}.")
-    ours = rows.get("ours")
     capped, fifo = rows.get("capped"), rows.get("capped_fifo")
     if capped is not None and fifo is not None and fifo["hit_rate"] > 0:
         report.ratio("queue_lookahead_hit_rate", f"capped_fifo_{name}", capped["hit_rate"],
                      fifo["hit_rate"], better="higher", ndigits=3)
+    compare(report, name, rows, single, ("dynamo", "prefill_only", "capped"), _RATIOS)
+
+
+def compare(report: Report, load: str, rows: dict[str, dict[str, float]],
+            single: dict[str, list[dict[str, float]]], baselines: tuple[str, ...],
+            ratios: tuple[tuple[str, Better], ...]) -> None:
+    """Each of ``ratios``' figures of ``ours`` against each of ``baselines`` that ran, from
+    the pooled ``rows`` (``<figure>_vs_<baseline>_<load>``). With several runs (``single``:
+    each run's row), each ratio's standard error and each run's own ratio too."""
+    ours = rows.get("ours")
+    n = len(single.get("ours", ()))
     errors: dict[str, str] = {}
-    for baseline in ("dynamo", "prefill_only", "capped"):
+    for baseline in baselines:
         theirs = rows.get(baseline)
         if theirs is None or ours is None:
             continue
-        for figure, better in _RATIOS:
-            if ours[figure] > 0 and theirs[figure] > 0:
-                short = figure.removesuffix("_req_per_s").removesuffix("_ms")
-                ratio = report.ratio(short, f"{baseline}_{name}", ours[figure], theirs[figure],
-                                     better=better, ndigits=3)
-                if n > 1:
-                    ratio_name = f"{short}_vs_{baseline}_{name}"
-                    se = ratio_se(ratio, spread["ours"][figure], spread[baseline][figure], n)
-                    report.figure(f"{ratio_name}_se", round(se, 4))
-                    per_run = [Report().ratio(short, "run", a[figure], b[figure], better=better,
-                                              ndigits=3)
-                               for a, b in zip(single["ours"], single[baseline], strict=True)
-                               if a[figure] > 0 and b[figure] > 0]
-                    errors[ratio_name] = (f"+- {se:.3f}  (runs: "
-                                          f"{', '.join(f'{r:.3f}' for r in per_run)})")
+        for figure, better in ratios:
+            short = figure.removesuffix("_req_per_s").removesuffix("_ms")
+            value = theirs[figure]
+            lower_bound = figure == "goodput_req_per_s" and value == 0 < ours[figure]
+            if lower_bound:
+                # the baseline met no target: against one request over its runs, a lower bound
+                value = 1 / theirs["wall_s"]
+                report.figure(f"{short}_vs_{baseline}_{load}_is_lower_bound", 1)
+                print(f"  {load}: {baseline} met no target; goodput_vs_{baseline}_{load} "
+                      f"counts it as 1 request in {theirs['wall_s']:g}s (a lower bound)")
+            if not (ours[figure] > 0 and value > 0):
+                print(f"  {load}: no {figure} ratio against {baseline}: ours "
+                      f"{ours[figure]:g}, {baseline} {value:g}")
+                continue
+            ratio = report.ratio(short, f"{baseline}_{load}", ours[figure], value,
+                                 better=better, ndigits=3)
+            if n > 1 and not lower_bound:  # a bound has no spread
+                ratio_name = f"{short}_vs_{baseline}_{load}"
+                se = ratio_se(ratio, *(run_spread([run[figure] for run in single[stack]],
+                                                  rows[stack][figure])
+                                       for stack in ("ours", baseline)), n)
+                report.figure(f"{ratio_name}_se", round(se, 4))
+                per_run = [Report().ratio(short, "run", a[figure], b[figure], better=better,
+                                          ndigits=3)
+                           for a, b in zip(single["ours"], single[baseline], strict=True)
+                           if a[figure] > 0 and b[figure] > 0]
+                errors[ratio_name] = (f"+- {se:.3f}  (runs: "
+                                      f"{', '.join(f'{r:.3f}' for r in per_run)})")
     if errors:
-        print(f"\n{name}: ratios of the pooled runs, their standard error over {n} runs and "
+        print(f"\n{load}: ratios of the pooled runs, their standard error over {n} runs and "
               "each run's own:")
         print_values("standard errors", {k: report.ratios[k] for k in errors}, digits=3,
                      notes=errors)
 
 
+def flood_row(tenants: list[Tenant], ttft_s: float, itl_s: float) -> dict[str, float]:
+    """One stack's flood figures: every tenant's requests pooled (``ChatResult.summary``),
+    the quiet tenants' TTFT p50 and p99, Jain's index over the tenants' tokens, tokens/s."""
+    duration = tenants[0].duration_s
+    every = ChatResult([o for t in tenants for o in t.outcomes], duration,
+                       [e for t in tenants for e in t.errors]).summary(ttft_s, itl_s)
+    quiet = ChatResult([o for t in tenants[1:] for o in t.outcomes], duration, []).summary(
+        ttft_s, itl_s)
+    return {**every, "quiet_ttft_p50_ms": quiet["ttft_p50_ms"],
+            "quiet_ttft_p99_ms": quiet["ttft_p99_ms"],
+            "jain_index": round(jain([float(t.tokens) for t in tenants]), 4),
+            "tokens_per_s": round(sum(t.tokens for t in tenants) / (duration or 1e-9), 1)}
+
+
+_FLOOD_COLUMNS = ("requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_share",
+                  "ttft_p50_ms", "ttft_p99_ms", "quiet_ttft_p99_ms", "itl_p50_ms",
+                  "itl_p99_ms", "hit_rate", "jain_index", "tokens_per_s")
+# Pooled over every tenant, as on the other loads; the quiet tenants' TTFT p99 beside it (a
+# fair queue trades the flooder's waits for theirs). No hit rate: the prompts share nothing.
+_FLOOD_RATIOS: tuple[tuple[str, Better], ...] = (
+    ("goodput_req_per_s", "higher"), ("ttft_p99_ms", "lower"), ("itl_p50_ms", "lower"),
+    ("quiet_ttft_p99_ms", "lower"))
+
+
 def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
-    results: dict[str, list[Tenant]] = {}
-    for order, name in ORDERS:
-        progress(f"flood: --queue-order {order} for {args.duration_s:g}s")
-        results[name] = run(order, args, tmp)
-    print(f"\nflood: {args.flood_workers} simulated workers x {args.slots} slots; tenants "
+    ttft_s, itl_s = targets(args)
+    runs: dict[str, list[list[Tenant]]] = {}
+    n = args.repeats
+    for repeat in range(n):  # interleaved, as the other loads
+        of = f" ({repeat + 1}/{n})" if n > 1 else ""
+        for name, order in FLOOD_STACKS:
+            progress(f"flood: {name} (--queue-order {order}){of} for {args.duration_s:g}s")
+            runs.setdefault(name, []).append(run_flood_ours(order, args, tmp / f"{repeat}"))
+        if args.peers == "dynamo":
+            progress(f"flood: dynamo{of} for {args.duration_s:g}s")
+            runs.setdefault("dynamo", []).append(run_flood_dynamo(args, tmp / f"{repeat}"))
+    pooled = {name: [Tenant.pooled(list(t)) for t in zip(*stack_runs, strict=True)]
+              for name, stack_runs in runs.items()}
+    print(f"\nflood: {args.flood_workers} simulated workers x {args.slots} slots x "
+          f"{flood_blocks(args)} blocks, mocker timing, speedup {args.speedup:g}; tenants "
           f"{TENANTS[0]} ({args.flood_clients} clients), {', '.join(TENANTS[1:])} "
-          f"({args.quiet_clients} clients each), all weight 1; {args.duration_s:g}s each")
-    fairness: dict[str, float] = {}
-    quiet_ttft: dict[str, float] = {}
-    for order, name in ORDERS:
-        tenants = results[name]
+          f"({args.quiet_clients} clients each), all weight 1; one-turn chats of "
+          f"{args.prompt_words} random words, {args.flood_max_tokens} tokens out; "
+          f"{args.duration_s:g}s counted after {args.warmup_s:g}s; targets TTFT "
+          f"{ttft_s * 1000:g} ms, ITL {itl_s * 1000:g} ms"
+          + (f"; {n} runs of each, pooled" if n > 1 else ""))
+    for name, tenants in pooled.items():
         total = sum(t.tokens for t in tenants) or 1
-        print(f"\n--queue-order {order} ({name}):")
+        order = dict(FLOOD_STACKS).get(name)
+        print(f"\n{name}" + (f" (our gateway, --queue-order {order}):" if order else
+                              " (Dynamo's frontend, kv router, and mockers):"))
+        rows = [(t, t.result().summary(ttft_s, itl_s)) for t in tenants]
         print_table(["tenant", "clients", "requests", "failed", "tokens", "share",
-                     "TTFT p50 ms", "TTFT p99 ms"],
-                    [[t.name, t.clients, t.requests, t.failed, t.tokens,
-                      round(t.tokens / total, 3), round(t.ttft(0.5) * 1000, 1),
-                      round(t.ttft(0.99) * 1000, 1)] for t in tenants])
-        fairness[name] = jain([float(t.tokens) for t in tenants])
-        quiet_ttft[name] = statistics.median(
-            [s for t in tenants[1:] for s in t.ttft_s] or [0.0])
-        report.figure(f"flood.{name}.jain_index", round(fairness[name], 4))
-        report.figure(f"flood.{name}.quiet_ttft_p50_s", round(quiet_ttft[name], 4))
-        report.figure(f"flood.{name}.tokens_per_s",
-                      round(sum(t.tokens for t in tenants) / args.duration_s, 1))
-        for t in tenants:
+                     "goodput/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms"],
+                    [[t.name, t.clients, row["requests"], row["failed"], t.tokens,
+                      round(t.tokens / total, 3), row["goodput_req_per_s"], row["ttft_p50_ms"],
+                      row["ttft_p99_ms"], row["itl_p50_ms"]] for t, row in rows])
+        for t, row in rows:
             report.figure(f"flood.{name}.{t.name}.tokens", t.tokens)
-        print(f"Jain's fairness index over tenants' tokens: {fairness[name]:.3f}")
-    report.ratio("fairness", "least_loaded", fairness["ours"], fairness["least_loaded"],
+            report.add_figures({k: row[k] for k in ("requests", "goodput_req_per_s",
+                                                     "ttft_p50_ms", "ttft_p99_ms")},
+                               prefix=f"flood.{name}.{t.name}.")
+            if t.errors:
+                progress(f"flood: {name}: {t.name}: {len(t.errors)} errors, "
+                         f"e.g. {t.errors[:2]}")
+    rows = {name: flood_row(tenants, ttft_s, itl_s) for name, tenants in pooled.items()}
+    print("\nflood, every tenant's requests pooled (quiet_ttft_p99_ms: the quiet tenants'):")
+    print_table(["stack", *_FLOOD_COLUMNS], [[name, *(row.get(c) for c in _FLOOD_COLUMNS)]
+                                             for name, row in rows.items()])
+    for name, row in rows.items():
+        report.add_figures(row, prefix=f"flood.{name}.")
+        report.figure(f"flood.{name}.quiet_ttft_p50_s", round(row["quiet_ttft_p50_ms"] / 1e3, 4))
+    ours, fcfs = rows["ours"], rows["least_loaded"]
+    report.ratio("fairness", "least_loaded", ours["jain_index"], fcfs["jain_index"],
                  better="higher", ndigits=3)
-    if quiet_ttft["ours"] > 0:
-        report.ratio("quiet_ttft_p50", "least_loaded", quiet_ttft["ours"],
-                     quiet_ttft["least_loaded"], better="lower", ndigits=3)
+    if ours["quiet_ttft_p50_ms"] > 0:
+        report.ratio("quiet_ttft_p50", "least_loaded", ours["quiet_ttft_p50_ms"],
+                     fcfs["quiet_ttft_p50_ms"], better="lower", ndigits=3)
+    if "dynamo" in rows:
+        report.ratio("fairness", "dynamo_flood", ours["jain_index"], rows["dynamo"]["jain_index"],
+                     better="higher", ndigits=3)
+    single = {name: [flood_row(tenants, ttft_s, itl_s) for tenants in stack_runs]
+              for name, stack_runs in runs.items()}
+    compare(report, "flood", rows, single, ("dynamo", "least_loaded"), _FLOOD_RATIOS)
 
 
 _TARGETS = {"fairness_vs_least_loaded": "(target >= 1)"}
-for _load in CHAT_LOADS:
+for _load in (*CHAT_LOADS, "flood"):
     _TARGETS |= {f"goodput_vs_dynamo_{_load}": "(target >= 1.2)",
                  f"ttft_p99_vs_dynamo_{_load}": "(target >= 1)",
                  f"itl_p50_vs_dynamo_{_load}": "(target >= 1)"}
@@ -543,36 +613,38 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", choices=["hot", "capacity", "flood", "all"], default="all")
-    g = p.add_argument_group("hot and capacity loads")
-    g.add_argument("--peers", choices=["dynamo", "none"], default="dynamo",
+    c = p.add_argument_group("every load")
+    c.add_argument("--peers", choices=["dynamo", "none"], default="dynamo",
                    help="dynamo: run Dynamo's frontend + mocker too; none: our stacks only")
-    g.add_argument("--workers", type=int, default=4)
-    g.add_argument("--speedup", type=float, default=1.0,
+    c.add_argument("--speedup", type=float, default=1.0,
                    help="divide every simulated duration, ours and the mocker's")
-    g.add_argument("--slo-ttft-ms", type=float, default=500.0,
+    c.add_argument("--slo-ttft-ms", type=float, default=500.0,
                    help="the TTFT target at speedup 1 (divided by --speedup)")
-    g.add_argument("--slo-itl-ms", type=float, default=50.0,
+    c.add_argument("--slo-itl-ms", type=float, default=50.0,
                    help="the ITL target at speedup 1 (divided by --speedup)")
+    c.add_argument("--blocks", type=int,
+                   help=f"KV blocks a worker, instead of the load's (flood: {FLOOD_BLOCKS})")
+    c.add_argument("--repeats", type=int, default=1,
+                   help="runs of each stack on fresh stacks, interleaved and pooled; with 2 or "
+                   "more, each stack's single-run spread and each ratio's standard error")
+    c.add_argument("--model-dir", type=Path,
+                   help="the model both stacks serve (default: Dynamo's one-word-one-token "
+                   "tinymodel under ~/.cache/kvsidecar-bench; with --peers none and no such "
+                   "directory, refengine/models/tiny)")
+    c.add_argument("--dynamo-dir", type=Path, default=DYNAMO_DIR,
+                   help="the scripts that run Dynamo's CPU stack")
+    g = p.add_argument_group("hot and capacity loads")
+    g.add_argument("--workers", type=int, default=4)
     g.add_argument("--warmup-requests", type=int, default=128)
     g.add_argument("--sessions", type=int, help="instead of the load's")
     g.add_argument("--concurrency", type=int, help="instead of the load's")
     g.add_argument("--system-tokens", type=int, help="instead of the load's")
     g.add_argument("--max-tokens", type=int, help="instead of the load's 64")
-    g.add_argument("--blocks", type=int, help="KV blocks a worker, instead of the load's")
     g.add_argument("--gateway-args", metavar="FLAGS",
                    help="more flags (one string) for every one of our gateways")
     g.add_argument("--stacks", nargs="+", metavar="NAME",
                    help="only these of our stacks (ours, prefill_only; capacity: capped, "
                    "capped_fifo)")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="runs of each stack on fresh stacks, interleaved and pooled; with 2 or "
-                   "more, each stack's single-run spread and each ratio's standard error")
-    g.add_argument("--model-dir", type=Path,
-                   help="the model both stacks serve (default: Dynamo's one-word-one-token "
-                   "tinymodel under ~/.cache/kvsidecar-bench; with --peers none and no such "
-                   "directory, refengine/models/tiny)")
-    g.add_argument("--dynamo-dir", type=Path, default=DYNAMO_DIR,
-                   help="the scripts that run Dynamo's CPU stack")
     f = p.add_argument_group("flood load")
     f.add_argument("--flood-workers", type=int, default=2)
     f.add_argument("--slots", type=int, default=4, help="requests in flight per worker")
@@ -593,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir is None:
         shared = BENCH_HOME / "tinymodel"
         args.model_dir = shared if args.peers == "dynamo" or shared.is_dir() else MODEL
-    if args.peers == "dynamo" and any(load in CHAT_LOADS for load in loads):
+    if args.peers == "dynamo":
         if not (args.dynamo_dir / "dynamo_stack.sh").is_file():
             p.error(f"--peers dynamo: no Dynamo scripts in {args.dynamo_dir} (--dynamo-dir, "
                     "or --peers none)")

@@ -1,7 +1,11 @@
-"""bench_goodput's pooling of repeated runs and its split of each request's ITL at the decode
-floor (the mocker's pure decode step with every KV page in use), on made-up requests."""
+"""bench_goodput's pooling of repeated runs, its split of each request's ITL at the decode
+floor (the mocker's pure decode step with every KV page in use), the flood's figures over
+tenants served side by side, and the goodput ratio against a baseline that met no target,
+on made-up requests."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -58,3 +62,44 @@ def test_learned_counts_add_up_over_runs_and_fits_are_averaged() -> None:
             {"interference_placements": 5.0, "overlap_weight": 20.0, "itl_base_ms": 130.0}]
     assert bench_goodput.pool_learned(runs) == {
         "interference_placements": 8.0, "overlap_weight": 19.0, "itl_base_ms": 130.0}
+
+
+flood_load = load_script("_flood_load")
+Tenant = flood_load.Tenant
+
+
+def _tenant(name: str, ttfts: list[float], duration_s: float = 10.0) -> Any:
+    return Tenant(name, 1, [Outcome(ok=True, ttft_s=t, gaps_s=[0.01], prompt_tokens=90,
+                                    completion_tokens=10) for t in ttfts], [], duration_s)
+
+
+def test_a_flood_rows_tenants_ran_side_by_side_and_the_quiet_ones_are_apart() -> None:
+    """The tenants' requests pool over one window (not the sum of theirs); the quiet
+    tenants' TTFT leaves the flooder's out; Jain's index over their tokens."""
+    tenants = [_tenant("flood", [2.0, 2.0, 2.0, 2.0]), _tenant("quiet-a", [0.1, 0.2]),
+               _tenant("quiet-b", [0.1, 0.2])]
+    row = bench_goodput.flood_row(tenants, 0.5, 0.05)
+    assert row["requests"] == 8 and row["req_per_s"] == 0.8
+    assert row["goodput_req_per_s"] == 0.4  # the quiet tenants' four
+    assert row["ttft_p99_ms"] == 2000.0 and row["quiet_ttft_p99_ms"] == 200.0
+    assert row["jain_index"] == pytest.approx(8**2 / (3 * (4**2 + 2**2 + 2**2)), abs=1e-4)
+    assert row["tokens_per_s"] == 800 / 10.0
+
+
+def test_a_tenants_pooled_runs_keep_every_request_and_add_the_time() -> None:
+    pooled = Tenant.pooled([_tenant("flood", [1.0]), _tenant("flood", [2.0, 3.0])])
+    assert [o.ttft_s for o in pooled.outcomes] == [1.0, 2.0, 3.0]
+    assert pooled.duration_s == 20.0 and pooled.tokens == 300
+
+
+def test_a_baseline_that_met_no_target_gives_a_lower_bound_ratio() -> None:
+    """Goodput against 0 is counted as one request over the baseline's runs, and said so."""
+    report = bench_goodput.Report()
+    ours = {"goodput_req_per_s": 4.0, "ttft_p99_ms": 900.0, "wall_s": 20.0}
+    theirs = {"goodput_req_per_s": 0.0, "ttft_p99_ms": 600.0, "wall_s": 20.0}
+    bench_goodput.compare(report, "flood", {"ours": ours, "dynamo": theirs},
+                          {"ours": [ours], "dynamo": [theirs]}, ("dynamo",),
+                          (("goodput_req_per_s", "higher"), ("ttft_p99_ms", "lower")))
+    assert report.ratios["goodput_vs_dynamo_flood"] == 4.0 / (1 / 20.0)
+    assert report.figures["goodput_vs_dynamo_flood_is_lower_bound"] == 1
+    assert report.ratios["ttft_p99_vs_dynamo_flood"] == pytest.approx(600 / 900, abs=1e-3)
