@@ -10,12 +10,12 @@ vLLM does not publish makes its worker unroutable with a reason naming the flag.
 benchmark's smoke run goes over both engines. A mixed fleet: the reference engine (SGLang's
 event format, pages of 32) and replica-1 behind one more gateway, both exact and each found
 where its prompts are, and an engine of pages of 16 refused its stream. Our KV connector loads
-a prompt's blocks from the sidecar's host memory and from its Redis tier, and a prompt
-computed on replica-0 loads on replica-1 from the Redis tier they share, with the reply a
-recompute gives. Last, the destructive ones: a vLLM killed mid-stream migrates its stream to
-the other (a gate before the gateway holds the reply's rest, so the gateway has not its end
-however fast vLLM was), and a store that is down (replica-1's sidecar killed) only turns
-loads into misses.
+a prompt's blocks from the sidecar's host memory and from its Redis tier (once its store's
+own events say host memory evicted them), and a prompt computed on replica-0 loads on
+replica-1 from the Redis tier they share, with the reply a recompute gives. Last, the
+destructive ones: a vLLM killed mid-stream migrates its stream to the other (a gate before the
+gateway holds the reply's rest, so the gateway has not its end however fast vLLM was), and a
+store that is down (replica-1's sidecar killed) only turns loads into misses.
 
 One ``LocalStack`` for the module, the one ``kvsidecar up --engine vllm --replicas 2`` starts
 (its flags made a spec by ``up`` itself) with the KV connector, a ``redis-server`` as every
@@ -50,8 +50,10 @@ import posix_ipc
 import pytest
 import zmq
 
+from kvcore.events import Tier, WorkerSnapshot
 from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
+from kvcore.wire import FRAME_HEADER, decode
 from kvsidecar import up
 from kvsidecar.launch import LaunchError, ManagedProcess
 from kvsidecar.local_stack import (
@@ -538,22 +540,50 @@ def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
     assert again.text == first.text
 
 
+def _store_tiers(stack: Stack, replica: int = 0) -> dict[Tier, set[int]]:
+    """What a replica's block store holds, by tier (host memory, Redis), as its own events
+    (each commit, eviction, write-through) tell them: the snapshot that its sidecar's event
+    stream starts with."""
+    url = f"{stack.sidecars[replica]}/v1/kv-events?tokens=0"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        for _ in range(8):  # the stream's start (and any status) comes first
+            (length,) = FRAME_HEADER.unpack(resp.read(FRAME_HEADER.size))
+            frame = decode(resp.read(length))
+            if isinstance(frame, WorkerSnapshot):
+                return {t.tier: set(t.block_hashes) for t in frame.tiers}
+    raise AssertionError(f"no snapshot at the start of {url}")
+
+
 def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
-    """Once the host store evicted a prompt's blocks, they come back from the sidecar's Redis
-    tier (written through when saved, and credited by the gateway), with the same reply."""
+    """A prompt's blocks, saved in host memory and written through to the sidecar's Redis
+    tier, are evicted from host memory (the store's own events say so; the gateway then
+    credits Redis alone); they come back from Redis, all of them, with the same reply."""
     prompt = _tokens(2, 8)
+    hashes = {h for _, h in _keys(prompt, 8)}
     first = _complete(stack, prompt)
+    assert first.cached_tokens == 0
+
+    def held(tier: Tier) -> set[int]:
+        return hashes & _store_tiers(stack).get(tier, set())
+
+    wait_until(lambda: held(Tier.HOST) == hashes and held(Tier.REMOTE) == hashes,
+               "the prompt's blocks in host memory and written through to Redis", 30, 0.1)
     with BlockStoreClient(stack.store_socket(0)) as store:
-        wait_until(lambda: store.stats().num_remote_writes >= 8 and store.stats().num_remote_blocks
-                   >= 8, "the prompt's blocks written through to Redis", 30, 0.1)
-        wait_until(lambda: _worker(stack)["cached_blocks"]["remote"] >= 8,
-                   "the gateway crediting the remote tier", 30, 0.2)
-        # Other blocks fill the host store twice over: the prompt's are evicted from it.
+        # Other blocks fill host memory twice over: least recently used, the prompt's go.
         junk = Namespace("tiny", cache_salt="filler").seed
-        for batch in range(4):
-            keys = [(junk, batch * STORE_BLOCKS + i) for i in range(STORE_BLOCKS // 2)]
-            with store.begin_put(keys):
+        batch = store.num_slots // 2
+        for n in range(4):
+            with store.begin_put([(junk, n * batch + i) for i in range(batch)]):
                 pass
+        wait_until(lambda: not held(Tier.HOST), "the prompt's blocks evicted from host memory",
+                   30, 0.1)
+        assert held(Tier.REMOTE) == hashes  # only Redis holds them
+
+        def credited() -> dict[str, Any] | None:
+            mine = _held(stack.gateway, prompt)["replica-0"]
+            return mine if mine["CPU"] == 0 and mine["REMOTE"] == 8 * BLOCK else None
+
+        wait_until(credited, "the gateway crediting the remote tier alone", 30, 0.2)
         reads_before = store.stats().num_remote_reads
         _reset_device_cache(stack)
         again = _complete(stack, prompt)
