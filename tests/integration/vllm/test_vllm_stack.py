@@ -10,10 +10,12 @@ vLLM does not publish makes its worker unroutable with a reason naming the flag.
 benchmark's smoke run goes over both engines. A mixed fleet: the reference engine (SGLang's
 event format, pages of 32) and replica-1 behind one more gateway, both exact and each found
 where its prompts are, and an engine of pages of 16 refused its stream. Our KV connector loads
-a prompt's blocks from the sidecar's host memory and from its Redis tier, and a prompt computed
-on replica-0 loads on replica-1 from the Redis tier they share, with the reply a recompute
-gives. Last, the destructive ones: a vLLM killed mid-stream migrates its stream to the other,
-and a store that is down (replica-1's sidecar killed) only turns loads into misses.
+a prompt's blocks from the sidecar's host memory and from its Redis tier (once its store's
+own events say host memory evicted them), and a prompt computed on replica-0 loads on
+replica-1 from the Redis tier they share, with the reply a recompute gives. Last, the
+destructive ones: a vLLM killed mid-stream migrates its stream to the other (a gate before the
+gateway holds the reply's rest, so the gateway has not its end however fast vLLM was), and a
+store that is down (replica-1's sidecar killed) only turns loads into misses.
 
 One ``LocalStack`` for the module, the one ``kvsidecar up --engine vllm --replicas 2`` starts
 (its flags made a spec by ``up`` itself) with the KV connector, a ``redis-server`` as every
@@ -27,6 +29,7 @@ fail and say how to build it (``scripts/test`` does, through ``scripts/_vllm_ven
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -47,8 +50,10 @@ import posix_ipc
 import pytest
 import zmq
 
+from kvcore.events import Tier, WorkerSnapshot
 from kvcore.hashing import BlockHasher
 from kvcore.namespace import Namespace
+from kvcore.wire import FRAME_HEADER, decode
 from kvsidecar import up
 from kvsidecar.launch import LaunchError, ManagedProcess
 from kvsidecar.local_stack import (
@@ -67,6 +72,7 @@ from tests.support.openai_shapes import check_error
 from tests.support.polling import eventually, wait_until
 from tests.support.processes import ProcessGroup
 from tests.support.stacks import own_gateways
+from tests.support.stream_gate import StreamGate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -534,22 +540,50 @@ def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
     assert again.text == first.text
 
 
+def _store_tiers(stack: Stack, replica: int = 0) -> dict[Tier, set[int]]:
+    """What a replica's block store holds, by tier (host memory, Redis), as its own events
+    (each commit, eviction, write-through) tell them: the snapshot that its sidecar's event
+    stream starts with."""
+    url = f"{stack.sidecars[replica]}/v1/kv-events?tokens=0"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        for _ in range(8):  # the stream's start (and any status) comes first
+            (length,) = FRAME_HEADER.unpack(resp.read(FRAME_HEADER.size))
+            frame = decode(resp.read(length))
+            if isinstance(frame, WorkerSnapshot):
+                return {t.tier: set(t.block_hashes) for t in frame.tiers}
+    raise AssertionError(f"no snapshot at the start of {url}")
+
+
 def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
-    """Once the host store evicted a prompt's blocks, they come back from the sidecar's Redis
-    tier (written through when saved, and credited by the gateway), with the same reply."""
+    """A prompt's blocks, saved in host memory and written through to the sidecar's Redis
+    tier, are evicted from host memory (the store's own events say so; the gateway then
+    credits Redis alone); they come back from Redis, all of them, with the same reply."""
     prompt = _tokens(2, 8)
+    hashes = {h for _, h in _keys(prompt, 8)}
     first = _complete(stack, prompt)
+    assert first.cached_tokens == 0
+
+    def held(tier: Tier) -> set[int]:
+        return hashes & _store_tiers(stack).get(tier, set())
+
+    wait_until(lambda: held(Tier.HOST) == hashes and held(Tier.REMOTE) == hashes,
+               "the prompt's blocks in host memory and written through to Redis", 30, 0.1)
     with BlockStoreClient(stack.store_socket(0)) as store:
-        wait_until(lambda: store.stats().num_remote_writes >= 8 and store.stats().num_remote_blocks
-                   >= 8, "the prompt's blocks written through to Redis", 30, 0.1)
-        wait_until(lambda: _worker(stack)["cached_blocks"]["remote"] >= 8,
-                   "the gateway crediting the remote tier", 30, 0.2)
-        # Other blocks fill the host store twice over: the prompt's are evicted from it.
+        # Other blocks fill host memory twice over: least recently used, the prompt's go.
         junk = Namespace("tiny", cache_salt="filler").seed
-        for batch in range(4):
-            keys = [(junk, batch * STORE_BLOCKS + i) for i in range(STORE_BLOCKS // 2)]
-            with store.begin_put(keys):
+        batch = store.num_slots // 2
+        for n in range(4):
+            with store.begin_put([(junk, n * batch + i) for i in range(batch)]):
                 pass
+        wait_until(lambda: not held(Tier.HOST), "the prompt's blocks evicted from host memory",
+                   30, 0.1)
+        assert held(Tier.REMOTE) == hashes  # only Redis holds them
+
+        def credited() -> dict[str, Any] | None:
+            mine = _held(stack.gateway, prompt)["replica-0"]
+            return mine if mine["CPU"] == 0 and mine["REMOTE"] == 8 * BLOCK else None
+
+        wait_until(credited, "the gateway crediting the remote tier alone", 30, 0.2)
         reads_before = store.stats().num_remote_reads
         _reset_device_cache(stack)
         again = _complete(stack, prompt)
@@ -610,60 +644,78 @@ def _answers(url: str) -> bool:
 # --- destructive, last: a vLLM killed (replica-0), a store owner killed (replica-1's) --------
 
 MAX_TOKENS = 32  # the CPU engine decodes a few tokens a second here
-KILL_AFTER = 4  # chunks read before vLLM is killed
+KILL_AFTER = 4  # SSE data events of replica-0's reply the gateway gets before vLLM is killed
+GATED = "killed-mid-stream"  # the stream's x-request-id, which the gateway sends on
 
 
 async def test_a_vllm_killed_mid_stream_migrates_its_stream(
     stack: Stack, session: aiohttp.ClientSession
 ) -> None:
     """A stream placed on replica-0 (its prompt cached there first), whose vLLM's whole process
-    group is SIGKILLed after a few chunks, goes on on replica-1 to its full length, as one
-    stream, as any worker's does. (It leaves the module one engine.) The continuation is not
-    compared with an uninterrupted run's text: ``tests/integration/gateway/test_migration.py``
-    does that between torch reference engines, whose greedy tokens do not depend on how the
-    prompt was batched."""
+    group is SIGKILLed while the gateway has its first events and provably not its end, goes
+    on on replica-1 to its full length, as one stream, as any worker's does. (It leaves the
+    module one engine.) A gate between a gateway of the test's own (the module's flags) and
+    replica-0's sidecar passes on the reply's first ``KILL_AFTER`` events and holds the rest,
+    which a fast vLLM may have sent already; once vLLM is dead the gate drops the gateway's
+    connection, as the dead engine's sidecar does. The continuation is not compared with an
+    uninterrupted run's text: ``tests/integration/gateway/test_migration.py`` does that between
+    torch reference engines, whose greedy tokens do not depend on how the prompt was batched."""
     prompt = [(i * 37) % 900 + 10 for i in range(10 * BLOCK)]
     async with session.post(f"{stack.vllm[0]}/v1/completions",
                             json={"model": "tiny", "prompt": prompt, "max_tokens": 1}) as resp:
         assert resp.status == 200, await resp.text()
+    marker = f"x-request-id: {GATED}".encode()
+    with StreamGate(stack.sidecars[0], marker, KILL_AFTER) as gate, \
+            own_gateways(stack.local):
+        module_gateway = stack.local.spec.gateways[0]
+        [gated] = await asyncio.to_thread(stack.local.add_gateway, replace(
+            module_gateway, name="gateway-gated", workers="none", wait_routable=False,
+            args=(*module_gateway.args, "--sidecar", gate.url, "--sidecar", stack.sidecars[1])))
+        gateway = gated.url
 
-    async def indexed() -> bool:  # placement follows the prompt to replica-0
-        held = await _held_async(session, stack.gateway, prompt)
-        return bool(held["replica-0"]["longest_matched"] >= len(prompt) - BLOCK)
+        async def ready() -> bool:  # both routable; placement follows the prompt to replica-0
+            async with session.get(f"{gateway}/v1/workers") as r:
+                workers = (await r.json())["workers"]
+            held = await _held_async(session, gateway, prompt)
+            return (len(workers) == 2 and all(w["routable"] for w in workers)
+                    and held["replica-0"]["longest_matched"] >= len(prompt) - BLOCK)
 
-    await eventually(indexed, "the gateway to index the prompt on replica-0", 30)
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
-            "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    chunks: list[dict[str, Any]] = []
-    done = False
-    async with session.post(f"{stack.gateway}/v1/completions", json=body) as resp:
-        assert resp.status == 200, await resp.text()
-        assert resp.headers["x-kvsidecar-worker"] == "replica-0"  # its prompt is there
-        async for line in resp.content:
-            if line.strip() == b"data: [DONE]":
-                done = True
-                break
-            if line.startswith(b"data:"):
-                chunks.append(json.loads(line[5:]))
-                if len(chunks) == KILL_AFTER:
-                    stack.server(0).kill()  # its engine core too
+        await eventually(ready, "both workers routable, the prompt indexed on replica-0", 60)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True,
+                "temperature": 0, "ignore_eos": True, "stream_options": {"include_usage": True}}
+        chunks: list[dict[str, Any]] = []
+        done = False
+        async with session.post(f"{gateway}/v1/completions", json=body,
+                                headers={"x-request-id": GATED}) as resp:
+            assert resp.status == 200, await resp.text()
+            assert resp.headers["x-kvsidecar-worker"] == "replica-0"  # its prompt is there
+            await asyncio.to_thread(gate.wait_holding)  # the gateway has KILL_AFTER events
+            await asyncio.to_thread(stack.server(0).kill)  # its engine core too
+            gate.cut()  # what replica-0 sent past the gate is never relayed
+            async for line in resp.content:
+                if line.strip() == b"data: [DONE]":
+                    done = True
+                    break
+                if line.startswith(b"data:"):
+                    chunks.append(json.loads(line[5:]))
 
-    assert done, "the stream ended without [DONE]"
-    text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
-    usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
-    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
-    assert usage["completion_tokens"] == MAX_TOKENS, usage
-    assert finish[-1] == "length" and text, (finish[-1], text)
-    assert len({c["id"] for c in chunks}) == 1  # one stream's chunks
-    assert await metric(session, stack.gateway, "kvsidecar_gateway_migrations_total") == 1
-    assert await metric(session, stack.gateway, "kvsidecar_gateway_streams_lost_total") == 0
+        assert done, "the stream ended without [DONE]"
+        text = "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+        usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+        assert usage["completion_tokens"] == MAX_TOKENS, usage
+        assert finish[-1] == "length" and text, (finish[-1], text)
+        assert len({c["id"] for c in chunks}) == 1  # one stream's chunks
+        assert await metric(session, gateway, "kvsidecar_gateway_migrations_total") == 1
+        assert await metric(session, gateway, "kvsidecar_gateway_streams_lost_total") == 0
 
-    async def survivor_serves() -> bool:  # the dead worker has left placement
-        async with session.post(f"{stack.gateway}/v1/completions",
-                                json={"model": "tiny", "prompt": prompt, "max_tokens": 2}) as r:
-            return r.status == 200 and r.headers["x-kvsidecar-worker"] == "replica-1"
+        async def survivor_serves() -> bool:  # the dead worker has left placement
+            async with session.post(f"{gateway}/v1/completions",
+                                    json={"model": "tiny", "prompt": prompt,
+                                          "max_tokens": 2}) as r:
+                return r.status == 200 and r.headers["x-kvsidecar-worker"] == "replica-1"
 
-    await eventually(survivor_serves, "the next request served by the survivor", 30)
+        await eventually(survivor_serves, "the next request served by the survivor", 30)
 
 
 async def _held_async(session: aiohttp.ClientSession, gateway: str,
