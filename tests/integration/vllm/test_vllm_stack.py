@@ -520,26 +520,6 @@ def _reset_device_cache(stack: Stack, replica: int = 0) -> None:
     assert _post(f"{stack.vllm[replica]}/reset_prefix_cache", {})[1] == {"success": True}
 
 
-def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
-    """A prompt's blocks, saved under the canonical keys as vLLM computed them, load back from
-    the sidecar's shared memory once vLLM's own cache lost them: vLLM reports them cached,
-    computes the rest, and answers as the recompute did; the gateway credits the host tier."""
-    prompt = _tokens(1, 10)
-    first = _complete(stack, prompt)
-    assert first.cached_tokens == 0
-    with BlockStoreClient(stack.store_socket(0)) as store:
-        wait_until(lambda: store.contains_many(_keys(prompt, 10)) == [True] * 10,
-                   "the prompt's blocks in the host store", 30, 0.1)
-        reads_before = store.stats().num_remote_reads
-        wait_until(lambda: _worker(stack)["cached_blocks"]["host"] >= 10,
-                   "the gateway crediting the host tier", 30, 0.2)
-        _reset_device_cache(stack)
-        again = _complete(stack, prompt)
-        assert store.stats().num_remote_reads == reads_before  # shared memory's, not Redis's
-    assert again.cached_tokens == 10 * BLOCK
-    assert again.text == first.text
-
-
 def _store_tiers(stack: Stack, replica: int = 0) -> dict[Tier, set[int]]:
     """What a replica's block store holds, by tier (host memory, Redis), as its own events
     (each commit, eviction, write-through) tell them: the snapshot that its sidecar's event
@@ -552,6 +532,28 @@ def _store_tiers(stack: Stack, replica: int = 0) -> dict[Tier, set[int]]:
             if isinstance(frame, WorkerSnapshot):
                 return {t.tier: set(t.block_hashes) for t in frame.tiers}
     raise AssertionError(f"no snapshot at the start of {url}")
+
+
+def test_the_connector_loads_a_prefix_from_host_memory(stack: Stack) -> None:
+    """A prompt's blocks, saved under the canonical keys as vLLM computed them, load back from
+    the sidecar's shared memory once vLLM's own cache lost them: vLLM reports them cached,
+    computes the rest, and answers as the recompute did; the gateway credits the host tier."""
+    prompt = _tokens(1, 10)
+    hashes = {h for _, h in _keys(prompt, 10)}
+    first = _complete(stack, prompt)
+    assert first.cached_tokens == 0
+    with BlockStoreClient(stack.store_socket(0)) as store:
+        # in host memory itself (the store's own events say so), not only written through
+        wait_until(lambda: hashes <= _store_tiers(stack).get(Tier.HOST, set()),
+                   "the prompt's blocks in host memory", 30, 0.1)
+        reads_before = store.stats().num_remote_reads
+        wait_until(lambda: _held(stack.gateway, prompt)["replica-0"]["CPU"] == 10 * BLOCK,
+                   "the gateway crediting the prompt to the host tier", 30, 0.2)
+        _reset_device_cache(stack)
+        again = _complete(stack, prompt)
+        assert store.stats().num_remote_reads == reads_before  # shared memory's, not Redis's
+    assert again.cached_tokens == 10 * BLOCK
+    assert again.text == first.text
 
 
 def test_the_connector_loads_a_prefix_from_redis(stack: Stack) -> None:
