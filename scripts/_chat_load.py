@@ -51,6 +51,14 @@ class Outcome:
     completion_tokens: int = 0
     cached_tokens: int = 0
     worker: str = ""
+    status: int = 0  # the reply's HTTP status; 0: none came
+    shed_reason: str = ""  # a refusal's x-kvsidecar-shed-reason
+    retry_after: str = ""  # a refusal's retry-after
+
+    @property
+    def shed(self) -> bool:
+        """Refused for load (429 or 503), not failed: what a stack under overload answers."""
+        return self.status in (429, 503)
 
     @property
     def itl_s(self) -> float | None:
@@ -131,7 +139,10 @@ async def chat_request(session: aiohttp.ClientSession, url: str, model: str,
     last = 0.0
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            out.status = resp.status
             if resp.status != 200:
+                out.shed_reason = resp.headers.get("x-kvsidecar-shed-reason", "")
+                out.retry_after = resp.headers.get("retry-after", "")
                 errors.append(f"HTTP {resp.status}: {(await resp.text())[:200]}")
                 return out, ""
             out.worker = resp.headers.get("x-kvsidecar-worker", "")

@@ -48,42 +48,59 @@ ratio's standard error with each run's own ratio (figures ``<load>.<stack>.<figu
 and ``<ratio>_se``, computed as ``bench_replicas.py`` does, ``benchkit.ratio_se``): one run's
 figures move by several percent with timing alone.
 
-``--load flood``: three tenants drive closed loops of one-turn chats (``--prompt-words``
-random words, exactly ``--flood-max-tokens`` out; ``scripts/_flood_load.py``): the flooding
-tenant keeps ``--flood-clients`` requests in flight, each quiet tenant ``--quiet-clients``,
-together far more than the fleet's ``--flood-workers`` x ``--slots``, so every tenant is
-backlogged and whoever orders the waiting requests decides who is served. Three stacks, on
-fresh stacks each, for ``--warmup-s`` and then ``--duration-s`` (counted: the requests that
-finished in that window):
+``--load flood``: three tenants (``flood``, ``quiet-a``, ``quiet-b``) send one-turn chats
+(``--prompt-words`` random words, exactly ``--flood-max-tokens`` out;
+``scripts/_flood_load.py``) to a fleet of ``--flood-workers`` x ``--slots``, for
+``--warmup-s`` and then ``--duration-s``, on fresh stacks each. ``--flood-arrivals open``
+(the default) overloads it, as in the VTC paper (Sheng et al., "Fairness in Serving Large
+Language Models"): each tenant sends at its own rate, Poisson arrivals from a seeded RNG (the
+same schedule and prompts for every stack), each request on schedule whatever the replies:
+the flooder at ``--flood-rate`` (40 req/s at speedup 1, ~1.7x the default fleet's capacity C
+of ~24 req/s, measured by the closed loop: 24.4 ours, 26.2 Dynamo's), each quiet tenant at
+``--quiet-rate`` (5 req/s, ~0.2 C, below its third). Counted: the requests sent in the
+window, each followed to its end: sent = served + shed (429 or 503, with the reason header
+and ``retry-after`` kept) + failed. ``--flood-arrivals closed`` runs closed loops instead
+(``--flood-clients`` 32 and ``--quiet-clients`` 4 each, no think time; counted: the requests
+that finished in the window): a closed loop never has more waiting than its clients, so it
+shows who orders a backlog, not overload. Three stacks:
 
 * ``ours``: our gateway (least-loaded; the tenants are API keys of its ``--api-key-file``,
   weight 1 each) admitting ``--slots`` requests a worker and queueing the rest by the
-  tenants' fair shares (``--queue-order fair``, ``--queue-timeout-s``), in front of sim
-  engines stepping as the mocker (the same engine flags as the other loads, and at most
-  ``--slots`` running requests), ``--blocks`` KV blocks each (default 1,024);
-* ``least_loaded``: the same queue first come, first served (``fcfs``: what a least-loaded
-  router with a queue gives);
+  tenants' fair shares (``--queue-order fair``), a request that waited ``--queue-timeout-s``
+  shed with 503 ``queue_timeout`` and ``retry-after`` (default: open loop, the TTFT target,
+  fixed before the run: a request still waiting when its target has passed has missed it;
+  closed loop, 120 s), in front of sim engines stepping as the mocker (the same engine flags
+  as the other loads, and at most ``--slots`` running requests), ``--blocks`` KV blocks each
+  (default 1,024);
+* ``least_loaded``: the same gateway, flags and timeout, its queue first come, first served
+  (``fcfs``: what a least-loaded router with a queue gives);
 * ``dynamo`` (unless ``--peers none``): Dynamo 1.6.1's frontend (kv router) and as many
   mockers, each running at most ``--slots`` requests (``--max-num-seqs``; the rest wait in the
-  mocker's own queue, first come first served), the same blocks, token budget and speed. It
-  has no tenants: the clients send the same Authorization header, which it ignores, so the
-  tenants are just separate client pools.
+  mocker's own queue, first come first served, without bound), the same blocks, token budget
+  and speed. It has no tenants: the clients send the same Authorization header, which it
+  ignores, so the tenants are just separate streams.
 
 Goodput uses the same targets as the other loads, fixed before the run (``--slo-ttft-ms``
-500 and ``--slo-itl-ms`` 50 at speedup 1, divided by ``--speedup``). Per stack, every
-tenant's requests pooled, as on the other loads: requests, goodput, TTFT p50/p99, ITL
-p50/p99; and the quiet tenants' TTFT p99 apart (``quiet_ttft_p99_ms``): a fair queue moves
-the wait onto the tenant that floods, so the pooled TTFT p99 (the flooder's, about a third
-of the requests) rises while the quiet tenants' falls. Per tenant: requests, tokens served
-(prompt + completion), goodput, TTFT p50/p99. Jain's fairness index over the tenants'
-tokens: 1 when every tenant got the same share, 1/n when one got all. No hit rate ratio:
-prompts of random words share no prefix (the table shows the hit rate, 0). Ratios:
-``fairness_vs_least_loaded``, ``quiet_ttft_p50_vs_least_loaded``, and against each of
-``dynamo`` and ``least_loaded``: ``goodput_vs_<stack>_flood``, ``ttft_p99_vs_<stack>_flood``,
-``itl_p50_vs_<stack>_flood``, ``quiet_ttft_p99_vs_<stack>_flood``; ``fairness_vs_dynamo_flood``.
-A baseline with no good request at all gets a goodput ratio against one request in its
-window (a lower bound, marked by the figure ``goodput_vs_<stack>_flood_is_lower_bound``).
-``--repeats`` applies as on the other loads.
+500 and ``--slo-itl-ms`` 50 at speedup 1, divided by ``--speedup``): the counted requests
+served within both, per second of the window. Per stack, every tenant's counted requests
+pooled, as on the other loads: sent, served (``requests``), shed (``quiet_shed``: the quiet
+tenants'), failed, goodput, TTFT p50/p99 and ITL p50/p99 of those served, the quiet tenants'
+TTFT p99 apart (``quiet_ttft_p99_ms``), the requests and tokens served *in* the window
+(``req_per_s``, ``tokens_per_s``, whenever sent). Per tenant: sent, served, shed (and by
+reason), failed, tokens served in the window, its share and its entitlement, goodput, TTFT
+p50/p99. Fairness (``_flood_load.fairness``): Jain's index over each tenant's tokens served in
+the window divided by its max-min fair allocation of the fleet's tokens served in the window;
+a tenant's demand is what it sent in the window (a closed loop's tenants are backlogged: an
+equal split), so a quiet tenant asking less than a third is entitled to all it asks and the
+flooder to the rest. 1 when every tenant got its allocation, toward 1/n as they depart from
+it. Shedding the flooder's excess is the point; shedding a quiet tenant's request is a
+failure, and each stack's table says which happened. No hit rate ratio: prompts of random
+words share no prefix. Ratios: ``fairness_vs_least_loaded``, ``quiet_ttft_p50_vs_least_loaded``,
+and against each of ``dynamo`` and ``least_loaded``: ``goodput_vs_<stack>_flood``,
+``ttft_p99_vs_<stack>_flood``, ``itl_p50_vs_<stack>_flood``, ``quiet_ttft_p99_vs_<stack>_flood``;
+``fairness_vs_dynamo_flood``. A baseline with no good request at all gets a goodput ratio
+against one request in its window (a lower bound, marked by the figure
+``goodput_vs_<stack>_flood_is_lower_bound``). ``--repeats`` applies as on the other loads.
 
 ``--load all`` runs all three. ``--json FILE`` writes ``{"figures": {...}, "ratios": {...}}``.
 """
@@ -110,7 +127,7 @@ from typing import Any
 
 import aiohttp
 from _chat_load import ChatLoad, ChatResult, run_chat, warm_up
-from _flood_load import FloodLoad, Tenant, jain, run_flood_load
+from _flood_load import FloodLoad, Tenant, TenantLoad, fairness, run_flood_load
 from benchkit import (
     ROOT,
     Better,
@@ -282,11 +299,27 @@ def run_dynamo(load: ChatLoad, blocks: int, args: argparse.Namespace,
 
 
 def flood_load(args: argparse.Namespace) -> FloodLoad:
+    """The flood's tenants: open loop, each at its rate (at speedup 1, times ``--speedup``);
+    closed loop, each with its clients."""
+    open_loop = args.flood_arrivals == "open"
     return FloodLoad(
-        tenants=((TENANTS[0], args.flood_clients),
-                 *((name, args.quiet_clients) for name in TENANTS[1:])),
-        prompt_words=args.prompt_words, max_tokens=args.flood_max_tokens,
+        tenants=tuple(TenantLoad(name, clients=0 if open_loop else clients,
+                                 rate=rate * args.speedup if open_loop else 0.0)
+                      for name, clients, rate in zip(
+                          TENANTS, (args.flood_clients, args.quiet_clients, args.quiet_clients),
+                          (args.flood_rate, args.quiet_rate, args.quiet_rate), strict=True)),
+        open_loop=open_loop, prompt_words=args.prompt_words, max_tokens=args.flood_max_tokens,
         warmup_s=args.warmup_s, duration_s=args.duration_s)
+
+
+def flood_queue_timeout_s(args: argparse.Namespace) -> float:
+    """Our gateways' ``--queue-timeout-s`` on the flood: ``--queue-timeout-s`` when given;
+    else in an open loop the TTFT target (a request still waiting when its target has passed
+    has missed it: it is shed, 503 with retry-after, rather than served late), in a closed
+    loop 120 s (nothing needs shedding: the clients wait)."""
+    if args.queue_timeout_s is not None:
+        return float(args.queue_timeout_s)
+    return targets(args)[0] if args.flood_arrivals == "open" else 120.0
 
 
 def run_flood_ours(order: str, args: argparse.Namespace, tmp: Path) -> list[Tenant]:
@@ -307,7 +340,8 @@ def run_flood_ours(order: str, args: argparse.Namespace, tmp: Path) -> list[Tena
             wait_routable=False,  # below, with an API key
             args=("--served-model-name", "tiny", "--api-key-file", str(keys),
                   "--max-in-flight-per-worker", str(args.slots),
-                  "--queue-timeout-s", str(args.queue_timeout_s), "--queue-order", order)),),
+                  "--queue-timeout-s", f"{flood_queue_timeout_s(args):g}",
+                  "--queue-order", order)),),
         model_path=str(args.model_dir), max_total_tokens=flood_blocks(args) * 16,
         speedup=args.speedup, events_config='{"publisher": "null"}', log_level="warning")
     with LocalStack(spec, workdir) as stack:
@@ -514,23 +548,40 @@ def compare(report: Report, load: str, rows: dict[str, dict[str, float]],
                      notes=errors)
 
 
-def flood_row(tenants: list[Tenant], ttft_s: float, itl_s: float) -> dict[str, float]:
-    """One stack's flood figures: every tenant's requests pooled (``ChatResult.summary``),
-    the quiet tenants' TTFT p50 and p99, Jain's index over the tenants' tokens, tokens/s."""
-    duration = tenants[0].duration_s
+def flood_row(tenants: list[Tenant], ttft_s: float, itl_s: float,
+              open_loop: bool) -> dict[str, float]:
+    """One stack's flood figures: every tenant's counted requests pooled
+    (``ChatResult.summary``: ``requests`` are those served, ``goodput_share`` the good ones
+    among those sent), with the requests sent, shed and failed apart (all tenants', the
+    flooder's and the quiet tenants'), the quiet tenants' TTFT p50 and p99, Jain's index
+    (``_flood_load.fairness``), and the service in the window (``req_per_s``,
+    ``tokens_per_s``: requests and tokens served in it, whenever sent)."""
+    duration = tenants[0].duration_s or 1e-9
     every = ChatResult([o for t in tenants for o in t.outcomes], duration,
                        [e for t in tenants for e in t.errors]).summary(ttft_s, itl_s)
     quiet = ChatResult([o for t in tenants[1:] for o in t.outcomes], duration, []).summary(
         ttft_s, itl_s)
-    return {**every, "quiet_ttft_p50_ms": quiet["ttft_p50_ms"],
+    flood_sent = len(tenants[0].outcomes)
+    quiet_sent = sum(len(t.outcomes) for t in tenants[1:])
+    return {**every,
+            "sent": flood_sent + quiet_sent,
+            "shed": sum(t.shed for t in tenants),
+            "failed": sum(t.failed for t in tenants),
+            "flood_shed": tenants[0].shed,
+            "flood_shed_share": round(tenants[0].shed / flood_sent, 4) if flood_sent else 0.0,
+            "quiet_shed": sum(t.shed for t in tenants[1:]),
+            "quiet_shed_share": round(sum(t.shed for t in tenants[1:]) / quiet_sent, 4)
+            if quiet_sent else 0.0,
+            "req_per_s": round(sum(t.window_requests for t in tenants) / duration, 3),
+            "quiet_ttft_p50_ms": quiet["ttft_p50_ms"],
             "quiet_ttft_p99_ms": quiet["ttft_p99_ms"],
-            "jain_index": round(jain([float(t.tokens) for t in tenants]), 4),
-            "tokens_per_s": round(sum(t.tokens for t in tenants) / (duration or 1e-9), 1)}
+            "jain_index": round(fairness(tenants, open_loop)[0], 4),
+            "tokens_per_s": round(sum(t.window_tokens for t in tenants) / duration, 1)}
 
 
-_FLOOD_COLUMNS = ("requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_share",
-                  "ttft_p50_ms", "ttft_p99_ms", "quiet_ttft_p99_ms", "itl_p50_ms",
-                  "itl_p99_ms", "hit_rate", "jain_index", "tokens_per_s")
+_FLOOD_COLUMNS = ("sent", "requests", "shed", "quiet_shed", "failed", "req_per_s",
+                  "goodput_req_per_s", "goodput_share", "ttft_p50_ms", "ttft_p99_ms",
+                  "quiet_ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "jain_index", "tokens_per_s")
 # Pooled over every tenant, as on the other loads; the quiet tenants' TTFT p99 beside it (a
 # fair queue trades the flooder's waits for theirs). No hit rate: the prompts share nothing.
 _FLOOD_RATIOS: tuple[tuple[str, Better], ...] = (
@@ -538,8 +589,49 @@ _FLOOD_RATIOS: tuple[tuple[str, Better], ...] = (
     ("quiet_ttft_p99_ms", "lower"))
 
 
+def print_flood_tenants(name: str, tenants: list[Tenant], open_loop: bool, ttft_s: float,
+                        itl_s: float, report: Report) -> None:
+    """One stack's table of tenants, its refusals by reason, and whom it shed."""
+    order = dict(FLOOD_STACKS).get(name)
+    print(f"\n{name}" + (f" (our gateway, --queue-order {order}):" if order else
+                          " (Dynamo's frontend, kv router, and mockers):"))
+    _, shares = fairness(tenants, open_loop)
+    served = sum(t.window_tokens for t in tenants) or 1
+    rows = [(t, t.result().summary(ttft_s, itl_s)) for t in tenants]
+    print_table(["tenant", "load", "sent", "served", "shed", "failed", "tokens", "share",
+                 "entitled", "goodput/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms"],
+                [[t.name, f"{t.rate:g}/s" if open_loop else f"{t.clients} clients",
+                  len(t.outcomes), t.served, t.shed, t.failed, t.window_tokens,
+                  round(t.window_tokens / served, 3), round(share / served, 3),
+                  row["goodput_req_per_s"], row["ttft_p50_ms"], row["ttft_p99_ms"],
+                  row["itl_p50_ms"]] for (t, row), share in zip(rows, shares, strict=True)])
+    for t, row in rows:
+        report.add_figures({"sent": len(t.outcomes), "shed": t.shed, "failed": t.failed,
+                            "tokens": t.window_tokens}, prefix=f"flood.{name}.{t.name}.")
+        report.add_figures({k: row[k] for k in ("requests", "goodput_req_per_s",
+                                                 "ttft_p50_ms", "ttft_p99_ms")},
+                           prefix=f"flood.{name}.{t.name}.")
+        if t.errors:
+            progress(f"flood: {name}: {t.name}: {len(t.errors)} failed, e.g. {t.errors[:2]}")
+        if t.shed:
+            print(f"  {t.name} shed: " + ", ".join(
+                f"{n} x {reason}" for reason, n in sorted(t.shed_reasons().items())))
+    flood, quiet = tenants[0], tenants[1:]
+    quiet_shed = sum(t.shed for t in quiet)
+    if not any(t.shed for t in tenants):
+        print("  shed nothing")
+    elif quiet_shed:
+        print(f"  FAILED to protect the quiet tenants: {quiet_shed} of their "
+              f"{sum(len(t.outcomes) for t in quiet)} requests shed (the flooder: "
+              f"{flood.shed} of {len(flood.outcomes)})")
+    else:
+        print(f"  shed only the flooder's excess: {flood.shed} of its {len(flood.outcomes)} "
+              "requests, none of the quiet tenants'")
+
+
 def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
     ttft_s, itl_s = targets(args)
+    load = flood_load(args)
     runs: dict[str, list[list[Tenant]]] = {}
     n = args.repeats
     for repeat in range(n):  # interleaved, as the other loads
@@ -552,35 +644,25 @@ def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
             runs.setdefault("dynamo", []).append(run_flood_dynamo(args, tmp / f"{repeat}"))
     pooled = {name: [Tenant.pooled(list(t)) for t in zip(*stack_runs, strict=True)]
               for name, stack_runs in runs.items()}
+    if load.open_loop:
+        arrivals = (f"open loop, Poisson arrivals: {TENANTS[0]} {load.tenants[0].rate:g} req/s, "
+                    f"{', '.join(TENANTS[1:])} {load.tenants[1].rate:g} req/s each")
+    else:
+        arrivals = (f"closed loops: {TENANTS[0]} {args.flood_clients} clients, "
+                    f"{', '.join(TENANTS[1:])} {args.quiet_clients} clients each")
     print(f"\nflood: {args.flood_workers} simulated workers x {args.slots} slots x "
-          f"{flood_blocks(args)} blocks, mocker timing, speedup {args.speedup:g}; tenants "
-          f"{TENANTS[0]} ({args.flood_clients} clients), {', '.join(TENANTS[1:])} "
-          f"({args.quiet_clients} clients each), all weight 1; one-turn chats of "
-          f"{args.prompt_words} random words, {args.flood_max_tokens} tokens out; "
-          f"{args.duration_s:g}s counted after {args.warmup_s:g}s; targets TTFT "
-          f"{ttft_s * 1000:g} ms, ITL {itl_s * 1000:g} ms"
+          f"{flood_blocks(args)} blocks, mocker timing, speedup {args.speedup:g}; {arrivals}; "
+          f"all weight 1; one-turn chats of {args.prompt_words} random words, "
+          f"{args.flood_max_tokens} tokens out; {args.duration_s:g}s counted after "
+          f"{args.warmup_s:g}s; targets TTFT {ttft_s * 1000:g} ms, ITL {itl_s * 1000:g} ms; "
+          f"our gateways --queue-timeout-s {flood_queue_timeout_s(args):g}"
           + (f"; {n} runs of each, pooled" if n > 1 else ""))
     for name, tenants in pooled.items():
-        total = sum(t.tokens for t in tenants) or 1
-        order = dict(FLOOD_STACKS).get(name)
-        print(f"\n{name}" + (f" (our gateway, --queue-order {order}):" if order else
-                              " (Dynamo's frontend, kv router, and mockers):"))
-        rows = [(t, t.result().summary(ttft_s, itl_s)) for t in tenants]
-        print_table(["tenant", "clients", "requests", "failed", "tokens", "share",
-                     "goodput/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms"],
-                    [[t.name, t.clients, row["requests"], row["failed"], t.tokens,
-                      round(t.tokens / total, 3), row["goodput_req_per_s"], row["ttft_p50_ms"],
-                      row["ttft_p99_ms"], row["itl_p50_ms"]] for t, row in rows])
-        for t, row in rows:
-            report.figure(f"flood.{name}.{t.name}.tokens", t.tokens)
-            report.add_figures({k: row[k] for k in ("requests", "goodput_req_per_s",
-                                                     "ttft_p50_ms", "ttft_p99_ms")},
-                               prefix=f"flood.{name}.{t.name}.")
-            if t.errors:
-                progress(f"flood: {name}: {t.name}: {len(t.errors)} errors, "
-                         f"e.g. {t.errors[:2]}")
-    rows = {name: flood_row(tenants, ttft_s, itl_s) for name, tenants in pooled.items()}
-    print("\nflood, every tenant's requests pooled (quiet_ttft_p99_ms: the quiet tenants'):")
+        print_flood_tenants(name, tenants, load.open_loop, ttft_s, itl_s, report)
+    rows = {name: flood_row(tenants, ttft_s, itl_s, load.open_loop)
+            for name, tenants in pooled.items()}
+    print("\nflood, every tenant's requests pooled (requests: served; req_per_s, tokens_per_s: "
+          "served in the window; quiet_ttft_p99_ms: the quiet tenants'):")
     print_table(["stack", *_FLOOD_COLUMNS], [[name, *(row.get(c) for c in _FLOOD_COLUMNS)]
                                              for name, row in rows.items()])
     for name, row in rows.items():
@@ -595,8 +677,8 @@ def run_flood(args: argparse.Namespace, report: Report, tmp: Path) -> None:
     if "dynamo" in rows:
         report.ratio("fairness", "dynamo_flood", ours["jain_index"], rows["dynamo"]["jain_index"],
                      better="higher", ndigits=3)
-    single = {name: [flood_row(tenants, ttft_s, itl_s) for tenants in stack_runs]
-              for name, stack_runs in runs.items()}
+    single = {name: [flood_row(tenants, ttft_s, itl_s, load.open_loop)
+                     for tenants in stack_runs] for name, stack_runs in runs.items()}
     compare(report, "flood", rows, single, ("dynamo", "least_loaded"), _FLOOD_RATIOS)
 
 
@@ -648,15 +730,26 @@ def main(argv: list[str] | None = None) -> int:
     f = p.add_argument_group("flood load")
     f.add_argument("--flood-workers", type=int, default=2)
     f.add_argument("--slots", type=int, default=4, help="requests in flight per worker")
-    f.add_argument("--flood-clients", type=int, default=32)
-    f.add_argument("--quiet-clients", type=int, default=4)
+    f.add_argument("--flood-arrivals", choices=["open", "closed"], default="open",
+                   help="open: each tenant sends at its rate whatever the replies (Poisson, "
+                   "seeded); closed: each tenant's clients send one after another")
+    f.add_argument("--flood-rate", type=float, default=40.0,
+                   help="open loop: the flooding tenant's requests/s at speedup 1 (times "
+                   "--speedup); the default is ~1.7x the default fleet's ~24 req/s")
+    f.add_argument("--quiet-rate", type=float, default=5.0,
+                   help="open loop: each quiet tenant's requests/s at speedup 1 (times "
+                   "--speedup); the default is ~0.2x the default fleet's ~24 req/s")
+    f.add_argument("--flood-clients", type=int, default=32, help="closed loop")
+    f.add_argument("--quiet-clients", type=int, default=4, help="closed loop: each")
     f.add_argument("--prompt-words", type=int, default=200)
     f.add_argument("--flood-max-tokens", type=int, default=32)
     f.add_argument("--warmup-s", type=float, default=3.0,
                    help="of each ordering's run, before requests are counted")
     f.add_argument("--duration-s", type=float, default=20.0,
                    help="of each ordering's run, counted")
-    f.add_argument("--queue-timeout-s", type=float, default=120.0)
+    f.add_argument("--queue-timeout-s", type=float,
+                   help="our gateways' (both queue orders alike); default: open loop, the "
+                   "TTFT target (--slo-ttft-ms / --speedup); closed loop, 120")
     add_json_flag(p)
     args = p.parse_args(argv)
     if args.repeats < 1:

@@ -1,5 +1,6 @@
 """The goodput benchmark runs end to end on tiny sizes: the flood load's fair queue serves
-the quiet tenants their share where first come, first served does not; the hot-prefix load
+the quiet tenants their share where first come, first served does not, in an open loop (it
+sheds only the flooder's excess) and in closed loops; the hot-prefix load
 runs through our stack with and without the decode-interference term (``--peers none``), twice
 each (``--repeats``), and reports each figure and ratio pooled, with the runs' spread and the
 ratios' standard errors; and, where the checkout sits beside the shared Dynamo scripts,
@@ -20,9 +21,11 @@ DYNAMO_DIR = ROOT.parent / "shared" / "bench" / "dynamo"
 # A hot load small enough for the suite: 2 prompts of 300 tokens, 24 one-turn sessions.
 TINY_HOT = ["--load", "hot", "--sessions", "24", "--concurrency", "8", "--system-tokens", "300",
             "--max-tokens", "8", "--warmup-requests", "8", "--speedup", "4"]
-# A flood small enough for the suite: 16 flooding clients against 4 + 4 quiet ones, 8 slots.
-TINY_FLOOD = ["--load", "flood", "--warmup-s", "1.5", "--duration-s", "4", "--flood-clients",
-              "16", "--quiet-clients", "4", "--prompt-words", "60"]
+# A flood small enough for the suite, against 8 slots (~28 req/s of these prompts): open, the
+# flooder at 60 req/s and the quiet tenants at 5 each; closed, 16 flooding clients against
+# 4 + 4 quiet ones.
+TINY_FLOOD = ["--load", "flood", "--warmup-s", "1.5", "--duration-s", "4", "--flood-rate", "60",
+              "--flood-clients", "16", "--quiet-clients", "4", "--prompt-words", "60"]
 TENANTS = ("flood", "quiet-a", "quiet-b")
 CHAT_FIGURES = {"requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_share",
                 "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "hit_rate"}
@@ -43,23 +46,40 @@ def bench(tmp_path: Path, *flags: str, timeout: int = 300) -> tuple[dict[str, An
 def check_flood_figures(figures: dict[str, float], stack: str) -> None:
     prefix = f"flood.{stack}."
     got = {k.removeprefix(prefix) for k in figures if k.startswith(prefix)}
-    assert got >= CHAT_FIGURES | {"jain_index", "quiet_ttft_p99_ms", "tokens_per_s"}
+    assert got >= CHAT_FIGURES | {"sent", "shed", "quiet_shed", "jain_index",
+                                  "quiet_ttft_p99_ms", "tokens_per_s"}
     assert figures[prefix + "requests"] > 0 and figures[prefix + "failed"] == 0
-    assert 0 <= figures[prefix + "goodput_req_per_s"] <= figures[prefix + "req_per_s"]
+    assert figures[prefix + "sent"] == figures[prefix + "requests"] + figures[prefix + "shed"]
+    assert figures[prefix + "goodput_share"] * figures[prefix + "sent"] <= (
+        figures[prefix + "requests"] + 1e-6)
     assert figures[prefix + "ttft_p50_ms"] <= figures[prefix + "ttft_p99_ms"]
     assert all(figures[f"{prefix}{t}.tokens"] > 0 for t in TENANTS)
-    assert sum(figures[f"{prefix}{t}.requests"] for t in TENANTS) == figures[prefix + "requests"]
+    for figure in ("sent", "requests", "shed"):
+        assert sum(figures[f"{prefix}{t}.{figure}"] for t in TENANTS) == figures[prefix + figure]
 
 
-def test_the_flood_load_gives_each_tenant_its_share_only_when_fair(tmp_path: Path) -> None:
-    data, _ = bench(tmp_path, *TINY_FLOOD, "--peers", "none")
+@pytest.mark.parametrize("arrivals", ["open", "closed"])
+def test_the_flood_load_gives_each_tenant_its_share_only_when_fair(tmp_path: Path,
+                                                                   arrivals: str) -> None:
+    data, stdout = bench(tmp_path, *TINY_FLOOD, "--flood-arrivals", arrivals, "--peers", "none")
     figures = data["figures"]
     for name in ("ours", "least_loaded"):
         check_flood_figures(figures, name)
-    # 16 flooding clients against 4 + 4: first come, first served gives the flood about
-    # 16/24 of the tokens (Jain about 0.67); fair shares about a third each (Jain near 1).
-    assert figures["flood.least_loaded.jain_index"] < 0.8 < figures["flood.ours.jain_index"]
-    assert data["ratios"]["fairness_vs_least_loaded"] > 1.2
+    # Open: the flooder asks ~2x the fleet; first come, first served sheds every tenant's
+    # requests alike, so the quiet tenants get about half what they ask and the flooder
+    # more than the rest (Jain about 0.7); fair shares serve the quiet tenants what they ask.
+    # Closed: 16 flooding clients against 4 + 4; first come, first served gives the flood
+    # about 16/24 of the tokens (Jain about 0.67); fair shares about a third each (near 1).
+    assert figures["flood.least_loaded.jain_index"] < 0.85 < figures["flood.ours.jain_index"]
+    assert data["ratios"]["fairness_vs_least_loaded"] > 1.15
+    if arrivals == "open":
+        assert figures["flood.ours.flood_shed"] > 0 and figures["flood.least_loaded.quiet_shed"] > 0
+        assert (figures["flood.ours.quiet_shed_share"]
+                < figures["flood.least_loaded.quiet_shed_share"])
+        assert "503 queue_timeout" in stdout  # each refusal says why, with retry-after
+        assert "(no retry-after)" not in stdout
+    else:
+        assert figures["flood.ours.shed"] == figures["flood.least_loaded.shed"] == 0
     assert "goodput_vs_least_loaded_flood" in data["ratios"]
     assert not any(k.startswith("flood.dynamo.") for k in figures)
     assert not any("dynamo" in k for k in data["ratios"])
@@ -116,13 +136,14 @@ def test_the_hot_load_runs_against_dynamo(tmp_path: Path) -> None:
 @pytest.mark.skipif(not (DYNAMO_DIR / "dynamo_stack.sh").is_file(),
                     reason=f"no Dynamo scripts beside this checkout ({DYNAMO_DIR})")
 def test_the_flood_runs_against_dynamo(tmp_path: Path) -> None:
-    """Builds Dynamo's venv when absent (PyPI), then the same tiny flood through its
-    frontend (the tenants' keys in the Authorization header, which it ignores) and mockers
-    of the same slots."""
+    """Builds Dynamo's venv when absent (PyPI), then the same tiny open-loop flood through
+    its frontend (the tenants' keys in the Authorization header, which it ignores) and
+    mockers of the same slots."""
     data, _ = bench(tmp_path, *TINY_FLOOD, "--peers", "dynamo", timeout=900)
     figures, ratios = data["figures"], data["ratios"]
     for stack in ("ours", "least_loaded", "dynamo"):
         check_flood_figures(figures, stack)
+    assert figures["flood.dynamo.shed"] == 0  # it queues every request
     assert {"goodput_vs_dynamo_flood", "ttft_p99_vs_dynamo_flood", "itl_p50_vs_dynamo_flood",
             "quiet_ttft_p99_vs_dynamo_flood", "fairness_vs_dynamo_flood",
             "fairness_vs_least_loaded"} <= set(ratios)

@@ -5,6 +5,7 @@ on made-up requests."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -68,28 +69,75 @@ flood_load = load_script("_flood_load")
 Tenant = flood_load.Tenant
 
 
-def _tenant(name: str, ttfts: list[float], duration_s: float = 10.0) -> Any:
-    return Tenant(name, 1, [Outcome(ok=True, ttft_s=t, gaps_s=[0.01], prompt_tokens=90,
-                                    completion_tokens=10) for t in ttfts], [], duration_s)
+def _served(ttft_s: float) -> Any:
+    return Outcome(ok=True, status=200, ttft_s=ttft_s, gaps_s=[0.01], prompt_tokens=90,
+                   completion_tokens=10)
+
+
+def _shed() -> Any:
+    return Outcome(ok=False, status=503, shed_reason="queue_timeout", retry_after="1")
+
+
+def _tenant(name: str, ttfts: list[float], duration_s: float = 10.0, shed: int = 0,
+            served_in_window: int | None = None) -> Any:
+    """A tenant whose counted requests are served with ``ttfts`` and ``shed`` refused, and
+    that was served ``served_in_window`` requests (default: its served ones) in the window."""
+    n = len(ttfts) if served_in_window is None else served_in_window
+    return Tenant(name, clients=1, outcomes=[*map(_served, ttfts), *(_shed() for _ in range(shed))],
+                  duration_s=duration_s, window_tokens=100 * n, window_requests=n)
 
 
 def test_a_flood_rows_tenants_ran_side_by_side_and_the_quiet_ones_are_apart() -> None:
     """The tenants' requests pool over one window (not the sum of theirs); the quiet
-    tenants' TTFT leaves the flooder's out; Jain's index over their tokens."""
+    tenants' TTFT leaves the flooder's out; in a closed loop every tenant is backlogged, so
+    Jain's index is over their tokens."""
     tenants = [_tenant("flood", [2.0, 2.0, 2.0, 2.0]), _tenant("quiet-a", [0.1, 0.2]),
                _tenant("quiet-b", [0.1, 0.2])]
-    row = bench_goodput.flood_row(tenants, 0.5, 0.05)
-    assert row["requests"] == 8 and row["req_per_s"] == 0.8
+    row = bench_goodput.flood_row(tenants, 0.5, 0.05, open_loop=False)
+    assert row["requests"] == row["sent"] == 8 and row["req_per_s"] == 0.8
+    assert row["shed"] == row["failed"] == 0
     assert row["goodput_req_per_s"] == 0.4  # the quiet tenants' four
     assert row["ttft_p99_ms"] == 2000.0 and row["quiet_ttft_p99_ms"] == 200.0
     assert row["jain_index"] == pytest.approx(8**2 / (3 * (4**2 + 2**2 + 2**2)), abs=1e-4)
     assert row["tokens_per_s"] == 800 / 10.0
 
 
+def test_max_min_shares_give_a_small_demand_all_it_asks_and_split_the_rest() -> None:
+    assert flood_load.max_min_shares(90.0, [10.0, 10.0, math.inf]) == [10.0, 10.0, 70.0]
+    assert flood_load.max_min_shares(90.0, [50.0, 40.0, 60.0]) == [30.0, 30.0, 30.0]
+    assert flood_load.max_min_shares(90.0, [math.inf] * 3) == [30.0, 30.0, 30.0]
+    assert flood_load.max_min_shares(60.0, [10.0, 45.0, 45.0]) == [10.0, 25.0, 25.0]
+
+
+def test_an_open_loop_row_counts_the_shed_apart_and_judges_shares_against_demand() -> None:
+    """Shedding the flooder's excess and serving the quiet tenants all they sent is fair
+    (index 1), although the flooder got twice their tokens: each quiet tenant sent two
+    requests, less than a third of the eight served, so it is entitled to its two."""
+    fair = [_tenant("flood", [0.4] * 4, shed=6), _tenant("quiet-a", [0.1, 0.2]),
+            _tenant("quiet-b", [0.1, 0.2])]
+    row = bench_goodput.flood_row(fair, 0.5, 0.05, open_loop=True)
+    assert row["sent"] == 14 and row["requests"] == 8 and row["shed"] == 6
+    assert row["flood_shed"] == 6 and row["quiet_shed"] == 0 and row["failed"] == 0
+    assert row["goodput_share"] == round(8 / 14, 4)
+    assert row["jain_index"] == 1.0
+    # One of each quiet tenant's two shed, and the flooder served five: of the seven served,
+    # max-min entitles the quiet tenants to two each and the flooder to three, so they got
+    # half theirs and the flooder 5/3 of its.
+    unfair = [_tenant("flood", [0.4] * 5, shed=5), _tenant("quiet-a", [0.1], shed=1),
+              _tenant("quiet-b", [0.1], shed=1)]
+    row = bench_goodput.flood_row(unfair, 0.5, 0.05, open_loop=True)
+    assert row["quiet_shed"] == 2 and row["quiet_shed_share"] == 0.5
+    got = [5 / 3, 0.5, 0.5]
+    assert row["jain_index"] == pytest.approx(sum(got) ** 2 / (3 * sum(x * x for x in got)),
+                                              abs=1e-4)
+    assert unfair[1].shed_reasons() == {"503 queue_timeout": 1}
+
+
 def test_a_tenants_pooled_runs_keep_every_request_and_add_the_time() -> None:
-    pooled = Tenant.pooled([_tenant("flood", [1.0]), _tenant("flood", [2.0, 3.0])])
-    assert [o.ttft_s for o in pooled.outcomes] == [1.0, 2.0, 3.0]
-    assert pooled.duration_s == 20.0 and pooled.tokens == 300
+    pooled = Tenant.pooled([_tenant("flood", [1.0]), _tenant("flood", [2.0, 3.0], shed=1)])
+    assert [o.ttft_s for o in pooled.outcomes if o.ok] == [1.0, 2.0, 3.0]
+    assert pooled.duration_s == 20.0 and pooled.tokens == 300 and pooled.shed == 1
+    assert pooled.window_tokens == 300 and pooled.window_requests == 3
 
 
 def test_a_baseline_that_met_no_target_gives_a_lower_bound_ratio() -> None:
