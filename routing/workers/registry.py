@@ -7,9 +7,10 @@ requests, and both must:
 * its **probe**: ``GET /health`` every ``--health-check-interval-s``; a request whose
   connection fails marks the probe failed too, until the next probe answers;
 * for sidecar workers, its **stream**: the event stream must be connected, and the last
-  ``WorkerStatus`` on it (every half second) must say routable. A stream refused because the
-  worker does not hash as the gateway does (page size, model) leaves it placed by load
-  alone, flagged as falling back (``parity.py``). A status that says routable
+  ``WorkerStatus`` on it (every half second) must say routable; a stream that brought no
+  status yet does not (its sidecar may stand beside an engine that is down). A stream
+  refused because the worker does not hash as the gateway does (page size, model) leaves it
+  placed by load alone, flagged as falling back (``parity.py``). A status that says routable
   while the probe is failed asks for a probe at once, so a recovered worker is back within
   one status interval instead of one probe interval.
 
@@ -47,6 +48,9 @@ class Role(enum.StrEnum):
     AGG = "agg"
     PREFILL = "prefill"
     DECODE = "decode"
+
+
+_NO_STATUS_YET = "its sidecar has sent no status yet"
 
 
 class Health(enum.StrEnum):
@@ -111,7 +115,9 @@ class Worker:
                 # A stream refused for a mismatch (page size, model) leaves the engine
                 # serving: placed by load alone, and flagged loudly (``parity``).
                 return Health.STREAM_DOWN if self.mismatch is None else Health.ROUTABLE
-            if self.status is not None and not self.status.routable:
+            if self.status is None or not self.status.routable:
+                # Until its first status the gateway does not know whether the sidecar's
+                # engine is up: a sidecar beside a dead or restarting engine streams too.
                 return Health.UNROUTABLE
         return Health.ROUTABLE
 
@@ -124,7 +130,7 @@ class Worker:
             case Health.STREAM_DOWN:
                 return self.stream_error or "event stream not connected"
             case Health.UNROUTABLE:
-                return self.status.reason if self.status is not None else ""
+                return self.status.reason if self.status is not None else _NO_STATUS_YET
         return ""
 
     @property

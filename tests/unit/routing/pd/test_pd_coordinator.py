@@ -126,6 +126,7 @@ def _pd(queue_timeout_s: float = 5.0) -> tuple[PdCoordinator, WorkerRegistry]:
         registry.add(Worker(worker_id, address, WorkerKind.SIDECAR, dp_rank=0,
                             bootstrap=("10.0.0.1", 8998) if role == "prefill" else None))
         registry.stream_up(worker_id, role)
+    registry.reported(WorkerStatus("p", 1, True, "", "prefill"))
     registry.reported(WorkerStatus("d", 1, True, "", "decode", 20))  # 20 blocks of KV
     pd = PdCoordinator(router, registry, mode=PdMode.AUTO, policy=FailurePolicy.FALLBACK,
                        queue_timeout_s=queue_timeout_s, transfer_timeout_s=3.0,

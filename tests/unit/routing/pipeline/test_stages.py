@@ -12,6 +12,7 @@ from structlog.testing import capture_logs
 
 from kvcore import BlockHasher
 from kvcore.requests import Handoff
+from kvcore.stream import WorkerStatus
 from routing.config import RouterMode, WorkerAddress
 from routing.http.client import UpstreamPool
 from routing.http.server import HttpRequest, ServerConnection
@@ -293,6 +294,7 @@ async def test_a_lora_adapter_named_in_the_model_gets_its_own_namespace(tiny_mod
 
     ctx = context(Worker("s", WorkerAddress.parse("http://127.0.0.1:9100"), WorkerKind.SIDECAR))
     ctx.workers.stream_up("s", "agg")
+    ctx.workers.reported(WorkerStatus("s", 1, True))
     prompts = PromptPreparer(PromptTokenizer.from_model_dir(tiny_model_dir),
                              ChatTemplate.from_model_dir(tiny_model_dir), BlockHasher(BS),
                              hash_prompts=True, max_model_len=None)
@@ -353,6 +355,7 @@ async def test_a_burst_sharing_a_new_system_prompt_tokenizes_it_once(tiny_model_
     ctx = context(Worker("s", WorkerAddress.parse(f"http://127.0.0.1:{port}"),
                          WorkerKind.SIDECAR))
     ctx.workers.stream_up("s", "agg")
+    ctx.workers.reported(WorkerStatus("s", 1, True))
     tokenizer = PromptTokenizer.from_model_dir(tiny_model_dir)
     template = ChatTemplate.from_model_dir(tiny_model_dir)
     assert template is not None

@@ -42,12 +42,16 @@ def test_plain_worker_is_routable_on_its_probe_alone() -> None:
 
 
 def test_sidecar_worker_needs_its_stream_and_its_status() -> None:
-    """A sidecar worker waits for its stream; a status saying unroutable takes it out."""
+    """A sidecar worker waits for its stream and the stream's first status (its sidecar may
+    stand beside an engine that is down); a status saying unroutable takes it out."""
     registry = Heard().registry()
     worker = sidecar_worker()
     registry.add(worker)
     assert worker.health is Health.STREAM_DOWN and registry.routable() == []
     registry.stream_up("s0", "agg")
+    assert worker.health is Health.UNROUTABLE and registry.routable() == []
+    assert worker.reason == "its sidecar has sent no status yet"
+    registry.reported(WorkerStatus("s0", 0, True))
     assert registry.routable() == [worker]
     registry.reported(WorkerStatus("s0", 1, False, "draining"))
     assert worker.health is Health.UNROUTABLE and worker.reason == "draining"
@@ -83,12 +87,13 @@ def test_roles_make_pools_and_capacity_reaches_the_placement_core() -> None:
     registry.add(decode)
     registry.stream_up("p", "prefill")
     registry.stream_up("d", "decode")
+    registry.reported(WorkerStatus("p", 1, True, "", "prefill"))
     registry.reported(WorkerStatus("d", 1, True, "", "decode", 4096))
     registry.reported(WorkerStatus("d", 2, True, "", "decode", 4096))
     assert registry.routable(Role.PREFILL) == [prefill]
     assert registry.routable(Role.DECODE) == [decode]
     assert registry.routable(Role.AGG) == [] and registry.has_roles()
-    assert heard.capacity == [("d", 4096)] and decode.capacity_blocks == 4096
+    assert heard.capacity == [("p", None), ("d", 4096)] and decode.capacity_blocks == 4096
 
 
 def test_membership() -> None:
