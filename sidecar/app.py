@@ -20,6 +20,7 @@ views that read across them (the worker status, ``/health``, ``/v1/load``...) ar
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from pathlib import Path
@@ -145,9 +146,10 @@ class Sidecar(SidecarViews):
                     role=cfg.role,
                     buffer_events=cfg.replay_buffer_events,
                 )
-                self.streams[worker_id] = EventStream(
+                stream = self.streams[worker_id] = EventStream(
                     relay, queue_frames=cfg.subscriber_queue_frames
                 )
+                stream.status = functools.partial(self._status, worker_id)
             if cfg.store_capacity_bytes:
                 self.host_tier = await HostTier.start(
                     cfg, adapter, self._session, model_id=self.model_id, names=names,

@@ -5,7 +5,8 @@ wire frame (``kvcore.wire``). Every subscriber has a bounded queue; the relay
 never waits for a subscriber. One that falls ``queue_frames`` behind is dropped with a
 ``ResyncRequired`` frame, counted, and reconnects on its own from its last position — the
 replay buffer usually still covers it, otherwise it gets a snapshot. Other subscribers and
-the engine are unaffected.
+the engine are unaffected. A new subscriber gets the worker's status right after its start
+(the snapshot or the replayed backlog), then one every report interval.
 
 With ``--events-via nats`` each frame is first offered to the JetStream publisher (the
 ``outlet``). A subscriber that asked ``events=0`` (a gateway reading events from JetStream)
@@ -23,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from kvcore.events import KVEvent
-from kvcore.stream import ResyncRequired
+from kvcore.stream import ResyncRequired, WorkerStatus
 from kvcore.wire import FRAME_HEADER, Message, encode, join_frames
 from sidecar.relay import EventRelay
 
@@ -57,6 +58,10 @@ class EventStream:
         self.outlet: Callable[[bytes], bool] | None = None
         # Other formats this stream is republished in (--publish-zmq), given every event.
         self.taps: list[Callable[[KVEvent], None]] = []
+        # The worker's status now, sent to a new subscriber right after its start: a gateway
+        # routes to the worker only once it has one, and the next report is up to
+        # --load-report-interval-s away.
+        self.status: Callable[[], WorkerStatus] | None = None
         self.events_relayed = 0
         self.subscribers_dropped = 0
         self.replays_served = 0
@@ -140,7 +145,10 @@ class EventStream:
         response = web.StreamResponse(headers={"Content-Type": STREAM_CONTENT_TYPE})
         try:
             await response.prepare(request)
-            await response.write(join_frames([encode(plan.start), *plan.backlog]))
+            frames = [encode(plan.start), *plan.backlog]
+            if self.status is not None:
+                frames.append(encode(self.status()))
+            await response.write(join_frames(frames))
             await self._pump(sub, response)
         except (ConnectionResetError, ConnectionError):
             log.info("subscriber_disconnected", peer=sub.peer)

@@ -250,6 +250,23 @@ async def test_status_only_subscriber_gets_what_the_outlet_refused(
                                                                         BlockStored]
 
 
+async def test_a_new_subscriber_gets_the_workers_status_after_its_start(
+    session: aiohttp.ClientSession,
+) -> None:
+    """A gateway routes to a sidecar worker only once it has a status: a new subscriber gets
+    the worker's status now right after its snapshot (or replayed backlog), not a report
+    interval later."""
+    async with Sidecar() as sc:
+        sc.stream.status = lambda: WorkerStatus("w0", 7, False, "engine down", "agg", 64)
+        async with session.get(f"{sc.url}/v1/kv-events") as resp:
+            assert isinstance(await next_frame(resp), StreamStart)
+            assert isinstance(await next_frame(resp), WorkerSnapshot)
+            async with asyncio.timeout(10):  # no report interval runs here: none else comes
+                status = await next_frame(resp)
+            assert isinstance(status, WorkerStatus)
+            assert (status.routable, status.reason) == (False, "engine down")
+
+
 async def test_snapshot_token_ids_go_to_a_gateway_that_hashes_them(
     session: aiohttp.ClientSession,
 ) -> None:
