@@ -101,7 +101,7 @@ class Exchange(Migration):
         request: OpenAIRequest,
         prompt: PreparedPrompt,
         target: LegTarget,
-        pairing: Pairing | None = None,
+        pairing: Pairing[Exchange] | None = None,
     ) -> None:
         self.ctx = ctx
         self.pairing = pairing  # the prefill/decode variant, where the gateway has pairs
