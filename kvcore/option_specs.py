@@ -135,16 +135,23 @@ class OptionSpec:
         """The declared help, then in parentheses the default and the range:
         "listen here (default 8000; must be in [0, 65535])"."""
         text = self.meta.help.replace("%", "%%")  # argparse %-formats help strings
-        notes = []
-        if self.meta.required:
-            pass  # argparse's usage line shows it without brackets
-        elif self.meta.default_text is not None:
-            notes.append(f"default: {self.meta.default_text}")
-        elif not (self.default is None or self.default is False or self.default == ()):
-            notes.append(f"default {_show(self.default)}")  # else the help says what absent means
-        if self.meta.bounds is not None:
-            notes.append(f"must be {self.meta.bounds.allowed(real=False)}")
+        bounds = self.meta.bounds
+        notes = [note for note in (
+            self._default_note(),
+            None if bounds is None else f"must be {bounds.allowed(real=False)}") if note]
         return f"{text} ({'; '.join(notes)})".lstrip() if notes else text
+
+    def _default_note(self) -> str | None:
+        """"default X" for the help; None for a required option (argparse's usage line shows
+        it without brackets) and for an absent, off or empty default (its help says what
+        that means)."""
+        if self.meta.required:
+            return None
+        if self.meta.default_text is not None:
+            return f"default: {self.meta.default_text}"
+        if self.default is None or self.default is False or self.default == ():
+            return None
+        return f"default {_show(self.default)}"
 
 
 def _kind_name(kind: Any) -> str:
