@@ -356,7 +356,7 @@ class _Collector:
         parity = GaugeMetricFamily(
             p + "worker_hash_parity",
             "1 for the worker's hash parity: exact, degraded (cache predictions are wrong), "
-            "falling_back (placed by load alone) or unverified",
+            "falling_back (placed by load alone), unverified or pending (not checked yet)",
             labels=["worker", "parity"],
         )
         source = GaugeMetricFamily(

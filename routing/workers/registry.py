@@ -74,6 +74,7 @@ class Parity(enum.StrEnum):
     DEGRADED = "degraded"  # routed, but its cache predictions are wrong
     FALLING_BACK = "falling_back"  # its stream was refused: placed by load alone
     UNVERIFIED = "unverified"
+    PENDING = "pending"  # not judged yet: its first check is still to come
 
 
 @dataclass(slots=True)
@@ -97,7 +98,7 @@ class Worker:
     reasoning_parser: str | None = None  # its engine's (chats then go to its OpenAI server)
     dispatched: int = 0  # requests (legs) sent to it
     mismatch: str | None = None  # why its stream was refused (page size, model), if it was
-    parity: Parity = Parity.UNVERIFIED
+    parity: Parity = Parity.PENDING
     parity_reason: str = "not checked yet"
     host_header: bytes = b""
     control_header: bytes = b""  # the sidecars' control token line (--sidecar-token-file)

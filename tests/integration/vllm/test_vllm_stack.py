@@ -227,7 +227,7 @@ def test_discovery_and_parity(stack: Stack, worker_id: str) -> None:
     """Each sidecar found its vLLM's publisher, block size and pool; the canary reads exact."""
     def judged() -> dict[str, Any] | None:
         w = _worker(stack, worker_id)  # the verdict, and the pool from the first scrape
-        return w if w["parity"] != "unknown" and w["capacity_blocks"] is not None else None
+        return w if w["parity"] != "pending" and w["capacity_blocks"] is not None else None
 
     worker = wait_until(judged, "the parity verdict and the engine's pool", 30, 0.2)
     assert worker["parity"] == "exact", worker["parity_reason"]
@@ -460,7 +460,7 @@ def test_a_mixed_fleet_of_sglang_and_vllm_workers(stack: Stack, tmp_path: Path) 
         def judged() -> dict[str, Any] | None:
             workers = {w["worker_id"]: w for w in _get(f"{url}/v1/workers")["workers"]}
             done = len(workers) == 3 and all(
-                w["routable"] and w["parity"] not in ("unknown", "unverified")
+                w["routable"] and w["parity"] != "pending"
                 for w in workers.values())
             return workers if done else None
 
