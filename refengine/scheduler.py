@@ -63,7 +63,10 @@ class Step:
     kind: StepKind
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Request, ...] = ()
-    kv_used: float = 0.0  # the pool's fraction held by running requests, once planned
+    # The contexts its token-yielding requests attend over, summed, as a fraction of the
+    # pool's tokens (Dynamo's mocker prices decode by this): a shared prefix counts once per
+    # request that reads it, so it passes 1 when many requests share one.
+    kv_attended: float = 0.0
 
     @property
     def yields_tokens(self) -> bool:
@@ -192,19 +195,28 @@ class Scheduler:
             budget = self.chunk_size - len(decode)
             prefill = self._plan_prefill(budget) if want_prefill and budget > 0 else ()
             kind = StepKind.MIXED if prefill else StepKind.DECODE
-            return Step(kind, prefill=prefill, decode=decode, kv_used=self._kv_used())
+            return Step(kind, prefill=prefill, decode=decode,
+                        kv_attended=self._kv_attended(prefill, decode))
         if want_prefill and (not want_decode or self._last is StepKind.DECODE):
             self._last = StepKind.PREFILL
             prefill = self._plan_prefill(self.chunk_size)
-            return Step(StepKind.PREFILL, prefill=prefill, kv_used=self._kv_used())
+            return Step(StepKind.PREFILL, prefill=prefill,
+                        kv_attended=self._kv_attended(prefill, ()))
         if want_decode:
             self._last = StepKind.DECODE
             decode = self._plan_decode()
-            return Step(StepKind.DECODE, decode=decode, kv_used=self._kv_used())
+            return Step(StepKind.DECODE, decode=decode,
+                        kv_attended=self._kv_attended((), decode))
         return None
 
-    def _kv_used(self) -> float:
-        return self.used_tokens() / (self.cache.allocator.num_pages * self.page_size)
+    def _kv_attended(
+        self, prefill: tuple[PrefillChunk, ...], decode: tuple[Request, ...]
+    ) -> float:
+        """``Step.kv_attended``: each decoding request's tokens so far, and the prompt of each
+        chunk that completes one (its first token comes from this step)."""
+        tokens = sum(r.num_tokens for r in decode)
+        tokens += sum(c.end for c in prefill if c.completes_prompt)
+        return tokens / (self.cache.allocator.num_pages * self.page_size)
 
     def _plan_decode(self) -> tuple[Request, ...]:
         for req in self.decoding:

@@ -142,7 +142,7 @@ from benchkit import (
 )
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
-from refengine.timing import SimModel, TimingModel
+from refengine.timing import MOCKER_DECODE_PEAK, SimModel, TimingModel
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 TENANTS = ("flood", "quiet-a", "quiet-b")
@@ -379,10 +379,10 @@ def pool_learned(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def decode_floor_s(speedup: float) -> float:
-    """The longest pure decode step of the mocker's model (every KV page in use): no step
-    without prompt tokens lasts longer, on our engine or Dynamo's mocker."""
+    """The longest pure decode step of the mocker's model (at its polynomial's vertex): no
+    step without prompt tokens lasts longer, on our engine or Dynamo's mocker."""
     model = TimingModel(speedup=speedup, shape=SimModel.MOCKER)
-    return model.step((), (), yields=True, kv_used=1.0)
+    return model.step((), (), yields=True, kv_attended=MOCKER_DECODE_PEAK)
 
 
 def itl_split(result: ChatResult, speedup: float) -> dict[str, float]:
@@ -393,7 +393,7 @@ def itl_split(result: ChatResult, speedup: float) -> dict[str, float]:
     the smallest prefill part) and the prompt tokens computed per second (not cached)."""
     floor_s = decode_floor_s(speedup)
     least_prefill_s = TimingModel(speedup=speedup, shape=SimModel.MOCKER).step(
-        ((1, 1),), (), yields=False, kv_used=0.0)
+        ((1, 1),), (), yields=False, kv_attended=0.0)
     ok = [o for o in result.outcomes if o.ok and o.gaps_s]
     n = len(ok) or 1
     to_floor = sum(sum(min(g, floor_s) for g in o.gaps_s) / len(o.gaps_s) for o in ok) / n

@@ -94,18 +94,41 @@ def test_more_decodes_than_the_budget_leave_no_room_for_chunks() -> None:
     assert step is not None and _shape(step) == (StepKind.DECODE, [], ["a", "b"])
 
 
-def test_a_step_carries_the_pools_occupancy() -> None:
-    """kv_used: the fraction of the pool's pages held by running requests, once the step's
-    pages are allocated (the mocker's active-KV fraction)."""
+def test_a_step_carries_the_kv_its_yielding_requests_attend_over() -> None:
+    """kv_attended: the contexts of the requests that yield a token, summed, over the pool's
+    tokens (the mocker's decode argument): exact tokens, not pages, and a shared prefix once
+    per request that reads it."""
+    s = _sched(pages=16, chunk=64)  # 16 pages of 4 tokens: 64 tokens
+    s.add(_req("a", list(range(10)), new=2))
+    s.admit()
+    step = s.next_step()  # the prompt's chunk completes it: its first token comes from here
+    assert step is not None and step.kv_attended == pytest.approx(10 / 64)
+    _complete(s, step)
+    step = s.next_step()
+    assert step is not None and step.kind is StepKind.DECODE
+    assert step.kv_attended == pytest.approx(11 / 64)
+
+
+def test_a_shared_prefix_counts_once_per_request_that_reads_it() -> None:
     s = _sched(pages=16, chunk=64)
-    s.add(_req("a", list(range(10)), new=2))  # 3 pages of prompt
+    s.add(_req("a", list(range(8)), new=4))
     s.admit()
     step = s.next_step()
-    assert step is not None and step.kv_used == pytest.approx(3 / 16)
+    assert step is not None
     _complete(s, step)
-    step = s.next_step()  # the 11th token's position is in page 3: no new page
-    assert step is not None and step.kind is StepKind.DECODE
-    assert step.kv_used == pytest.approx(3 / 16)
+    s.add(_req("b", [*range(8), 99], new=4))  # two pages cached, one token computed
+    s.admit()
+    step = s.next_step()
+    assert step is not None and _shape(step) == (StepKind.MIXED, [("b", 1)], ["a"])
+    assert step.kv_attended == pytest.approx((9 + 9) / 64)
+
+
+def test_a_chunk_that_leaves_its_prompt_unfinished_is_not_attended() -> None:
+    s = _sched(pages=16, chunk=4)
+    s.add(_req("a", list(range(10)), new=1))
+    s.admit()
+    step = s.next_step()
+    assert step is not None and not step.yields_tokens and step.kv_attended == 0.0
 
 
 def _mocker_ms(new: int, yields: bool, kv: float) -> float:
@@ -114,21 +137,21 @@ def _mocker_ms(new: int, yields: bool, kv: float) -> float:
 
 
 def test_mocker_timing_is_the_mockers_polynomial() -> None:
-    """Dynamo 1.6.1's mocker: prefill by the step's prompt tokens, decode by KV occupancy,
+    """Dynamo 1.6.1's mocker: prefill by the step's prompt tokens, decode by the KV read,
     the two summed in a mixed step; a chunk that yields no token has no decode part."""
     t = TimingModel(shape=SimModel.MOCKER)
-    chunk_only = t.step([(4000, 4000)], [], yields=False, kv_used=0.3)
+    chunk_only = t.step([(4000, 4000)], [], yields=False, kv_attended=0.3)
     assert chunk_only * 1e3 == pytest.approx(_mocker_ms(4000, False, 0.3))
-    decode_only = t.step([], [5000] * 16, yields=True, kv_used=0.25)
+    decode_only = t.step([], [5000] * 16, yields=True, kv_attended=0.25)
     assert decode_only * 1e3 == pytest.approx(_mocker_ms(0, True, 0.25))
-    mixed = t.step([(64, 4064), (64, 4064)], [4100] * 16, yields=True, kv_used=0.25)
+    mixed = t.step([(64, 4064), (64, 4064)], [4100] * 16, yields=True, kv_attended=0.25)
     assert mixed * 1e3 == pytest.approx(_mocker_ms(128, True, 0.25))
-    # the batch size does not matter to the mocker's decode, the occupancy does
-    assert t.step([], [100], yields=True, kv_used=0.25) == pytest.approx(decode_only)
-    assert t.step([], [100], yields=True, kv_used=0.9) > decode_only
+    # the batch size does not matter to the mocker's decode, the KV it reads does
+    assert t.step([], [100], yields=True, kv_attended=0.25) == pytest.approx(decode_only)
+    assert t.step([], [100], yields=True, kv_attended=0.9) > decode_only
     slow = TimingModel(shape=SimModel.MOCKER, speedup=0.25)
-    assert slow.step([(64, 64)], [9], yields=True, kv_used=0.1) == pytest.approx(
-        4 * t.step([(64, 64)], [9], yields=True, kv_used=0.1))
+    assert slow.step([(64, 64)], [9], yields=True, kv_attended=0.1) == pytest.approx(
+        4 * t.step([(64, 64)], [9], yields=True, kv_attended=0.1))
 
 
 def test_linear_timing_of_a_mixed_step_is_its_two_parts() -> None:
@@ -136,9 +159,9 @@ def test_linear_timing_of_a_mixed_step_is_its_two_parts() -> None:
     pure step exactly as before."""
     t = TimingModel()
     chunks, contexts = [(512, 1024)], [300, 400]
-    assert t.step(chunks, [], yields=False, kv_used=0.5) == t.prefill(chunks)
-    assert t.step([], contexts, yields=True, kv_used=0.5) == t.decode(contexts)
-    assert t.step(chunks, contexts, yields=True, kv_used=0.5) == pytest.approx(
+    assert t.step(chunks, [], yields=False, kv_attended=0.5) == t.prefill(chunks)
+    assert t.step([], contexts, yields=True, kv_attended=0.5) == t.decode(contexts)
+    assert t.step(chunks, contexts, yields=True, kv_attended=0.5) == pytest.approx(
         t.prefill(chunks) + t.decode(contexts))
 
 
@@ -158,7 +181,7 @@ def test_the_sim_executor_runs_a_mixed_step_as_one_timed_step() -> None:
         s.admit()
         while (step := s.next_step()) is not None:
             new = sum(c.end - c.start for c in step.prefill)
-            expected += _mocker_ms(new, step.yields_tokens, step.kv_used) / 1e3 / 1e6
+            expected += _mocker_ms(new, step.yields_tokens, step.kv_attended) / 1e3 / 1e6
             first, decoded = await executor.run(step)
             assert len(first) == len(step.prefill) and len(decoded) == len(step.decode)
             for c, tok in zip(step.prefill, first, strict=True):
