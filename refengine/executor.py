@@ -13,7 +13,8 @@ tokens out, and other replicas' turns on the shared event loop) runs while the d
 computes the step before, so a busy replica steps once per modelled duration, not once per
 duration plus our Python's time. Host work longer than the step before it still delays the
 next step, and a replica that ran out of work (``idle``) starts its next step when it is
-issued. Without this, the simulator's own CPU time would stretch every step (1.8 ms a
+issued. A step's tokens leave when it ends, to the microsecond (``refengine.device_clock``),
+as the mocker's do. Without this, the simulator's own CPU time would stretch every step (1.8 ms a
 136 ms step on the goodput bench's capacity load) where the mocker's does not. It needs no
 torch: a
 simulated engine loads none (``TorchExecutor``, which runs the real model, lives in
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from refengine.device_clock import DeviceClock
 from refengine.request import Request
 from refengine.scheduler import Step
 from refengine.timing import TimingModel
@@ -63,6 +65,8 @@ class SimExecutor:
         self._clock = clock
         self._device_free_at: float | None = None  # the last step's end; None: idle since
         self._last_took = 0.0  # the last step's duration: the host work it can hide
+        # on the real clock, steps end to the microsecond (refengine.device_clock)
+        self._device_clock = DeviceClock() if clock is time.monotonic else None
 
     def _token(self, req: Request, first: bool = False) -> int:
         """A deterministic function of the sequence so far: the same prompt, the same reply."""
@@ -76,7 +80,10 @@ class SimExecutor:
         has issued it, the host's time since the last step hidden up to that step's
         duration (see the module's docstring); return at its end."""
         end = self.lay_out(seconds)
-        await asyncio.sleep(max(0.0, end - self._clock()))
+        if self._device_clock is not None:
+            await self._device_clock.sleep_until(end)
+        else:
+            await asyncio.sleep(max(0.0, end - self._clock()))
 
     def lay_out(self, seconds: float) -> float:
         """Place ``seconds`` of device work issued now on the device's timeline; its end."""
@@ -101,7 +108,7 @@ class SimExecutor:
         await self._sleep(self.timing.step(
             [(c.end - c.start, c.end) for c in step.prefill],
             [r.num_tokens for r in step.decode],
-            yields=step.yields_tokens, kv_used=step.kv_used))
+            yields=step.yields_tokens, kv_attended=step.kv_attended))
         first = [self._token(c.req, True) if c.completes_prompt else None for c in step.prefill]
         return first, [self._token(r) for r in step.decode]
 
