@@ -64,8 +64,8 @@ class Step:
     prefill: tuple[PrefillChunk, ...] = ()
     decode: tuple[Request, ...] = ()
     # The contexts its token-yielding requests attend over, summed, as a fraction of the
-    # pool's tokens (Dynamo's mocker prices decode by this): a shared prefix counts once per
-    # request that reads it, so it passes 1 when many requests share one.
+    # pool's tokens (Dynamo's mocker prices decode by this, taken at most 1): a shared prefix
+    # counts once per request that reads it, so it passes 1 when many requests share one.
     kv_attended: float = 0.0
 
     @property

@@ -18,15 +18,17 @@ simulated fleet and a mocker fleet of the same size serve at the same speed:
 * a step's prefill part, over ``T`` prompt tokens computed in it:
   ``4.209989e-7 T² + 1.518344e-2 T + 16.50142`` ms (none when ``T`` is 0);
 * its decode part, when the step yields any token (a decoding request, or a chunk that
-  completes its prompt): ``max(1, -25.74 p² + 54.01 p + 5.74)`` ms, ``p`` the tokens those
-  requests attend over (each one's whole context so far, exact tokens, not pages), summed,
-  over the pool's tokens. A prefix shared by several requests counts once per request, so
-  ``p`` passes 1 when many share one, and the polynomial then falls. Measured on the mocker
-  itself (a pool of 64 blocks, where one block moves a step by ~0.8 ms): one stream's step
-  grows token by token, not by block; two or three streams sharing a 288-token prefix step
-  as two or three unshared ones (29.46 and 33.76 ms, the polynomial at the summed contexts:
-  29.45 and 33.75; at the pages held: 21.3 and 25.4). Decode cost follows the KV read, not
-  batch size: the mocker's model, whatever one thinks of it.
+  completes its prompt): ``max(1, -25.74 p² + 54.01 p + 5.74)`` ms, where ``p`` is the tokens
+  those requests attend over (each one's whole context so far, exact tokens, not pages),
+  summed, over the pool's tokens, and at most 1. A prefix shared by several requests counts
+  once per request, so ``p`` reaches 1 when many share one. Measured on the mocker itself
+  (``scripts/probe_step_price.py``; a pool of 64 blocks, where one block moves a step by
+  ~0.8 ms): one stream's step grows token by token, not by block; two or three streams
+  sharing a 288-token prefix step as unshared ones (29.46 and 33.76 ms; the polynomial at
+  the summed contexts: 29.45 and 33.75, at the pages held: 21.3 and 22.4); and 8 streams on
+  a 1,000-token prefix, contexts summing to twice a 4,096-token pool, step 34.01 ms, the
+  polynomial at 1 (at 2: 10.0). Decode cost follows the KV read, not batch size: the
+  mocker's model, whatever one thinks of it.
 
 Steps run one at a time on a replica, so a step's prefill delays every running decode: the
 interference disaggregation removes. The linear defaults are the order of magnitude of an 8B
@@ -41,7 +43,7 @@ from dataclasses import dataclass, replace
 
 from kvcore.options import check_bounds, option
 
-__all__ = ["MOCKER_DECODE_PEAK", "SIM_GROUP", "SimModel", "SimTiming", "TimingModel"]
+__all__ = ["SIM_GROUP", "SimModel", "SimTiming", "TimingModel"]
 
 
 class SimModel(enum.Enum):
@@ -99,10 +101,6 @@ class TimingModel:
         return self.load_per_page_s * pages / self.speedup
 
 
-# The ``kv_attended`` of the mocker's longest decode step: its polynomial's vertex.
-MOCKER_DECODE_PEAK = 54.01 / (2 * 25.74)
-
-
 def _mocker_step(new_tokens: int, yields: bool, kv: float) -> float:
     """Dynamo 1.6.1's mocker: one pass's duration in seconds at speedup 1 (see the module's
     docstring for the source)."""
@@ -111,6 +109,7 @@ def _mocker_step(new_tokens: int, yields: bool, kv: float) -> float:
         t = float(new_tokens)
         ms += 4.209989e-07 * t * t + 1.518344e-02 * t + 1.650142e01
     if yields:
+        kv = min(kv, 1.0)
         ms += max(1.0, -25.74 * kv * kv + 54.01 * kv + 5.74)
     return ms / 1e3
 

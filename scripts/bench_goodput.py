@@ -142,7 +142,7 @@ from benchkit import (
 )
 
 from kvsidecar.local_stack import EngineSpec, GatewaySpec, LocalStack, StackSpec
-from refengine.timing import MOCKER_DECODE_PEAK, SimModel, TimingModel
+from refengine.timing import SimModel, TimingModel
 
 MODEL = ROOT / "refengine" / "models" / "tiny"
 TENANTS = ("flood", "quiet-a", "quiet-b")
@@ -379,10 +379,10 @@ def pool_learned(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def decode_floor_s(speedup: float) -> float:
-    """The longest pure decode step of the mocker's model (at its polynomial's vertex): no
-    step without prompt tokens lasts longer, on our engine or Dynamo's mocker."""
+    """The longest pure decode step of the mocker's model (the KV read at the pool's size):
+    no step without prompt tokens lasts longer, on our engine or Dynamo's mocker."""
     model = TimingModel(speedup=speedup, shape=SimModel.MOCKER)
-    return model.step((), (), yields=True, kv_attended=MOCKER_DECODE_PEAK)
+    return model.step((), (), yields=True, kv_attended=1.0)
 
 
 def itl_split(result: ChatResult, speedup: float) -> dict[str, float]:
@@ -471,7 +471,8 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
     split = {system: itl_split(ChatResult.pooled(r.results), args.speedup)
              for system, r in runs.items()}
     print(f"\n{name}: each request's mean ITL split at the decode floor ({floor_s * 1e3:.1f} ms, "
-          "every KV page in use): up to it, and beyond it (prompt chunks in the step, delay)")
+          "the KV read at the pool's size): up to it, and beyond it (prompt chunks in the "
+          "step, delay)")
     columns = list(next(iter(split.values()), {}))
     print_table(["stack", *columns], [[system, *row.values()] for system, row in split.items()])
     for system, row in rows.items():

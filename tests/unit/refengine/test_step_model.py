@@ -149,6 +149,11 @@ def test_mocker_timing_is_the_mockers_polynomial() -> None:
     # the batch size does not matter to the mocker's decode, the KV it reads does
     assert t.step([], [100], yields=True, kv_attended=0.25) == pytest.approx(decode_only)
     assert t.step([], [100], yields=True, kv_attended=0.9) > decode_only
+    # the mocker takes the KV read at most at the pool's size: many readers of one prefix
+    # price as a full pool, not past the polynomial's vertex
+    full = t.step([], [100], yields=True, kv_attended=1.0)
+    assert t.step([], [100], yields=True, kv_attended=2.0) == pytest.approx(full)
+    assert full * 1e3 == pytest.approx(_mocker_ms(0, True, 1.0))
     slow = TimingModel(shape=SimModel.MOCKER, speedup=0.25)
     assert slow.step([(64, 64)], [9], yields=True, kv_attended=0.1) == pytest.approx(
         4 * t.step([(64, 64)], [9], yields=True, kv_attended=0.1))
