@@ -13,12 +13,15 @@ tokens out, and other replicas' turns on the shared event loop) runs while the d
 computes the step before, so a busy replica steps once per modelled duration, not once per
 duration plus our Python's time. Host work longer than the step before it still delays the
 next step, and a replica that ran out of work (``idle``) starts its next step when it is
-issued. A step's tokens leave when it ends, to the microsecond (``refengine.device_clock``),
-as the mocker's do. Without this, the simulator's own CPU time would stretch every step (1.8 ms a
-136 ms step on the goodput bench's capacity load) where the mocker's does not. It needs no
-torch: a
-simulated engine loads none (``TorchExecutor``, which runs the real model, lives in
-:mod:`refengine.torch_compute`).
+issued (or when the step before it ends). Without this, the simulator's own CPU time would
+stretch every step (1.8 ms a 136 ms step on the goodput bench's capacity load) where the
+mocker's does not. It needs no torch: a simulated engine loads none (``TorchExecutor``,
+which runs the real model, lives in :mod:`refengine.torch_compute`).
+
+A step's tokens leave when its timing model says (``TimingModel.step_parts``: the linear
+model's at the step's end, the mocker's after the step's prefill part, while its decode
+part still runs, as Dynamo's mocker emits them), to the microsecond
+(``refengine.device_clock``).
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class SimExecutor:
         self.rest = rest
         self.busy_s = 0.0
         self._clock = clock
-        self._device_free_at: float | None = None  # the last step's end; None: idle since
+        self._device_free_at: float | None = None  # the last step's end; None: none yet
+        self._idle = True  # out of work since that step: host time is not hidden behind it
         self._last_took = 0.0  # the last step's duration: the host work it can hide
         # on the real clock, steps end to the microsecond (refengine.device_clock)
         self._device_clock = DeviceClock() if clock is time.monotonic else None
@@ -75,11 +79,12 @@ class SimExecutor:
         return vocab[(sum((i + 1) * t for i, t in enumerate(tail)) * 31 + req.num_tokens)
                      % len(vocab)]
 
-    async def _sleep(self, seconds: float) -> None:
-        """Run ``seconds`` of device work: it starts when the device is free and the host
-        has issued it, the host's time since the last step hidden up to that step's
-        duration (see the module's docstring); return at its end."""
-        end = self.lay_out(seconds)
+    async def _sleep(self, seconds: float, after: float = 0.0) -> None:
+        """Run ``seconds`` of device work, then ``after`` more: it starts when the device is
+        free and the host has issued it, the host's time since the last step hidden up to
+        that step's duration (see the module's docstring); return when ``seconds`` have
+        passed (the device stays busy for ``after``: the next step starts behind it)."""
+        end = self.lay_out(seconds + after) - after
         if self._device_clock is not None:
             await self._device_clock.sleep_until(end)
         else:
@@ -90,22 +95,26 @@ class SimExecutor:
         now = self._clock()
         start = now
         if self._device_free_at is not None:
-            start = max(self._device_free_at, now - self._last_took)
+            if self._idle:  # nothing to hide behind, but a step may still be running
+                start = max(self._device_free_at, now)
+            else:
+                start = max(self._device_free_at, now - self._last_took)
+        self._idle = False
         end = start + seconds
         self._device_free_at, self._last_took = end, seconds
         self.busy_s += seconds
         return end
 
     def idle(self) -> None:
-        self._device_free_at = None
+        self._idle = True
 
     @property
     def device_idle(self) -> bool:
         """No step since the engine last ran out of work."""
-        return self._device_free_at is None
+        return self._idle
 
     async def run(self, step: Step) -> StepTokens:
-        await self._sleep(self.timing.step(
+        await self._sleep(*self.timing.step_parts(
             [(c.end - c.start, c.end) for c in step.prefill],
             [r.num_tokens for r in step.decode],
             yields=step.yields_tokens, kv_attended=step.kv_attended))

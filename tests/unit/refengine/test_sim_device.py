@@ -14,7 +14,8 @@ from refengine.engine import Engine
 from refengine.executor import SimExecutor
 from refengine.launcher import load_model_config
 from refengine.request import Request, SamplingParams
-from refengine.timing import TimingModel
+from refengine.scheduler import PrefillChunk, Step, StepKind
+from refengine.timing import SimModel, TimingModel
 from refengine.tokenizer import ChatTokenizer
 
 MODEL = Path(__file__).resolve().parents[3] / "refengine" / "models" / "tiny"
@@ -64,3 +65,31 @@ async def test_the_engine_tells_its_device_when_it_runs_out_of_work() -> None:
                 break
             await asyncio.sleep(0)
         assert device.device_idle
+
+
+def test_the_mockers_tokens_leave_after_the_prefill_part_and_the_device_stays_busy() -> None:
+    """The mocker emits a pass's tokens after its prefill part, before its decode part: the
+    executor returns then, and the next step still starts after the whole step."""
+    clock = _Clock()
+    timing = TimingModel(shape=SimModel.MOCKER)
+    device = SimExecutor(timing, [1], [2], clock=clock)
+    before, after = timing.step_parts([(3000, 3000)], [], yields=True, kv_attended=0.2)
+    assert before == pytest.approx(timing.step([(3000, 3000)], [], yields=False,
+                                               kv_attended=0.0))
+    assert before + after == pytest.approx(timing.step([(3000, 3000)], [], yields=True,
+                                                       kv_attended=0.2))
+    assert after > 0
+    linear = TimingModel()
+    assert linear.step_parts([(64, 64)], [100], yields=True, kv_attended=0.0)[1] == 0.0
+
+    async def drive() -> None:
+        step = Step(StepKind.PREFILL, prefill=(PrefillChunk(
+            Request("a", list(range(3000)), SamplingParams(2, 0.0)), 0, 3000),),
+            kv_attended=0.2)
+        await device.run(step)
+
+    asyncio.run(drive())  # the virtual clock stays at 0: the step was issued at 0
+    assert device.lay_out(0.010) == pytest.approx(before + after + 0.010)
+    device.idle()  # out of work while the decode part still runs: the next step waits
+    clock.now = before  # for it all the same
+    assert device.lay_out(0.010) == pytest.approx(before + after + 0.020)
