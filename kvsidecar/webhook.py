@@ -20,14 +20,12 @@ by the plan itself, so ``kvsidecar inject`` honours it on pod templates too.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
 import signal
 import ssl
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +36,8 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from adapters.base import EngineKind
 from kvcore.errors import OpenAIError
-from kvcore.logs import configure_logging
-from kvsidecar.inject import add_inject_options, options_from
+from kvcore.logs import LogLevel, configure_logging
+from kvcore.options import OptionParser, check_bounds, option, option_of
 from kvsidecar.k8s_edits import json_patch
 from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
 
@@ -57,67 +55,75 @@ class BadReview(ValueError):
     """A request body that is not an AdmissionReview we can answer."""
 
 
-@dataclass(frozen=True)
+_SERVE = "webhook"
+_SIDECAR = "sidecar (the injected one)"
+
+
+@dataclass(frozen=True, kw_only=True)
 class WebhookConfig:
-    tls_cert: Path
-    tls_key: Path
-    label_key: str = "kvsidecar.io/inject"
-    label_value: str = "enabled"
-    inject: InjectOptions = field(default_factory=InjectOptions)
-    host: str = "0.0.0.0"
-    port: int = 8443
-    log_level: str = "info"
-    ready_file: Path | None = None
+    """The webhook's options, each field a flag of ``kvsidecar webhook`` (``kvcore.options``,
+    with ``--config FILE``); the sidecar's are ``kvsidecar inject``'s own (``InjectOptions``),
+    ``--sidecar-image`` also read from ``KVSIDECAR_SIDECAR_IMAGE``."""
+
+    host: str = option("0.0.0.0", group=_SERVE, help="listen address")
+    port: int = option(8443, group=_SERVE, ge=0, le=65535,
+                       help="HTTPS port; 0 picks a free one")
+    tls_cert: Path = option(required=True, group=_SERVE, metavar="FILE",
+                            help="PEM certificate chain")
+    tls_key: Path = option(required=True, group=_SERVE, metavar="FILE", help="PEM private key")
+    label: str = option("kvsidecar.io/inject=enabled", group=_SERVE, metavar="KEY=VALUE",
+                        help="the pod label that opts a pod in")
+    log_level: LogLevel = option(LogLevel.INFO, group=_SERVE,
+                                 help="the least severe log records written to stderr")
+    ready_file: Path | None = option(None, group=_SERVE, metavar="FILE",
+                                     help="write {'url': ...} JSON here once serving")
+    sidecar_image: str = option_of(InjectOptions, "sidecar_image", group=_SIDECAR)
+    sidecar_port: int = option_of(InjectOptions, "sidecar_port", group=_SIDECAR)
+    store_capacity_bytes: str | None = option_of(InjectOptions, "store_capacity_bytes",
+                                                 group=_SIDECAR)
+    sidecar_args: tuple[str, ...] = option_of(InjectOptions, "sidecar_args", group=_SIDECAR)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be 0-65535, got {self.port}")
-        if not self.label_key:
+        check_bounds(self)
+        key, sep, _ = self.label.partition("=")
+        if not sep:
+            raise ValueError(f"--label must be KEY=VALUE, got {self.label!r}")
+        if not key:
             raise ValueError("--label needs a key: KEY=VALUE")
+        self.inject  # noqa: B018  (the sidecar's options, checked before serving)
+
+    @property
+    def label_key(self) -> str:
+        return self.label.partition("=")[0]
+
+    @property
+    def label_value(self) -> str:
+        return self.label.partition("=")[2]
+
+    @property
+    def inject(self) -> InjectOptions:
+        """The injection every opted-in pod gets (its annotations may override some)."""
+        return InjectOptions(sidecar_image=self.sidecar_image, sidecar_port=self.sidecar_port,
+                             store_capacity_bytes=self.store_capacity_bytes,
+                             sidecar_args=self.sidecar_args)
 
     @classmethod
     def from_args(cls, argv: list[str] | None) -> WebhookConfig:
-        args = build_parser().parse_args(argv)
-        key, sep, value = args.label.partition("=")
-        if not sep:
-            raise ValueError(f"--label must be KEY=VALUE, got {args.label!r}")
-        return cls(
-            tls_cert=Path(args.tls_cert),
-            tls_key=Path(args.tls_key),
-            label_key=key,
-            label_value=value,
-            inject=options_from(args),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            ready_file=Path(args.ready_file) if args.ready_file else None,
-        )
+        """From the command line (and ``--config FILE``, and ``KVSIDECAR_SIDECAR_IMAGE``); a
+        bad flag or an invalid config is an argparse error (exit 2)."""
+        parser = build_parser()
+        return parser.build(cls, parser.parse_args(argv))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> OptionParser:
+    """The webhook's flags: ``WebhookConfig``'s options."""
+    parser = OptionParser(
         prog="kvsidecar webhook",
         description="Serve the kvsidecar sidecar injection as a Kubernetes mutating admission "
         "webhook (HTTPS, AdmissionReview v1 on POST /mutate). Pods with the opt-in label get "
         "the sidecar; all others pass unchanged.",
     )
-    parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    parser.add_argument(
-        "--port", type=int, default=8443, help="HTTPS port (default 8443; 0 picks a free one)"
-    )
-    parser.add_argument("--tls-cert", required=True, metavar="FILE", help="PEM certificate chain")
-    parser.add_argument("--tls-key", required=True, metavar="FILE", help="PEM private key")
-    parser.add_argument(
-        "--label", default="kvsidecar.io/inject=enabled", metavar="KEY=VALUE",
-        help="the pod label that opts a pod in (default kvsidecar.io/inject=enabled)",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    parser.add_argument(
-        "--ready-file", metavar="FILE", help="write {'url': ...} JSON here once serving"
-    )
-    add_inject_options(parser)
+    parser.add_options(WebhookConfig)
     return parser
 
 
@@ -311,12 +317,8 @@ async def serve(cfg: WebhookConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = WebhookConfig.from_args(argv)
-    except ValueError as exc:
-        print(f"kvsidecar webhook: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(cfg.log_level)
+    cfg = WebhookConfig.from_args(argv)
+    configure_logging(cfg.log_level.value)
     log.info(
         "config_loaded", host=cfg.host, port=cfg.port, label=f"{cfg.label_key}={cfg.label_value}",
         sidecar_image=cfg.inject.sidecar_image, sidecar_port=cfg.inject.sidecar_port,
