@@ -6,9 +6,13 @@ passes them on (``kvsidecar up``, replay) uses too."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvcore import nats_extra
@@ -26,8 +30,8 @@ from routing.vocabulary import (
     WorkerAddress,
 )
 
-__all__ = ["EventsVia", "FailurePolicy", "KvMove", "KvTransport", "LogLevel", "PdMode",
-           "RouterConfig", "RouterMode", "WorkerAddress"]
+__all__ = ["DEFAULT_TIER_WEIGHTS", "TIER_WEIGHT_FIELDS", "EventsVia", "FailurePolicy", "KvMove",
+           "KvTransport", "LogLevel", "PdMode", "RouterConfig", "RouterMode", "WorkerAddress"]
 
 
 # The flags' groups in --help, in this order (a group appears where its first field is).
@@ -129,8 +133,8 @@ class RouterConfig:
         "holds); 0 turns it off (prefill and held blocks only)")
     router_temperature: float = option(
         0.0, group=_PLACEMENT, ge=0, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
-    # Each tier's credit below the GPU (``tier_weights``), defaults as the scorer's
-    # (``DEFAULT_TIER_WEIGHTS``, below this module: a test checks they agree).
+    # Each tier's credit below the GPU (``tier_weights``); the defaults are the scorer's too
+    # (``DEFAULT_TIER_WEIGHTS``, made from them below).
     host_weight: float = option(
         0.75, group=_PLACEMENT, ge=0, help="credit per prefix block cached in host memory")
     disk_weight: float = option(
@@ -409,8 +413,7 @@ class RouterConfig:
     @property
     def tier_weights(self) -> dict[Tier, float]:
         """The credit per cached block of each tier below the GPU (``ScoringWeights``)."""
-        return {Tier.HOST: self.host_weight, Tier.DISK: self.disk_weight,
-                Tier.REMOTE: self.remote_weight}
+        return {tier: getattr(self, name) for tier, name in TIER_WEIGHT_FIELDS.items()}
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -420,3 +423,13 @@ class RouterConfig:
         if self.model_path is not None:
             return (self.model_path.resolve().name,)
         return ()
+
+
+# The field that sets each tier's credit below the GPU, fastest first.
+TIER_WEIGHT_FIELDS: Mapping[Tier, str] = MappingProxyType(
+    {Tier.HOST: "host_weight", Tier.DISK: "disk_weight", Tier.REMOTE: "remote_weight"})
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+# Credit per cached block of each tier below the GPU, in blocks of prefill work: the flags'
+# defaults, which the scorer takes as its own (``ScoringWeights``).
+DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = MappingProxyType(
+    {tier: float(_DEFAULTS[name]) for tier, name in TIER_WEIGHT_FIELDS.items()})
