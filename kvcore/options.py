@@ -141,16 +141,19 @@ def option_of(
     group: str,
     help: str | None = None,
     default: object = dataclasses.MISSING,
+    env: str | None = None,
 ) -> Any:
     """Option ``name`` of the config ``cls``, declared again in another command's config (the
     field's type is written there too): the same flag and spellings, choices, parsing and
-    default, unless ``default`` gives this command's own. ``group``, and ``help`` where the
-    words differ, are this command's."""
+    default, unless ``default`` gives this command's own. ``group``, ``help`` where the words
+    differ, and ``env``, the variable that gives it (none unless named: how a command is
+    deployed is its own), are this command's."""
     source = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if source is None or OPTION_KEY not in source.metadata:
         raise TypeError(f"{cls.__name__} has no option {name!r}")
     meta: OptionMeta = source.metadata[OPTION_KEY]
-    meta = dataclasses.replace(meta, group=group, help=meta.help if help is None else help)
+    meta = dataclasses.replace(meta, group=group, help=meta.help if help is None else help,
+                               env=env)
     if default is not dataclasses.MISSING:  # this command's default, in its own words
         meta = dataclasses.replace(meta, default_text=None, required=False)
         return dataclasses.field(default=default, repr=source.repr, metadata={OPTION_KEY: meta})

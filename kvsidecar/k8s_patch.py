@@ -94,7 +94,7 @@ class InjectOptions:
         None, group=_ENGINE, help="the engine kind, when its container does not tell",
         default_text="detected")
     sidecar_image: str = option(
-        "kvsidecar:latest", group=_SIDECAR, metavar="IMAGE", env="KVSIDECAR_SIDECAR_IMAGE",
+        "kvsidecar:latest", group=_SIDECAR, metavar="IMAGE",
         help="the kvsidecar image the sidecar runs")
     sidecar_port: int = option(9000, group=_SIDECAR, ge=1, le=65535, metavar="PORT",
                                help="the sidecar's port in the pod")

@@ -25,6 +25,7 @@ import base64
 import json
 import signal
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ ADMISSION_VERSION = "admission.k8s.io/v1"
 CONTAINER_ANNOTATION = "kvsidecar.io/container"
 ENGINE_ANNOTATION = "kvsidecar.io/engine"
 STORE_ANNOTATION = "kvsidecar.io/store-capacity-bytes"
+SIDECAR_IMAGE_ENV = "KVSIDECAR_SIDECAR_IMAGE"  # the manifest sets the webhook's own image
 
 log = structlog.get_logger(component="webhook")
 
@@ -77,7 +79,8 @@ class WebhookConfig:
                                  help="the least severe log records written to stderr")
     ready_file: Path | None = option(None, group=_SERVE, metavar="FILE",
                                      help="write {'url': ...} JSON here once serving")
-    sidecar_image: str = option_of(InjectOptions, "sidecar_image", group=_SIDECAR)
+    sidecar_image: str = option_of(InjectOptions, "sidecar_image", group=_SIDECAR,
+                                   env=SIDECAR_IMAGE_ENV)
     sidecar_port: int = option_of(InjectOptions, "sidecar_port", group=_SIDECAR)
     store_capacity_bytes: str | None = option_of(InjectOptions, "store_capacity_bytes",
                                                  group=_SIDECAR)
@@ -115,10 +118,11 @@ class WebhookConfig:
         return parser.build(cls, parser.parse_args(argv))
 
 
-def build_parser() -> OptionParser:
-    """The webhook's flags: ``WebhookConfig``'s options."""
+def build_parser(environ: Mapping[str, str] | None = None) -> OptionParser:
+    """The webhook's flags: ``WebhookConfig``'s options (``--sidecar-image``'s variable read
+    from ``environ``, by default the process's environment)."""
     parser = OptionParser(
-        prog="kvsidecar webhook",
+        prog="kvsidecar webhook", environ=environ,
         description="Serve the kvsidecar sidecar injection as a Kubernetes mutating admission "
         "webhook (HTTPS, AdmissionReview v1 on POST /mutate). Pods with the opt-in label get "
         "the sidecar; all others pass unchanged.",

@@ -1,6 +1,7 @@
 """The gateway's typed configuration, and its command line: each field of ``RouterConfig`` is
-one option (``kvcore.options``), whose metadata makes its flag; ``routing.flags.gateway_config``
-builds the config from the flags (and ``--config FILE``). The vocabularies of the string options
+one option (``kvcore.options``), whose metadata makes its flag (and, for the few that
+``deploy/k8s`` sets, its ``KVSIDECAR_*`` variable); ``routing.flags.gateway_config`` builds
+the config from the flags (and ``--config FILE``). The vocabularies of the string options
 are the enums of ``routing.vocabulary``, re-exported here, which every other command that
 passes them on (``kvsidecar up``, replay) uses too."""
 
@@ -66,7 +67,7 @@ class RouterConfig:
         help="a plain OpenAI-compatible engine (no sidecar), e.g. "
         "http://127.0.0.1:30000; repeat for more workers")
     model_path: Path | None = option(
-        None, group=_WORKERS, metavar="DIR",
+        None, group=_WORKERS, metavar="DIR", env="KVSIDECAR_MODEL_PATH",
         help="local model directory: tokenizer.json, tokenizer_config.json (chat "
         "template) and config.json (context length); without it the gateway "
         "does not tokenize and forwards bodies unchanged")
@@ -84,7 +85,7 @@ class RouterConfig:
 
     # Sidecars found in Kubernetes (routing/workers/k8s_discovery.py): pods by label selector.
     discover_k8s_selector: str | None = option(
-        None, group=_K8S, metavar="LABELS",
+        None, group=_K8S, metavar="LABELS", env="KVSIDECAR_DISCOVER_K8S_SELECTOR",
         help="follow the pods with these labels (e.g. kvsidecar.io/inject=enabled): each "
         "Running, Ready pod is a sidecar at http://<pod IP>:<port>, listed, then watched")
     discover_k8s_namespace: str | None = option(
@@ -109,7 +110,7 @@ class RouterConfig:
         help="do not verify the API server's certificate (tests only)")
 
     router_mode: RouterMode = option(
-        RouterMode.KV, group=_PLACEMENT,
+        RouterMode.KV, group=_PLACEMENT, env="KVSIDECAR_ROUTER_MODE",
         help="kv: prefix overlap + load (without sidecar events it behaves like "
         "approx); approx: recently routed prefixes count as cached for "
         "--approx-ttl-s, sidecars' events unused; round-robin, random, least-loaded "
@@ -151,7 +152,7 @@ class RouterConfig:
         "prefill's (placement reason 'moved'; a failed pull recomputes); off: never (the "
         "default: on the hot-prefix bench it did not beat herding, docs/bench/kv-move.md)")
     block_size: int = option(
-        16, group=_PLACEMENT, ge=1, le=4096,
+        16, group=_PLACEMENT, ge=1, le=4096, env="KVSIDECAR_BLOCK_SIZE",
         help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(
         120.0, group=_PLACEMENT, gt=0,
@@ -271,7 +272,8 @@ class RouterConfig:
         8000, group=_SERVER, ge=0, le=65535,
         help="port to listen on (0: any free port, printed in gateway_started)")
     log_level: LogLevel = option(
-        LogLevel.INFO, group=_SERVER, help="debug adds one canonical log line per request")
+        LogLevel.INFO, group=_SERVER, env="KVSIDECAR_LOG_LEVEL",
+        help="debug adds one canonical log line per request")
     health_check_interval_s: float = option(
         10.0, group=_SERVER, gt=0, help="seconds between GET /health probes of each worker")
     parity_interval_s: float = option(

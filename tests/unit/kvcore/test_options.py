@@ -407,3 +407,16 @@ def test_a_repeated_option_is_not_read_from_the_environment() -> None:
 
     with pytest.raises(TypeError, match="not read from the environment"):
         OptionParser(prog="many").add_options(Many)
+
+
+def test_an_option_of_another_config_reads_only_its_own_variable() -> None:
+    """``option_of`` keeps no variable of the source's: a command names its own, if any."""
+
+    @dataclass(frozen=True)
+    class Mirror:
+        port: int = option_of(Served, "port", group="g")
+        image: str = option_of(Served, "image", group="g", default="img", env="MIRROR_IMAGE")
+
+    p = OptionParser(prog="mirror", environ={"TOY_PORT": "1", "MIRROR_IMAGE": "mine"})
+    p.add_options(Mirror)
+    assert p.build(Mirror, p.parse_args([])) == Mirror(port=8000, image="mine")
