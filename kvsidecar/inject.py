@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.options import OptionParser
+from kvsidecar.inject_options import InjectOptions
 from kvsidecar.k8s_edits import apply_edits
-from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
+from kvsidecar.k8s_patch import InjectError, describe, plan_object
 
 __all__ = ["build_parser", "inject_text", "main"]
 

@@ -39,8 +39,9 @@ from adapters.base import EngineKind
 from kvcore.errors import OpenAIError
 from kvcore.logs import LogLevel, configure_logging
 from kvcore.options import OptionParser, check_bounds, option, option_of
+from kvsidecar.inject_options import InjectOptions
 from kvsidecar.k8s_edits import json_patch
-from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
+from kvsidecar.k8s_patch import InjectError, describe, plan_object
 
 __all__ = ["WebhookConfig", "admit", "main"]
 
