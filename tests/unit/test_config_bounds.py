@@ -15,7 +15,7 @@ from kvcore.options import Bounds, option_bounds
 from kvsidecar.indexer import IndexerConfig
 from kvsidecar.inject import build_parser as inject_parser
 from kvsidecar.inject_options import InjectOptions
-from kvsidecar.webhook import WebhookConfig
+from kvsidecar.webhook_config import WebhookConfig
 from refengine.config import EngineConfig
 from refengine.timing import SimTiming
 from replay.config import ReplayConfig

@@ -11,8 +11,8 @@ import pytest
 
 from kvcore.logs import LogLevel
 from kvsidecar.inject import build_parser as inject_parser
-from kvsidecar.k8s_patch import InjectOptions
-from kvsidecar.webhook import WebhookConfig, build_parser
+from kvsidecar.inject_options import InjectOptions
+from kvsidecar.webhook_config import WebhookConfig, build_parser
 
 NOT_FIELDS = {"help", "config"}  # argparse's own, and the file of the fields' values
 TLS = ["--tls-cert", "/tls/tls.crt", "--tls-key", "/tls/tls.key"]
