@@ -4,9 +4,9 @@ A sidecar without an engine: it owns a store (engine hooks may attach to its soc
 exports its blocks to peers and pulls blocks from them. For tests, benchmarks and
 operators who want a standalone host-tier peer. Prints one JSON ready line on stdout,
 ``{"event": "block_peer_ready", "url": ..., "socket": ..., "segment": ..., "pid": ...}``,
-and writes the same line to ``--ready-file`` when given (the options: ``BlockPeerConfig``,
-with ``--config FILE``); runs until SIGTERM or SIGINT, when
-it unlinks its segment and socket.
+and writes the same line to ``--ready-file`` when given; runs until SIGTERM or SIGINT, when
+it unlinks its segment and socket. Its options are ``BlockPeerConfig``'s (with ``--config
+FILE``).
 
 Besides the routes peers pull through it serves ``POST /v1/blocks/pull``, which pulls from
 another peer into this store (``service``).
@@ -18,7 +18,6 @@ import asyncio
 import os
 import signal
 import sys
-from pathlib import Path
 
 import aiohttp
 import orjson
@@ -28,10 +27,8 @@ from aiohttp import web
 from kvcore.control_token import CONTROL_TOKEN_HEADER
 from kvcore.logs import configure_logging
 from shm.errors import OwnerConflictError
-from shm.owner.config import OwnerConfig
 from shm.owner.server import BlockStoreOwner
 from sidecar.control_guard import token_guard
-from sidecar.transfer.config import TransferConfig
 from sidecar.transfer.peer_config import BlockPeerConfig
 from sidecar.transfer.service import BlockTransferService
 
@@ -40,10 +37,8 @@ from sidecar.transfer.service import BlockTransferService
 _PROG = "python -m sidecar.transfer" if __name__ == "__main__" else "kvsidecar blocks"
 
 
-async def _serve(
-    owner_cfg: OwnerConfig, cfg: TransferConfig, host: str, port: int, token: str | None,
-    ready_file: Path | None = None,
-) -> None:
+async def _serve(cfg: BlockPeerConfig) -> None:
+    owner_cfg, token = cfg.owner, cfg.control_token
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
@@ -53,24 +48,24 @@ async def _serve(
         aiohttp.ClientSession(
             headers=None if token is None else {CONTROL_TOKEN_HEADER: token}
         ) as session,
-        BlockTransferService(owner, session, cfg) as service,
+        BlockTransferService(owner, session, cfg.transfer) as service,
     ):
         app = web.Application(middlewares=[] if token is None else [token_guard(token)])
         app.add_routes(service.routes())
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, cfg.host, cfg.port)
         await site.start()
         try:
             bound = next(a for a in runner.addresses if isinstance(a, tuple))
             assert owner.segment is not None
             line = orjson.dumps({
-                "event": "block_peer_ready", "url": f"http://{host}:{bound[1]}",
+                "event": "block_peer_ready", "url": f"http://{cfg.host}:{bound[1]}",
                 "socket": str(owner_cfg.socket_path), "segment": owner.segment.name,
                 "owner_id": owner_cfg.owner_id, "pid": os.getpid(),
             }).decode()
-            if ready_file is not None:
-                ready_file.write_text(line + "\n")
+            if cfg.ready_file is not None:
+                cfg.ready_file.write_text(line + "\n")
             print(line, flush=True)
             await stop.wait()
         finally:
@@ -81,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = BlockPeerConfig.from_args(argv, prog=_PROG)
     configure_logging(cfg.log_level.value)
     try:
-        uvloop.run(_serve(cfg.owner, cfg.transfer, cfg.host, cfg.port, cfg.control_token,
-                          cfg.ready_file))
+        uvloop.run(_serve(cfg))
     except OwnerConflictError as exc:
         print(f"{_PROG}: {exc}", file=sys.stderr)
         return 3
