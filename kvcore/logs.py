@@ -5,16 +5,26 @@ JSON lines on stderr (``orjson``), or a console renderer when stderr is a termin
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
 
 import orjson
 import structlog
 
-__all__ = ["LOG_LEVELS", "configure_logging"]
+__all__ = ["LOG_LEVELS", "LogLevel", "configure_logging"]
 
-# Every command's --log-level: the least severe records written.
-LOG_LEVELS = ("debug", "info", "warning", "error")
+
+class LogLevel(enum.Enum):
+    """Every command's ``--log-level``: the least severe records written."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+LOG_LEVELS = tuple(level.value for level in LogLevel)  # the same, for a ``str`` option
 
 
 def configure_logging(level: str = "info") -> None:

@@ -34,6 +34,7 @@ class OptionMeta:
     choices: tuple[object, ...] | None
     required: bool
     bounds: Bounds | None
+    env: str | None = None  # the environment variable that gives it, when not on the command line
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -139,7 +140,28 @@ class OptionSpec:
         notes = [note for note in (
             self._default_note(),
             None if bounds is None else f"must be {bounds.allowed(real=False)}") if note]
-        return f"{text} ({'; '.join(notes)})".lstrip() if notes else text
+        text = f"{text} ({'; '.join(notes)})".lstrip() if notes else text
+        return text if self.meta.env is None else f"{text} (env {self.meta.env})".lstrip()
+
+    def from_env(self, text: str) -> object:
+        """An environment variable's text as the flag's raw value, parsed and checked as the
+        flag's would be (a switch reads 1/true/yes/on or 0/false/no/off)."""
+        if self.kind is bool:
+            word = text.strip().lower()
+            if word not in _TRUE + _FALSE:
+                raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}, got {text!r}")
+            return word in _TRUE
+        raw: object = text
+        if self.kind in (int, float) and self.meta.parse is None:
+            try:
+                raw = self.kind(text)
+            except ValueError:
+                raise ValueError(f"invalid {self.kind.__name__} value: {text!r}") from None
+        choices = self.choices
+        if choices is not None and self.meta.parse is None and raw not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {text!r}")
+        self.convert(raw)  # a parse error or a bound is the variable's error
+        return raw
 
     def _default_note(self) -> str | None:
         """"default X" for the help; None for a required option (argparse's usage line shows
@@ -168,6 +190,10 @@ def _show(value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
         return f"{value:,}"
     return str(value)
+
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
 
 
 _READ_ONCE: dict[type, tuple[OptionSpec, ...]] = {}  # a class's options, read once (~3 ms)
@@ -233,6 +259,8 @@ def _check(cls: type, spec: OptionSpec) -> None:
         raise TypeError(f"{where}: an Enum's or a switch's choices are its own")
     if spec.repeat and spec.default != () and not spec.meta.required:
         raise TypeError(f"{where}: a repeated option's default is ()")
+    if spec.meta.env is not None and spec.repeat:
+        raise TypeError(f"{where}: a repeated option is not read from the environment")
     bounds = spec.meta.bounds
     if bounds is not None:
         if spec.kind not in (int, float):

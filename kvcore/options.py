@@ -13,6 +13,12 @@ flag, in the config file and, through ``check_bounds`` in ``__post_init__``, in 
 ``--config FILE`` reads the same options from TOML. Its keys are field names or flag names,
 with dashes or underscores; its values, checked as the flags' are, become the flags' defaults,
 so a flag on the command line wins. A key that names no option is an error, never ignored.
+
+An option declared with ``env="KVSIDECAR_X"`` is also read from that environment variable
+(its help ends with "(env KVSIDECAR_X)"), parsed and range-checked as the flag's value; a bad
+one is an argparse error naming the variable, an empty one counts as unset. Where an option
+is given in several places, the first of these wins: the command line, the environment, the
+``--config`` file, the field's default.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import os
 import tomllib
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
 from kvcore.option_bounds import Bounds
@@ -49,6 +56,7 @@ def option(
     choices: Iterable[object] | None = None,
     default_text: str | None = None,
     secret: bool = False,
+    env: str | None = None,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
@@ -66,6 +74,7 @@ def option(
     parse: Callable[[str], object] | None = None,
     choices: Iterable[object] | None = None,
     secret: bool = False,
+    env: str | None = None,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
@@ -86,6 +95,7 @@ def option(
     default_text: str | None = None,
     required: bool = False,
     secret: bool = False,
+    env: str | None = None,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
@@ -104,6 +114,9 @@ def option(
     ``required=True``, given instead of a default, makes a field without one: code that builds
     the dataclass must give it, and so must the command line or a ``--config`` file.
     ``secret=True`` keeps the value out of the dataclass's repr (a URL with a password).
+    ``env`` names an environment variable that gives the value when the flag is not on the
+    command line (over a ``--config`` file's), read and checked as the flag's; the help ends
+    with "(env NAME)".
 
     ``ge``/``gt`` (at least, more than) and ``le``/``lt`` (at most, less than) bound a number,
     and each item of a repeated one; None, an optional option's absence, is always allowed.
@@ -115,7 +128,7 @@ def option(
     given = (ge, gt, le, lt)
     meta = OptionMeta(help, group, flag, metavar, parse, default_text, tuple(aliases),
                       None if choices is None else tuple(choices), required,
-                      None if given == (None,) * 4 else Bounds(*given))
+                      None if given == (None,) * 4 else Bounds(*given), env)
     if required:
         return dataclasses.field(repr=not secret, metadata={OPTION_KEY: meta})
     return dataclasses.field(default=default, repr=not secret, metadata={OPTION_KEY: meta})
@@ -128,16 +141,19 @@ def option_of(
     group: str,
     help: str | None = None,
     default: object = dataclasses.MISSING,
+    env: str | None = None,
 ) -> Any:
     """Option ``name`` of the config ``cls``, declared again in another command's config (the
     field's type is written there too): the same flag and spellings, choices, parsing and
-    default, unless ``default`` gives this command's own. ``group``, and ``help`` where the
-    words differ, are this command's."""
+    default, unless ``default`` gives this command's own. ``group``, ``help`` where the words
+    differ, and ``env``, the variable that gives it (none unless named: how a command is
+    deployed is its own), are this command's."""
     source = next((f for f in dataclasses.fields(cls) if f.name == name), None)
     if source is None or OPTION_KEY not in source.metadata:
         raise TypeError(f"{cls.__name__} has no option {name!r}")
     meta: OptionMeta = source.metadata[OPTION_KEY]
-    meta = dataclasses.replace(meta, group=group, help=meta.help if help is None else help)
+    meta = dataclasses.replace(meta, group=group, help=meta.help if help is None else help,
+                               env=env)
     if default is not dataclasses.MISSING:  # this command's default, in its own words
         meta = dataclasses.replace(meta, default_text=None, required=False)
         return dataclasses.field(default=default, repr=source.repr, metadata={OPTION_KEY: meta})
@@ -200,8 +216,13 @@ class OptionParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose flags come from config dataclasses' fields, with
     ``--config FILE`` (TOML) giving their defaults."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, environ: Mapping[str, str] | None = None, **kwargs: Any
+    ) -> None:
+        """argparse's arguments; ``environ`` is where ``env=`` options are read (by default
+        the process's environment, when the command line is parsed)."""
         super().__init__(*args, **kwargs)
+        self._environ = environ
         self._specs: dict[str, OptionSpec] = {}  # by dest, which is the field's name
         self._keys: dict[str, str] = {}  # a config file's key, with underscores → dest
         self._groups: dict[str, argparse._ArgumentGroup] = {}
@@ -210,7 +231,7 @@ class OptionParser(argparse.ArgumentParser):
             metavar="FILE",
             help="a TOML file of these options: keys are the flags' names without the leading "
             "dashes (dashes or underscores), a repeatable flag's value a list; flags given "
-            "here override the file",
+            "here, and the environment variables named '(env NAME)', override the file",
         )
 
     def add_options(self, cls: type) -> None:
@@ -271,12 +292,30 @@ class OptionParser(argparse.ArgumentParser):
         argv = None if args is None else list(args)
         path = self._config_path(argv)
         if path is not None:
-            defaults = self._read(path)
-            self.set_defaults(**defaults)
-            for action in self._actions:
-                if action.dest in defaults:
-                    action.required = False  # the file gave it
+            self._give(self._read(path))  # the file's, then the environment's over them
+        self._give(self._from_environment())
         return super().parse_known_args(argv, namespace)
+
+    def _give(self, defaults: dict[str, object]) -> None:
+        """``defaults`` (by dest) as the flags': a flag on the command line still wins."""
+        self.set_defaults(**defaults)
+        for action in self._actions:
+            if action.dest in defaults:
+                action.required = False  # the file or the environment gave it
+
+    def _from_environment(self) -> dict[str, object]:
+        """The ``env=`` options the environment gives, as the flags' raw values, by dest."""
+        environ = os.environ if self._environ is None else self._environ
+        values: dict[str, object] = {}
+        for dest, spec in self._specs.items():
+            name = spec.meta.env
+            if name is None or not environ.get(name):
+                continue  # unset, or set empty: as if unset
+            try:
+                values[dest] = spec.from_env(environ[name])
+            except ValueError as exc:
+                self.error(f"environment variable {name} (for {spec.flag}): {exc}")
+        return values
 
     def _config_path(self, argv: list[str] | None) -> str | None:
         pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)

@@ -11,56 +11,22 @@ injecting twice changes nothing the second time.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
 from typing import Any
 
-from adapters.base import EngineKind
+from kvcore.options import OptionParser
+from kvsidecar.inject_options import InjectOptions
 from kvsidecar.k8s_edits import apply_edits
-from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
+from kvsidecar.k8s_patch import InjectError, describe, plan_object
 
 __all__ = ["build_parser", "inject_text", "main"]
 
 
-def add_inject_options(parser: argparse.ArgumentParser) -> None:
-    """The options ``inject`` and ``webhook`` share (one flag per ``InjectOptions`` field)."""
-    g = parser.add_argument_group("sidecar")
-    g.add_argument(
-        "--sidecar-image", default="kvsidecar:latest", metavar="IMAGE",
-        help="the kvsidecar image the sidecar runs (default: kvsidecar:latest)",
-    )
-    g.add_argument(
-        "--sidecar-port", type=int, default=9000, metavar="PORT",
-        help="the sidecar's port in the pod (default 9000)",
-    )
-    g.add_argument(
-        "--store-capacity-bytes", metavar="SIZE",
-        help="give the sidecar a shared-memory block store of this size (e.g. 16GiB) and "
-        "load SGLang's HiCache backend against it (the engine image must carry kvsidecar's "
-        "adapters; see docs/deploy-kubernetes.md). Default: no store",
-    )
-    g.add_argument(
-        "--sidecar-arg", action="append", default=[], metavar="ARG",
-        help="one more argument for `kvsidecar sidecar` (repeat; e.g. --sidecar-arg=--model-id "
-        "--sidecar-arg=llama)",
-    )
-
-
-def options_from(args: argparse.Namespace) -> InjectOptions:
-    return InjectOptions(
-        sidecar_image=args.sidecar_image,
-        sidecar_port=args.sidecar_port,
-        container=getattr(args, "container", None),
-        engine=EngineKind(args.engine) if getattr(args, "engine", None) else None,
-        store_capacity_bytes=args.store_capacity_bytes,
-        sidecar_args=tuple(args.sidecar_arg),
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> OptionParser:
+    """``inject``'s flags: the file's, then ``InjectOptions``' (one flag per field)."""
+    parser = OptionParser(
         prog="kvsidecar inject",
         description="Add the kvsidecar sidecar to Kubernetes manifests that run SGLang or "
         "TensorRT-LLM, offline. Only additions are made; everything else in the file stays "
@@ -73,16 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-o", "--output", metavar="FILE", help="write here instead of stdout (may be FILE itself)"
     )
-    parser.add_argument(
-        "--container", metavar="NAME",
-        help="the engine's container (default: the one whose command or image is SGLang's "
-        "or TensorRT-LLM's)",
-    )
-    parser.add_argument(
-        "--engine", choices=[e.value for e in EngineKind],
-        help="the engine kind, when its container does not tell (default: detected)",
-    )
-    add_inject_options(parser)
+    parser.add_options(InjectOptions)
     return parser
 
 
@@ -138,9 +95,10 @@ def inject_text(text: str, opts: InjectOptions) -> InjectResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    opts = parser.build(InjectOptions, args)
     try:
-        opts = options_from(args)
         raw = sys.stdin.buffer.read() if args.filename == "-" else Path(args.filename).read_bytes()
         source = raw.decode("utf-8")  # no newline translation: the bytes must round-trip
         result = inject_text(source, opts)

@@ -29,6 +29,7 @@ from adapters.base import EngineKind
 from kvsidecar.engine_command import engine_command, engine_port, script_edit
 from kvsidecar.engine_flags import flag_value, has_flag
 from kvsidecar.engine_role import engine_role
+from kvsidecar.inject_options import InjectOptions
 from kvsidecar.k8s_edits import AddKey, Append, Edit, Path, get_path
 from kvsidecar.k8s_kinds import describe, pod_spec_paths, template_name, unhandled
 
@@ -73,31 +74,6 @@ class InjectError(ValueError):
 
 class NoEngineError(InjectError):
     """A pod spec with no container recognisably SGLang, TensorRT-LLM or vLLM."""
-
-
-@dataclass(frozen=True)
-class InjectOptions:
-    """What ``inject`` and ``webhook`` share: the sidecar and how to find the engine."""
-
-    sidecar_image: str = "kvsidecar:latest"
-    sidecar_port: int = 9000
-    container: str | None = None  # the engine container's name (default: detected)
-    engine: EngineKind | None = None  # the engine kind (default: detected)
-    store_capacity_bytes: str | None = None  # a host-tier store: SGLang's HiCache backend
-    sidecar_args: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not 0 < self.sidecar_port < 65536:
-            raise ValueError(f"sidecar port must be 1-65535, got {self.sidecar_port}")
-        if not self.sidecar_image:
-            raise ValueError("the sidecar image must not be empty")
-        if self.store_capacity_bytes is not None:
-            from shm.owner.config import parse_bytes  # noqa: PLC0415  (numpy: only when asked for)
-
-            if parse_bytes(self.store_capacity_bytes) <= 0:
-                raise ValueError(
-                    f"the store capacity must be positive, got {self.store_capacity_bytes!r}"
-                )
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,12 @@ by the plan itself, so ``kvsidecar inject`` honours it on pod templates too.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
 import signal
 import ssl
-import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +37,12 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from adapters.base import EngineKind
 from kvcore.errors import OpenAIError
 from kvcore.logs import configure_logging
-from kvsidecar.inject import add_inject_options, options_from
+from kvsidecar.inject_options import InjectOptions
 from kvsidecar.k8s_edits import json_patch
-from kvsidecar.k8s_patch import InjectError, InjectOptions, describe, plan_object
+from kvsidecar.k8s_patch import InjectError, describe, plan_object
+from kvsidecar.webhook_config import WebhookConfig, build_parser
 
-__all__ = ["WebhookConfig", "admit", "main"]
+__all__ = ["WebhookConfig", "admit", "build_parser", "main"]
 
 ADMISSION_VERSION = "admission.k8s.io/v1"
 CONTAINER_ANNOTATION = "kvsidecar.io/container"
@@ -55,70 +54,6 @@ log = structlog.get_logger(component="webhook")
 
 class BadReview(ValueError):
     """A request body that is not an AdmissionReview we can answer."""
-
-
-@dataclass(frozen=True)
-class WebhookConfig:
-    tls_cert: Path
-    tls_key: Path
-    label_key: str = "kvsidecar.io/inject"
-    label_value: str = "enabled"
-    inject: InjectOptions = field(default_factory=InjectOptions)
-    host: str = "0.0.0.0"
-    port: int = 8443
-    log_level: str = "info"
-    ready_file: Path | None = None
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"--port must be 0-65535, got {self.port}")
-        if not self.label_key:
-            raise ValueError("--label needs a key: KEY=VALUE")
-
-    @classmethod
-    def from_args(cls, argv: list[str] | None) -> WebhookConfig:
-        args = build_parser().parse_args(argv)
-        key, sep, value = args.label.partition("=")
-        if not sep:
-            raise ValueError(f"--label must be KEY=VALUE, got {args.label!r}")
-        return cls(
-            tls_cert=Path(args.tls_cert),
-            tls_key=Path(args.tls_key),
-            label_key=key,
-            label_value=value,
-            inject=options_from(args),
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            ready_file=Path(args.ready_file) if args.ready_file else None,
-        )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="kvsidecar webhook",
-        description="Serve the kvsidecar sidecar injection as a Kubernetes mutating admission "
-        "webhook (HTTPS, AdmissionReview v1 on POST /mutate). Pods with the opt-in label get "
-        "the sidecar; all others pass unchanged.",
-    )
-    parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    parser.add_argument(
-        "--port", type=int, default=8443, help="HTTPS port (default 8443; 0 picks a free one)"
-    )
-    parser.add_argument("--tls-cert", required=True, metavar="FILE", help="PEM certificate chain")
-    parser.add_argument("--tls-key", required=True, metavar="FILE", help="PEM private key")
-    parser.add_argument(
-        "--label", default="kvsidecar.io/inject=enabled", metavar="KEY=VALUE",
-        help="the pod label that opts a pod in (default kvsidecar.io/inject=enabled)",
-    )
-    parser.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
-    )
-    parser.add_argument(
-        "--ready-file", metavar="FILE", help="write {'url': ...} JSON here once serving"
-    )
-    add_inject_options(parser)
-    return parser
 
 
 def admit(review: Any, cfg: WebhookConfig) -> tuple[dict[str, Any], str]:
@@ -311,12 +246,8 @@ async def serve(cfg: WebhookConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        cfg = WebhookConfig.from_args(argv)
-    except ValueError as exc:
-        print(f"kvsidecar webhook: error: {exc}", file=sys.stderr)
-        return 2
-    configure_logging(cfg.log_level)
+    cfg = WebhookConfig.from_args(argv)
+    configure_logging(cfg.log_level.value)
     log.info(
         "config_loaded", host=cfg.host, port=cfg.port, label=f"{cfg.label_key}={cfg.label_value}",
         sidecar_image=cfg.inject.sidecar_image, sidecar_port=cfg.inject.sidecar_port,

@@ -1,14 +1,19 @@
 """The gateway's typed configuration, and its command line: each field of ``RouterConfig`` is
-one option (``kvcore.options``), whose metadata makes its flag; ``routing.flags.gateway_config``
-builds the config from the flags (and ``--config FILE``). The vocabularies of the string options
+one option (``kvcore.options``), whose metadata makes its flag (and, for the few that
+``deploy/k8s`` sets, its ``KVSIDECAR_*`` variable); ``routing.flags.gateway_config`` builds
+the config from the flags (and ``--config FILE``). The vocabularies of the string options
 are the enums of ``routing.vocabulary``, re-exported here, which every other command that
 passes them on (``kvsidecar up``, replay) uses too."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvcore import nats_extra
@@ -26,8 +31,8 @@ from routing.vocabulary import (
     WorkerAddress,
 )
 
-__all__ = ["EventsVia", "FailurePolicy", "KvMove", "KvTransport", "LogLevel", "PdMode",
-           "RouterConfig", "RouterMode", "WorkerAddress"]
+__all__ = ["DEFAULT_TIER_WEIGHTS", "TIER_WEIGHT_FIELDS", "EventsVia", "FailurePolicy", "KvMove",
+           "KvTransport", "LogLevel", "PdMode", "RouterConfig", "RouterMode", "WorkerAddress"]
 
 
 # The flags' groups in --help, in this order (a group appears where its first field is).
@@ -62,7 +67,7 @@ class RouterConfig:
         help="a plain OpenAI-compatible engine (no sidecar), e.g. "
         "http://127.0.0.1:30000; repeat for more workers")
     model_path: Path | None = option(
-        None, group=_WORKERS, metavar="DIR",
+        None, group=_WORKERS, metavar="DIR", env="KVSIDECAR_MODEL_PATH",
         help="local model directory: tokenizer.json, tokenizer_config.json (chat "
         "template) and config.json (context length); without it the gateway "
         "does not tokenize and forwards bodies unchanged")
@@ -80,7 +85,7 @@ class RouterConfig:
 
     # Sidecars found in Kubernetes (routing/workers/k8s_discovery.py): pods by label selector.
     discover_k8s_selector: str | None = option(
-        None, group=_K8S, metavar="LABELS",
+        None, group=_K8S, metavar="LABELS", env="KVSIDECAR_DISCOVER_K8S_SELECTOR",
         help="follow the pods with these labels (e.g. kvsidecar.io/inject=enabled): each "
         "Running, Ready pod is a sidecar at http://<pod IP>:<port>, listed, then watched")
     discover_k8s_namespace: str | None = option(
@@ -105,7 +110,7 @@ class RouterConfig:
         help="do not verify the API server's certificate (tests only)")
 
     router_mode: RouterMode = option(
-        RouterMode.KV, group=_PLACEMENT,
+        RouterMode.KV, group=_PLACEMENT, env="KVSIDECAR_ROUTER_MODE",
         help="kv: prefix overlap + load (without sidecar events it behaves like "
         "approx); approx: recently routed prefixes count as cached for "
         "--approx-ttl-s, sidecars' events unused; round-robin, random, least-loaded "
@@ -129,8 +134,8 @@ class RouterConfig:
         "holds); 0 turns it off (prefill and held blocks only)")
     router_temperature: float = option(
         0.0, group=_PLACEMENT, ge=0, help="0 picks the cheapest worker; > 0 samples ∝ exp(-cost/T)")
-    # Each tier's credit below the GPU (``tier_weights``), defaults as the scorer's
-    # (``DEFAULT_TIER_WEIGHTS``, below this module: a test checks they agree).
+    # Each tier's credit below the GPU (``tier_weights``); the defaults are the scorer's too
+    # (``DEFAULT_TIER_WEIGHTS``, made from them below).
     host_weight: float = option(
         0.75, group=_PLACEMENT, ge=0, help="credit per prefix block cached in host memory")
     disk_weight: float = option(
@@ -147,7 +152,7 @@ class RouterConfig:
         "prefill's (placement reason 'moved'; a failed pull recomputes); off: never (the "
         "default: on the hot-prefix bench it did not beat herding, docs/bench/kv-move.md)")
     block_size: int = option(
-        16, group=_PLACEMENT, ge=1, le=4096,
+        16, group=_PLACEMENT, ge=1, le=4096, env="KVSIDECAR_BLOCK_SIZE",
         help="tokens per KV block; must match the engines' page size")
     approx_ttl_s: float = option(
         120.0, group=_PLACEMENT, gt=0,
@@ -267,7 +272,8 @@ class RouterConfig:
         8000, group=_SERVER, ge=0, le=65535,
         help="port to listen on (0: any free port, printed in gateway_started)")
     log_level: LogLevel = option(
-        LogLevel.INFO, group=_SERVER, help="debug adds one canonical log line per request")
+        LogLevel.INFO, group=_SERVER, env="KVSIDECAR_LOG_LEVEL",
+        help="debug adds one canonical log line per request")
     health_check_interval_s: float = option(
         10.0, group=_SERVER, gt=0, help="seconds between GET /health probes of each worker")
     parity_interval_s: float = option(
@@ -409,8 +415,7 @@ class RouterConfig:
     @property
     def tier_weights(self) -> dict[Tier, float]:
         """The credit per cached block of each tier below the GPU (``ScoringWeights``)."""
-        return {Tier.HOST: self.host_weight, Tier.DISK: self.disk_weight,
-                Tier.REMOTE: self.remote_weight}
+        return {tier: getattr(self, name) for tier, name in TIER_WEIGHT_FIELDS.items()}
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -420,3 +425,13 @@ class RouterConfig:
         if self.model_path is not None:
             return (self.model_path.resolve().name,)
         return ()
+
+
+# The field that sets each tier's credit below the GPU, fastest first.
+TIER_WEIGHT_FIELDS: Mapping[Tier, str] = MappingProxyType(
+    {Tier.HOST: "host_weight", Tier.DISK: "disk_weight", Tier.REMOTE: "remote_weight"})
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+# Credit per cached block of each tier below the GPU, in blocks of prefill work: the flags'
+# defaults, which the scorer takes as its own (``ScoringWeights``).
+DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = MappingProxyType(
+    {tier: float(_DEFAULTS[name]) for tier, name in TIER_WEIGHT_FIELDS.items()})

@@ -6,7 +6,7 @@ builds on ``gateway_parser()``)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvcore.options import OptionParser
 from routing.config import RouterConfig
@@ -26,10 +26,11 @@ def gateway_config(
     return p.build(RouterConfig, p.parse_args(argv))
 
 
-def gateway_parser() -> OptionParser:
-    """The gateway's flags, for a command that places requests as the gateway does."""
+def gateway_parser(environ: Mapping[str, str] | None = None) -> OptionParser:
+    """The gateway's flags, for a command that places requests as the gateway does (their
+    variables read from ``environ``, by default the process's environment)."""
     p = OptionParser(
-        prog="kvsidecar gateway",
+        prog="kvsidecar gateway", environ=environ,
         description="The OpenAI-compatible entry point: tokenizes, hashes the prompt into KV "
         "blocks, places each request on a worker and proxies the reply (streaming or not).",
     )

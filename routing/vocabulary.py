@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from kvcore.jetstream import EventsVia  # shared with the sidecars, which write the events
+from kvcore.logs import LogLevel  # every command's
 
 __all__ = ["EventsVia", "FailurePolicy", "KvTransport", "LogLevel", "PdMode", "QueueOrder",
            "RouterMode", "WorkerAddress"]
@@ -21,13 +22,6 @@ class RouterMode(enum.Enum):
     ROUND_ROBIN = "round-robin"
     RANDOM = "random"
     LEAST_LOADED = "least-loaded"
-
-
-class LogLevel(enum.Enum):
-    DEBUG = "debug"
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
 
 
 # The disaggregation and replica vocabularies are StrEnums: their values go on unchanged to

@@ -49,9 +49,9 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from types import MappingProxyType
 
 from kvcore.events import Tier
+from routing.config import DEFAULT_TIER_WEIGHTS
 from routing.placement.decode_price import DecodePrice
 
 __all__ = [
@@ -77,11 +77,9 @@ class Pool(enum.Enum):
 
 
 LOWER_TIERS = tuple(tier for tier in Tier if tier is not Tier.GPU)  # fastest first
-# Credit per cached block of each tier below the GPU, in blocks of prefill work (the GPU's
-# is ``overlap_weight``, learned by default). The gateway's --<tier>-weight defaults
-# (``RouterConfig``'s, the same: a test checks).
-DEFAULT_TIER_WEIGHTS: Mapping[Tier, float] = MappingProxyType(
-    {Tier.HOST: 0.75, Tier.DISK: 0.25, Tier.REMOTE: 0.1})
+# Credit per cached block of each tier below the GPU (``DEFAULT_TIER_WEIGHTS``, imported
+# above) in blocks of prefill work: the gateway's --<tier>-weight defaults, written once in
+# ``RouterConfig`` (the GPU's is ``overlap_weight``, learned by default).
 
 
 def _check_weight(name: str, value: float) -> None:

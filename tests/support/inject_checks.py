@@ -85,7 +85,10 @@ def webhook_patch(
         "request": {"uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
                     "operation": "CREATE", "object": copy.deepcopy(pod)},
     }
-    cfg = WebhookConfig(tls_cert=tmp / "tls.crt", tls_key=tmp / "tls.key", inject=opts)
+    cfg = WebhookConfig(tls_cert=tmp / "tls.crt", tls_key=tmp / "tls.key",
+                        sidecar_image=opts.sidecar_image, sidecar_port=opts.sidecar_port,
+                        store_capacity_bytes=opts.store_capacity_bytes,
+                        sidecar_args=opts.sidecar_args)
     response = admit(review, cfg)[0]["response"]
     if response.get("patch"):
         patch = json.loads(base64.b64decode(response["patch"]))

@@ -13,6 +13,9 @@ import pytest
 
 from kvcore.options import Bounds, option_bounds
 from kvsidecar.indexer import IndexerConfig
+from kvsidecar.inject import build_parser as inject_parser
+from kvsidecar.inject_options import InjectOptions
+from kvsidecar.webhook_config import WebhookConfig
 from refengine.config import EngineConfig
 from refengine.timing import SimTiming
 from replay.config import ReplayConfig
@@ -21,6 +24,7 @@ from routing.epp.config import EppConfig
 from routing.flags import gateway_config
 from shm.owner.config import OwnerConfig
 from sidecar.config import SidecarConfig
+from sidecar.transfer.peer_config import BlockPeerConfig
 from sidecar.zmq_publisher import ZmqPublishConfig
 
 WORKER = ["--worker", "http://127.0.0.1:9001"]
@@ -30,6 +34,15 @@ SHM = ["--owner-id", "o1", "--socket", "/tmp/o1.sock", "--capacity-bytes", "1MiB
 
 def _sidecar(argv: list[str]) -> SidecarConfig:
     return SidecarConfig.from_args(argv, {})
+
+
+def _blocks(argv: list[str]) -> BlockPeerConfig:
+    return BlockPeerConfig.from_args(argv, environ={})
+
+
+def _inject(argv: list[str]) -> InjectOptions:
+    parser = inject_parser()
+    return parser.build(InjectOptions, parser.parse_args(argv))
 
 
 # Each options class: the command that builds it, the flags it needs, and where the built
@@ -46,6 +59,10 @@ COMMANDS = [
     (ReplayConfig, ReplayConfig.from_args, ["t.jsonl", "--offline"], lambda c: c),
     (OwnerConfig, OwnerConfig.from_args, SHM, lambda c: c),
     (IndexerConfig, IndexerConfig.from_args, [], lambda c: c),
+    (BlockPeerConfig, _blocks, SHM, lambda c: c),
+    (WebhookConfig, WebhookConfig.from_args, ["--tls-cert", "c.pem", "--tls-key", "k.pem"],
+     lambda c: c),
+    (InjectOptions, _inject, ["-f", "pods.yaml"], lambda c: c),
 ]
 CASES = [pytest.param(cls, build, base, part, name, bounds, id=f"{cls.__name__}.{name}")
          for cls, build, base, part in COMMANDS for name, bounds in option_bounds(cls).items()]

@@ -107,6 +107,16 @@ def _label_selector(text: str) -> dict[str, str]:
 def _expanded_args(deployment: dict[str, Any], container: str,
                    rendered: Rendered) -> list[str]:
     """The container's command line after Kubernetes' $(VAR) expansion of its env."""
+    env = _env(deployment, container, rendered)
+    c = _container(deployment, container)
+    args = [*c.get("command", []), *c.get("args", [])]
+    expanded = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a)
+                for a in args]
+    return expanded
+
+
+def _env(deployment: dict[str, Any], container: str, rendered: Rendered) -> dict[str, str]:
+    """The container's environment, its ConfigMap references resolved."""
     c = _container(deployment, container)
     env: dict[str, str] = {}
     for var in c.get("env", []):
@@ -119,10 +129,7 @@ def _expanded_args(deployment: dict[str, Any], container: str,
             env[var["name"]] = data[ref["key"]]
         elif "fieldRef" in var.get("valueFrom", {}):
             env[var["name"]] = "pod-0"
-    args = [*c.get("command", []), *c.get("args", [])]
-    expanded = [re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env[m.group(1)], a)
-                for a in args]
-    return expanded
+    return env
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
@@ -197,13 +204,18 @@ def test_gateway_is_replicated_probed_and_confined(overlay: Rendered) -> None:
 
 
 def test_gateway_flags_are_the_gateways(overlay: Rendered) -> None:
-    """The command line, $(VAR)s filled from the ConfigMap, parses with the gateway's flags."""
+    """The command line parses with the gateway's flags, and its environment (from the
+    ConfigMap) holds only variables the gateway's options read."""
+    from kvcore.option_specs import option_specs
+    from routing.config import RouterConfig
     from routing.flags import gateway_parser
 
     gateway = overlay.one("Deployment", "kvsidecar-gateway")
     argv = _expanded_args(gateway, "gateway", overlay)
     assert argv[:2] == ["kvsidecar", "gateway"]
-    args = _parse(gateway_parser(), argv[2:])
+    env = _env(gateway, "gateway", overlay)
+    assert set(env) <= {s.meta.env for s in option_specs(RouterConfig)}, env
+    args = _parse(gateway_parser(env), argv[2:])
     assert args.discover_k8s_port == "kvsidecar"
     mounts = {m["mountPath"] for m in _container(gateway, "gateway")["volumeMounts"]}
     assert any(args.model_path.startswith(m + "/") for m in mounts), (args.model_path, mounts)
@@ -215,7 +227,8 @@ def test_gateway_discovers_the_overlays_engines(overlay: Rendered) -> None:
     from routing.flags import gateway_parser
 
     gateway = overlay.one("Deployment", "kvsidecar-gateway")
-    args = _parse(gateway_parser(), _expanded_args(gateway, "gateway", overlay)[2:])
+    args = _parse(gateway_parser(_env(gateway, "gateway", overlay)),
+                  _expanded_args(gateway, "gateway", overlay)[2:])
     selector = _label_selector(args.discover_k8s_selector)
     chosen = [d["metadata"]["name"] for d in overlay.all("Deployment")
               if _selects(selector, _pod_template(d)["metadata"]["labels"])]
@@ -254,13 +267,16 @@ def test_rbac_is_exactly_what_discovery_needs(overlay: Rendered) -> None:
 
 
 def test_webhook_configuration_points_at_the_webhook(overlay: Rendered) -> None:
-    from kvsidecar.webhook import build_parser
+    from kvcore.option_specs import option_specs
+    from kvsidecar.webhook import WebhookConfig, build_parser
 
     webhook = overlay.one("Deployment", "kvsidecar-webhook")
     assert webhook["spec"]["replicas"] >= 2
     argv = _expanded_args(webhook, "webhook", overlay)
     assert argv[:2] == ["kvsidecar", "webhook"]
-    args = _parse(build_parser(), argv[2:])
+    env = _env(webhook, "webhook", overlay)
+    assert set(env) <= {s.meta.env for s in option_specs(WebhookConfig)}, env
+    args = _parse(build_parser(env), argv[2:])
     assert (args.port, args.tls_cert, args.tls_key) == (8443, "/tls/tls.crt", "/tls/tls.key")
     assert args.label == "=".join(INJECT_LABEL)
     image = _container(webhook, "webhook")["image"]

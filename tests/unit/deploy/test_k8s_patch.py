@@ -82,7 +82,7 @@ class TestJsonPatch:
     def test_bad_options(self) -> None:
         """A port out of range, an empty image or a store size that is not one is refused
         when the options are built."""
-        with pytest.raises(ValueError, match="1-65535"):
+        with pytest.raises(ValueError, match=r"sidecar_port must be in \[1, 65535\]"):
             InjectOptions(sidecar_port=0)
         with pytest.raises(ValueError, match="image"):
             InjectOptions(sidecar_image="")

@@ -327,3 +327,96 @@ def test_an_option_of_another_config_keeps_its_flag_parsing_and_default() -> Non
         p.build(Copy, p.parse_args(["--point", "nope"]))  # Point.parse's error, exit 2
     with pytest.raises(TypeError, match="no option 'missing'"):
         option_of(Toy, "missing", group="g")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Served:
+    port: int = option(8000, group="server", ge=0, le=65535, env="TOY_PORT", help="listen here")
+    mode: Color = option(Color.RED, group="server", env="TOY_MODE", help="what color")
+    quiet: bool = option(False, group="server", env="TOY_QUIET", help="say less")
+    image: str = option(required=True, group="server", env="TOY_IMAGE", help="what runs")
+    name: str = option("toy", group="server", help="not read from the environment")
+
+
+def _served(argv: list[str], environ: dict[str, str]) -> Served:
+    p = OptionParser(prog="served", environ=environ)
+    p.add_options(Served)
+    return p.build(Served, p.parse_args(argv))
+
+
+def test_the_command_line_beats_the_environment_which_beats_the_file(tmp_path: Path) -> None:
+    """An ``env=`` option comes from the command line, else its variable, else the config
+    file, else the field's default."""
+    config = tmp_path / "served.toml"
+    config.write_text('port = 7000\nimage = "from-file"\nmode = "dark-blue"\n')
+    env = {"TOY_PORT": "9000", "TOY_IMAGE": "from-env", "TOY_QUIET": "yes"}
+    assert _served(["--config", str(config), "--port", "1"], env).port == 1
+    served = _served(["--config", str(config)], env)
+    assert (served.port, served.image, served.quiet) == (9000, "from-env", True)
+    assert served.mode is Color.DARK_BLUE  # the file's: the environment does not give it
+    assert _served(["--config", str(config)], {}).port == 7000
+    assert _served(["--image", "x"], {}) == Served(image="x")
+    assert _served(["--image", "x"], {"TOY_PORT": ""}).port == 8000  # empty: unset
+
+
+def test_the_environment_gives_a_required_option() -> None:
+    """A required option set in its variable need not be on the command line."""
+    assert _served([], {"TOY_IMAGE": "img", "TOY_MODE": "dark-blue"}).mode is Color.DARK_BLUE
+
+
+@pytest.mark.parametrize(
+    ("environ", "message"),
+    [
+        ({"TOY_PORT": "many"}, "environment variable TOY_PORT (for --port): invalid int "
+         "value: 'many'"),
+        ({"TOY_PORT": "70000"}, "environment variable TOY_PORT (for --port): must be in "
+         "[0, 65535], got 70000"),
+        ({"TOY_MODE": "green"}, "environment variable TOY_MODE (for --mode): must be one of "
+         "red, dark-blue, got 'green'"),
+        ({"TOY_QUIET": "maybe"}, "environment variable TOY_QUIET (for --quiet): expected one "
+         "of 1, true, yes, on, 0, false, no, off, got 'maybe'"),
+    ],
+)
+def test_a_bad_variable_is_an_error_naming_it(
+    environ: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A variable's value is parsed and range-checked as the flag's; a bad one is refused,
+    naming the variable and its flag, even when the flag is given too."""
+    with pytest.raises(SystemExit) as info:
+        _served(["--image", "x", "--port", "1"], environ)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_help_names_the_variable() -> None:
+    """An ``env=`` option's help ends with "(env NAME)"; other options' do not."""
+    p = OptionParser(prog="served", environ={})
+    p.add_options(Served)
+    helps = {a.dest: a.help for a in p._actions}
+    assert helps["port"] == "listen here (default 8000; must be in [0, 65535]) (env TOY_PORT)"
+    assert helps["image"] == "what runs (env TOY_IMAGE)"
+    assert helps["name"] == "not read from the environment (default toy)"
+
+
+def test_a_repeated_option_is_not_read_from_the_environment() -> None:
+    """``env=`` on a ``tuple[X, ...]`` option is refused when the class is first read."""
+
+    @dataclass(frozen=True)
+    class Many:
+        items: tuple[str, ...] = option((), group="g", env="TOY_ITEMS", help="items")
+
+    with pytest.raises(TypeError, match="not read from the environment"):
+        OptionParser(prog="many").add_options(Many)
+
+
+def test_an_option_of_another_config_reads_only_its_own_variable() -> None:
+    """``option_of`` keeps no variable of the source's: a command names its own, if any."""
+
+    @dataclass(frozen=True)
+    class Mirror:
+        port: int = option_of(Served, "port", group="g")
+        image: str = option_of(Served, "image", group="g", default="img", env="MIRROR_IMAGE")
+
+    p = OptionParser(prog="mirror", environ={"TOY_PORT": "1", "MIRROR_IMAGE": "mine"})
+    p.add_options(Mirror)
+    assert p.build(Mirror, p.parse_args([])) == Mirror(port=8000, image="mine")

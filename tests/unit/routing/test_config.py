@@ -18,7 +18,7 @@ from routing.config import (
     WorkerAddress,
 )
 from routing.flags import gateway_config
-from routing.placement.scorer import DEFAULT_TIER_WEIGHTS, LOWER_TIERS
+from routing.placement.scorer import DEFAULT_TIER_WEIGHTS, LOWER_TIERS, ScoringWeights
 
 
 def test_flags_map_to_fields(tiny_model_dir: Path) -> None:
@@ -66,8 +66,15 @@ def test_every_tier_has_a_credit_flag() -> None:
     assert (cfg.host_weight, cfg.disk_weight, cfg.remote_weight) == (0.5, 0.2, 0.3)
     assert cfg.tier_weights == {Tier.HOST: 0.5, Tier.DISK: 0.2, Tier.REMOTE: 0.3}
     assert set(cfg.tier_weights) == set(LOWER_TIERS)  # a new tier needs its flag
+
+
+def test_the_scorer_credits_a_tier_at_its_flags_default() -> None:
+    """The tiers' default credits are written once, as the flags' defaults: a gateway given
+    no --<tier>-weight and a scorer given no weights credit each tier alike."""
     default = gateway_config(["--worker", "http://127.0.0.1:9001"])
-    assert default.remote_weight == 0.1 and default.tier_weights == DEFAULT_TIER_WEIGHTS
+    assert (default.host_weight, default.disk_weight, default.remote_weight) == (0.75, 0.25, 0.1)
+    assert ScoringWeights().tier_weights == default.tier_weights
+    assert ScoringWeights().tier_weights is DEFAULT_TIER_WEIGHTS  # one mapping, shared
 
 
 @pytest.mark.parametrize(

@@ -161,3 +161,18 @@ def test_up_and_replay_use_the_configs_vocabularies() -> None:
     assert choices["router_mode"] == [m.value for m in RouterMode]
     assert choices["pd_mode"] == [m.value for m in PdMode]
     assert choices["kv_load_failure_policy"] == [p.value for p in FailurePolicy]
+
+
+def test_the_variables_are_those_the_manifests_set() -> None:
+    """Only the options deploy/k8s hands the gateway through its environment read one, and a
+    variable's value is the flag's (tests/unit/deploy/test_k8s_manifests.py checks the
+    manifests name no other)."""
+    from kvcore.option_specs import option_specs
+
+    read = {s.meta.env: s.name for s in option_specs(RouterConfig) if s.meta.env}
+    assert read == {"KVSIDECAR_MODEL_PATH": "model_path", "KVSIDECAR_ROUTER_MODE": "router_mode",
+                    "KVSIDECAR_BLOCK_SIZE": "block_size", "KVSIDECAR_LOG_LEVEL": "log_level",
+                    "KVSIDECAR_DISCOVER_K8S_SELECTOR": "discover_k8s_selector"}
+    env = {"KVSIDECAR_ROUTER_MODE": "round-robin", "KVSIDECAR_BLOCK_SIZE": "32"}
+    cfg = gateway_config(["--worker", WORKER, "--block-size", "64"], gateway_parser(env))
+    assert (cfg.router_mode, cfg.block_size) == (RouterMode.ROUND_ROBIN, 64)

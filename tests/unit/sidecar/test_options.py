@@ -223,10 +223,12 @@ def test_names_and_values_agree_across_commands() -> None:
     engine's and the router's options that offline replay simulates."""
     from kvsidecar.engine_role import ROLES
     from kvsidecar.inject import build_parser as inject_parser
+    from kvsidecar.webhook import build_parser as webhook_parser
     from refengine.config import build_parser as engine_parser
     from replay.config import build_parser as replay_parser
     from routing.flags import gateway_parser
     from shm.owner.config import owner_parser
+    from sidecar.transfer.peer_config import BlockPeerConfig
 
     sidecar = _choices(SidecarConfig.parser())
     gateway, shm = _choices(gateway_parser()), _choices(owner_parser())
@@ -246,6 +248,8 @@ def test_names_and_values_agree_across_commands() -> None:
     assert sidecar["--role"] == list(ROLES)
     assert sidecar["--events-via"] == gateway["--events-via"] == [v.value for v in EventsVia]
     assert sidecar["--log-level"] == gateway["--log-level"] == shm["--log-level"]
+    for parser in (BlockPeerConfig.parser(), webhook_parser()):  # LogLevel's, as the gateway's
+        assert _choices(parser)["--log-level"] == gateway["--log-level"], parser.prog
     for flag in ("--disk-tier-dir", "--disk-tier-capacity-bytes", "--remote-tier-url",
                  "--remote-tier-write"):
         assert sidecar[flag] == shm[flag], flag
