@@ -13,6 +13,7 @@ import pytest
 
 from kvcore.options import Bounds, option_bounds
 from kvsidecar.indexer import IndexerConfig
+from kvsidecar.up_config import UpConfig
 from refengine.config import EngineConfig
 from refengine.timing import SimTiming
 from replay.config import ReplayConfig
@@ -46,6 +47,7 @@ COMMANDS = [
     (ReplayConfig, ReplayConfig.from_args, ["t.jsonl", "--offline"], lambda c: c),
     (OwnerConfig, OwnerConfig.from_args, SHM, lambda c: c),
     (IndexerConfig, IndexerConfig.from_args, [], lambda c: c),
+    (UpConfig, UpConfig.from_args, [], lambda c: c),
 ]
 CASES = [pytest.param(cls, build, base, part, name, bounds, id=f"{cls.__name__}.{name}")
          for cls, build, base, part in COMMANDS for name, bounds in option_bounds(cls).items()]
