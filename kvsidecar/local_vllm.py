@@ -36,9 +36,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from kvcore.options import option
-from shm.owner.config import parse_bytes
-
 __all__ = ["VLLM_BLOCK_SIZE", "VLLM_VENV", "VllmOptions", "VllmServer", "store_args",
            "tiny_model_with_weights", "vllm_python"]
 
@@ -96,12 +93,9 @@ class VllmOptions:
     tools: bool = False  # --enable-auto-tool-choice --tool-call-parser hermes
     extra_args: tuple[str, ...] = ()
     ready_s: float = 300.0
-    kv_connector_store_bytes: int = option(
-        0, group="vLLM engines", parse=parse_bytes, metavar="SIZE",
-        help="--engine vllm: run vLLM with our KV connector (adapters.vllm.connector) over a "
-        "block store of this size in each sidecar, e.g. 256MiB: prompts computed on one "
-        "replica load on any other from host memory (and the sidecars' --remote-tier-url); "
-        "0: no connector")
+    # our KV connector over a block store of this many bytes in its sidecar (up's
+    # --kv-connector-store-bytes); 0: no connector
+    kv_connector_store_bytes: int = 0
 
 
 def store_args(options: VllmOptions, socket: Path) -> list[str]:

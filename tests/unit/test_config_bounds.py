@@ -15,6 +15,7 @@ from kvcore.options import Bounds, option_bounds
 from kvsidecar.indexer import IndexerConfig
 from kvsidecar.inject import build_parser as inject_parser
 from kvsidecar.inject_options import InjectOptions
+from kvsidecar.up_config import UpConfig
 from kvsidecar.webhook_config import WebhookConfig
 from refengine.config import EngineConfig
 from refengine.timing import SimTiming
@@ -63,6 +64,7 @@ COMMANDS = [
     (WebhookConfig, WebhookConfig.from_args, ["--tls-cert", "c.pem", "--tls-key", "k.pem"],
      lambda c: c),
     (InjectOptions, _inject, ["-f", "pods.yaml"], lambda c: c),
+    (UpConfig, UpConfig.from_args, [], lambda c: c),
 ]
 CASES = [pytest.param(cls, build, base, part, name, bounds, id=f"{cls.__name__}.{name}")
          for cls, build, base, part in COMMANDS for name, bounds in option_bounds(cls).items()]

@@ -12,33 +12,26 @@ import pytest
 
 from kvsidecar.local_stack import DEFAULT_MODEL
 from kvsidecar.local_vllm import VllmServer
-from kvsidecar.up import (
-    _parser,
-    check_passed_args,
-    gateway_argv,
-    main,
-    parse_args,
-    sidecar_argv,
-    stack_spec,
-)
+from kvsidecar.up import check_passed_args, gateway_argv, main, sidecar_argv, stack_spec
+from kvsidecar.up_config import UpConfig
 from routing.config import RouterMode
 from routing.flags import gateway_config
 from sidecar.config import SidecarConfig
 
 
 def test_gateway_args_come_after_ups_own_and_win() -> None:
-    args = _parser().parse_args(["--gateway-arg=--overlap-weight=7",
-                                 "--gateway-arg=--router-mode=random"])
-    cfg = gateway_config(gateway_argv(0, "kv", args, ["http://127.0.0.1:9000"]))
+    args = UpConfig.from_args(["--gateway-arg=--overlap-weight=7",
+                               "--gateway-arg=--router-mode=random"])
+    cfg = gateway_config(gateway_argv(0, RouterMode.KV, args, ["http://127.0.0.1:9000"]))
     assert cfg.overlap_weight == 7.0
     assert cfg.router_mode is RouterMode.RANDOM  # over up's own --router-mode kv
     assert check_passed_args(args) is None
 
 
 def test_sidecar_args_reach_every_sidecar() -> None:
-    args = _parser().parse_args(["--sidecar-arg=--log-level=debug"])
+    args = UpConfig.from_args(["--sidecar-arg=--log-level=debug"])
     cfg = SidecarConfig.from_args(
-        sidecar_argv("http://127.0.0.1:30000", "replica-1", "agg", 0.0, args.sidecar_arg))
+        sidecar_argv("http://127.0.0.1:30000", "replica-1", "agg", 0.0, list(args.sidecar_args)))
     assert cfg.log_level == "debug" and cfg.worker_id == "replica-1"
 
 
@@ -57,8 +50,8 @@ def test_refused_before_anything_starts(flag: str, value: str,
 
 def test_vllm_engines_hash_in_blocks_of_32() -> None:
     """With --engine vllm the gateway hashes as vLLM's CPU engine pages (32 tokens)."""
-    args = _parser().parse_args(["--engine", "vllm"])
-    cfg = gateway_config(gateway_argv(0, "kv", args, ["http://127.0.0.1:9000"]))
+    args = UpConfig.from_args(["--engine", "vllm"])
+    cfg = gateway_config(gateway_argv(0, RouterMode.KV, args, ["http://127.0.0.1:9000"]))
     assert cfg.block_size == 32
 
 
@@ -80,8 +73,9 @@ def test_vllm_combinations_refused(argv: list[str], why: str,
 def test_the_vllm_kv_connector_is_wired_to_its_sidecars_store(tmp_path: Path) -> None:
     """--kv-connector-store-bytes: vLLM loads our connector over the socket its sidecar's
     store serves, a store of that size whose blocks the sidecar sizes from the model."""
-    args = parse_args(["--engine", "vllm", "--kv-connector-store-bytes", "2MiB", "--replicas",
-                       "1", "--model-path", str(DEFAULT_MODEL), "--max-total-tokens", "2048"])
+    args = UpConfig.from_args(["--engine", "vllm", "--kv-connector-store-bytes", "2MiB",
+                               "--replicas", "1", "--model-path", str(DEFAULT_MODEL),
+                               "--max-total-tokens", "2048"])
     options = stack_spec(args).engines[0].vllm
     assert options is not None and options.kv_connector_store_bytes == 2 << 20
     server = VllmServer.__new__(VllmServer)  # vLLM need not be here: its command line is read

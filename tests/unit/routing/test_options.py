@@ -153,7 +153,7 @@ def test_a_gateway_only_option_in_the_pickers_file_is_refused(
 def test_up_and_replay_use_the_configs_vocabularies() -> None:
     """``kvsidecar up`` passes --router-mode, --pd-mode and --kv-load-failure-policy on to the
     gateway, and replay compares the gateway's router modes: the config's enums, not copies."""
-    from kvsidecar.up import _parser as up_parser
+    from kvsidecar.up_config import build_parser as up_parser
     from replay.config import POLICY_CHOICES
 
     assert set(POLICY_CHOICES) == {m.value for m in RouterMode} | {"oracle", "all"}
