@@ -5,7 +5,6 @@ every one of them, the command line winning."""
 from __future__ import annotations
 
 import dataclasses
-import enum
 from pathlib import Path
 
 import pytest
@@ -15,18 +14,10 @@ from kvsidecar.up import main
 from kvsidecar.up_config import UpConfig, UpEngine, build_parser
 from refengine.config import Compute
 from routing.config import FailurePolicy, PdMode, RouterMode
+from tests.support.options import as_flag_default
 
 # Flags that are no field: argparse's own, and the file of the fields' values.
 NOT_FIELDS = {"help", "config"}
-
-
-def _raw(value: object) -> object:
-    """A field's default as the command line gives it."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    return None if value == () else value
 
 
 def _toml(tmp_path: Path, text: str) -> str:
@@ -46,7 +37,7 @@ def test_the_flags_defaults_are_the_fields() -> None:
     flags is the dataclass's defaults."""
     actions = {a.dest: a for a in build_parser()._actions}
     for f in dataclasses.fields(UpConfig):
-        assert actions[f.name].default == _raw(f.default), f.name
+        assert actions[f.name].default == as_flag_default(f.default), f.name
     assert UpConfig.from_args([]) == UpConfig()
 
 

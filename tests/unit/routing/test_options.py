@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 from pathlib import Path
 
 import pytest
@@ -13,19 +12,11 @@ from routing.config import FailurePolicy, PdMode, RouterConfig, RouterMode, Work
 from routing.epp.config import EppConfig
 from routing.flags import gateway_config, gateway_parser
 from routing.placement.scorer import LOWER_TIERS, ScoringWeights
+from tests.support.options import as_flag_default
 
 WORKER = "http://127.0.0.1:9001"
 # Flags that are no field: argparse's own, and the file of the fields' values.
 NOT_FIELDS = {"help", "config"}
-
-
-def _raw(value: object) -> object:
-    """A field's default as the command line gives it."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, Path):
-        return str(value)
-    return None if value == () else value
 
 
 def test_every_flag_is_a_field_and_every_field_a_flag() -> None:
@@ -38,7 +29,7 @@ def test_the_flags_defaults_are_the_fields() -> None:
     flags but a worker is the dataclass's defaults."""
     actions = {a.dest: a for a in gateway_parser()._actions}
     for f in dataclasses.fields(RouterConfig):
-        assert actions[f.name].default == _raw(f.default), f.name
+        assert actions[f.name].default == as_flag_default(f.default), f.name
     worker = WorkerAddress.parse(WORKER)
     assert gateway_config(["--worker", WORKER]) == RouterConfig(workers=(worker,))
 
