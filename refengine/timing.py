@@ -106,10 +106,9 @@ class TimingModel:
         pass's decode part 14.8 ms), so a prompt's first token never waits for the decode
         of the step that completes it."""
         if self.shape is SimModel.MOCKER:
-            new = sum(n for n, _ in prefill)
-            whole = _mocker_step(new, yields, kv_attended) / self.speedup
-            before = _mocker_step(new, False, 0.0) / self.speedup
-            return before, whole - before
+            before = _mocker_prefill_s(sum(new for new, _ in prefill))
+            after = _mocker_decode_s(kv_attended) if yields else 0.0
+            return before / self.speedup, after / self.speedup
         took = self.prefill(prefill) if prefill else 0.0
         return took + (self.decode(decode) if decode else 0.0), 0.0
 
@@ -117,17 +116,19 @@ class TimingModel:
         return self.load_per_page_s * pages / self.speedup
 
 
-def _mocker_step(new_tokens: int, yields: bool, kv: float) -> float:
-    """Dynamo 1.6.1's mocker: one pass's duration in seconds at speedup 1 (see the module's
-    docstring for the source)."""
-    ms = 0.0
-    if new_tokens > 0:
-        t = float(new_tokens)
-        ms += 4.209989e-07 * t * t + 1.518344e-02 * t + 1.650142e01
-    if yields:
-        kv = min(kv, 1.0)
-        ms += max(1.0, -25.74 * kv * kv + 54.01 * kv + 5.74)
-    return ms / 1e3
+def _mocker_prefill_s(new_tokens: int) -> float:
+    """Dynamo 1.6.1's mocker: a pass's prefill part in seconds at speedup 1, for its
+    ``new_tokens`` prompt tokens (see the module's docstring for the source)."""
+    if new_tokens <= 0:
+        return 0.0
+    t = float(new_tokens)
+    return (4.209989e-07 * t * t + 1.518344e-02 * t + 1.650142e01) / 1e3
+
+
+def _mocker_decode_s(kv: float) -> float:
+    """Its decode part, for a pass that yields tokens: by the KV read, at most the pool."""
+    kv = min(kv, 1.0)
+    return max(1.0, -25.74 * kv * kv + 54.01 * kv + 5.74) / 1e3
 
 
 _DEFAULT = TimingModel()
