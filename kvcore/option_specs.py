@@ -116,11 +116,16 @@ class OptionSpec:
             if self.meta.parse is not None and expected != "a string":
                 expected += " or a string"  # "4GiB" as well as 4294967296
             raise ValueError(f"expected {expected}, got {value!r}")
-        choices = self.choices
-        if choices is not None and self.meta.parse is None and value not in choices:
-            raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+        self._check_choice(value, value)
         self.bounded(self._one(value))  # a parse error or a bound is the file's error
         return value
+
+    def _check_choice(self, value: object, given: object) -> None:
+        """Refuse a raw ``value`` outside the choices (``given``: as the user wrote it); an
+        option with its own ``parse`` checks its values there."""
+        choices = self.choices
+        if choices is not None and self.meta.parse is None and value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {given!r}")
 
     @property
     def choices(self) -> tuple[object, ...] | None:
@@ -157,9 +162,7 @@ class OptionSpec:
                 raw = self.kind(text)
             except ValueError:
                 raise ValueError(f"invalid {self.kind.__name__} value: {text!r}") from None
-        choices = self.choices
-        if choices is not None and self.meta.parse is None and raw not in choices:
-            raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {text!r}")
+        self._check_choice(raw, text)
         self.convert(raw)  # a parse error or a bound is the variable's error
         return raw
 
