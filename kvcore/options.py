@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import enum
 import os
+import sys
 import tomllib
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -212,6 +213,19 @@ class _Repeat(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+class _BadSource(Exception):
+    """A ``--config`` file or an environment variable gave a value its option refuses."""
+
+
+def _asks_for_help(argv: Sequence[str]) -> bool:
+    for arg in argv:
+        if arg == "--":
+            return False
+        if arg in ("-h", "--help"):
+            return True
+    return False
+
+
 class OptionParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose flags come from config dataclasses' fields, with
     ``--config FILE`` (TOML) giving their defaults."""
@@ -291,9 +305,14 @@ class OptionParser(argparse.ArgumentParser):
         """argparse's, after a ``--config`` file's values became the flags' defaults."""
         argv = None if args is None else list(args)
         path = self._config_path(argv)
-        if path is not None:
-            self._give(self._read(path))  # the file's, then the environment's over them
-        self._give(self._from_environment())
+        try:
+            if path is not None:
+                self._give(self._read(path))  # the file's, then the environment's over them
+            self._give(self._from_environment())
+        except _BadSource as exc:
+            if not _asks_for_help(sys.argv[1:] if argv is None else argv):
+                self.error(str(exc))
+            # --help still answers, so an operator can read what the bad value should be
         return super().parse_known_args(argv, namespace)
 
     def _give(self, defaults: dict[str, object]) -> None:
@@ -314,7 +333,7 @@ class OptionParser(argparse.ArgumentParser):
             try:
                 values[dest] = spec.from_env(environ[name])
             except ValueError as exc:
-                self.error(f"environment variable {name} (for {spec.flag}): {exc}")
+                raise _BadSource(f"environment variable {name} (for {spec.flag}): {exc}") from exc
         return values
 
     def _config_path(self, argv: list[str] | None) -> str | None:
@@ -332,15 +351,15 @@ class OptionParser(argparse.ArgumentParser):
             with open(path, "rb") as f:
                 table = tomllib.load(f)
         except (OSError, tomllib.TOMLDecodeError) as exc:
-            self.error(f"--config {path}: {exc}")
+            raise _BadSource(f"--config {path}: {exc}") from exc
         defaults: dict[str, object] = {}
         for key, value in table.items():
             dest = self._keys.get(key.replace("-", "_"))
             if dest is None:
-                self.error(f"--config {path}: unknown option {key!r} (keys are the flags' "
-                           "names without the leading dashes)")
+                raise _BadSource(f"--config {path}: unknown option {key!r} (keys are the "
+                                 "flags' names without the leading dashes)")
             try:
                 defaults[dest] = self._specs[dest].from_file(value)
             except ValueError as exc:
-                self.error(f"--config {path}: {key}: {exc}")
+                raise _BadSource(f"--config {path}: {key}: {exc}") from exc
         return defaults

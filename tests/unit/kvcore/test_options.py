@@ -388,6 +388,24 @@ def test_a_bad_variable_is_an_error_naming_it(
     assert message in capsys.readouterr().err
 
 
+def test_help_still_answers_with_a_bad_variable_or_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--help`` prints the options (what the bad value should have been) and exits 0,
+    where any other command line is refused for the same variable or file."""
+    config = tmp_path / "served.toml"
+    config.write_text("colour = 1\n")
+    for argv, environ in ((["--help"], {"TOY_PORT": "many"}),
+                          (["--config", str(config), "-h"], {})):
+        with pytest.raises(SystemExit) as info:
+            _served(argv, environ)
+        assert info.value.code == 0
+        assert "what runs (env TOY_IMAGE)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        _served(["--image", "x", "--", "--help"], {"TOY_PORT": "many"})
+    assert info.value.code == 2
+
+
 def test_the_help_names_the_variable() -> None:
     """An ``env=`` option's help ends with "(env NAME)"; other options' do not."""
     p = OptionParser(prog="served", environ={})
