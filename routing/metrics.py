@@ -430,6 +430,11 @@ def _scorer_metrics(p: str, scorer: dict[str, Any] | None) -> Iterator[Metric]:
     yield GaugeMetricFamily(p + "decode_interference_priced",
                             "1 once the decode-interference term has a fit and prices "
                             "placements", value=1.0 if decode["priced"] else 0.0)
+    yield CounterMetricFamily(p + "decode_interference_moves",
+                              "Placements the decode-interference term moved: the chosen "
+                              "worker is not among the cheapest by the cost without it "
+                              "(wider than placement_reason interference, which counts "
+                              "only moves off a deeper prefix holder)", value=decode["moves"])
     for key, name, doc in (
         ("output_tokens", "output_tokens", "Mean tokens a request streams (learned)"),
         ("prefill_s_per_token", "prefill_seconds_per_token",

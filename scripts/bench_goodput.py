@@ -244,6 +244,8 @@ def run_ours(name: str, extra: tuple[str, ...], load: ChatLoad, blocks: int,
     reason = 'kvsidecar_gateway_placement_reason_total{reason="%s"}'
     learned = {
         "interference_placements": grew(reason % "interference"),
+        # every placement the decode term sent elsewhere, a new prefix's included
+        "decode_moves": grew("kvsidecar_gateway_decode_interference_moves_total"),
         # placed off a deeper holder because it was at the admission cap
         "capacity_placements": grew(reason % "capacity"),
         "queue_for_prefix": grew("kvsidecar_gateway_admission_for_prefix_total"),
@@ -369,7 +371,8 @@ _COLUMNS = ("requests", "failed", "req_per_s", "goodput_req_per_s", "goodput_sha
 
 
 # What the gateway learned, per run: counts add up over runs, fitted values are averaged.
-_COUNTS = ("interference_placements", "capacity_placements", "queue_for_prefix")
+_COUNTS = ("interference_placements", "decode_moves", "capacity_placements",
+           "queue_for_prefix")
 
 
 def pool_learned(runs: list[dict[str, float]]) -> dict[str, float]:
@@ -383,6 +386,37 @@ def decode_floor_s(speedup: float) -> float:
     no step without prompt tokens lasts longer, on our engine or Dynamo's mocker."""
     model = TimingModel(speedup=speedup, shape=SimModel.MOCKER)
     return model.step((), (), yields=True, kv_attended=1.0)
+
+
+def goodput_ceiling_req_per_s(load: ChatLoad, workers: int, blocks: int,
+                              speedup: float) -> float:
+    """The most requests per second any router could serve on ``load`` under the mocker's
+    step price: an upper bound on every stack's goodput, whatever it places where.
+
+    Every request streams exactly ``max_tokens``, each token yielded by a step whose decode
+    part is priced by the contexts its yielding requests read, summed, over the pool
+    (``TimingModel.step_parts``). A worker decoding ``n`` requests makes ``n`` tokens per
+    step, so its rate is ``n / decode(n·c / pool)``, and the fleet's is that summed over the
+    workers; over any span the rate is at most the best split's. The bound takes every
+    request at the shortest context any has while decoding (its first turn's system and user
+    tokens), every prompt computed for free (no prefill part, no step without a token), at
+    most ``concurrency`` in flight, and the best split of them over the workers, found
+    exactly (a knapsack over the workers). Optimistic in each of those, so no placement,
+    admission or queueing policy beats it."""
+    model = TimingModel(speedup=speedup, shape=SimModel.MOCKER)
+    context = load.system_tokens + load.user_tokens
+    pool_tokens = blocks * 16
+
+    def rate(n: int) -> float:  # tokens per second of one worker decoding n requests
+        if n == 0:
+            return 0.0
+        return n / model.step((), (), yields=True, kv_attended=n * context / pool_tokens)
+
+    best = [0.0] * (load.concurrency + 1)  # best[m]: the fleet's rate with m in flight
+    for _ in range(workers):
+        best = [max(best[m - n] + rate(n) for n in range(m + 1))
+                for m in range(load.concurrency + 1)]
+    return max(best) / load.max_tokens
 
 
 def itl_split(result: ChatResult, speedup: float) -> dict[str, float]:
@@ -463,6 +497,17 @@ def run_chat_load(name: str, args: argparse.Namespace, report: Report, tmp: Path
                                        for system, row in rows.items()])
     for system, values in learned.items():
         print(f"  {system} learned: " + ", ".join(f"{k}={v:g}" for k, v in values.items()))
+    ceiling = goodput_ceiling_req_per_s(load, args.workers, blocks, args.speedup)
+    report.figure(f"{name}.goodput_ceiling_req_per_s", round(ceiling, 4))
+    line = (f"  ceiling: no router serves more than {ceiling:.3f} req/s on this load under the "
+            f"mocker's step price (every prompt free, the {load.concurrency} in flight at "
+            "their cheapest split over the workers)")
+    dynamo = rows.get("dynamo")
+    if dynamo and dynamo["goodput_req_per_s"] > 0:
+        over = ceiling / dynamo["goodput_req_per_s"]
+        report.figure(f"{name}.goodput_ceiling_over_dynamo", round(over, 4))
+        line += f": {over:.3f}x Dynamo's goodput"
+    print(line)
     for system, row in rows.items():
         if row["failed"]:
             print(f"  WARNING: {system}: {row['failed']:g} requests failed; its figures cover "

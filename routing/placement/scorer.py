@@ -213,7 +213,7 @@ class Placement:
 class Scorer:
     """Scores candidates for one request and picks one."""
 
-    __slots__ = ("_rng", "block_size", "decode", "weights")
+    __slots__ = ("_rng", "block_size", "decode", "decode_moves", "weights")
 
     def __init__(
         self, weights: ScoringWeights, block_size: int, rng: random.Random | None = None
@@ -225,6 +225,11 @@ class Scorer:
         self._rng = rng or random.Random()
         # The decode-interference price, set by its learner (interference.py); None: off.
         self.decode: DecodePrice | None = None
+        # Placements the decode term moved: the chosen worker is not among the cheapest
+        # without it. Wider than Reason.INTERFERENCE, which names only moves off a deeper
+        # holder; this also counts a new prefix sent to another worker than the cost
+        # without the term would have chosen, which decides where that prefix is cached.
+        self.decode_moves = 0
 
     def credit_blocks(self, overlap: TierOverlap) -> float:
         """Cached blocks credited against prefill, each at the fastest tier holding it."""
@@ -298,6 +303,8 @@ class Scorer:
             index = self._sample(costs)
         else:
             index, tied = self._argmin(candidates, costs)
+        if self.decode is not None and pool is Pool.AGGREGATED and not self.weights.temperature:
+            self._count_decode_move(candidates, prompt_tokens, index)
         chosen = candidates[index]
         depth = chosen.overlap.longest
         best = max(c.overlap.longest for c in candidates)
@@ -312,6 +319,14 @@ class Scorer:
         else:
             reason = self._why_shallower(candidates, costs, index, best, prompt_tokens)
         return Placement(chosen.worker_id, costs[index], chosen.overlap, best, reason)
+
+    def _count_decode_move(self, candidates: Sequence[Candidate], prompt_tokens: int,
+                           index: int) -> None:
+        if len(candidates) < 2:
+            return
+        base = [self.prefill_decode_cost(c, prompt_tokens) for c in candidates]
+        if base[index] > min(base):
+            self.decode_moves += 1
 
     def _why_shallower(
         self,

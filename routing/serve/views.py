@@ -141,6 +141,8 @@ def _decode_view(router: KvRouter) -> dict[str, Any] | None:
         "weight": learner.weight,
         "itl_target_s": learner.itl_target_s,
         "priced": price is not None,
+        # placements sent elsewhere than the cost without the term would have sent them
+        "moves": router.scorer.decode_moves,
         "output_tokens": None if price is None else round(price.output_tokens, 2),
         "prefill_s_per_token": None if price is None else price.prefill_s_per_token,
         "units_per_s": None if price is None else round(price.units_per_s, 3),

@@ -151,3 +151,37 @@ def test_a_baseline_that_met_no_target_gives_a_lower_bound_ratio() -> None:
     assert report.ratios["goodput_vs_dynamo_flood"] == 4.0 / (1 / 20.0)
     assert report.figures["goodput_vs_dynamo_flood_is_lower_bound"] == 1
     assert report.ratios["ttft_p99_vs_dynamo_flood"] == pytest.approx(600 / 900, abs=1e-3)
+
+
+def _brute_ceiling(load: Any, workers: int, blocks: int) -> float:
+    """Every split of up to ``concurrency`` requests over the workers, tried one by one."""
+    model = bench_goodput.TimingModel(speedup=1.0, shape=bench_goodput.SimModel.MOCKER)
+    context = load.system_tokens + load.user_tokens
+
+    def rate(n: int) -> float:
+        return n / model.step((), (), yields=True, kv_attended=n * context / (blocks * 16)) \
+            if n else 0.0
+
+    def best(left: int, workers_left: int) -> float:
+        if workers_left == 0:
+            return 0.0
+        return max(rate(n) + best(left - n, workers_left - 1) for n in range(left + 1))
+
+    return best(load.concurrency, workers) / load.max_tokens
+
+
+def test_the_goodput_ceiling_is_the_best_split_of_the_requests_in_flight() -> None:
+    """The knapsack finds what trying every split finds; on the hot load's shape the best
+    split leaves a few requests on light workers and beats the even split by ~9 %, well
+    under the 1.2x the issue asks of placement."""
+    small = chat_load.ChatLoad(system_prompts=1, system_tokens=300, sessions=1, turns=1,
+                               concurrency=10)
+    for workers in (1, 2, 3):
+        assert bench_goodput.goodput_ceiling_req_per_s(small, workers, 64, 1.0) == \
+            pytest.approx(_brute_ceiling(small, workers, 64))
+    hot, blocks = bench_goodput.CHAT_LOADS["hot"]
+    ceiling = bench_goodput.goodput_ceiling_req_per_s(hot, 4, blocks, 1.0)
+    even = 64 / 34.01e-3 / 64  # 16 a worker: every step at a full pool's price
+    assert even * 1.05 < ceiling < even * 1.1
+    assert bench_goodput.goodput_ceiling_req_per_s(hot, 4, blocks, 0.25) == \
+        pytest.approx(ceiling / 4)

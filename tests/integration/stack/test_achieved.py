@@ -108,6 +108,7 @@ async def test_busy_holder_loses_on_load_and_top_shows_the_fleet(  # type: ignor
     assert metrics[f"kvsidecar_gateway_worker_actual_cached_tokens_total{{worker={holder}}}"] > 0
     assert metrics["kvsidecar_gateway_scorer_prefill_load_scale{}"] == 1.0
     assert metrics["kvsidecar_gateway_decode_interference_weight{}"] == 1.0
+    assert "kvsidecar_gateway_decode_interference_moves_total{}" in metrics
 
     # 4. kvsidecar top prints both workers with their figures.
     proc = await asyncio.to_thread(

@@ -146,6 +146,24 @@ class TestPrice:
         assert price.seconds("w", 22, 4000) == pytest.approx(
             (0.050 + 20e-6 * 4000 / 64 - 0.05) * 64 * (1 + 22 / 2))
 
+    def test_a_new_prefix_the_term_sends_elsewhere_counts_as_a_move(self) -> None:
+        """No worker holds the prompt: without the term the worker holding fewer blocks
+        wins; with it the one with fewer streams does. The reason reads ``best`` (no deeper
+        holder was passed over), but the move is counted, since it decides where the new
+        prefix is cached."""
+        scorer = Scorer(ScoringWeights(prefill_load_scale=10.0), BS)
+        busy = Candidate("w0", TierOverlap(0), WorkerLoad(0, 100, 30))  # ITL 66 ms there
+        held = Candidate("w1", TierOverlap(0), WorkerLoad(0, 110, 2))
+        placement = scorer.place([busy, held], 256)
+        assert placement is not None and placement.worker_id == "w0"
+        scorer.decode = self.price()
+        placement = scorer.place([busy, held], 256)
+        assert placement is not None and placement.worker_id == "w1"
+        assert placement.reason == Reason.BEST
+        assert scorer.decode_moves == 1
+        placement = scorer.place([held, busy], 256)  # the same choice again, in either order
+        assert scorer.decode_moves == 2
+
     def test_a_cached_prefix_outweighs_balance_under_the_target(self) -> None:
         """The pressure load's shape (bench_pressure at 1,024 blocks: the fit read off a
         run's /v1/workers, 12 ms + 1.5 ms a stream, a TTFT fit of 345 µs a token that counts
@@ -219,6 +237,7 @@ class TestHotPrefix:
         assert placement is not None
         assert placement.worker_id != "w0"
         assert placement.reason == Reason.INTERFERENCE
+        assert router.scorer.decode_moves == 1
 
     def test_without_the_term_the_holder_takes_it(self) -> None:
         """Today's prefill-only cost (weight 0) sends the same request to the holder."""
@@ -227,6 +246,7 @@ class TestHotPrefix:
         assert router.scorer.decode is None
         placement = router.place(hashes, tokens, WORKERS)
         assert placement is not None and placement.worker_id == "w0"
+        assert router.scorer.decode_moves == 0
 
     def test_keeps_affinity_when_streams_do_not_interfere(self) -> None:
         """When the holder's ITL does not grow with its batch, the prefix stays where it is
