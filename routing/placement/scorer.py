@@ -36,7 +36,10 @@ costs are min-max normalized to [0, 1] and a worker is drawn with probability âˆ
 A learned decode-interference term (``decode_price.py``) adds, for an aggregated worker, the
 time its streams would run past their ITL target with one more request, in the same units;
 without it (none learned yet, or ``--decode-interference-weight 0``) the cost is the formula
-above.
+above. A worker whose KV pool the request would overfill (its active blocks, the request's
+included, past the capacity it reports) gets no decode term: there the request waits for
+memory, joining the batch only as another leaves it, so it lengthens the queue (priced by
+the formula above), not the batch's steps.
 
 Disaggregated pools score differently: the prefill pool by overlap and prefill load only,
 the decode pool by how full each worker would be (decode blocks over capacity).
@@ -262,9 +265,12 @@ class Scorer:
         cost = self.prefill_decode_cost(candidate, prompt_tokens)
         decode = self.decode
         if decode is not None:
-            uncached = prompt_tokens - candidate.overlap.longest * self.block_size
-            cost += decode.cost(candidate.worker_id, candidate.load.in_flight, uncached,
-                                itl_target_s)
+            load = candidate.load
+            capacity = load.capacity_blocks
+            if not capacity or load.decode_blocks <= capacity:  # else it queues for memory
+                uncached = prompt_tokens - candidate.overlap.longest * self.block_size
+                cost += decode.cost(candidate.worker_id, load.in_flight, uncached,
+                                    itl_target_s)
         return cost
 
     def prefill_decode_cost(self, candidate: Candidate, prompt_tokens: int) -> float:

@@ -164,6 +164,22 @@ class TestPrice:
         placement = scorer.place([held, busy], 256)  # the same choice again, in either order
         assert scorer.decode_moves == 2
 
+    def test_a_worker_whose_pool_the_request_would_overfill_has_no_decode_term(self) -> None:
+        """Past its KV capacity a request waits for memory and joins the batch only as
+        another leaves: it slows no step there, so the busy worker of the test above keeps
+        the request it would win without the term (the capacity load's moves off a full
+        holder cost 3 % of its hit rate, docs/bench/goodput.md)."""
+        scorer = Scorer(ScoringWeights(prefill_load_scale=10.0), BS)
+        scorer.decode = self.price()
+        full = Candidate("w0", TierOverlap(0), WorkerLoad(0, 100, 30, capacity_blocks=64))
+        held = Candidate("w1", TierOverlap(0), WorkerLoad(0, 110, 2, capacity_blocks=1024))
+        placement = scorer.place([full, held], 256)
+        assert placement is not None and placement.worker_id == "w0"
+        assert scorer.decode_moves == 0
+        roomy = Candidate("w0", TierOverlap(0), WorkerLoad(0, 100, 30, capacity_blocks=100))
+        placement = scorer.place([roomy, held], 256)  # exactly full: it joins the batch
+        assert placement is not None and placement.worker_id == "w1"
+
     def test_a_cached_prefix_outweighs_balance_under_the_target(self) -> None:
         """The pressure load's shape (bench_pressure at 1,024 blocks: the fit read off a
         run's /v1/workers, 12 ms + 1.5 ms a stream, a TTFT fit of 345 µs a token that counts
