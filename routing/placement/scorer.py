@@ -262,16 +262,22 @@ class Scorer:
             if not capacity:
                 return float(candidate.load.decode_blocks)
             return candidate.load.decode_blocks / capacity
-        cost = self.prefill_decode_cost(candidate, prompt_tokens)
+        return self.prefill_decode_cost(candidate, prompt_tokens) + self._decode_cost(
+            candidate, prompt_tokens, itl_target_s)
+
+    def _decode_cost(self, candidate: Candidate, prompt_tokens: int,
+                     itl_target_s: float | None) -> float:
+        """The decode-interference term (0: none learned, or the request would overfill
+        the worker's pool and queue for memory there, slowing no step)."""
         decode = self.decode
-        if decode is not None:
-            load = candidate.load
-            capacity = load.capacity_blocks
-            if not capacity or load.decode_blocks <= capacity:  # else it queues for memory
-                uncached = prompt_tokens - candidate.overlap.longest * self.block_size
-                cost += decode.cost(candidate.worker_id, load.in_flight, uncached,
-                                    itl_target_s)
-        return cost
+        if decode is None:
+            return 0.0
+        load = candidate.load
+        capacity = load.capacity_blocks
+        if capacity and load.decode_blocks > capacity:
+            return 0.0
+        uncached = prompt_tokens - candidate.overlap.longest * self.block_size
+        return decode.cost(candidate.worker_id, load.in_flight, uncached, itl_target_s)
 
     def prefill_decode_cost(self, candidate: Candidate, prompt_tokens: int) -> float:
         """The aggregated cost without the decode-interference term (Dynamo's)."""
@@ -303,14 +309,22 @@ class Scorer:
             candidates, full = fits, over
         if not candidates:
             return None
-        costs = [self.cost(c, prompt_tokens, pool, itl_target_s) for c in candidates]
+        # With a decode term, each aggregated candidate's cost without it is kept: what the
+        # term changed is read off it (a move, the reason ``interference``).
+        base: list[float] | None = None
+        if pool is Pool.AGGREGATED and self.decode is not None:
+            base = [self.prefill_decode_cost(c, prompt_tokens) for c in candidates]
+            costs = [b + self._decode_cost(c, prompt_tokens, itl_target_s)
+                     for b, c in zip(base, candidates, strict=True)]
+        else:
+            costs = [self.cost(c, prompt_tokens, pool, itl_target_s) for c in candidates]
         tied = False
         if self.weights.temperature > 0:
             index = self._sample(costs)
         else:
             index, tied = self._argmin(candidates, costs)
-        if self.decode is not None and pool is Pool.AGGREGATED and not self.weights.temperature:
-            self._count_decode_move(candidates, prompt_tokens, index)
+            if base is not None and base[index] > min(base):
+                self.decode_moves += 1
         chosen = candidates[index]
         depth = chosen.overlap.longest
         best = max(c.overlap.longest for c in candidates)
@@ -323,16 +337,8 @@ class Scorer:
         elif depth >= best:
             reason = Reason.TIE if tied else Reason.BEST
         else:
-            reason = self._why_shallower(candidates, costs, index, best, prompt_tokens)
+            reason = self._why_shallower(candidates, costs, index, best, base)
         return Placement(chosen.worker_id, costs[index], chosen.overlap, best, reason)
-
-    def _count_decode_move(self, candidates: Sequence[Candidate], prompt_tokens: int,
-                           index: int) -> None:
-        if len(candidates) < 2:
-            return
-        base = [self.prefill_decode_cost(c, prompt_tokens) for c in candidates]
-        if base[index] > min(base):
-            self.decode_moves += 1
 
     def _why_shallower(
         self,
@@ -340,9 +346,10 @@ class Scorer:
         costs: list[float],
         index: int,
         best: int,
-        prompt_tokens: int,
+        base: list[float] | None,
     ) -> str:
-        """Why ``candidates[index]`` won over the cheapest of the deepest candidates."""
+        """Why ``candidates[index]`` won over the cheapest of the deepest candidates
+        (``base``: the costs without the decode term, when it priced them)."""
         if costs[index] > min(costs):
             return Reason.SAMPLED
         deepest = min(
@@ -352,9 +359,7 @@ class Scorer:
         chosen_credit = self.credit_blocks(candidates[index].overlap)
         if self.credit_blocks(candidates[deepest].overlap) <= chosen_credit:
             return Reason.TIER
-        if self.decode is not None and self.prefill_decode_cost(
-            candidates[deepest], prompt_tokens
-        ) <= self.prefill_decode_cost(candidates[index], prompt_tokens):
+        if base is not None and base[deepest] <= base[index]:
             return Reason.INTERFERENCE  # the deepest would have won without the decode term
         return Reason.LOAD
 
