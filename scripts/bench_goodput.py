@@ -175,6 +175,7 @@ CHAT_LOADS = {
     "capacity": (ChatLoad(system_prompts=40, system_tokens=2000, sessions=384, turns=2,
                           concurrency=64), 1024),
 }
+BLOCK_SIZE = 16  # tokens a KV block, on both stacks (our --page-size, the mocker's block)
 FLOOD_BLOCKS = 1024  # KV blocks a worker on the flood: its prompts share nothing, and fit
 # Our stacks per load: each a name and its gateway's flags. ``ours`` has every mechanism on,
 # ``prefill_only`` the decode-interference term off. On the capacity load, also the gateway
@@ -221,11 +222,11 @@ def run_ours(name: str, extra: tuple[str, ...], load: ChatLoad, blocks: int,
     gateway learned."""
     spec = StackSpec(
         engines=(EngineSpec(replicas=args.workers, args=(
-            "--served-model-name", "tiny", "--page-size", "16", *MOCKER_TIMING)),),
+            "--served-model-name", "tiny", "--page-size", str(BLOCK_SIZE), *MOCKER_TIMING)),),
         gateways=(GatewaySpec(args=(
             "--served-model-name", "tiny", "--slo-ttft-ms", f"{targets(args)[0] * 1000:g}",
             "--slo-itl-ms", f"{targets(args)[1] * 1000:g}", *extra)),),
-        model_path=str(args.model_dir), max_total_tokens=blocks * 16, speedup=args.speedup,
+        model_path=str(args.model_dir), max_total_tokens=blocks * BLOCK_SIZE, speedup=args.speedup,
         log_level="warning",
     )
     stack = LocalStack(spec, tmp / name).start()
@@ -278,7 +279,8 @@ def dynamo_stack(workers: int, blocks: int, max_seqs: int, args: argparse.Namesp
     state = tmp / "dynamo"
     env = {**os.environ, "BENCH_HOME": str(BENCH_HOME), "STATE_DIR": str(state),
            "PORT": str(free_port()), "ROUTER_MODE": "kv", "NUM_WORKERS": str(workers),
-           "NUM_GPU_BLOCKS": str(blocks), "SPEEDUP": f"{args.speedup:g}",
+           "NUM_GPU_BLOCKS": str(blocks), "BLOCK_SIZE": str(BLOCK_SIZE),
+           "SPEEDUP": f"{args.speedup:g}",
            "MAX_NUM_SEQS": str(max_seqs), "MAX_BATCHED_TOKENS": "8192",
            "MODEL_DIR": str(args.model_dir)}
     try:
@@ -335,7 +337,7 @@ def run_flood_ours(order: str, args: argparse.Namespace, tmp: Path) -> list[Tena
     spec = StackSpec(
         # plain workers without KV events, no sidecars: the gateway's queue is measured
         engines=(EngineSpec(replicas=args.flood_workers, sidecars=False, args=(
-            "--served-model-name", "tiny", "--page-size", "16", *MOCKER_TIMING,
+            "--served-model-name", "tiny", "--page-size", str(BLOCK_SIZE), *MOCKER_TIMING,
             "--max-running-requests", str(args.slots))),),
         gateways=(GatewaySpec(
             router_mode="least-loaded", workers="engines", health_check_interval_s=10.0,
@@ -344,7 +346,7 @@ def run_flood_ours(order: str, args: argparse.Namespace, tmp: Path) -> list[Tena
                   "--max-in-flight-per-worker", str(args.slots),
                   "--queue-timeout-s", f"{flood_queue_timeout_s(args):g}",
                   "--queue-order", order)),),
-        model_path=str(args.model_dir), max_total_tokens=flood_blocks(args) * 16,
+        model_path=str(args.model_dir), max_total_tokens=flood_blocks(args) * BLOCK_SIZE,
         speedup=args.speedup, events_config='{"publisher": "null"}', log_level="warning")
     with LocalStack(spec, workdir) as stack:
         asyncio.run(wait_routable(stack.url, args.flood_workers))
@@ -405,7 +407,7 @@ def goodput_ceiling_req_per_s(load: ChatLoad, workers: int, blocks: int,
     admission or queueing policy beats it."""
     model = TimingModel(speedup=speedup, shape=SimModel.MOCKER)
     context = load.system_tokens + load.user_tokens
-    pool_tokens = blocks * 16
+    pool_tokens = blocks * BLOCK_SIZE
 
     def rate(n: int) -> float:  # tokens per second of one worker decoding n requests
         if n == 0:
