@@ -33,6 +33,7 @@ from adapters.normalize import WorkerNormalizer
 from adapters.normalize_metrics import AdapterMetrics
 from adapters.sglang.core import RankNormalizer as SglangRankNormalizer
 from adapters.vllm.core import VllmRankNormalizer
+from adapters.zmq_events.context import close_context
 from adapters.zmq_events.subscriber import RankCore, RankSubscriber
 from kvcore import BlockHasher
 from kvcore.errors import OpenAIError
@@ -186,7 +187,7 @@ class Registrations:
         for followed in list(self._followed.values()):
             await _cancel(followed.task)
         self._followed.clear()
-        self._ctx.term()
+        await close_context(self._ctx, owner="indexer")
 
     # --- queries --------------------------------------------------------------------------
 

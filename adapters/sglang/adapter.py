@@ -45,6 +45,7 @@ from adapters.sglang.load_feed import LoadBoard, LoadSubscriber
 from adapters.sglang.pd import SGLangPrefillDecode
 from adapters.sglang.requests import SGLangResponseTranslator, to_generate_request
 from adapters.shell import AdapterShell
+from adapters.zmq_events.context import close_context
 from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
@@ -221,7 +222,7 @@ class SGLangAdapter(AdapterShell):
             self.load_subscriber.close()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
-            ctx.destroy(linger=0)
+            await close_context(ctx, owner="sglang_adapter")
 
     def watch_store_names(self, sink: StoreNameSink) -> None:
         self._store_names = sink

@@ -60,6 +60,7 @@ from adapters.trtllm.wire import (
     decode_envelopes,
     envelopes_from_objects,
 )
+from adapters.zmq_events.context import close_context
 from adapters.zmq_events.endpoints import is_zmq_address
 from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.events import KVEvent
@@ -296,7 +297,7 @@ class TrtllmAdapter(AdapterShell):
         await super().aclose()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
-            ctx.destroy(linger=0)
+            await close_context(ctx, owner="trtllm_adapter")
 
     async def kv_capacity_blocks(self) -> int | None:
         return None  # trtllm-serve does not publish its KV capacity

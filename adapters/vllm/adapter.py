@@ -45,6 +45,7 @@ from adapters.shell import AdapterShell
 from adapters.vllm.core import VllmRankNormalizer
 from adapters.vllm.load import MetricsReading, parse_metrics, to_loads
 from adapters.vllm.requests import VllmResponseTranslator, to_completions_request
+from adapters.zmq_events.context import close_context
 from adapters.zmq_events.subscriber import RankSubscriber, subscribe_ranks
 from kvcore.layout import BlockLayout, LayoutKind
 from kvcore.requests import TokenizedRequest
@@ -190,7 +191,7 @@ class VllmAdapter(AdapterShell):
         await super().aclose()
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
-            ctx.destroy(linger=0)
+            await close_context(ctx, owner="vllm_adapter")
 
     async def _follow_sources(self) -> None:
         """While a rank's publisher is gone, ask ``/kv_event_sources`` again every
