@@ -7,6 +7,7 @@ Prints one JSON ready line on stdout once serving: ``{"event": "sidecar_ready", 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import signal
 import sys
 
@@ -20,6 +21,9 @@ from sidecar.config import SidecarConfig
 from sidecar.engine_watch import EngineUnavailableError
 
 __all__ = ["main"]
+
+# A stop still running this long after its drain's bound is stuck somewhere.
+_STUCK_AFTER_DRAIN_S = 5.0
 
 
 async def _run(cfg: SidecarConfig) -> int:
@@ -37,9 +41,14 @@ async def _run(cfg: SidecarConfig) -> int:
             sys.stdout.write(orjson.dumps(ready).decode() + "\n")
             sys.stdout.flush()
             await stop.wait()
+            # Then faulthandler writes every thread's stack to stderr, from a thread of its
+            # own: seen even while the event loop is blocked, before a grace period runs out.
+            faulthandler.dump_traceback_later(cfg.shutdown_timeout_s + _STUCK_AFTER_DRAIN_S)
     except (EngineUnavailableError, MissingExtraError) as exc:
         print(f"kvsidecar sidecar: {exc}", file=sys.stderr)
         return 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
     return 0
 
 

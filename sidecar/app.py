@@ -66,6 +66,7 @@ __all__ = ["Sidecar"]
 
 log = structlog.get_logger(component="sidecar")
 _ENGINE_WAIT_S = 600.0
+_SLOW_SHUTDOWN_STEP_S = 1.0
 
 
 class Sidecar(SidecarViews):
@@ -229,12 +230,14 @@ class Sidecar(SidecarViews):
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
+            started = time.monotonic()
             try:
                 await task
             except asyncio.CancelledError:
                 pass
             except Exception as exc:  # gathered below, so no failure hides another
                 errors.append(exc)
+            _note_slow_step(task.get_name(), started)
         self._tasks = []
         if self._zmq is not None:
             self._zmq.close()  # (also when its task was cancelled before it ran)
@@ -245,10 +248,12 @@ class Sidecar(SidecarViews):
             self._close_session,
             self._close_store,
         ):
+            started = time.monotonic()
             try:
                 await close()
             except Exception as exc:
                 errors.append(exc)
+            _note_slow_step(close.__name__.removeprefix("_"), started)
         if errors:
             raise ExceptionGroup("sidecar shutdown failed", errors)
         log.info("sidecar_stopped")
@@ -392,6 +397,14 @@ class Sidecar(SidecarViews):
             await asyncio.sleep(self.cfg.load_report_interval_s)
             for worker_id, stream in self.streams.items():
                 stream.broadcast(self._status(worker_id))
+
+
+def _note_slow_step(step: str, started: float) -> None:
+    """Log a shutdown step that took long, by name: a stop that overruns its grace period
+    (and is killed) then says where it spent the time."""
+    took = time.monotonic() - started
+    if took > _SLOW_SHUTDOWN_STEP_S:
+        log.warning("shutdown_step_slow", step=step, seconds=round(took, 3))
 
 
 def _bound_port(runner: web.AppRunner) -> int | None:
