@@ -217,15 +217,6 @@ class _BadSource(Exception):
     """A ``--config`` file or an environment variable gave a value its option refuses."""
 
 
-def _asks_for_help(argv: Sequence[str]) -> bool:
-    for arg in argv:
-        if arg == "--":
-            return False
-        if arg in ("-h", "--help"):
-            return True
-    return False
-
-
 class OptionParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose flags come from config dataclasses' fields, with
     ``--config FILE`` (TOML) giving their defaults."""
@@ -310,10 +301,24 @@ class OptionParser(argparse.ArgumentParser):
                 self._give(self._read(path))  # the file's, then the environment's over them
             self._give(self._from_environment())
         except _BadSource as exc:
-            if not _asks_for_help(sys.argv[1:] if argv is None else argv):
+            if not self._asks_for_help(sys.argv[1:] if argv is None else argv):
                 self.error(str(exc))
             # --help still answers, so an operator can read what the bad value should be
         return super().parse_known_args(argv, namespace)
+
+    def _asks_for_help(self, argv: Sequence[str]) -> bool:
+        """Whether ``argv`` holds ``-h`` or ``--help``, or a prefix of ``--help`` that
+        argparse takes for it (one no other long flag starts with), before any ``--``."""
+        flags = [f for action in self._actions for f in action.option_strings]
+        for arg in argv:
+            if arg == "--":
+                return False
+            if arg in ("-h", "--help"):
+                return True
+            if (self.allow_abbrev and len(arg) > 2 and "--help".startswith(arg)
+                    and [f for f in flags if f.startswith(arg)] == ["--help"]):
+                return True
+        return False
 
     def _give(self, defaults: dict[str, object]) -> None:
         """``defaults`` (by dest) as the flags': a flag on the command line still wins."""

@@ -396,6 +396,7 @@ def test_help_still_answers_with_a_bad_variable_or_file(
     config = tmp_path / "served.toml"
     config.write_text("colour = 1\n")
     for argv, environ in ((["--help"], {"TOY_PORT": "many"}),
+                          (["--hel"], {"TOY_PORT": "many"}),  # argparse's abbreviation
                           (["--config", str(config), "-h"], {})):
         with pytest.raises(SystemExit) as info:
             _served(argv, environ)
