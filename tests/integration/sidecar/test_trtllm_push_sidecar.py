@@ -10,14 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 import zmq
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from kvcore.events import BlockRemoved, BlockStored, Tier, WorkerSnapshot
 from kvcore.hashing import BlockHasher
@@ -44,32 +42,6 @@ pytestmark = pytest.mark.slow
 
 def h(tokens: list[int], lora: str | None = None) -> list[int]:
     return BlockHasher(BS).hash_tokens(tokens, Namespace("m", lora, None).seed)
-
-
-@pytest.fixture
-def procs() -> Iterator[ProcessGroup[ManagedProcess]]:
-    with ProcessGroup[ManagedProcess]() as started:
-        yield started
-
-
-@pytest.fixture
-async def standin() -> AsyncIterator[str]:
-    """trtllm-serve's routes the sidecar reads, with events pushed: nothing to drain."""
-    async def health(_: web.Request) -> web.Response:
-        return web.Response()
-
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
-
-    async def drain(_: web.Request) -> web.Response:
-        return web.json_response([])
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/kv_cache_events", drain)
-    async with TestServer(app, host="127.0.0.1") as server:
-        yield str(server.make_url("")).rstrip("/")
 
 
 def _port(endpoint: str) -> int:
