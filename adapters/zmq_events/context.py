@@ -42,11 +42,13 @@ async def close_context(ctx: zmq.Context[Any], *, owner: str,
     finished: asyncio.Future[None] = loop.create_future()
 
     def term() -> None:
-        ctx.term()
         try:
-            loop.call_soon_threadsafe(_resolve, finished)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+            ctx.term()
+        finally:  # (a failed term is printed by the thread's excepthook)
+            try:
+                loop.call_soon_threadsafe(_resolve, finished)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
 
     threading.Thread(target=term, name=f"zmq-term-{owner}", daemon=True).start()
     try:
