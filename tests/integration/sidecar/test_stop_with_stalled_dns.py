@@ -25,7 +25,6 @@ from kvsidecar.launch import ManagedProcess
 from kvsidecar.stack_argv import sidecar_argv
 from tests.support.processes import ProcessGroup
 
-ROOT = Path(__file__).resolve().parents[3]
 SILENT_DNS = "127.0.0.77"
 # Own resolv.conf, then the sidecar: ``sh -c SCRIPT RESOLV_CONF python -m sidecar ...``.
 IN_OWN_MOUNTS = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" /etc/resolv.conf && exec "$@"']
@@ -57,7 +56,6 @@ async def test_sigterm_ends_the_sidecar_while_an_event_host_lookup_hangs(
         "--kv-events-endpoint", "tcp://kv-events.stalled.invalid:5557"])
     sidecar = procs.add(ManagedProcess.start(
         "sidecar", ["sidecar", *argv], workdir=tmp_path,
-        env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
         prefix=[*IN_OWN_MOUNTS, str(silent_resolv_conf)]))
     await asyncio.to_thread(sidecar.wait_ready, 60)
     # Without close_context, term would wait out the lookup (minutes) and stop() SIGKILLs.
